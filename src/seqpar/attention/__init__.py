@@ -1,0 +1,71 @@
+"""seqpar.attention(q, k, v, mesh, ...): exact attention over a sequence split across the SP group."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SeqParError
+from ..layout import check_length
+from ..mesh import SequenceParallelMesh
+from .kernels import default_scale, get_kernel
+from .usp import usp_attention
+
+__all__ = ["attention", "validate_cu_seqlens"]
+
+
+def validate_cu_seqlens(cu_seqlens, seq_len: int) -> list[int]:
+    """Check packed-document boundaries; return the inner boundaries (without 0 and seq_len)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+            raise SeqParError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        cu = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        cu = [int(x) for x in cu_seqlens]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len:
+        raise SeqParError(
+            f"cu_seqlens must start at 0 and end at the FULL (padded) sequence length {seq_len}, got "
+            f"{cu[:3]}...{cu[-2:]}: count padding as its own last document"
+        )
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise SeqParError("cu_seqlens must be non-decreasing")
+    return sorted({b for b in cu[1:-1] if 0 < b < seq_len})
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: SequenceParallelMesh,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Exact softmax attention for sequence-parallel inputs.
+
+    q: [B, S_local, Hq, D]; k, v: [B, S_local, Hkv, D] (Hq % Hkv == 0), each this rank's shard
+    made by `seqpar.shard`. Returns [B, S_local, Hq, D] in q's dtype, differentiable w.r.t. q, k, v.
+    cu_seqlens: packed-document boundaries in the FULL sequence (B == 1); attention never crosses them.
+    Mode (Ulysses / ring / USP) and layout come from the mesh. Accumulation is fp32 (fp64 for fp64).
+    All checks run before any communication, so bad input raises SeqParError on every rank.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise SeqParError(f"q, k, v must be [B, S_local, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise SeqParError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    b, s, hq, d = q.shape
+    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+        raise SeqParError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch, length or head_dim")
+    if hq % k.shape[2] != 0:
+        raise SeqParError(f"num q heads {hq} must be a multiple of num kv heads {k.shape[2]} (GQA)")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise SeqParError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    seq_len = s * mesh.sp_size
+    check_length(seq_len, mesh)
+    bounds = None
+    if cu_seqlens is not None:
+        if b != 1:
+            raise SeqParError(f"cu_seqlens (packed documents) needs batch size 1, got B={b}: pack rows into one")
+        bounds = validate_cu_seqlens(cu_seqlens, seq_len)
+    scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
+    return usp_attention(q, k, v, mesh, seq_len, causal, scale, get_kernel(q.device, kernel), bounds)

@@ -1,0 +1,42 @@
+"""USP: Ulysses all-to-all inside each ring rank's sequence, ring attention across ring ranks.
+
+Pure Ulysses is ring=1; pure ring is ulysses=1: one code path serves every mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import ring_segments
+from ..mesh import SequenceParallelMesh
+from .kernels import AttentionKernel
+from .ring import ring_attention
+from .ulysses import head_plan, heads_to_seq, pad_heads, seq_to_heads, unpad_heads
+
+__all__ = ["usp_attention"]
+
+
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: SequenceParallelMesh,
+    seq_len: int,
+    causal: bool,
+    scale: float,
+    kernel: AttentionKernel,
+    bounds: list[int] | None = None,
+) -> torch.Tensor:
+    """q [B, S/sp, Hq, D], k/v [B, S/sp, Hkv, D] in the mesh's layout -> out [B, S/sp, Hq, D]."""
+    plan = head_plan(q.shape[2], k.shape[2], mesh.ulysses_degree)
+    if mesh.ulysses_degree > 1:
+        q, k, v = pad_heads(q, k, v, plan)
+        q, k, v = (seq_to_heads(t, mesh.ulysses_group, mesh.stats) for t in (q, k, v))
+    layout = mesh.effective_layout
+    all_segs = [ring_segments(seq_len, mesh.ring_degree, j, layout) for j in range(mesh.ring_degree)]
+    out = ring_attention(
+        q, k, v, mesh.ring_group, all_segs, mesh.ring_rank, causal, scale, kernel, bounds, mesh.stats
+    )
+    if mesh.ulysses_degree > 1:
+        out = unpad_heads(heads_to_seq(out, mesh.ulysses_group, mesh.stats), plan)
+    return out

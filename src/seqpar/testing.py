@@ -1,0 +1,121 @@
+"""Spawn N gloo processes, run a function on each, gather results — always with a timeout.
+
+Used by the test suite, the benchmarks and `seqpar verify`. Each rank runs with 1 thread.
+Rendezvous uses a fresh free TCP port on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "free_port", "DistributedFailure"]
+
+
+class DistributedFailure(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict, out_dir: str, threads: int):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(threads)
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(*args, **kwargs)
+        payload = ("ok", result)
+    except BaseException as e:  # report every failure to the parent, with its traceback
+        payload = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(payload, f)
+    os.replace(path + ".tmp", path)
+    if dist.is_initialized():
+        if payload[0] == "ok":
+            try:
+                dist.barrier()
+            except Exception:
+                pass
+        dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    threads: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run fn(*args, **kwargs) on `world_size` gloo ranks; return the per-rank results (rank order).
+
+    fn must be importable (module level). Raises DistributedFailure with every failing rank's
+    traceback, or after `timeout` seconds (all processes are killed: a test never hangs).
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, out_dir, threads), daemon=False)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            while len(results) + len(errors) < world_size:
+                for r in range(world_size):
+                    path = os.path.join(out_dir, f"rank{r}.pkl")
+                    if r in results or os.path.exists(path + ".done"):
+                        continue
+                    if os.path.exists(path):
+                        with open(path, "rb") as f:
+                            status, value = pickle.load(f)
+                        os.rename(path, path + ".done")
+                        if status == "ok":
+                            results[r] = value
+                        else:
+                            errors.append(value)
+                if errors:
+                    # Give the other ranks a moment to report, then stop: they may be blocked in a collective.
+                    time.sleep(1.0)
+                    break
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    errors.append(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout:.0f}s; finished ranks: {sorted(results)}")
+                    break
+                time.sleep(0.02)
+            if not errors:
+                for p in procs:
+                    p.join(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        if errors:
+            raise DistributedFailure("\n\n".join(errors))
+        return [results[r] for r in range(world_size)]
