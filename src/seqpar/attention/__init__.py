@@ -17,7 +17,9 @@ def validate_cu_seqlens(cu_seqlens, seq_len: int) -> list[int]:
     """Check packed-document boundaries; return the inner boundaries (without 0 and seq_len)."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-            raise SeqParError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+            raise SeqParError(
+                f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+            )
         cu = [int(x) for x in cu_seqlens.tolist()]
     else:
         cu = [int(x) for x in cu_seqlens]
@@ -50,7 +52,8 @@ def attention(
     All checks run before any communication, so bad input raises SeqParError on every rank.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise SeqParError(f"q, k, v must be [B, S_local, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        raise SeqParError(f"q, k, v must be [B, S_local, H, D]; got {shapes}")
     if k.shape != v.shape:
         raise SeqParError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     b, s, hq, d = q.shape

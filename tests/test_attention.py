@@ -1,0 +1,201 @@
+"""Multi-rank exactness of seqpar.attention: every mode, awkward head counts, packing, B>1, dtypes.
+
+Each test spawns ONE gloo world and runs a grid of cases in it; every case compares the output and
+dq/dk/dv (gathered with seqpar.unshard) against tests/reference.py (float64 math on the full sequence).
+Tolerances: fp32 inputs 2e-5 absolute; bf16 4e-2 (out) / 1e-1 (grads); fp16 5e-3 / 1e-2 (see DTYPE_TOL).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import reference_attention
+
+import seqpar
+from seqpar.testing import run_distributed
+
+FP32_TOL = 2e-5
+DTYPE_TOL = {torch.float32: (FP32_TOL, FP32_TOL), torch.bfloat16: (4e-2, 1e-1), torch.float16: (5e-3, 1e-2)}
+
+
+def _inputs(seed, b, s, hq, hkv, d):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g) for h in (hq, hkv, hkv, hq)]  # q, k, v, dout
+
+
+def run_case(mesh, hq, hkv, causal, b, s, d=16, cu=None, dtype=torch.float32, seed=0, scale=None):
+    """Errors (out, dq, dk, dv) of seqpar vs the float64 reference, for one case on this mesh."""
+    q, k, v, do = _inputs(seed + mesh.dp_rank, b, s, hq, hkv, d)
+    ql, kl, vl = (seqpar.shard(t, mesh, 1).to(dtype).requires_grad_() for t in (q, k, v))
+    out = seqpar.attention(ql, kl, vl, mesh, causal=causal, cu_seqlens=cu, softmax_scale=scale)
+    assert out.dtype == dtype and out.shape == ql.shape
+    out.backward(seqpar.shard(do, mesh, 1).to(dtype))
+    for t in (ql, kl, vl):
+        assert t.grad.dtype == dtype, "gradients must come back in the input dtype"
+    got = [seqpar.unshard(t.detach(), mesh, 1).double() for t in (out, ql.grad, kl.grad, vl.grad)]
+    qr, kr, vr = (t.to(dtype).double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal, cu, scale)
+    ref.backward(do.to(dtype).double())
+    want = [ref, qr.grad, kr.grad, vr.grad]
+    assert all(torch.isfinite(x).all() for x in got), "NaN/inf in seqpar output or gradients"
+    return [float((a - w).abs().max()) for a, w in zip(got, want)]
+
+
+HEADS_4 = [(14, 2), (9, 3), (8, 8), (4, 1), (6, 2)]  # Qwen2.5-0.5B, SmolLM2, MHA, kv<P, Hq%P!=0
+MODES_4 = [(4, 1, "zigzag"), (1, 4, "zigzag"), (1, 4, "contiguous"), (2, 2, "zigzag"), (2, 2, "contiguous")]
+
+
+def _grid(sp, modes, heads, s_unpacked, s_packed, cu, dtypes=(torch.float32,), bs=(1, 2)):
+    results = []
+    for u, r, layout in modes:
+        mesh = seqpar.init_mesh(sp, ulysses_degree=u, ring_degree=r, layout=layout)
+        for hq, hkv in heads:
+            for causal in (True, False):
+                for b in bs:
+                    for dtype in dtypes:
+                        key = (u, r, layout, hq, hkv, causal, b, "unpacked", str(dtype))
+                        results.append((key, run_case(mesh, hq, hkv, causal, b, s_unpacked, dtype=dtype)))
+                key = (u, r, layout, hq, hkv, causal, 1, "packed", "float32")
+                results.append((key, run_case(mesh, hq, hkv, causal, 1, s_packed, cu=cu)))
+    return results
+
+
+def world4_grid():
+    # S=48: not a multiple of the zigzag chunk grid boundaries of the docs; docs straddle shards.
+    return _grid(4, MODES_4, HEADS_4, 48, 64, [0, 5, 29, 30, 47, 64])
+
+
+def world2_grid():
+    modes = [(2, 1, "zigzag"), (1, 2, "zigzag"), (1, 2, "contiguous")]
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return _grid(2, modes, [(9, 3), (14, 2), (3, 3)], 36, 40, [0, 1, 13, 40], dtypes=dtypes)
+
+
+def world3_grid():
+    modes = [(3, 1, "zigzag"), (1, 3, "zigzag"), (1, 3, "contiguous")]
+    return _grid(3, modes, [(9, 3), (14, 2), (4, 4), (2, 1)], 42, 48, [0, 10, 11, 30, 48])
+
+
+def world6_grid():
+    modes = [(3, 2, "zigzag"), (2, 3, "zigzag"), (6, 1, "zigzag"), (1, 6, "zigzag")]
+    return _grid(6, modes, [(14, 2), (9, 3), (12, 4)], 48, 72, [0, 7, 40, 41, 72], bs=(2,))
+
+
+def world8_grid():
+    modes = [(8, 1, "zigzag"), (4, 2, "zigzag"), (2, 4, "zigzag")]
+    return _grid(8, modes, [(28, 4), (32, 8)], 64, 64, [0, 9, 33, 64], bs=(1,))
+
+
+def _check(results, dtype_tol=DTYPE_TOL):
+    bad = []
+    for key, errs in results:
+        dtype = getattr(torch, key[-1].split(".")[-1])
+        tol_out, tol_grad = dtype_tol[dtype]
+        if errs[0] > tol_out or max(errs[1:]) > tol_grad:
+            bad.append((key, errs))
+    assert not bad, f"{len(bad)} of {len(results)} cases exceed tolerance:\n" + "\n".join(map(str, bad[:20]))
+
+
+def _all_ranks_agree(res):
+    # every rank must have checked the same cases; check all ranks' errors
+    return [case for rank_res in res for case in rank_res]
+
+
+def test_attention_world4_all_modes():
+    _check(_all_ranks_agree(run_distributed(world4_grid, 4, timeout=400)))
+
+
+def test_attention_world2_dtypes():
+    _check(_all_ranks_agree(run_distributed(world2_grid, 2, timeout=300)))
+
+
+def test_attention_world3_odd_degree():
+    _check(_all_ranks_agree(run_distributed(world3_grid, 3, timeout=300)))
+
+
+@pytest.mark.slow
+def test_attention_world6_usp_3x2_2x3():
+    _check(_all_ranks_agree(run_distributed(world6_grid, 6, timeout=600)))
+
+
+@pytest.mark.slow
+def test_attention_world8_big_head_configs():
+    _check(_all_ranks_agree(run_distributed(world8_grid, 8, timeout=600)))
+
+
+def world6_fast():
+    mesh = seqpar.init_mesh(6, ulysses_degree=3, ring_degree=2)
+    res = [(("3x2", 14, 2, True), run_case(mesh, 14, 2, True, 1, 48, cu=[0, 7, 40, 48]))]
+    mesh = seqpar.init_mesh(6, ulysses_degree=2, ring_degree=3)
+    res.append((("2x3", 9, 3, True), run_case(mesh, 9, 3, True, 2, 48)))
+    return [(k + ("float32",), e) for k, e in res]
+
+
+def test_attention_usp_3x2_and_2x3_fast():
+    _check(_all_ranks_agree(run_distributed(world6_fast, 6, timeout=300)))
+
+
+def world16_case():
+    mesh = seqpar.init_mesh(16, ulysses_degree=8, ring_degree=2)
+    return [(("8x2", 32, 8, True, "float32"), run_case(mesh, 32, 8, True, 1, 64, cu=[0, 20, 64]))]
+
+
+@pytest.mark.slow
+def test_attention_world16_32q_8kv_ring2():
+    _check(_all_ranks_agree(run_distributed(world16_case, 16, timeout=600)))
+
+
+def dp_sp_world():
+    """dp=2 x sp=2: each SP group works on its own data; the group {2,3} lacks global rank 0."""
+    out = []
+    for u, r in ((2, 1), (1, 2)):
+        mesh = seqpar.init_mesh(2, ulysses_degree=u, ring_degree=r)
+        assert mesh.dp_size == 2
+        errs = run_case(mesh, 6, 2, True, 2, 40, seed=10)
+        # unshard's backward (sum reduce-scatter) on a subgroup without global rank 0
+        x = torch.randn(1, 40 // 2, 3, generator=torch.Generator().manual_seed(mesh.sp_rank)).requires_grad_()
+        full = seqpar.unshard(x, mesh, 1)
+        (full * torch.arange(40.0).view(1, 40, 1)).sum().backward()
+        expect = 2.0 * seqpar.shard(torch.arange(40.0).view(1, 40, 1).expand(1, 40, 3), mesh, 1)
+        errs.append(float((x.grad - expect).abs().max()))
+        out.append(((u, r, mesh.dp_rank, "float32"), errs))
+    return out
+
+
+def test_attention_dp2_sp2_subgroups():
+    res = _all_ranks_agree(run_distributed(dp_sp_world, 4, timeout=300))
+    _check([(k, e[:4]) for k, e in res])
+    assert all(e[4] == 0.0 for _, e in res), "unshard backward wrong on a subgroup"
+
+
+def bad_input_world():
+    """Bad input raises SeqParError on every rank before any collective (else this world would hang)."""
+    mesh = seqpar.init_mesh(2, ulysses_degree=2)
+    q = torch.randn(1, 8, 4, 16)
+    k = torch.randn(1, 8, 2, 16)
+    msgs = []
+    cases = [
+        lambda: seqpar.attention(q, k, torch.randn(1, 8, 2, 8), mesh),
+        lambda: seqpar.attention(q, torch.randn(1, 8, 3, 16), torch.randn(1, 8, 3, 16), mesh),
+        lambda: seqpar.attention(q[0], k[0], k[0], mesh),
+        lambda: seqpar.attention(q, k, k, mesh, cu_seqlens=[0, 5, 15]),
+        lambda: seqpar.attention(*(t.expand(2, -1, -1, -1) for t in (q, k, k)), mesh, cu_seqlens=[0, 16]),
+        lambda: seqpar.attention(q, k.double(), k, mesh),
+        lambda: seqpar.shard(torch.randn(1, 7, 2), mesh, 1),
+        lambda: seqpar.init_mesh(3),
+        lambda: seqpar.init_mesh(2, ulysses_degree=2, ring_degree=2),
+    ]
+    for c in cases:
+        try:
+            c()
+            msgs.append(None)
+        except seqpar.SeqParError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_bad_input_raises_before_collectives():
+    msgs = run_distributed(bad_input_world, 2, timeout=120)[0]
+    assert all(m is not None for m in msgs), msgs
+    assert "pad by 1 to 8" in msgs[6]
+    assert "use one of 1, 2" in msgs[7]

@@ -1,0 +1,120 @@
+"""Mesh degree choice, validation, layouts and the Ulysses head plan (single process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import seqpar
+from seqpar.attention.ulysses import head_plan
+from seqpar.layout import local_positions, required_multiple
+from seqpar.mesh import SequenceParallelMesh, auto_degrees
+
+
+@pytest.mark.parametrize(
+    "sp,hq,hkv,expect",
+    [
+        (4, 14, 2, (2, 2)),  # Qwen2.5-0.5B: ulysses 2 (kv heads), ring 2
+        (2, 9, 3, (1, 2)),  # SmolLM2: 2 divides neither 9 nor 3 -> pure ring
+        (3, 9, 3, (3, 1)),
+        (8, 28, 4, (4, 2)),
+        (8, 32, 8, (8, 1)),
+        (16, 32, 8, (8, 2)),
+        (6, 12, 6, (6, 1)),
+        (5, 8, 8, (1, 5)),
+    ],
+)
+def test_auto_degrees_with_heads(sp, hq, hkv, expect):
+    assert auto_degrees(sp, hq, hkv) == expect
+
+
+def test_auto_degrees_default_is_pure_ring():
+    assert auto_degrees(6) == (1, 6)
+
+
+def test_init_mesh_single_process():
+    mesh = seqpar.init_mesh(1)
+    assert (mesh.sp_size, mesh.dp_size, mesh.sp_rank) == (1, 1, 0)
+    x = torch.randn(2, 5, 3)
+    assert seqpar.shard(x, mesh) is x and seqpar.unshard(x, mesh) is x
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(sp_size=0), "positive int"),
+        (dict(sp_size=2), "does not divide world_size=1"),
+        (dict(sp_size=1, layout="spiral"), "layout='spiral'"),
+        (dict(sp_size=1, num_heads=6, num_kv_heads=4), "multiple of num_kv_heads"),
+        (dict(sp_size=1, ulysses_degree=2), "must divide sp_size=1"),
+    ],
+)
+def test_init_mesh_errors(kwargs, needle):
+    with pytest.raises(seqpar.SeqParError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        seqpar.init_mesh(**kwargs)
+
+
+def _fake_mesh(ring, uly, layout="zigzag"):
+    return SequenceParallelMesh(dp_size=1, ring_degree=ring, ulysses_degree=uly, layout=layout)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ring=st.integers(1, 5), uly=st.integers(1, 4), layout=st.sampled_from(["zigzag", "contiguous"]),
+    mult=st.integers(1, 6), feat=st.integers(1, 3),
+)
+def test_shard_positions_are_a_permutation_and_round_trip(ring, uly, layout, mult, feat):
+    mesh = _fake_mesh(ring, uly, layout)
+    s = required_multiple(ring, uly, mesh.effective_layout) * mult
+    x = torch.randn(2, s, feat)
+    pieces, order = [], []
+    for r in range(mesh.sp_size):
+        pos = local_positions(s, mesh, r)
+        assert len(pos) == s // mesh.sp_size
+        order.append(pos)
+        pieces.append(x.index_select(1, pos))
+    order = torch.cat(order)
+    assert sorted(order.tolist()) == list(range(s))
+    full = torch.empty_like(x)
+    full[:, order] = torch.cat(pieces, 1)
+    assert torch.equal(full, x)
+
+
+def test_zigzag_layout_matches_usp_paper():
+    # ring 2, ulysses 2, S=16: chunks of 4; ring rank 0 holds chunks 0 and 3, ring rank 1 chunks 1 and 2
+    mesh = _fake_mesh(2, 2)
+    got = [local_positions(16, mesh, r).tolist() for r in range(4)]
+    assert got == [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert local_positions(8, _fake_mesh(1, 2), 1).tolist() == [4, 5, 6, 7]
+
+
+def test_shard_error_says_how_much_to_pad():
+    mesh = _fake_mesh(2, 1)
+    with pytest.raises(seqpar.SeqParError, match="pad by 3 to 8"):
+        local_positions(5, mesh, 0)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,p",
+    [(14, 2, 4), (9, 3, 2), (9, 3, 4), (28, 4, 8), (32, 8, 8), (32, 8, 16), (4, 1, 4), (6, 2, 4), (8, 8, 3), (5, 5, 2)],
+)
+def test_head_plan_keeps_gqa_mapping(hq, hkv, p):
+    plan = head_plan(hq, hkv, p)
+    assert plan.padded_heads % p == 0 and plan.expanded_kv_heads % p == 0
+    assert sorted(h for h in plan.q_src if h >= 0) == list(range(hq))
+    g0, g = hq // hkv, plan.group
+    q_per_rank, kv_per_rank = plan.padded_heads // p, plan.expanded_kv_heads // p
+    for rank in range(p):
+        for j in range(q_per_rank):
+            src = plan.q_src[rank * q_per_rank + j]
+            local_kv = rank * kv_per_rank + j // g  # what the rank's local GQA mapping pairs it with
+            if src >= 0:
+                assert plan.kv_src[local_kv] == src // g0, "query head paired with the wrong KV head"
+
+
+def test_head_plan_example_from_design():
+    plan = head_plan(14, 2, 4)
+    assert (plan.padded_heads, plan.expanded_kv_heads, plan.dummy_heads) == (16, 4, 2)
+    assert head_plan(32, 8, 8).is_identity
