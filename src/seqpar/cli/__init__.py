@@ -1,0 +1,5 @@
+"""Command line: `seqpar train|verify|check CONFIG` (see docs/training.md)."""
+
+from .main import main
+
+__all__ = ["main"]

@@ -1,0 +1,165 @@
+"""`seqpar train|verify|check CONFIG`.
+
+    seqpar train cfg.yaml                          # one process (SP=1), or inside torchrun
+    torchrun --nproc-per-node 4 -m seqpar train cfg.yaml
+    seqpar train cfg.yaml --nproc-per-node 4       # re-launches itself under torch.distributed.run
+    seqpar verify cfg.yaml --steps 20 --nproc-per-node 4
+    seqpar check cfg.yaml --nproc-per-node 4       # validate only
+
+`--set key.sub=value` overrides config keys (value parsed as YAML). Config errors exit with code 2
+and a message naming the fix, before any process is spawned or any process group is created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Any
+
+import yaml
+
+from ..errors import SeqParError
+
+__all__ = ["main", "build_parser"]
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _overrides(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise SeqParError(f"--set {item!r}: use --set key.sub=value")
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="seqpar", description="Exact sequence-parallel SFT / DPO of HF causal LMs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("config", help="YAML config (see docs/training.md)")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set max_steps=5 --set sequence_parallel.size=2")
+        sp.add_argument("--nproc-per-node", type=int, default=None,
+                        help="number of processes; `train` re-launches itself under torch.distributed.run")
+
+    t = sub.add_parser("train", help="train per the config")
+    common(t)
+    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--output-dir", default=None)
+    t.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (resume from checkpoints)")
+    t.add_argument("--emulate-dp", type=int, default=1, help=argparse.SUPPRESS)
+
+    v = sub.add_parser("verify", help="run with SP and with SP=1, overlay the loss curves, report max |dloss|")
+    common(v)
+    v.add_argument("--steps", type=int, default=20)
+    v.add_argument("--output-dir", default=None, help="default: <config output_dir>/verify")
+    v.add_argument("--tolerance", type=float, default=None, help="pass bar for max |dloss| (fp32 1e-5, bf16 5e-2)")
+
+    c = sub.add_parser("check", help="validate the config (and dataset) without training")
+    common(c)
+    return p
+
+
+def _load(args: argparse.Namespace, extra: dict[str, Any] | None = None):
+    from ..train.config import load_config
+
+    ov = _overrides(args.set)
+    ov.update(extra or {})
+    return load_config(args.config, ov)
+
+
+def _world_for_checks(args: argparse.Namespace, cfg) -> int:
+    if _under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return args.nproc_per_node or 1
+
+
+def _static_checks(cfg, world: int) -> None:
+    """Cheap launch checks (head counts from the config only; no weights) before spawning anything."""
+    from ..train.config import validate_for_launch
+    from ..train.trainer import model_heads
+
+    nh, nkv = model_heads(cfg)
+    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
+    if cfg.fsdp and world == 1:
+        raise SeqParError("fsdp: true needs several processes: set fsdp: false, or pass --nproc-per-node N > 1")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    extra: dict[str, Any] = {}
+    if args.max_steps is not None:
+        extra["max_steps"] = args.max_steps
+    if args.output_dir is not None:
+        extra["output_dir"] = args.output_dir
+    cfg = _load(args, extra)
+    nproc = args.nproc_per_node
+    if nproc and nproc > 1 and not _under_torchrun():
+        _static_checks(cfg, nproc)
+        from ..train.verify import torchrun_command
+
+        passthrough = ["train", args.config] + [f"--set={s}" for s in args.set]
+        if args.max_steps is not None:
+            passthrough += ["--max-steps", str(args.max_steps)]
+        if args.output_dir is not None:
+            passthrough += ["--output-dir", args.output_dir]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        return subprocess.run(torchrun_command(nproc, passthrough, args.max_restarts), env=env).returncode
+    from ..train.trainer import train
+
+    res = train(cfg, emulate_dp=args.emulate_dp)
+    if int(os.environ.get("RANK", "0")) == 0:
+        last = f"{res.losses[-1]:.6f}" if res.losses else "n/a"
+        print(f"[seqpar] done: {len(res.steps)} steps this run, last loss {last}; metrics {res.metrics_path}; "
+              f"plot {res.plot_path}", flush=True)
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        raise SeqParError("run `seqpar verify` directly (not under torchrun): it launches the SP run itself")
+    cfg = _load(args)
+    nproc = args.nproc_per_node or cfg.sequence_parallel.size
+    _static_checks(cfg, nproc)
+    from ..train.verify import verify
+
+    out = args.output_dir or os.path.join(cfg.output_dir, "verify")
+    rep = verify(cfg, args.steps, nproc, out, tolerance=args.tolerance)
+    status = "PASS" if rep["passed"] else "FAIL"
+    print(f"[seqpar verify] {status}: max |dloss| = {rep['max_abs_dloss']:.3e} over {len(rep['steps'])} steps "
+          f"(tolerance {rep['tolerance']:.0e}); plot {rep['png']}; report {rep['json']}", flush=True)
+    return 0 if rep["passed"] else 1
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    world = _world_for_checks(args, cfg)
+    _static_checks(cfg, world)
+    from ..train.trainer import prepare_examples
+
+    examples, stats = prepare_examples(cfg)
+    print(f"[seqpar check] OK: {len(examples)} training examples from {stats['rows']} rows "
+          f"({stats['truncated']} truncated, {stats['dropped_unsupervised']} dropped), world={world}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": _cmd_train, "verify": _cmd_verify, "check": _cmd_check}[args.command](args)
+    except SeqParError as e:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0" or not _under_torchrun():
+            print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""Checkpoint save / resume: model + optimizer (torch.distributed.checkpoint, FSDP-aware), plus
+per-rank trainer state (step, scheduler, sampler position, RNG).
+
+Layout: <output_dir>/checkpoint-<step>/{model+optim DCP files, trainer_state_rank<r>.pt}; the file
+<output_dir>/latest names the newest COMPLETE checkpoint (written last, atomically, after a
+barrier), so a rank killed mid-save never leaves a half checkpoint that resume would pick up.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import SeqParError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "full_model_state"]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _options(trainable_only: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=trainable_only)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    marker = Path(output_dir) / "latest"
+    if not marker.is_file():
+        return None
+    path = Path(output_dir) / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], trainable_only: bool, keep_last: int) -> Path:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    out = Path(output_dir)
+    path = out / f"checkpoint-{step}"
+    if _rank() == 0 and path.exists():
+        shutil.rmtree(path)  # a stale partial save of this step (from a killed run)
+    _barrier()
+    msd, osd = get_state_dict(model, optimizer, options=_options(trainable_only))
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+    state = dict(trainer_state, rng=rng_state())
+    torch.save(state, path / f"trainer_state_rank{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        tmp = out / "latest.tmp"
+        tmp.write_text(path.name)
+        os.replace(tmp, out / "latest")
+        done = sorted((p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                      key=lambda p: int(p.name.split("-")[-1]))
+        for old in done[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return path
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    trainable_only: bool) -> dict[str, Any]:
+    """Restore model + optimizer in place; return this rank's trainer state (RNG already restored)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    mine = path / f"trainer_state_rank{_rank()}.pt"
+    if not mine.is_file():
+        raise SeqParError(
+            f"{path} has no trainer state for rank {_rank()} (saved with another world size?): resume with the "
+            f"same number of processes, or use a new output_dir"
+        )
+    opts = _options(trainable_only)
+    msd, osd = get_state_dict(model, optimizer, options=opts)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+    trainer_state = torch.load(mine, weights_only=False)
+    set_rng_state(trainer_state.pop("rng"))
+    return trainer_state
+
+
+def full_model_state(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU state dict; a collective under FSDP, every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=opts)

@@ -1,0 +1,111 @@
+"""The pieces of one optimizer step under SP, shared by the plain loop and the HF Trainer drop-ins.
+
+One step = several micro-batches (grad accumulation). The loss denominator is the GLOBAL count
+of the step (supervised tokens for SFT, pairs for DPO), summed over all micro-batches first and
+then over dp (`seqpar.loss.global_token_count`; SP ranks of a group already share it). Each
+micro-batch backpropagates its share (seqpar.loss convention); gradients are then SUMMED over
+dp x sp: by `seqpar.loss.sum_gradients`, or by FSDP (which averages, hence the loss factor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import loss as L
+from ..mesh import SequenceParallelMesh
+
+__all__ = ["StepSpec", "count_items", "model_inputs", "forward_logits", "micro_batch_loss", "ReferenceLogps"]
+
+
+@dataclass
+class StepSpec:
+    stage: str = "sft"  # "sft" | "dpo"
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    gamma: float = 0.5
+
+
+def count_items(micro_batches: Sequence[dict[str, torch.Tensor]], stage: str) -> torch.Tensor:
+    """This dp rank's loss denominator over all micro-batches of the step (not yet reduced over dp)."""
+    key = "num_pairs" if stage == "dpo" else "num_supervised_tokens"
+    return torch.stack([torch.as_tensor(b[key]).long() for b in micro_batches]).sum()
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device | str | None = None) -> dict[str, Any]:
+    """Keyword arguments for a model patched by seqpar.hf.apply_sequence_parallel.
+
+    position_ids are GLOBAL (RoPE must not restart per shard); cu_seqlens (packing) are the FULL
+    sequence's document boundaries, passed through to the SP attention.
+    """
+    kw: dict[str, Any] = {
+        "input_ids": batch["input_ids"].to(device) if device is not None else batch["input_ids"],
+        "position_ids": batch["position_ids"].to(device) if device is not None else batch["position_ids"],
+        "use_cache": False,
+    }
+    if batch.get("cu_seqlens") is not None:
+        kw["cu_seqlens"] = batch["cu_seqlens"]
+    return kw
+
+
+def forward_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return model(**model_inputs(batch, device)).logits
+
+
+class ReferenceLogps:
+    """Reference-model log-probs for DPO: a frozen copy, or the policy with its LoRA adapter disabled."""
+
+    def __init__(self, mesh: SequenceParallelMesh, ref_model: torch.nn.Module | None = None,
+                 policy: torch.nn.Module | None = None) -> None:
+        if (ref_model is None) == (policy is None):
+            raise ValueError("give exactly one of ref_model (frozen copy) or policy (a PEFT model: adapter disabled)")
+        self.mesh, self.ref_model, self.policy = mesh, ref_model, policy
+
+    @torch.no_grad()
+    def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ref_model is not None:
+            logits = forward_logits(self.ref_model, batch)
+        else:
+            with self.policy.disable_adapter():
+                logits = forward_logits(self.policy, batch)
+        return L.sequence_logps(logits, batch["shift_labels"].to(logits.device), self.mesh)
+
+
+def micro_batch_loss(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    num_items: torch.Tensor,
+    mesh: SequenceParallelMesh,
+    spec: StepSpec,
+    reference: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss_share, detached metrics) of one micro-batch; num_items = the step's global denominator."""
+    ctx = autocast if autocast is not None else contextlib.nullcontext()
+    if spec.stage == "sft":
+        with ctx:
+            logits = forward_logits(model, batch)
+        labels = batch["shift_labels"].to(logits.device)
+        return L.sft_loss(logits, labels, num_items, mesh=mesh), {}
+    ref_c = ref_r = None
+    if spec.loss_type != "simpo":
+        if reference is None:
+            raise ValueError(f"DPO loss_type={spec.loss_type!r} needs a reference model")
+        with ctx:
+            ref_logps, _ = reference(batch)
+        n = ref_logps.shape[0] // 2
+        ref_c, ref_r = ref_logps[:n], ref_logps[n:]
+    with ctx:
+        logits = forward_logits(model, batch)
+    logps, counts = L.sequence_logps(logits, batch["shift_labels"].to(logits.device), mesh)
+    n = logps.shape[0] // 2
+    share, metrics = L.dpo_loss(
+        logps[:n], logps[n:], ref_c, ref_r, beta=spec.beta, loss_type=spec.loss_type,
+        chosen_counts=counts[:n], rejected_counts=counts[n:], gamma=spec.gamma, mesh=mesh, num_pairs=num_items,
+    )
+    return share, metrics

@@ -1,0 +1,447 @@
+"""The plain, explicit training loop behind `seqpar train` (SFT and DPO, full or LoRA, SP, FSDP2).
+
+    cfg = seqpar.train.config.load_config("cfg.yaml")
+    result = seqpar.train.trainer.train(cfg)      # under torchrun, or a single process
+
+Order of work: config checks, model / tokenizer / dataset loading and every check that needs them
+run BEFORE the process group exists (a bad config fails identically on every rank, nothing hangs);
+then the SP mesh, sequence-parallel attention, LoRA, FSDP2, optimizer, resume, and the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .. import loss as L
+from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
+from ..errors import SeqParError
+from ..mesh import init_mesh
+from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig, validate_for_launch
+from .datasets import ByteTokenizer, HFTokenizer, build_examples, load_rows
+from .steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
+
+__all__ = ["train", "TrainResult", "load_model", "load_tokenizer", "load_model_and_tokenizer", "model_heads",
+           "prepare_examples", "FAULT_ENV"]
+
+# Test-only fault injection: the rank SEQPAR_FAULT_RANK (default: the last) exits right after
+# optimizer step SEQPAR_FAULT_AFTER_STEP, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0).
+FAULT_ENV = "SEQPAR_FAULT_AFTER_STEP"
+
+
+@dataclass
+class TrainResult:
+    output_dir: str
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    resumed_from: int | None = None
+    metrics_path: str | None = None
+    final_state_path: str | None = None
+    plot_path: str | None = None
+    world_size: int = 1
+    mesh: str = ""
+
+
+# ----------------------------------------------------------------------------- model + tokenizer
+def _model_kind(cfg: TrainConfig) -> str:
+    name = cfg.model.name
+    if name.startswith("tiny:"):
+        from ..hf import ARCHS
+
+        arch = name.split(":", 1)[1]
+        if arch not in ARCHS:
+            raise SeqParError(f"model.name={name!r}: unknown tiny architecture {arch!r}: use tiny:<{'|'.join(ARCHS)}>")
+        return "tiny"
+    if name.lower() in SMOLLM2_NAMES:
+        return "smollm2"
+    return "hf"
+
+
+SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")
+SMOLLM2_HEADS = (9, 3)  # SmolLM2-135M: 9 query heads, 3 kv heads
+
+
+def _unknown_model(name: str, e: Exception) -> SeqParError:
+    return SeqParError(
+        f"model.name={name!r} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:160]}): use a "
+        f"local model directory, a cached hub id, 'smollm2' (bundled SmolLM2-135M-Instruct) or 'tiny:<arch>'"
+    )
+
+
+def _tiny_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    kwargs = dict(cfg.model.kwargs)
+    kwargs.setdefault("vocab_size", ByteTokenizer.vocab_size)
+    if kwargs["vocab_size"] < ByteTokenizer.vocab_size:
+        raise SeqParError(
+            f"tiny models use a byte tokenizer of {ByteTokenizer.vocab_size} ids: set model.kwargs.vocab_size >= "
+            f"{ByteTokenizer.vocab_size}"
+        )
+    return kwargs
+
+
+def model_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
+    """(num_heads, num_kv_heads) from the model's config alone (no weights loaded)."""
+    kind = _model_kind(cfg)
+    if kind == "tiny":
+        from ..hf import tiny_config
+
+        kw = {k: v for k, v in _tiny_kwargs(cfg).items() if k not in ("seed", "dtype", "attn_implementation")}
+        c = tiny_config(cfg.model.name.split(":", 1)[1], **kw)
+    elif kind == "smollm2":
+        return SMOLLM2_HEADS
+    else:
+        from transformers import AutoConfig
+
+        try:
+            c = AutoConfig.from_pretrained(cfg.model.name)
+        except (OSError, ValueError) as e:
+            raise _unknown_model(cfg.model.name, e) from None
+    h = int(c.num_attention_heads)
+    return h, int(getattr(c, "num_key_value_heads", None) or h)
+
+
+def load_tokenizer(cfg: TrainConfig) -> Any:
+    kind = _model_kind(cfg)
+    if kind == "tiny":
+        return ByteTokenizer()
+    if kind == "smollm2":
+        from ..hf import load_smollm2_tokenizer
+
+        return HFTokenizer(load_smollm2_tokenizer())
+    from transformers import AutoTokenizer
+
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name))
+    except (OSError, ValueError) as e:
+        raise _unknown_model(cfg.model.tokenizer or cfg.model.name, e) from None
+
+
+def load_model(cfg: TrainConfig) -> torch.nn.Module:
+    """The model in fp32 (bf16 training uses autocast). Tiny models are seeded by cfg.seed."""
+    kind = _model_kind(cfg)
+    if kind == "tiny":
+        from ..hf import tiny_model
+
+        kwargs = _tiny_kwargs(cfg)
+        kwargs.setdefault("seed", cfg.seed)
+        return tiny_model(cfg.model.name.split(":", 1)[1], **kwargs)
+    if kind == "smollm2":
+        from ..hf import load_smollm2
+
+        return load_smollm2(**cfg.model.kwargs)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(cfg.model.name, dtype=torch.float32, **cfg.model.kwargs)
+    except (OSError, ValueError) as e:
+        raise _unknown_model(cfg.model.name, e) from None
+
+
+def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
+    return load_model(cfg), load_tokenizer(cfg)
+
+
+def prepare_examples(cfg: TrainConfig, tok: Any = None) -> tuple[list, dict[str, int]]:
+    """Tokenized (and packed) training examples + stats; every dataset check runs here."""
+    tok = tok if tok is not None else load_tokenizer(cfg)
+    rows = load_rows(cfg.dataset.path)
+    return build_examples(rows, cfg.dataset.format, cfg.stage, tok, cfg.dataset.max_length, cfg.dataset.packing)
+
+
+def _heads(model: torch.nn.Module) -> tuple[int, int]:
+    c = model.config
+    h = int(c.num_attention_heads)
+    return h, int(getattr(c, "num_key_value_heads", None) or h)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+# ----------------------------------------------------------------------------- data streams
+class DataStream:
+    """Endless row indices for one dp slot: epochs of a SequenceParallelSampler, resumable mid-epoch."""
+
+    def __init__(self, sampler: SequenceParallelSampler) -> None:
+        self.sampler = sampler
+        self._it = None
+
+    def take(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            if self._it is None:
+                self._it = iter(self.sampler)
+            try:
+                out.append(next(self._it))
+            except StopIteration:
+                self.sampler.set_epoch(self.sampler.epoch + 1)
+                self._it = None
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.load_state_dict(state)
+        self._it = None
+
+
+def _lr_lambda(cfg: TrainConfig):
+    warm, total, kind = cfg.schedule.warmup_steps, cfg.max_steps, cfg.schedule.name
+
+    def f(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if kind == "constant":
+            return 1.0
+        frac = min(1.0, (step - warm) / max(1, total - warm))
+        return 1.0 - frac if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return f
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _maybe_fault(step: int, rank: int, world: int) -> None:
+    at = os.environ.get(FAULT_ENV)
+    if at is None or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if rank == int(os.environ.get("SEQPAR_FAULT_RANK", world - 1)):
+        print(f"[seqpar] fault hook: rank {rank} exits after step {step}", flush=True)
+        os._exit(13)
+
+
+# ----------------------------------------------------------------------------- the loop
+def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
+    """Train per `cfg`. Launch under torchrun for several ranks (or call inside an initialised group).
+
+    emulate_dp: used by `seqpar verify` for the single-process reference: one process plays `emulate_dp`
+    dp ranks (same rows per step, same micro-batches, same global normalisation) with SP=1.
+    """
+    pg_ready = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if pg_ready else int(os.environ.get("WORLD_SIZE", "1"))
+    if emulate_dp > 1 and (world != 1 or cfg.sequence_parallel.size != 1):
+        raise SeqParError("emulate_dp is for single-process SP=1 references only")
+    if cfg.fsdp and world == 1:
+        raise SeqParError("fsdp: true needs several processes: set fsdp: false, or launch with --nproc-per-node N > 1")
+
+    # 1. Everything that can fail on the config, before any process group exists.
+    nh, nkv = model_heads(cfg)
+    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
+    tok = load_tokenizer(cfg)
+    examples, data_stats = prepare_examples(cfg, tok)
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg)
+    if _heads(model) != (nh, nkv):
+        raise SeqParError(f"model has heads {_heads(model)} but its config said {(nh, nkv)}")
+
+    # 2. Distributed setup.
+    use_cuda = torch.cuda.is_available()
+    created_pg = False
+    if world > 1 and not pg_ready:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        created_pg = True
+    rank = dist.get_rank() if world > 1 else 0
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    try:
+        return _run(cfg, model, tok, examples, data_stats, world, rank, device, u, r, emulate_dp)
+    finally:
+        if created_pg:
+            dist.destroy_process_group()
+
+
+def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, data_stats: dict, world: int, rank: int,
+         device: torch.device, u: int, r: int, emulate_dp: int) -> TrainResult:
+    from ..hf import apply_sequence_parallel
+
+    mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=u, ring_degree=r, layout=cfg.sequence_parallel.layout)
+    lora = cfg.finetuning.method == "lora"
+    spec = StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma)
+    needs_ref = cfg.stage == "dpo" and cfg.dpo.loss_type != "simpo"
+
+    model.to(device)
+    ref_model = None
+    if needs_ref and not lora:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        apply_sequence_parallel(ref_model, mesh)
+    apply_sequence_parallel(model, mesh)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(cfg.seed)  # LoRA A init: identical on every rank and in the SP=1 reference
+        f = cfg.finetuning
+        model = get_peft_model(
+            model, LoraConfig(r=f.r, lora_alpha=f.alpha, lora_dropout=f.dropout, target_modules=f.targets, bias="none")
+        )
+    model.train()
+    if cfg.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        # FSDP2 over the flattened dp x sp world: every rank holds 1/world of the parameters.
+        fmesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",))
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mesh=fmesh)
+        fully_shard(model, mesh=fmesh)
+    reference = None
+    if needs_ref:
+        reference = ReferenceLogps(mesh, ref_model=ref_model) if ref_model is not None else ReferenceLogps(mesh, policy=model)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optimizer
+    if o.name == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+
+    # One stream per dp slot this process plays (1, or emulate_dp in the SP=1 reference).
+    slots = [(mesh.dp_size, mesh.dp_rank)] if emulate_dp == 1 else [(emulate_dp, d) for d in range(emulate_dp)]
+    streams = [
+        DataStream(SequenceParallelSampler(len(examples), n, d, shuffle=cfg.dataset.shuffle, seed=cfg.seed))
+        for n, d in slots
+    ]
+    if cfg.stage == "dpo":
+        collator = SequenceParallelDPOCollator(mesh, tok.pad_token_id, max_length=cfg.dataset.max_length)
+    else:
+        collator = SequenceParallelCollator(mesh, tok.pad_token_id, packing=cfg.dataset.packing,
+                                            max_length=cfg.dataset.max_length)
+
+    out = Path(cfg.output_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    if world > 1:
+        dist.barrier()
+    metrics_path = out / "metrics.jsonl"
+    start_step, resumed_from = 0, None
+    ckpt = latest_checkpoint(out) if cfg.checkpoint.resume else None
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, model, optimizer, trainable_only=lora)
+        start_step = resumed_from = int(state["step"])
+        scheduler.load_state_dict(state["scheduler"])
+        for s, st in zip(streams, state["data"]):
+            s.load_state_dict(st)
+    if rank == 0:
+        _trim_metrics(metrics_path, start_step)
+        if start_step == 0:
+            (out / "config.json").write_text(cfg.model_dump_json(indent=2))
+        (out / "mesh.txt").write_text(f"{mesh!r} world={world}\n")
+
+    bf16 = cfg.precision == "bf16"
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else (lambda: contextlib.nullcontext())
+    factor = L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0
+    world_group = dist.group.WORLD if world > 1 else None
+    result = TrainResult(output_dir=str(out), resumed_from=resumed_from, metrics_path=str(metrics_path),
+                         world_size=world, mesh=repr(mesh))
+    rows_per_micro = 1 if cfg.dataset.packing else cfg.micro_batch_size
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=(rank != 0 or not cfg.progress),
+               desc=f"{cfg.stage} sp={mesh.sp_size} dp={mesh.dp_size}", dynamic_ncols=True)
+    if rank == 0 and data_stats["dropped_unsupervised"]:
+        print(f"[seqpar] dropped {data_stats['dropped_unsupervised']} rows with no supervised token within "
+              f"max_length={cfg.dataset.max_length}", flush=True)
+    step = start_step
+    t_start = time.perf_counter()
+    while step < cfg.max_steps:
+        t0 = time.perf_counter()
+        micro: list[dict[str, torch.Tensor]] = []
+        for stream in streams:
+            for _ in range(cfg.grad_accum):
+                idx = stream.take(rows_per_micro)
+                batch_rows = examples[idx[0]] if cfg.dataset.packing else [examples[i] for i in idx]
+                micro.append(collator(batch_rows))
+        # Global denominator first: all micro-batches of the step, then over dp (pitfalls 4 and 5).
+        num_items = L.global_token_count(count_items(micro, cfg.stage), mesh)
+        share_sum = torch.zeros((), dtype=torch.float32)
+        dpo_metrics: dict[str, float] = {}
+        for j, b in enumerate(micro):
+            if cfg.fsdp:
+                model.set_requires_gradient_sync(j == len(micro) - 1)
+            share, met = micro_batch_loss(model, b, num_items, mesh, spec, reference, autocast())
+            (share * factor).backward()
+            share_sum += share.detach().float().cpu()
+            for k, v in met.items():
+                dpo_metrics[k] = dpo_metrics.get(k, 0.0) + float(v) / len(micro)
+        if not cfg.fsdp:
+            L.sum_gradients(params, mesh)
+        max_norm = o.max_grad_norm if o.max_grad_norm is not None else float("inf")
+        gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        loss_val = float(L.global_loss(share_sum, mesh))
+        tokens = int(L.global_token_count(sum(int(b["num_input_tokens"]) for b in micro), mesh))
+        stats = torch.tensor([_peak_memory_mb(device)], dtype=torch.float64)
+        if world_group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=world_group)
+            if dpo_metrics:
+                mt = torch.tensor(list(dpo_metrics.values()), dtype=torch.float64)
+                comm.all_reduce_(mt, mesh.dp_group)
+                dpo_metrics = dict(zip(dpo_metrics, (mt / mesh.dp_size).tolist()))
+        dt = time.perf_counter() - t0
+        row = {"step": step, "loss": loss_val, "lr": scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
+               "tokens": tokens, "supervised": int(num_items), "tokens_per_s": tokens / dt, "step_s": dt,
+               "peak_mem_mb": float(stats[0]), "elapsed_s": time.perf_counter() - t_start, **dpo_metrics}
+        result.steps.append(step)
+        result.losses.append(loss_val)
+        if rank == 0:
+            with open(metrics_path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tokens / dt:.0f}", mem=f"{row['peak_mem_mb']:.0f}MB")
+        every = cfg.checkpoint.every
+        if every and step % every == 0 and step < cfg.max_steps:
+            save_checkpoint(out, step, model, optimizer,
+                            {"step": step, "scheduler": scheduler.state_dict(), "data": [s.state_dict() for s in streams]},
+                            trainable_only=lora, keep_last=cfg.checkpoint.keep_last)
+        _maybe_fault(step, rank, world)
+    bar.close()
+
+    if cfg.checkpoint.save_final:
+        state = full_model_state(model, trainable_only=lora)
+        if rank == 0:
+            path = out / "final_state.pt"
+            torch.save(state, path)
+            result.final_state_path = str(path)
+    if rank == 0:
+        from .plots import plot_curves, read_metrics
+
+        pts = [(m["step"], m["loss"]) for m in read_metrics(metrics_path)]
+        result.plot_path = str(plot_curves({f"{cfg.stage} loss ({repr(mesh)})": pts}, out / "loss.png",
+                                           title=f"seqpar {cfg.stage}: {cfg.model.name}"))
+    if world > 1:
+        dist.barrier()
+    return result
+
+
+def _trim_metrics(path: Path, keep_upto: int) -> None:
+    """Fresh run: start an empty file; resumed run: drop rows logged after the checkpoint."""
+    if keep_upto == 0 or not path.exists():
+        path.write_text("")
+        return
+    kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= keep_upto]
+    path.write_text("".join(ln + "\n" for ln in kept))

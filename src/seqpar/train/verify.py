@@ -1,0 +1,113 @@
+"""`seqpar verify`: the same config with SP and with SP=1, loss curves overlaid, max |dloss| in JSON.
+
+The SP run is launched under torchrun (N processes); the reference runs in THIS process with SP=1,
+no FSDP, playing all dp slots of the SP run (`train(..., emulate_dp=dp)`): every step sees the same
+rows in the same micro-batches with the same global token normalisation, so the losses must agree
+to floating-point noise (fp32: 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import SeqParError
+from .config import TrainConfig, config_from_dict
+from .plots import plot_curves, read_metrics
+
+__all__ = ["verify", "torchrun_command", "write_config"]
+
+DEFAULT_TOL = {"fp32": 1e-5, "bf16": 5e-2}
+
+
+def write_config(cfg: TrainConfig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def torchrun_command(nproc: int, args: list[str], max_restarts: int = 0) -> list[str]:
+    """`python -m torch.distributed.run ... -m seqpar <args>` on a free local port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "-m", "seqpar", *args]
+
+
+def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolerance: float | None = None,
+           timeout: float | None = None) -> dict[str, Any]:
+    """Run SP (nproc ranks) and the SP=1 reference for `steps` steps; return the report (also JSON + PNG)."""
+    out = Path(out_dir)
+    if nproc % cfg.sequence_parallel.size != 0:
+        raise SeqParError(
+            f"--nproc-per-node={nproc} is not a multiple of sequence_parallel.size={cfg.sequence_parallel.size}: "
+            f"use {cfg.sequence_parallel.size} or a multiple"
+        )
+    dp = nproc // cfg.sequence_parallel.size
+    base = cfg.model_dump(mode="json")
+    base.update(max_steps=steps, checkpoint={"every": 0, "save_final": False, "resume": False})
+    sp_cfg = config_from_dict({**base, "output_dir": str(out / "sp")})
+    # The reference: one process, SP=1, no FSDP (any max_length valid under SP is valid at SP=1).
+    ref_cfg = config_from_dict({**base, "output_dir": str(out / "ref"), "fsdp": False,
+                                "sequence_parallel": {"size": 1}})
+
+    sp_yaml = write_config(sp_cfg, out / "sp_config.yaml")
+    if nproc > 1:
+        cmd = torchrun_command(nproc, ["train", str(sp_yaml)])
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        proc = subprocess.run(cmd, env=env, timeout=timeout)
+        if proc.returncode != 0:
+            raise SeqParError(f"the SP run failed (exit code {proc.returncode}): see its output above")
+    else:
+        from .trainer import train
+
+        train(sp_cfg)
+    from .trainer import train
+
+    write_config(ref_cfg, out / "ref_config.yaml")
+    train(ref_cfg, emulate_dp=dp)
+
+    sp_rows = read_metrics(out / "sp" / "metrics.jsonl")
+    ref_rows = read_metrics(out / "ref" / "metrics.jsonl")
+    sp_loss = {r["step"]: r["loss"] for r in sp_rows}
+    ref_loss = {r["step"]: r["loss"] for r in ref_rows}
+    common_steps = sorted(set(sp_loss) & set(ref_loss))
+    if len(common_steps) != steps:
+        raise SeqParError(f"expected {steps} logged steps from both runs, got SP {len(sp_loss)} / ref {len(ref_loss)}")
+    diffs = [abs(sp_loss[s] - ref_loss[s]) for s in common_steps]
+    tol = DEFAULT_TOL[cfg.precision] if tolerance is None else tolerance
+    sp = cfg.sequence_parallel
+    label_sp = f"SP={sp.size} x dp={dp} ({nproc} ranks)"
+    label_ref = f"SP=1 reference (1 process, {dp} dp slot{'s' if dp > 1 else ''})"
+    png = plot_curves(
+        {label_sp: [(s, sp_loss[s]) for s in common_steps], label_ref: [(s, ref_loss[s]) for s in common_steps]},
+        out / "verify_loss.png", title=f"seqpar verify: {cfg.stage} {cfg.finetuning.method} {cfg.model.name}",
+        diff_of=(label_sp, label_ref),
+    )
+    report = {
+        "max_abs_dloss": max(diffs),
+        "tolerance": tol,
+        "passed": max(diffs) <= tol,
+        "steps": common_steps,
+        "sp_loss": [sp_loss[s] for s in common_steps],
+        "ref_loss": [ref_loss[s] for s in common_steps],
+        "abs_dloss": diffs,
+        "nproc": nproc,
+        "sp_size": sp.size,
+        "dp_size": dp,
+        "sp_mesh": open(out / "sp" / "mesh.txt").read().strip() if (out / "sp" / "mesh.txt").exists() else None,
+        "precision": cfg.precision,
+        "stage": cfg.stage,
+        "finetuning": cfg.finetuning.method,
+        "fsdp": cfg.fsdp,
+        "packing": cfg.dataset.packing,
+        "png": str(png),
+    }
+    (out / "verify.json").write_text(json.dumps(report, indent=2))
+    report["json"] = str(out / "verify.json")
+    return report
