@@ -49,11 +49,15 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], out_png: str | Path,
         ax2 = axes[1][0]
         ax2.plot(steps, [max(x, 1e-12) for x in d], "-o", color="tab:red", markersize=3)
         ax2.set_yscale("log")
-        ax2.set_ylabel(f"|{diff_of[0]} - {diff_of[1]}|")
+        ax2.set_ylabel("|loss difference|")
+        ax2.set_title(f"max |dloss| = {max(d):.2e}" if d else "", fontsize=9)
         ax2.grid(alpha=0.3)
         ax2.set_xlabel("step")
     else:
         ax.set_xlabel("step")
+    from matplotlib.ticker import MaxNLocator
+
+    axes[-1][0].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)

@@ -1,0 +1,245 @@
+"""Drop-in `transformers.Trainer` subclasses that train under sequence parallelism.
+
+    trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=ds)   # was: Trainer(...)
+    trainer.train()                                                              # torchrun --nproc-per-node N
+
+What changes against the stock Trainer (all built on the pieces the plain loop uses, seqpar.train.steps):
+- the model gets seqpar attention (`apply_sequence_parallel`) over a mesh of `sequence_parallel_size`
+  ranks (default: the whole world); data goes through `SequenceParallelCollator` (or the DPO one),
+  which shifts labels on the full sequence, keeps global position_ids and shards every row;
+- the train / eval dataloaders use the SP-aware sampler (every rank of an SP group sees the same
+  rows; dp ranks different ones) and are NOT re-sharded by accelerate;
+- the loss of each micro-batch is this rank's share of the step's token-mean (denominator: the
+  GLOBAL supervised-token count over all grad-accumulation micro-batches and dp ranks; pairs for
+  DPO), multiplied by dp x sp because DDP AVERAGES gradients over the world and our shares need
+  their SUM. The logged "loss" is then exactly the global token-averaged loss;
+- evaluate() runs under SP (no full-length forward on one rank) and reports the global
+  token-averaged loss.
+Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); DPO rows hold
+"prompt_input_ids", "chosen_input_ids", "rejected_input_ids".
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer
+
+from .. import comm
+from .. import loss as L
+from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
+from ..errors import SeqParError
+from ..mesh import SequenceParallelMesh, init_mesh
+from ..train.steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
+from .attention import apply_sequence_parallel, is_sequence_parallel
+
+__all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer"]
+
+
+class _EpochDataLoader(DataLoader):
+    """A plain DataLoader whose set_epoch reaches the SP sampler (the Trainer calls it per epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+def _is_sp_collator(c: Any) -> bool:
+    return isinstance(c, SequenceParallelCollator)
+
+
+class SequenceParallelTrainer(Trainer):
+    """`transformers.Trainer` with exact sequence parallelism (see the module docstring).
+
+    Extra keyword arguments: sequence_parallel_size (default: world size), ulysses_degree,
+    ring_degree, layout, mesh (a prebuilt SequenceParallelMesh instead), packing and max_length (for
+    the SP collator). A data_collator that is not a seqpar SP collator is replaced by one (it could
+    not shard the batch).
+    """
+
+    _stage = "sft"
+
+    def __init__(self, model: torch.nn.Module | None = None, args: Any = None, *,
+                 sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
+                 ring_degree: int | None = None, layout: str = "zigzag", mesh: SequenceParallelMesh | None = None,
+                 packing: bool = False, max_length: int | None = None, **kwargs: Any) -> None:
+        from transformers import TrainingArguments
+
+        if model is None:
+            raise SeqParError("SequenceParallelTrainer needs model= (an HF causal LM)")
+        if args is None:
+            args = TrainingArguments(output_dir="tmp_trainer")
+        _ = args.device  # sets up torch.distributed under torchrun (accelerate), before the mesh
+        if mesh is None:
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            mesh = init_mesh(sequence_parallel_size or world, ulysses_degree, ring_degree,
+                             model_config=model.config, layout=layout)
+        self.sp_mesh = mesh
+        self._sp_spec = self._make_spec()
+        self._sp_reference = self._build_reference(model, kwargs)
+        if not is_sequence_parallel(model):
+            apply_sequence_parallel(model, mesh)
+        collator = kwargs.pop("data_collator", None)
+        if not _is_sp_collator(collator):
+            collator = self._default_collator(model, kwargs.get("processing_class"), packing, max_length)
+        super().__init__(model=model, args=args, data_collator=collator, **kwargs)
+        # We normalise by the step's global count ourselves: the Trainer must not divide by grad-accum steps.
+        self.loss_is_scaled_for_ga = True
+        self._sp_metrics: dict[str, float] = {}
+        self._sp_metric_n = 0
+
+    # ------------------------------------------------------------------ hooks for the DPO subclass
+    def _make_spec(self) -> StepSpec:
+        return StepSpec("sft")
+
+    def _build_reference(self, model: torch.nn.Module, kwargs: dict) -> Any:
+        return None
+
+    def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
+        return SequenceParallelCollator(self.sp_mesh, _pad_id(model, tok), packing=packing, max_length=max_length)
+
+    # ------------------------------------------------------------------ data
+    def _sp_loader(self, dataset: Any, batch_size: int, shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise SeqParError("no dataset given: pass train_dataset= / eval_dataset=")
+        sampler = SequenceParallelSampler(len(dataset), self.sp_mesh.dp_size, self.sp_mesh.dp_rank,
+                                          shuffle=shuffle, seed=self.args.seed)
+        return _EpochDataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=self.data_collator,
+                                drop_last=self.args.dataloader_drop_last, num_workers=self.args.dataloader_num_workers)
+
+    def get_train_dataloader(self) -> DataLoader:
+        shuffle = self.args.train_sampling_strategy != "sequential"
+        return self._sp_loader(self.train_dataset, self._train_batch_size, shuffle)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(ds, str):
+            ds = self.eval_dataset[ds]
+        return self._sp_loader(ds, self.args.eval_batch_size, shuffle=False)
+
+    # ------------------------------------------------------------------ loss
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
+        if not batch_samples:
+            return None
+        return L.global_token_count(count_items(batch_samples, self._sp_spec.stage), self.sp_mesh).to(device)
+
+    def _grad_factor(self, model: torch.nn.Module) -> float:
+        if self.sp_mesh.world_size == 1 or not model.training:
+            return 1.0
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel):
+            raise SeqParError(
+                f"{type(self).__name__} expects the Trainer to wrap the model in DDP over all dp x sp ranks "
+                f"(it got {type(model).__name__}); FSDP / DeepSpeed through the Trainer are not supported: "
+                "use `seqpar train` with fsdp: true instead"
+            )
+        return L.gradient_reduction_factor(self.sp_mesh)
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        if num_items_in_batch is None:  # outside the training loop: this micro-batch alone
+            num_items_in_batch = L.global_token_count(count_items([inputs], self._sp_spec.stage), self.sp_mesh)
+        share, metrics = micro_batch_loss(model, inputs, num_items_in_batch, self.sp_mesh, self._sp_spec,
+                                          self._sp_reference)
+        if model.training:
+            for k, v in metrics.items():
+                self._sp_metrics[k] = self._sp_metrics.get(k, 0.0) + float(v)
+            self._sp_metric_n += bool(metrics)
+        loss = share * self._grad_factor(model)
+        return (loss, None) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self._sp_metric_n and "loss" in logs:
+            vals = torch.tensor(list(self._sp_metrics.values()), dtype=torch.float64) / self._sp_metric_n
+            comm.all_reduce_(vals, self.sp_mesh.dp_group)  # SP ranks of a group hold identical metrics
+            logs.update({k: v / self.sp_mesh.dp_size for k, v in zip(self._sp_metrics, vals.tolist())})
+            self._sp_metrics, self._sp_metric_n = {}, 0
+        super().log(logs, *args, **kwargs)
+
+    # ------------------------------------------------------------------ eval under SP
+    @torch.no_grad()
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
+        """Global token-averaged eval loss (pair-averaged for DPO), computed sequence-parallel."""
+        loader = self.get_eval_dataloader(eval_dataset)
+        model = self.model
+        was_training = model.training
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        items = torch.zeros((), dtype=torch.long)
+        try:
+            for batch in loader:
+                batch = self._prepare_inputs(batch)
+                # Denominator 1 gives this rank's share of the SUM of losses; normalise once at the end.
+                share, _ = micro_batch_loss(model, batch, 1, self.sp_mesh, self._sp_spec, self._sp_reference)
+                total += share.detach().double().cpu()
+                items += count_items([batch], self._sp_spec.stage).cpu()
+        finally:
+            model.train(was_training)
+        total = L.global_loss(total, self.sp_mesh)
+        items = L.global_token_count(items, self.sp_mesh)
+        loss = float(total) / max(int(items), 1)
+        metrics = {f"{metric_key_prefix}_loss": loss, f"{metric_key_prefix}_items": int(items)}
+        if self._sp_spec.stage == "sft":
+            metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 50.0))
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+
+class SequenceParallelDPOTrainer(SequenceParallelTrainer):
+    """DPO / IPO / SimPO under SP, as a Trainer drop-in.
+
+    ref_model: a frozen reference; default: the policy with its LoRA adapter disabled (PEFT models),
+    or a frozen copy of the policy taken before training. SimPO needs none.
+    """
+
+    _stage = "dpo"
+
+    def __init__(self, model: torch.nn.Module | None = None, ref_model: torch.nn.Module | None = None,
+                 args: Any = None, *, beta: float = 0.1, loss_type: str = "sigmoid", gamma: float = 0.5,
+                 **kwargs: Any) -> None:
+        if loss_type not in L.DPO_LOSS_TYPES:
+            raise SeqParError(f"loss_type={loss_type!r} is unknown: use one of {L.DPO_LOSS_TYPES}")
+        self._dpo = (beta, loss_type, gamma, ref_model)
+        if kwargs.get("packing"):
+            raise SeqParError("packing is not supported for DPO pairs: drop packing=True")
+        super().__init__(model, args, **kwargs)
+
+    def _make_spec(self) -> StepSpec:
+        beta, loss_type, gamma, _ = self._dpo
+        return StepSpec("dpo", beta, loss_type, gamma)
+
+    def _build_reference(self, model: torch.nn.Module, kwargs: dict) -> Any:
+        _, loss_type, _, ref = self._dpo
+        if loss_type == "simpo":
+            return None
+        if ref is None and hasattr(model, "disable_adapter"):
+            return ReferenceLogps(self.sp_mesh, policy=model)
+        if ref is None:
+            if is_sequence_parallel(model):
+                raise SeqParError("the policy already has SP applied, so it cannot be copied as the reference: pass ref_model=")
+            ref = copy.deepcopy(model)
+        ref.eval().requires_grad_(False)
+        if not is_sequence_parallel(ref):
+            apply_sequence_parallel(ref, self.sp_mesh)
+        device = next(model.parameters()).device
+        return ReferenceLogps(self.sp_mesh, ref_model=ref.to(device))
+
+    def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
+        return SequenceParallelDPOCollator(self.sp_mesh, _pad_id(model, tok), max_length=max_length)
+
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        return dataset  # the pair columns are not model.forward arguments, but the collator needs them
+
+
+def _pad_id(model: torch.nn.Module, tok: Any) -> int:
+    for src in (tok, getattr(model, "config", None)):
+        for name in ("pad_token_id", "eos_token_id"):
+            v = getattr(src, name, None) if src is not None else None
+            if isinstance(v, int) and v >= 0:
+                return v
+    return 0
