@@ -1,0 +1,136 @@
+"""Config validation, dataset formats and packing: no process group, no spawn (fast)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from seqpar import SeqParError
+from seqpar.train.config import config_from_dict, load_config, validate_for_launch
+from seqpar.train.datasets import IGNORE, ByteTokenizer, build_examples, load_rows, pack_rows, tokenize_sft
+
+TINY = {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2}}
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def sft_file(tmp_path):
+    return _write_jsonl(tmp_path / "sft.jsonl", [{"instruction": f"q{i} " * 3, "response": f"a{i} " * 4} for i in range(6)])
+
+
+def _cfg(path, **kw):
+    d = {"model": TINY, "dataset": {"path": str(path), "max_length": 64}}
+    d.update(kw)
+    return config_from_dict(d)
+
+
+def _err(fn, *needles):
+    with pytest.raises(SeqParError) as e:
+        fn()
+    for n in needles:
+        assert n in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def test_sp_must_divide_world(sft_file):
+    cfg = _cfg(sft_file, sequence_parallel=4)
+    _err(lambda: validate_for_launch(cfg, 6, num_heads=4, num_kv_heads=2), "does not divide the world size 6",
+         "1, 2, 3, 6")
+
+
+def test_degrees_must_multiply_to_size(sft_file):
+    _err(lambda: _cfg(sft_file, sequence_parallel={"size": 4, "ulysses_degree": 2, "ring_degree": 1}),
+         "ulysses_degree=2 x ring_degree=1", "size: 2")
+    _err(lambda: _cfg(sft_file, sequence_parallel={"size": 4, "ulysses_degree": 3}), "must divide size=4", "1, 2, 4")
+
+
+def test_auto_degrees_from_heads_and_max_length_multiple(sft_file):
+    # 4 q / 2 kv heads, sp=4 -> ulysses 2 x ring 2, zigzag: lengths must be multiples of 2*2*2 = 8.
+    cfg = _cfg(sft_file, sequence_parallel=4, dataset={"path": str(sft_file), "max_length": 60})
+    msg = _err(lambda: validate_for_launch(cfg, 4, num_heads=4, num_kv_heads=2), "multiple of 8", "56 or 64")
+    assert "ulysses=2, ring=2" in msg
+    cfg = _cfg(sft_file, sequence_parallel=4, dataset={"path": str(sft_file), "max_length": 64})
+    assert validate_for_launch(cfg, 8, num_heads=4, num_kv_heads=2) == (2, 2)
+
+
+def test_unknown_key_and_missing_field(sft_file):
+    _err(lambda: _cfg(sft_file, max_step=3), "max_step", "unknown key")
+    _err(lambda: config_from_dict({"model": "tiny:llama"}), "dataset", "required")
+    _err(lambda: _cfg(sft_file, stage="dpo", dataset={"path": str(sft_file), "max_length": 64, "packing": True}),
+         "packing: false")
+
+
+def test_unknown_model_fails_fast(sft_file, tmp_path):
+    from seqpar.train.trainer import model_heads
+
+    _err(lambda: model_heads(_cfg(sft_file, model="tiny:gpt9")), "unknown tiny architecture", "tiny:<llama")
+    _err(lambda: model_heads(_cfg(sft_file, model=str(tmp_path / "no-such-model"))), "could not be loaded", "smollm2")
+
+
+def test_dataset_field_errors(tmp_path):
+    tok = ByteTokenizer()
+    dpo = _write_jsonl(tmp_path / "dpo.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"},
+                                               {"prompt": "p", "chosen": "c", "rejected": None}])
+    _err(lambda: build_examples(load_rows(str(dpo)), "auto", "dpo", tok, 64, False), "row 1", "rejected")
+    _err(lambda: build_examples(load_rows(str(dpo)), "auto", "sft", tok, 64, False), "stage: dpo")
+    txt = _write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}])
+    _err(lambda: build_examples(load_rows(str(txt)), "auto", "dpo", tok, 64, False), "prompt, chosen and rejected")
+    _err(lambda: build_examples(load_rows(str(txt)), "chat", "sft", tok, 64, False), "'messages'")
+    _err(lambda: load_rows(str(tmp_path / "missing.jsonl")), "does not exist")
+
+
+def test_max_length_unreachable(tmp_path):
+    tok = ByteTokenizer()
+    f = _write_jsonl(tmp_path / "i.jsonl", [{"instruction": "x" * 80, "response": "y"}])
+    _err(lambda: build_examples(load_rows(str(f)), "auto", "sft", tok, 64, False), "raise max_length above")
+    d = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 80, "chosen": "a", "rejected": "b"}])
+    _err(lambda: build_examples(load_rows(str(d)), "auto", "dpo", tok, 64, False), "prompt alone", "raise max_length")
+
+
+def test_formats_supervise_only_responses(tmp_path):
+    tok = ByteTokenizer()
+    ins = tokenize_sft({"instruction": "hi", "response": "yo"}, "instruction", tok)
+    sup = [t for t, lab in zip(ins["input_ids"], ins["labels"]) if lab != IGNORE]
+    assert sup == tok.encode("yo") + [tok.eos_token_id]
+    chat = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}
+    ex = tokenize_sft(chat, "chat", tok)
+    assert ex["input_ids"] == tok.chat(chat["messages"], add_generation_prompt=False)
+    sup = [t for t, lab in zip(ex["input_ids"], ex["labels"]) if lab != IGNORE]
+    assert sup == tok.encode("b") + [tok.eos_token_id] + tok.encode("d") + [tok.eos_token_id]
+    txt = tokenize_sft({"text": "abc"}, "text", tok)
+    assert txt["labels"] == txt["input_ids"] == tok.encode("abc") + [tok.eos_token_id]
+
+
+def test_packing_is_greedy_and_bounded():
+    rows = [{"input_ids": [1] * n, "labels": [1] * n} for n in (30, 30, 10, 50, 64, 5)]
+    packs = pack_rows(rows, 64)
+    assert [[len(r["input_ids"]) for r in p] for p in packs] == [[30, 30], [10, 50], [64], [5]]
+
+
+def test_load_config_relative_path_and_overrides(tmp_path, sft_file):
+    p = tmp_path / "cfg.yaml"
+    p.write_text("model: tiny:llama\ndataset: {path: sft.jsonl, max_length: 64}\nsequence_parallel: 2\n")
+    cfg = load_config(p, {"max_steps": 3, "sequence_parallel.ring_degree": 2})
+    assert cfg.dataset.path == str(sft_file) and cfg.max_steps == 3
+    assert cfg.sequence_parallel.size == 2 and cfg.sequence_parallel.ring_degree == 2
+
+
+def test_cli_bad_config_fails_before_spawning(tmp_path, sft_file):
+    """`seqpar train --nproc-per-node 3` with sp=2: exit 2, the fix named, no torchrun started."""
+    p = tmp_path / "cfg.yaml"
+    p.write_text(f"model: tiny:llama\ndataset: {{path: {sft_file}, max_length: 64}}\nsequence_parallel: 2\n")
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "seqpar", "train", str(p), "--nproc-per-node", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "does not divide the world size 3" in r.stderr and "1, 3" in r.stderr
+    assert "torch.distributed" not in r.stderr and time.time() - t0 < 120
