@@ -375,9 +375,17 @@ def test_sampler_resumes_mid_epoch():
     resumed.load_state_dict(state)
     resumed.set_epoch(5)  # the usual loop calls set_epoch(epoch) again: the offset is kept
     assert list(resumed) == rest
-    assert first + rest == list(resumed)  # a finished pass restarts the epoch from 0
-    resumed.set_epoch(6)
-    assert resumed.state_dict() == {"epoch": 6, "num_consumed": 0}
+    assert resumed.state_dict() == {"epoch": 5, "num_consumed": 20}
+    # An exhausted epoch (also when resumed from a state saved at its very end) moves on to the next.
+    fresh = SequenceParallelSampler(40, 2, 1, shuffle=True, seed=3)
+    fresh.set_epoch(6)
+    epoch6 = list(fresh)
+    assert list(resumed) == epoch6 and resumed.state_dict() == {"epoch": 6, "num_consumed": 20}
+    at_end = SequenceParallelSampler(40, 2, 1, shuffle=True, seed=3)
+    at_end.load_state_dict({"epoch": 5, "num_consumed": 20})
+    assert list(at_end) == epoch6
+    at_end.set_epoch(9)
+    assert at_end.state_dict() == {"epoch": 9, "num_consumed": 0}
     with pytest.raises(seqpar.SeqParError, match="num_consumed"):
         resumed.load_state_dict({"epoch": 0, "num_consumed": 999})
 

@@ -346,7 +346,11 @@ class SequenceParallelSampler(Sampler[int]):
     the epoch); `load_state_dict` then makes the next iteration skip them. A DataLoader with
     num_workers > 0 pulls indices ahead of training, so save `{"epoch": e, "num_consumed":
     steps_done_in_epoch * batch_size}` from your loop instead of the sampler's own count.
-    `set_epoch(e)` with a new epoch restarts at sample 0; with the resumed epoch it keeps the offset.
+    `set_epoch(e)` with a new epoch restarts at sample 0; with the current epoch it keeps the offset
+    (so a loop that calls set_epoch(resumed_epoch) after load_state_dict resumes mid-epoch).
+    Iterating again after an epoch is exhausted (num_consumed == len) starts the NEXT epoch, so a
+    state saved at the very end of epoch e resumes with epoch e + 1, and a loop that forgets
+    set_epoch still reshuffles.
     """
 
     def __init__(
@@ -388,7 +392,10 @@ class SequenceParallelSampler(Sampler[int]):
         return idx[:total][self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
-        if self.num_consumed >= self.num_samples:  # a finished pass: iterate the epoch again
+        if self.num_consumed >= self.num_samples:
+            # This epoch is done (a finished pass, or a resumed state saved at its very end):
+            # move on to the next one rather than replay it or yield nothing.
+            self.epoch += 1
             self.num_consumed = 0
         idx = self._indices()
         while self.num_consumed < self.num_samples:
