@@ -1,0 +1,105 @@
+"""The CLI end to end: `seqpar verify` (torchrun SP run vs SP=1 reference -> PNG + JSON) and
+kill-a-rank / torchrun restart / resume giving the same final parameters as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+
+
+def _phrase(rng, lo, hi):
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def _write_config(tmp_path, name, stage="sft", **over):
+    rng = random.Random(1)
+    data = tmp_path / f"{stage}.jsonl"
+    with open(data, "w") as f:
+        for _ in range(16):
+            row = ({"prompt": _phrase(rng, 1, 5), "chosen": _phrase(rng, 1, 6), "rejected": _phrase(rng, 2, 8)}
+                   if stage == "dpo" else {"instruction": _phrase(rng, 1, 6), "response": _phrase(rng, 2, 10)})
+            f.write(json.dumps(row) + "\n")
+    cfg = {
+        "model": {"name": "tiny:qwen3", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 2}},
+        "dataset": {"path": str(data), "max_length": 128},
+        "stage": stage,
+        "sequence_parallel": {"size": 2},
+        "micro_batch_size": 2,
+        "grad_accum": 2,
+        "max_steps": 5,
+        "optimizer": {"lr": 1e-2},
+        "output_dir": str(tmp_path / name),
+        "progress": False,
+    }
+    for k, v in over.items():
+        cfg[k] = v
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _seqpar(*args, env=None, timeout=400):
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    r = subprocess.run([sys.executable, "-m", "seqpar", *args], capture_output=True, text=True, env=e, timeout=timeout)
+    return r
+
+
+def _verify(tmp_path, name, stage, nproc, **over):
+    cfg = _write_config(tmp_path, name, stage, **over)
+    out = tmp_path / f"{name}_verify"
+    r = _seqpar("verify", str(cfg), "--steps", "5", "--nproc-per-node", str(nproc), "--output-dir", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads((out / "verify.json").read_text())
+    assert (out / "verify_loss.png").stat().st_size > 10_000
+    assert rep["passed"] and rep["max_abs_dloss"] <= 1e-5 and len(rep["steps"]) == 5, rep
+    assert "PASS" in r.stdout and str(out / "verify_loss.png") in r.stdout
+    print(f"{name}: max |dloss| = {rep['max_abs_dloss']:.2e}")
+    return rep
+
+
+def test_cli_verify_sft_packed(tmp_path):
+    """seqpar verify: SFT, packing, full fine-tuning, SP=2 ring (qwen3) on 2 torchrun ranks."""
+    _verify(tmp_path, "sft", "sft", 2, micro_batch_size=1,
+            dataset={"path": str(tmp_path / "sft.jsonl"), "max_length": 128, "packing": True},
+            sequence_parallel={"size": 2, "ring_degree": 2})
+
+
+@pytest.mark.slow
+def test_cli_verify_dpo_lora_fsdp(tmp_path):
+    """seqpar verify: DPO + LoRA + FSDP2, USP 2x2 on 4 torchrun ranks."""
+    _verify(tmp_path, "dpo", "dpo", 4, fsdp=True, sequence_parallel={"size": 4, "ulysses_degree": 2},
+            finetuning={"method": "lora", "r": 4, "alpha": 8})
+
+
+def test_kill_rank_restart_resume_equals_uninterrupted(tmp_path):
+    """A rank dies after step 3 (fault hook); torchrun restarts all ranks; they resume from the step-2
+    checkpoint (model, optimizer, scheduler, sampler position, RNG). Final parameters must equal an
+    uninterrupted run's exactly (same world, same config: deterministic CPU math)."""
+    ck = {"every": 2, "save_final": True, "keep_last": 2}
+    base = _write_config(tmp_path, "uninterrupted", checkpoint=ck, fsdp=True)
+    r = _seqpar("train", str(base), "--nproc-per-node", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    faulty = _write_config(tmp_path, "faulty", checkpoint=ck, fsdp=True)
+    r = _seqpar("train", str(faulty), "--nproc-per-node", "2", "--max-restarts", "1",
+                env={"SEQPAR_FAULT_AFTER_STEP": "3"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "fault hook: rank 1 exits after step 3" in r.stdout + r.stderr
+    a = torch.load(tmp_path / "uninterrupted" / "final_state.pt")
+    b = torch.load(tmp_path / "faulty" / "final_state.pt")
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # The resumed run logged steps 3..5 again after the restart; its metrics end with the same losses.
+    la = [json.loads(x)["loss"] for x in (tmp_path / "uninterrupted" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "faulty" / "metrics.jsonl").read_text().splitlines()]
+    assert la == lb and len(la) == 5
+    assert (tmp_path / "faulty" / "latest").read_text().strip() == "checkpoint-4"
