@@ -175,29 +175,37 @@ def sp_sft(mesh, micro_batches, packing: bool, chunked: bool, ddp_average: bool 
     return float(global_loss(share_sum, mesh)), grads(model)
 
 
-def sp_dpo(mesh, pairs, loss_type: str, beta: float, gamma: float, chunked: bool):
+def sp_dpo(mesh, pairs, loss_type: str, beta: float, gamma: float, chunked: bool, accum: bool = False):
     policy, ref = Tiny(0), Tiny(1)
-    b = SequenceParallelDPOCollator(mesh, PAD)(pairs[mesh.dp_rank :: mesh.dp_size])
-    nb = int(b["num_pairs"])
-    ids, pos, y = b["input_ids"], b["position_ids"], b["shift_labels"]
-    if chunked:
-        lp, cnt = sequence_logps(None, y, mesh, hidden=policy.hidden(ids, pos), lm_head=policy.head, chunk_size=3)
-    else:
-        lp, cnt = sequence_logps(policy(ids, pos), y, mesh)
-    with torch.no_grad():
-        rlp, _ = sequence_logps(ref(ids, pos), y, mesh)
-    loss, metrics = dpo_loss(
-        lp[:nb], lp[nb:], rlp[:nb], rlp[nb:], beta=beta, gamma=gamma, loss_type=loss_type,
-        chosen_counts=cnt[:nb], rejected_counts=cnt[nb:], mesh=mesh,
-    )
-    loss.backward()
+    mine = pairs[mesh.dp_rank :: mesh.dp_size]
+    col = SequenceParallelDPOCollator(mesh, PAD)
+    # accum: one pair per micro-batch, the denominator = pairs of the whole step over dp.
+    batches = [col([p]) for p in mine] if accum else [col(mine)]
+    num_pairs = global_token_count(sum(b["num_pairs"] for b in batches), mesh) if accum else None
+    share_sum, metric_losses = torch.zeros(()), []
+    for b in batches:
+        nb = int(b["num_pairs"])
+        ids, pos, y = b["input_ids"], b["position_ids"], b["shift_labels"]
+        if chunked:
+            lp, cnt = sequence_logps(None, y, mesh, hidden=policy.hidden(ids, pos), lm_head=policy.head, chunk_size=3)
+        else:
+            lp, cnt = sequence_logps(policy(ids, pos), y, mesh)
+        with torch.no_grad():
+            rlp, _ = sequence_logps(ref(ids, pos), y, mesh)
+        loss, metrics = dpo_loss(
+            lp[:nb], lp[nb:], rlp[:nb], rlp[nb:], beta=beta, gamma=gamma, loss_type=loss_type,
+            chosen_counts=cnt[:nb], rejected_counts=cnt[nb:], mesh=mesh, num_pairs=num_pairs,
+        )
+        loss.backward()
+        share_sum += loss.detach()
+        metric_losses.append(float(metrics["loss"]) * nb)
+        assert all(not v.requires_grad for v in metrics.values())
     sum_gradients(policy.parameters(), mesh)
-    assert all(not v.requires_grad for v in metrics.values())
-    return float(global_loss(loss, mesh)), grads(policy), float(metrics["loss"])
+    return float(global_loss(share_sum, mesh)), grads(policy), sum(metric_losses) / len(mine)
 
 
 DPO_CASES = [("sigmoid", 0.5, 0.0, False), ("ipo", 0.3, 0.0, False), ("simpo", 2.0, 0.7, False),
-             ("sigmoid", 0.5, 0.0, True)]
+             ("sigmoid", 0.5, 0.0, True), ("ipo", 0.3, 0.0, True, True)]  # (..., chunked, grad accum)
 
 
 def _world_worker(mesh_names: list[str]) -> dict:
@@ -347,3 +355,71 @@ def test_bad_loss_inputs_raise():
     with pytest.raises(seqpar.SeqParError, match="equal shape"):
         dpo_loss(x, torch.zeros(3), x, x)
     assert gradient_reduction_factor(None) == 1.0
+
+
+def test_bf16_logits_are_upcast():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 9, V)
+    y = torch.randint(0, V, (2, 9))
+    y[0, :4] = IGN
+    a = sft_loss(logits, y, 14)
+    b = sft_loss(logits.bfloat16(), y, 14)
+    assert b.dtype == torch.float32
+    torch.testing.assert_close(b, a, atol=2e-2, rtol=1e-2)  # bf16 inputs: only their rounding differs
+
+
+# ----------------------------------------------------------------------------- the docs example, end to end
+def _docs_dataset() -> list[dict]:
+    rng = random.Random(0)
+    rows = []
+    for _ in range(16):
+        ids = [rng.randrange(1, 160) for _ in range(rng.randrange(5, 40))]
+        rows.append({"input_ids": ids, "labels": [t if rng.random() < 0.7 else IGN for t in ids]})
+    return rows
+
+
+def _docs_loop(sp: int, batch_size: int):
+    """The loop of docs/data_and_loss.md section 4 (HF tiny llama, packing, 2 micro-batches, AdamW)."""
+    from seqpar.hf import apply_sequence_parallel, tiny_model
+
+    dataset = _docs_dataset()
+    model = tiny_model("llama", 4, 2, seed=0)
+    mesh = seqpar.init_mesh(sp, model_config=model.config)
+    model = apply_sequence_parallel(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    collate = SequenceParallelCollator(mesh, pad_token_id=0, packing=True, max_length=8192)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=collate,
+                                         sampler=seqpar.data.sp_sampler(len(dataset), mesh, seed=0))
+    accum, micro, losses = 2, [], []
+    for batch in loader:
+        micro.append(batch)
+        if len(micro) < accum:
+            continue
+        n = global_token_count(sum(b["num_supervised_tokens"] for b in micro), mesh)
+        total = torch.zeros(())
+        for b in micro:
+            logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"],
+                           cu_seqlens=b["cu_seqlens"]).logits
+            loss = sft_loss(logits, b["shift_labels"], n)
+            loss.backward()
+            total += loss.detach()
+        sum_gradients(model.parameters(), mesh)
+        opt.step()
+        opt.zero_grad()
+        micro = []
+        losses.append(float(global_loss(total, mesh)))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_docs_training_loop_matches_single_process():
+    """dp=2 x sp=2 (2 rows per dp rank) vs one process (4 rows): the same rows per step, so the
+    same losses and weights after 2 AdamW steps. Tolerance fp32: loss 1e-5, weights 2e-5."""
+    pytest.importorskip("transformers")
+    results = run_distributed(_docs_loop, 4, 2, 2, timeout=300)
+    ref_losses, ref_w = _docs_loop(1, 4)
+    assert len(ref_losses) == 2
+    for losses, w in results:
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
+        for k, t in ref_w.items():
+            torch.testing.assert_close(w[k], t, atol=2e-5, rtol=1e-5)
