@@ -278,6 +278,7 @@ def test_bad_collator_args_and_dpo_rows():
     mesh = sim_mesh(1, 2, 0)
     with pytest.raises(seqpar.SeqParError, match="pad_token_id"):
         SequenceParallelCollator(mesh, None)
+    assert SequenceParallelCollator(mesh, torch.tensor(3)).pad_token_id == 3
     with pytest.raises(seqpar.SeqParError, match="label_pad"):
         SequenceParallelCollator(mesh, 0, label_pad=5)
     with pytest.raises(seqpar.SeqParError, match="max_length"):
@@ -296,22 +297,29 @@ row_strategy = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=st.lists(row_strategy, min_size=1, max_size=4),
     mesh_i=st.integers(0, len(MESHES) - 1),
     packing=st.booleans(),
+    merge_first=st.booleans(),
 )
-def test_shift_and_packing_invariants(rows, mesh_i, packing):
+def test_shift_and_packing_invariants(rows, mesh_i, packing, merge_first):
     ring, uly, layout = MESHES[mesh_i]
-    batch = [{"input_ids": [t for t, _ in r], "labels": [t if sup else IGN for t, sup in r]} for r in rows]
+    # The documents, in order, as (ids, labels).
+    docs = [([t for t, _ in r], [t if s else IGN for t, s in r]) for r in rows]
+    batch = [{"input_ids": d[0], "labels": d[1]} for d in docs]
+    if packing and merge_first and len(docs) > 1:
+        # The first input row already holds two documents: position_ids restart at 0 inside it.
+        (a_ids, a_lab), (b_ids, b_lab) = docs[0], docs[1]
+        merged = {"input_ids": a_ids + b_ids, "labels": a_lab + b_lab,
+                  "position_ids": list(range(len(a_ids))) + list(range(len(b_ids)))}
+        batch = [merged] + batch[2:]
     mesh = sim_mesh(ring, uly, 0, layout)
     full = SequenceParallelCollator(mesh, PAD, packing=packing).collate_full(batch)
     ids, pos, tgt = full["input_ids"], full["position_ids"], full["shift_labels"]
     length = ids.shape[1]
     assert length % seqpar.required_multiple(ring, uly, mesh.effective_layout) == 0
-    # The documents, in order, as (ids, labels) -- each row is one document.
-    docs = [([t for t, _ in r], [t if s else IGN for t, s in r]) for r in rows]
     row_docs = [docs] if packing else [[d] for d in docs]
     for b, row in enumerate(row_docs):
         off = 0
@@ -376,6 +384,9 @@ def test_sampler_resumes_mid_epoch():
     resumed.set_epoch(5)  # the usual loop calls set_epoch(epoch) again: the offset is kept
     assert list(resumed) == rest
     assert resumed.state_dict() == {"epoch": 5, "num_consumed": 20}
+    whole = SequenceParallelSampler(40, 2, 1, shuffle=True, seed=3)
+    whole.set_epoch(5)
+    assert first + rest == list(whole) and len(set(first + rest)) == 20
     # An exhausted epoch (also when resumed from a state saved at its very end) moves on to the next.
     fresh = SequenceParallelSampler(40, 2, 1, shuffle=True, seed=3)
     fresh.set_epoch(6)

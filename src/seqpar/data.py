@@ -20,6 +20,7 @@ Truncation: with `max_length`, rows (and, when packing, the packed sequence) lon
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -185,9 +186,14 @@ class SequenceParallelCollator:
     ) -> None:
         if not isinstance(mesh, SequenceParallelMesh):
             raise SeqParError(f"mesh must be a SequenceParallelMesh (seqpar.init_mesh), got {type(mesh).__name__}")
-        if not isinstance(pad_token_id, int) or pad_token_id < 0:
+        try:
+            pad_token_id = operator.index(pad_token_id)  # accepts numpy / tensor integers too
+        except TypeError:
+            pad_token_id = -1
+        if pad_token_id < 0:
             raise SeqParError(
-                f"pad_token_id must be a non-negative int, got {pad_token_id!r} (use tokenizer.pad_token_id or eos)"
+                "pad_token_id must be a non-negative int (use tokenizer.pad_token_id, or eos_token_id when the "
+                "tokenizer has no pad token)"
             )
         if not isinstance(label_pad, int) or label_pad >= 0:
             raise SeqParError(f"label_pad must be a negative int (the loss ignore_index), got {label_pad!r}")
