@@ -54,15 +54,25 @@ def _groups(mesh: SequenceParallelMesh | None) -> tuple[Any, Any]:
     return (None, None) if mesh is None else (mesh.sp_group, mesh.dp_group)
 
 
+def _comm_device(mesh: SequenceParallelMesh | None, default: torch.device) -> torch.device:
+    """Where a small tensor must live for the mesh's collectives (NCCL meshes cannot reduce CPU tensors)."""
+    dm = None if mesh is None else mesh.device_mesh
+    if dm is not None and getattr(dm, "device_type", "cpu") == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return default
+
+
 def global_token_count(local_count: torch.Tensor | int, mesh: SequenceParallelMesh | None) -> torch.Tensor:
     """Sum a FULL-batch count over dp (SP ranks of a group share the same count, so not over sp).
 
     `local_count` is what the collator reports for this dp rank (e.g. "num_supervised_tokens"),
     summed over all grad-accumulation micro-batches of the step. Returns a new long tensor, the
-    same on every rank: the denominator for `sft_loss`.
+    same on every rank: the denominator for `sft_loss`. On a CUDA (NCCL) mesh it lives on the
+    current CUDA device, elsewhere where `local_count` was.
     """
     t = torch.as_tensor(local_count).detach().clone().long()
-    if mesh is not None:
+    if mesh is not None and mesh.dp_size > 1:
+        t = t.to(_comm_device(mesh, t.device))
         comm.all_reduce_(t, mesh.dp_group)
     return t
 
@@ -105,7 +115,8 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh: SequenceParall
 def global_loss(loss_share: torch.Tensor, mesh: SequenceParallelMesh | None) -> torch.Tensor:
     """The true loss value (for logging): the detached sum of every rank's share over sp x dp."""
     t = _upcast(loss_share.detach().clone())
-    if mesh is not None:
+    if mesh is not None and mesh.world_size > 1:
+        t = t.to(_comm_device(mesh, t.device))
         comm.all_reduce_(t, mesh.sp_group)
         comm.all_reduce_(t, mesh.dp_group)
     return t
@@ -206,7 +217,7 @@ def sft_loss(
     if num_items is None:
         if mesh is None:
             raise SeqParError("num_items=None needs mesh= to count supervised tokens over sp x dp")
-        local = (shift_labels != ignore_index).sum()
+        local = (shift_labels.to(nll.device) != ignore_index).sum()
         num_items = global_loss(local, mesh)  # sum over sp and dp
     denom = torch.as_tensor(num_items, device=nll.device).detach().to(nll.dtype).clamp(min=1.0)
     return nll.sum() / denom
