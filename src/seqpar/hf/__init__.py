@@ -1,0 +1,17 @@
+"""Hugging Face integration: run unmodified transformers causal LMs under seqpar sequence parallelism."""
+
+from .attention import ForwardPlan, apply_sequence_parallel, is_sequence_parallel, remove_sequence_parallel
+from .models import ARCHS, load_smollm2, load_smollm2_tokenizer, smollm2_path, tiny_config, tiny_model
+
+__all__ = [
+    "ARCHS",
+    "ForwardPlan",
+    "apply_sequence_parallel",
+    "is_sequence_parallel",
+    "load_smollm2",
+    "load_smollm2_tokenizer",
+    "remove_sequence_parallel",
+    "smollm2_path",
+    "tiny_config",
+    "tiny_model",
+]

