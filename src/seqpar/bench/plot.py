@@ -1,0 +1,162 @@
+"""Render the attention benchmark JSON: a 3-panel PNG and markdown tables (used for docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["plot_attention", "summary_lines"]
+
+
+def _case_label(c: dict[str, Any]) -> str:
+    dt = "" if c["dtype"] == "float32" else f" {c['dtype']}"
+    return f"{c['mode']} u{c['ulysses_degree']}r{c['ring_degree']} {c['num_heads']}q/{c['num_kv_heads']}kv{dt}"
+
+
+def summary_lines(res: dict[str, Any]) -> list[str]:
+    """Markdown tables of the three parts."""
+    out = ["### Communication bytes per rank, one attention call (4 ranks)", ""]
+    cases = res["comm_bytes"]["cases"]
+    c0 = cases[0]
+    out.append(f"S={c0['seq_len']}, B=1, D={c0['head_dim']}; bytes per rank; ratio = measured / theory.")
+    out.append("")
+    out.append(
+        "| case | heads moved (q/kv) | fwd measured | fwd theory (orig heads) | fwd ratio orig / plan "
+        "| bwd measured | bwd theory (orig heads) | bwd ratio orig / plan |"
+    )
+    out.append("|---|---|---:|---:|---|---:|---:|---|")
+    for c in cases:
+        t, ro, rp = c["totals"], c["ratio_vs_original_heads"], c["ratio_vs_plan_heads"]
+        heads = f"{c['plan']['padded_heads']}/{c['plan']['expanded_kv_heads']}" if c["ulysses_degree"] > 1 else "-"
+        out.append(
+            f"| {_case_label(c)} | {heads} | {t['measured']['fwd']:,} | {t['theory_original_heads']['fwd']:,} "
+            f"| {ro['fwd']:.3f} / {rp['fwd']:.3f} | {t['measured']['bwd']:,} | "
+            f"{t['theory_original_heads']['bwd']:,} | {ro['bwd']:.3f} / {rp['bwd']:.3f} |"
+        )
+    ds = [c for c in cases if c.get("deepspeed")]
+    if ds:
+        out += ["", f"DeepSpeed {res['peers']['deepspeed']} `DistributedAttention` (Ulysses) on the same shards:", ""]
+        out.append("| case | fwd bytes | bwd bytes | ratio vs orig-heads theory | max abs diff vs seqpar |")
+        out.append("|---|---:|---:|---:|---:|")
+        for c in ds:
+            d = c["deepspeed"]
+            if "error" in d:
+                out.append(f"| {_case_label(c)} | - | - | fails: `{d['error']}` | - |")
+            else:
+                mb = d["measured_bytes"]
+                out.append(
+                    f"| {_case_label(c)} | {mb['fwd']:,} | {mb['bwd']:,} | {d['ratio_vs_original_heads']['fwd']:.3f} "
+                    f"| {d['max_abs_diff_vs_seqpar_out_and_grads']:.1e} |"
+                )
+    out += ["", "### Causal load balance (forward FLOPs per ring rank, from the ring's piece plan)", ""]
+    pl = res["load_balance"]["planned"]
+    out.append(f"S={pl['seq_len']}, H={pl['heads']}, D={pl['head_dim']}.")
+    out.append("")
+    out.append("| R | layout | max/mean | (2R-1)/R | per-rank GFLOP |")
+    out.append("|---:|---|---:|---:|---|")
+    for r in pl["rows"]:
+        per = ", ".join(f"{f / 1e9:.2f}" for f in r["flops_per_rank"])
+        out.append(
+            f"| {r['ring_degree']} | {r['layout']} | {r['max_over_mean']:.3f} | "
+            f"{(2 * r['ring_degree'] - 1) / r['ring_degree']:.3f} | {per} |"
+        )
+    m = res["load_balance"]["measured"]
+    out += [
+        "",
+        f"Measured at R=4, S={m['seq_len']}, H={m['heads']}, D={m['head_dim']}, fp32, forward, median of {m['reps']}:",
+        "",
+    ]
+    out.append("| layout | kernel CPU s per rank | max/mean CPU | max/mean executed FLOPs | kernel calls per rank |")
+    out.append("|---|---|---:|---:|---|")
+    for layout, v in m["layouts"].items():
+        cpu = ", ".join(f"{x:.3f}" for x in v["kernel_cpu_s_per_rank"])
+        out.append(
+            f"| {layout} | {cpu} | {v['max_over_mean_cpu']:.3f} | {v['max_over_mean_flops']:.3f} | "
+            f"{v['kernel_calls_per_rank']} |"
+        )
+    t = res["timing"]
+    out += [
+        "",
+        f"### Time, S={t['seq_len']}, B=1, H={t['heads']}, D={t['head_dim']}, fp32, causal, "
+        f"P={t['sp_size']} (1 thread per rank) vs one process (1 thread), median of {t['reps']}",
+        "",
+    ]
+    out.append(
+        "| run | fwd s | bwd s | fwd+bwd s | wall speedup | CPU s slowest rank | CPU s all ranks | CPU speedup |"
+    )
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, v in t["results"].items():
+        sp = t["speedup_vs_single_process"].get(name)
+        cs = t["cpu_speedup_vs_single_process"].get(name)
+        out.append(
+            f"| {name} | {v['median_fwd_s']:.3f} | {v['median_bwd_s']:.3f} | {v['median_total_s']:.3f} | "
+            f"{'-' if sp is None else f'{sp:.2f}x'} | {v['median_cpu_s_max_rank']:.3f} | "
+            f"{v['median_cpu_s_sum_ranks']:.3f} | {'-' if cs is None else f'{cs:.2f}x'} |"
+        )
+    mc = res["machine"]
+    out += [
+        "",
+        f"Machine: {mc['cpu_count']} CPUs, {mc['processor']}, torch {mc['torch']}; load average (1 min) "
+        f"start {mc['loadavg_start'][0]:.2f}, end {mc['loadavg_end'][0]:.2f}, during timing "
+        f"{', '.join(f'{x:.2f}' for x in t['loadavg_1min_during'])}. Total {res['elapsed_s']:.0f} s.",
+    ]
+    return out
+
+
+def plot_attention(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+
+    ax = axes[0]
+    cases = res["comm_bytes"]["cases"]
+    labels = [_case_label(c) for c in cases]
+    xs = range(len(cases))
+    for off, key, name in (
+        (-0.2, "ratio_vs_original_heads", "vs original heads"),
+        (0.2, "ratio_vs_plan_heads", "vs head-plan heads"),
+    ):
+        vals = [(c[key]["fwd"] + c[key]["bwd"]) / 2 for c in cases]
+        ax.bar([x + off for x in xs], vals, width=0.4, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs), labels, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("measured / theory bytes (mean of fwd, bwd)")
+    ax.set_title("Comm bytes per rank vs DESIGN §3")
+    ax.legend(fontsize=8)
+
+    ax = axes[1]
+    rows = res["load_balance"]["planned"]["rows"]
+    for layout, mk in (("contiguous", "o-"), ("zigzag", "s-")):
+        rs = [r["ring_degree"] for r in rows if r["layout"] == layout]
+        ax.plot(rs, [r["max_over_mean"] for r in rows if r["layout"] == layout], mk, label=f"{layout} (plan)")
+    meas = res["load_balance"]["measured"]
+    for layout, mk in (("contiguous", "o"), ("zigzag", "s")):
+        ax.plot(
+            [meas["ring_degree"]],
+            [meas["layouts"][layout]["max_over_mean_cpu"]],
+            mk,
+            mfc="none",
+            ms=12,
+            label=f"{layout} measured CPU time, R=4",
+        )
+    ax.set_xlabel("ring degree R")
+    ax.set_ylabel("max / mean per-rank causal attention work")
+    ax.set_title("Causal load balance")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    t = res["timing"]
+    names = list(t["results"])
+    fwd = [t["results"][n]["median_fwd_s"] for n in names]
+    bwd = [t["results"][n]["median_bwd_s"] for n in names]
+    ax.bar(names, fwd, label="fwd")
+    ax.bar(names, bwd, bottom=fwd, label="bwd")
+    ax.set_ylabel("seconds (median)")
+    ax.set_title(f"fwd+bwd, S={t['seq_len']}, P={t['sp_size']} vs 1 process (fp32, 1 thread each)")
+    ax.legend(fontsize=8)
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,139 @@
+"""Smoke test of `python -m seqpar.bench attention --quick`: JSON schema, and that the bytes seqpar's
+collective wrappers count equal the DESIGN.md §3 minimum wherever seqpar should be exactly at it.
+
+One run of the benchmark (two spawned worlds: 4 and 2 gloo ranks) serves every test in this module.
+Byte counts are integers: every comparison here is exact.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from seqpar.bench.__main__ import main
+from seqpar.bench.attention import flops_per_rank, ring_theory, ulysses_theory
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "attention.json"
+    png = out.with_suffix(".png")
+    assert (
+        main(["attention", "--quick", "--out", str(out), "--png", str(png), "--peers", "none", "--timeout", "240"]) == 0
+    )
+    assert png.stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+def _case(res, mode, hq, hkv, dtype="float32"):
+    (c,) = [
+        c
+        for c in res["comm_bytes"]["cases"]
+        if (c["mode"], c["num_heads"], c["num_kv_heads"], c["dtype"]) == (mode, hq, hkv, dtype)
+    ]
+    return c
+
+
+def test_schema(result):
+    assert result["benchmark"] == "attention" and result["quick"] is True
+    assert {"comm_bytes", "load_balance", "timing", "machine", "elapsed_s"} <= set(result)
+    assert result["machine"]["cpu_count"] >= 1 and "shared" in result["machine"]["note"]
+    modes = {(c["mode"], c["ulysses_degree"], c["ring_degree"]) for c in result["comm_bytes"]["cases"]}
+    assert modes == {("ulysses", 4, 1), ("ring", 1, 4), ("usp", 2, 2)}
+    for c in result["comm_bytes"]["cases"]:
+        assert set(c["measured_bytes"]) == {"ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd"}
+        assert set(c["ratio_vs_plan_heads"]) == set(c["ratio_vs_original_heads"]) == {"fwd", "bwd"}
+    t = result["timing"]
+    assert set(t["results"]) == {"ulysses", "ring", "single_process"}
+    for v in t["results"].values():
+        assert len(v["fwd_s"]) == len(v["bwd_s"]) == len(v["cpu_s_max_rank"]) == t["reps"]
+        assert v["median_total_s"] > 0 and v["median_cpu_s_sum_ranks"] >= v["median_cpu_s_max_rank"] > 0
+    assert set(t["speedup_vs_single_process"]) == set(t["cpu_speedup_vs_single_process"]) == {"ulysses", "ring"}
+    assert result["peers"] == {"deepspeed": None}
+    assert all(c["deepspeed"] is None for c in result["comm_bytes"]["cases"])
+
+
+def test_every_rank_counts_the_same_and_nothing_else(result):
+    for c in result["comm_bytes"]["cases"]:
+        assert c["same_on_all_ranks"], c
+        assert c["other_channels"] == {}, c  # attention itself must not all-gather or all-reduce
+
+
+def test_measured_equals_plan_theory_everywhere(result):
+    # seqpar's schedule, with the head counts its plan actually moves, is exactly at the formula.
+    for c in result["comm_bytes"]["cases"]:
+        assert c["measured_bytes"] == c["theory_plan_heads"], c
+
+
+def test_at_the_minimum_with_original_heads(result):
+    # Heads divisible by the Ulysses degree (no dummies, no replication), and every ring forward.
+    exact = [("ulysses", 8, 8), ("usp", 8, 8), ("usp", 8, 2), ("usp", 14, 2), ("usp", 6, 6)]
+    for mode, hq, hkv in exact:
+        c = _case(result, mode, hq, hkv)
+        assert c["ratio_vs_original_heads"] == {"fwd": 1.0, "bwd": 1.0}, c
+    for c in result["comm_bytes"]["cases"]:
+        if c["mode"] == "ring":
+            assert c["measured_bytes"]["ring_fwd"] == c["theory_original_heads"]["ring_fwd"], c
+
+
+def test_independent_formulas(result):
+    # Recomputed here from DESIGN.md §3 by hand, not from the benchmark's own theory fields.
+    c = _case(result, "ulysses", 8, 8)
+    s, d, p = c["seq_len"], c["head_dim"], 4
+    assert c["measured_bytes"]["ulysses_fwd"] == (p - 1) * (s // p) * (8 + 2 * 8 + 8) * d * 4 // p
+    c = _case(result, "ring", 8, 2)
+    blk = (s // p) * 2 * d
+    assert c["measured_bytes"]["ring_fwd"] == (p - 1) * 2 * blk * 4
+    assert c["measured_bytes"]["ring_bwd"] == (p - 1) * 2 * blk * 4 + p * 2 * blk * 4
+    b = _case(result, "ring", 8, 2, "bfloat16")  # K/V travel in bf16, dK/dV in fp32
+    assert b["measured_bytes"]["ring_fwd"] == (p - 1) * 2 * blk * 2
+    assert b["measured_bytes"]["ring_bwd"] == (p - 1) * 2 * blk * 2 + p * 2 * blk * 4
+    # 14q/2kv at P=4: 2 dummy q heads and KV replicated to 4 heads.
+    c = _case(result, "ulysses", 14, 2)
+    assert c["plan"] == {"padded_heads": 16, "expanded_kv_heads": 4, "kv_replicas": 2, "dummy_q_heads": 2}
+    assert c["measured_bytes"]["ulysses_bwd"] == (p - 1) * (s // p) * (16 + 2 * 4 + 16) * d * 4 // p
+    assert c["ratio_vs_original_heads"]["fwd"] == pytest.approx(40 / 32)
+
+
+def test_theory_helpers():
+    assert ulysses_theory(64, 1, 8, 8, 16, 1, 4) == 0
+    assert ring_theory(64, 1, 2, 16, 1, 4) == {"fwd": 0, "bwd": 0, "bwd_min": 0}
+
+
+def test_load_balance(result):
+    rows = result["load_balance"]["planned"]["rows"]
+    want = {(deg, lay) for deg in (2, 4, 8) for lay in ("contiguous", "zigzag")}
+    assert {(r["ring_degree"], r["layout"]) for r in rows} == want
+    for r in rows:
+        if r["layout"] == "zigzag":
+            assert r["max_over_mean"] == pytest.approx(1.0, abs=1e-12), r
+        else:  # (2R-1)/R up to the diagonal's n/2 term
+            assert r["max_over_mean"] == pytest.approx(r["expected_max_over_mean"], rel=2e-3), r
+    m = result["load_balance"]["measured"]
+    for layout, v in m["layouts"].items():
+        # The kernel ran exactly the planned work on every rank.
+        assert v["executed_flops_per_rank"] == v["planned_flops_per_rank"], layout
+        assert v["executed_flops_per_rank"] == flops_per_rank(m["seq_len"], 4, layout, m["heads"], m["head_dim"])
+    assert m["layouts"]["zigzag"]["max_over_mean_flops"] == pytest.approx(1.0, abs=1e-12)
+
+
+@pytest.mark.slow
+def test_deepspeed_peer_quick(tmp_path):
+    # Only where DeepSpeed happens to be installed (it is not a seqpar dependency).
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "attention.json"
+    assert main(["attention", "--quick", "--out", str(out), "--png", "none", "--peers", "deepspeed"]) == 0
+    res = json.loads(out.read_text())
+    c = _case(res, "ulysses", 8, 8)
+    ds = c["deepspeed"]
+    # Heads divisible by P: DeepSpeed moves exactly what seqpar moves, and computes the same attention.
+    assert ds["measured_bytes"] == {
+        "fwd": c["measured_bytes"]["ulysses_fwd"],
+        "bwd": c["measured_bytes"]["ulysses_bwd"],
+    }
+    assert ds["max_abs_diff_vs_seqpar_out_and_grads"] < 1e-5
+    assert "deepspeed_ulysses" in res["timing"]["results"]
+    for hq, hkv in ((8, 2), (14, 2), (6, 6)):  # each either measured or refused with a recorded reason
+        d = _case(res, "ulysses", hq, hkv)["deepspeed"]
+        assert ("error" in d) != ("measured_bytes" in d)
