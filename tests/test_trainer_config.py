@@ -23,7 +23,8 @@ def _write_jsonl(path, rows):
 
 @pytest.fixture
 def sft_file(tmp_path):
-    return _write_jsonl(tmp_path / "sft.jsonl", [{"instruction": f"q{i} " * 3, "response": f"a{i} " * 4} for i in range(6)])
+    rows = [{"instruction": f"q{i} " * 3, "response": f"a{i} " * 4} for i in range(6)]
+    return _write_jsonl(tmp_path / "sft.jsonl", rows)
 
 
 def _cfg(path, **kw):

@@ -23,7 +23,10 @@ from pathlib import Path
 
 KEY_WORDS = ["amber", "basalt", "cobalt", "dune", "ember", "fjord", "glacier", "harbor", "indigo", "jasper",
              "kelp", "lagoon", "meadow", "nebula", "onyx", "prairie", "quartz", "reef", "sierra", "tundra"]
-QUESTION = "Somewhere in the code above a line assigns ACCESS_KEY. What is the value of ACCESS_KEY? Answer with the value only."
+QUESTION = (
+    "Somewhere in the code above a line assigns ACCESS_KEY. What is the value of ACCESS_KEY? "
+    "Answer with the value only."
+)
 
 
 def _stdlib_files(rng: random.Random) -> list[Path]:

@@ -221,7 +221,9 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
             return ReferenceLogps(self.sp_mesh, policy=model)
         if ref is None:
             if is_sequence_parallel(model):
-                raise SeqParError("the policy already has SP applied, so it cannot be copied as the reference: pass ref_model=")
+                raise SeqParError(
+                    "the policy already has SP applied, so it cannot be copied as the reference: pass ref_model="
+                )
             ref = copy.deepcopy(model)
         ref.eval().requires_grad_(False)
         if not is_sequence_parallel(ref):

@@ -137,7 +137,6 @@ class TrainConfig(_Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     output_dir: str = "runs/seqpar"
     seed: int = 0
-    log_every: int = Field(default=1, ge=1)
     progress: bool = True
 
     @field_validator("model", mode="before")
@@ -153,7 +152,9 @@ class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _cross(self) -> TrainConfig:
         if self.stage == "dpo" and self.dataset.packing:
-            raise ValueError("dataset.packing is not supported with stage: dpo (pairs are padded rows): set packing: false")
+            raise ValueError(
+                "dataset.packing is not supported with stage: dpo (pairs are padded rows): set packing: false"
+            )
         if self.dataset.packing and self.micro_batch_size != 1:
             raise ValueError(
                 "with dataset.packing, a micro-batch is one packed row of up to max_length tokens: "

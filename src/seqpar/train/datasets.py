@@ -110,7 +110,10 @@ def load_rows(path: str) -> list[dict[str, Any]]:
     exts = {os.path.splitext(f)[1] for f in files}
     unknown = exts - set(kinds)
     if unknown or not files:
-        raise SeqParError(f"dataset.path={path!r}: unsupported file type(s) {sorted(unknown) or 'none'}: use .jsonl, .json or .parquet")
+        raise SeqParError(
+            f"dataset.path={path!r}: unsupported file type(s) {sorted(unknown) or 'none'}: "
+            "use .jsonl, .json or .parquet"
+        )
     builders = {kinds[e] for e in exts}
     if len(builders) != 1:
         raise SeqParError(f"dataset.path={path!r} mixes JSON and Parquet files: keep one kind per directory")
@@ -164,7 +167,8 @@ def check_fields(rows: list[dict[str, Any]], fmt: str, stage: str) -> None:
                 )
         if fmt == "chat":
             msgs = row["messages"]
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            ok = isinstance(msgs, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs)
+            if not ok:
                 raise SeqParError(f"dataset row {i}: messages must be a list of {{role, content}} dicts")
             if not any(m["role"] == "assistant" for m in msgs):
                 raise SeqParError(f"dataset row {i}: no assistant message to supervise: add one or drop the row")
@@ -259,7 +263,8 @@ def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokeni
                     f"no response tokens: raise max_length above {n_prompt} or shorten the prompt"
                 )
             # The collator cuts prompt + completion to max_length on the right.
-            stats["truncated"] += sum(n_prompt + len(ex[k]) > max_length for k in ("chosen_input_ids", "rejected_input_ids"))
+            stats["truncated"] += sum(n_prompt + len(ex[k]) > max_length
+                                      for k in ("chosen_input_ids", "rejected_input_ids"))
             out.append(ex)
         return out, stats
     examples = []

@@ -304,7 +304,9 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
         fully_shard(model, mesh=fmesh)
     reference = None
     if needs_ref:
-        reference = ReferenceLogps(mesh, ref_model=ref_model) if ref_model is not None else ReferenceLogps(mesh, policy=model)
+        # Full fine-tuning: the frozen copy; LoRA: the policy itself with the adapter disabled.
+        reference = (ReferenceLogps(mesh, ref_model=ref_model) if ref_model is not None
+                     else ReferenceLogps(mesh, policy=model))
 
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
@@ -347,7 +349,8 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
         (out / "mesh.txt").write_text(f"{mesh!r} world={world}\n")
 
     bf16 = cfg.precision == "bf16"
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else (lambda: contextlib.nullcontext())
+    def autocast() -> contextlib.AbstractContextManager:
+        return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     factor = L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0
     world_group = dist.group.WORLD if world > 1 else None
     result = TrainResult(output_dir=str(out), resumed_from=resumed_from, metrics_path=str(metrics_path),
@@ -415,9 +418,8 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
             bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tokens / dt:.0f}", mem=f"{row['peak_mem_mb']:.0f}MB")
         every = cfg.checkpoint.every
         if every and step % every == 0 and step < cfg.max_steps:
-            save_checkpoint(out, step, model, optimizer,
-                            {"step": step, "scheduler": scheduler.state_dict(), "data": [s.state_dict() for s in streams]},
-                            trainable_only=lora, keep_last=cfg.checkpoint.keep_last)
+            state = {"step": step, "scheduler": scheduler.state_dict(), "data": [s.state_dict() for s in streams]}
+            save_checkpoint(out, step, model, optimizer, state, trainable_only=lora, keep_last=cfg.checkpoint.keep_last)
         _maybe_fault(step, rank, world)
     bar.close()
 
