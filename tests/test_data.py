@@ -267,6 +267,7 @@ def test_max_length_truncates_and_reports():
         ([{"input_ids": [1.5, 2.0]}], "integers"),
         ([{"input_ids": [1, 2, 3], "position_ids": [0, 1, 0]}], "packing=True"),
         (["abc"], "must be a dict"),
+        ([{"input_ids": [1, -100, 3]}], "negative id"),
     ],
 )
 def test_bad_rows_raise(rows, match):

@@ -107,6 +107,10 @@ def _prepare_row(
     if "input_ids" not in row:
         raise SeqParError(f"row {i} has no 'input_ids' (keys: {sorted(row)}): tokenize it first")
     ids = _as_1d_long(row["input_ids"], "input_ids", i)
+    if ids.numel() and int(ids.min()) < 0:
+        raise SeqParError(
+            f"row {i}: input_ids hold a negative id ({int(ids.min())}): mark unsupervised tokens in labels instead"
+        )
     n = ids.numel()
     fields: dict[str, torch.Tensor] = {}
     for key in ("labels", "attention_mask", "position_ids"):
