@@ -412,8 +412,8 @@ def _spawn_worker() -> dict:
     out = {}
     for name, sp, ring, uly in (("ring4", 4, 4, 1), ("uly4", 4, 1, 4), ("usp", 4, 2, 2), ("dp2_ring2", 2, 2, 1)):
         mesh = seqpar.init_mesh(sp, ring_degree=ring, ulysses_degree=uly)
-        sampler = sp_sampler(len(rows), mesh, shuffle=True, seed=1)
-        mine = [rows[i] for i in sampler]
+        indices = list(sp_sampler(len(rows), mesh, shuffle=True, seed=1))
+        mine = [rows[i] for i in indices]
         for packing in (False, True):
             col = SequenceParallelCollator(mesh, PAD, packing=packing)
             batch = col(mine)
@@ -421,7 +421,7 @@ def _spawn_worker() -> dict:
                     for k in ("input_ids", "position_ids", "shift_labels")}
             full["cu_seqlens"] = batch["cu_seqlens"].tolist() if packing else None
             full["num_supervised_tokens"] = int(batch["num_supervised_tokens"])
-            full["indices"] = list(sampler)
+            full["indices"] = indices
             full["multiple"] = seqpar.required_multiple(ring, uly, mesh.effective_layout)
             out[name, packing] = full
     return out
