@@ -97,7 +97,6 @@ ULY2 = {"size": 2, "ulysses_degree": 2}
 FAST_GRID = [
     ("sft_full_usp2x2_packed", dict(sp=USP, packing=True)),
     ("dpo_lora_ring2_dp2_fsdp", dict(stage="dpo", method="lora", sp=RING2, fsdp=True)),
-    ("sft_lora_ulysses2_dp2_fsdp", dict(method="lora", sp=ULY2, fsdp=True)),
 ]
 
 
@@ -108,7 +107,8 @@ def test_train_loop_matches_sp1_reference(data, tmp_path):
 def _full_grid():
     grid = []
     for stage, method, (spn, sp), fsdp in itertools.product(
-        ("sft", "dpo"), ("full", "lora"), (("sp1", {"size": 1}), ("ring2", RING2), ("usp2x2", USP)), (False, True)
+        ("sft", "dpo"), ("full", "lora"), (("sp1", {"size": 1}), ("ring2", RING2), ("ulysses2", ULY2), ("usp2x2", USP)),
+        (False, True),
     ):
         for packing in ((False, True) if stage == "sft" else (False,)):
             name = f"{stage}_{method}_{spn}_{'fsdp' if fsdp else 'nofsdp'}_{'packed' if packing else 'padded'}"

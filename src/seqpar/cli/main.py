@@ -89,8 +89,6 @@ def _static_checks(cfg, world: int) -> None:
 
     nh, nkv = model_heads(cfg)
     validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
-    if cfg.fsdp and world == 1:
-        raise SeqParError("fsdp: true needs several processes: set fsdp: false, or pass --nproc-per-node N > 1")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ dp x sp: by `seqpar.loss.sum_gradients`, or by FSDP (which averages, hence the l
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,25 +82,20 @@ def micro_batch_loss(
     mesh: SequenceParallelMesh,
     spec: StepSpec,
     reference: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None = None,
-    autocast: contextlib.AbstractContextManager | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss_share, detached metrics) of one micro-batch; num_items = the step's global denominator."""
-    ctx = autocast if autocast is not None else contextlib.nullcontext()
     if spec.stage == "sft":
-        with ctx:
-            logits = forward_logits(model, batch)
+        logits = forward_logits(model, batch)
         labels = batch["shift_labels"].to(logits.device)
         return L.sft_loss(logits, labels, num_items, mesh=mesh), {}
     ref_c = ref_r = None
     if spec.loss_type != "simpo":
         if reference is None:
             raise ValueError(f"DPO loss_type={spec.loss_type!r} needs a reference model")
-        with ctx:
-            ref_logps, _ = reference(batch)
+        ref_logps, _ = reference(batch)
         n = ref_logps.shape[0] // 2
         ref_c, ref_r = ref_logps[:n], ref_logps[n:]
-    with ctx:
-        logits = forward_logits(model, batch)
+    logits = forward_logits(model, batch)
     logps, counts = L.sequence_logps(logits, batch["shift_labels"].to(logits.device), mesh)
     n = logps.shape[0] // 2
     share, metrics = L.dpo_loss(

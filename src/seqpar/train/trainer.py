@@ -10,7 +10,6 @@ then the SP mesh, sequence-parallel attention, LoRA, FSDP2, optimizer, resume, a
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -130,7 +129,7 @@ def load_tokenizer(cfg: TrainConfig) -> Any:
 
 
 def load_model(cfg: TrainConfig) -> torch.nn.Module:
-    """The model in fp32 (bf16 training uses autocast). Tiny models are seeded by cfg.seed."""
+    """The model in fp32 (see _run for bf16). Tiny models are seeded by cfg.seed."""
     kind = _model_kind(cfg)
     if kind == "tiny":
         from ..hf import tiny_model
@@ -239,8 +238,6 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     world = dist.get_world_size() if pg_ready else int(os.environ.get("WORLD_SIZE", "1"))
     if emulate_dp > 1 and (world != 1 or cfg.sequence_parallel.size != 1):
         raise SeqParError("emulate_dp is for single-process SP=1 references only")
-    if cfg.fsdp and world == 1:
-        raise SeqParError("fsdp: true needs several processes: set fsdp: false, or launch with --nproc-per-node N > 1")
 
     # 1. Everything that can fail on the config, before any process group exists.
     nh, nkv = model_heads(cfg)
@@ -257,6 +254,10 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     created_pg = False
     if world > 1 and not pg_ready:
         dist.init_process_group("nccl" if use_cuda else "gloo")
+        created_pg = True
+    elif cfg.fsdp and not pg_ready:
+        # FSDP2 needs a process group even on one rank (the bf16 reference of `seqpar verify` uses this).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         created_pg = True
     rank = dist.get_rank() if world > 1 else 0
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
@@ -278,10 +279,16 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     spec = StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma)
     needs_ref = cfg.stage == "dpo" and cfg.dpo.loss_type != "simpo"
 
-    model.to(device)
+    bf16 = cfg.precision == "bf16"
+    # bf16: with FSDP2, fp32 master weights + bf16 compute (MixedPrecisionPolicy, fp32 gradient reduction);
+    # without FSDP, the weights themselves are bf16 (pure bf16 training). Not autocast: under autocast RoPE
+    # promotes q/k to fp32 while v stays bf16, and the SP attention requires one dtype.
+    model.to(device=device, dtype=torch.bfloat16 if bf16 and not cfg.fsdp else None)
     ref_model = None
     if needs_ref and not lora:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if bf16:
+            ref_model.to(torch.bfloat16)
         apply_sequence_parallel(ref_model, mesh)
     apply_sequence_parallel(model, mesh)
     if lora:
@@ -295,13 +302,14 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     model.train()
     if cfg.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         # FSDP2 over the flattened dp x sp world: every rank holds 1/world of the parameters.
         fmesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",))
         for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=fmesh)
-        fully_shard(model, mesh=fmesh)
+            fully_shard(layer, mesh=fmesh, **({"mp_policy": mp} if mp else {}))
+        fully_shard(model, mesh=fmesh, **({"mp_policy": mp} if mp else {}))
     reference = None
     if needs_ref:
         # Full fine-tuning: the frozen copy; LoRA: the policy itself with the adapter disabled.
@@ -348,9 +356,6 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
             (out / "config.json").write_text(cfg.model_dump_json(indent=2))
         (out / "mesh.txt").write_text(f"{mesh!r} world={world}\n")
 
-    bf16 = cfg.precision == "bf16"
-    def autocast() -> contextlib.AbstractContextManager:
-        return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     factor = L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0
     world_group = dist.group.WORLD if world > 1 else None
     result = TrainResult(output_dir=str(out), resumed_from=resumed_from, metrics_path=str(metrics_path),
@@ -381,7 +386,7 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
         for j, b in enumerate(micro):
             if cfg.fsdp:
                 model.set_requires_gradient_sync(j == len(micro) - 1)
-            share, met = micro_batch_loss(model, b, num_items, mesh, spec, reference, autocast())
+            share, met = micro_batch_loss(model, b, num_items, mesh, spec, reference)
             (share * factor).backward()
             share_sum += share.detach().float().cpu()
             for k, v in met.items():

@@ -1,7 +1,7 @@
 """`seqpar verify`: the same config with SP and with SP=1, loss curves overlaid, max |dloss| in JSON.
 
 The SP run is launched under torchrun (N processes); the reference runs in THIS process with SP=1,
-no FSDP, playing all dp slots of the SP run (`train(..., emulate_dp=dp)`): every step sees the same
+no FSDP (bf16 + FSDP: FSDP2 on one rank, for the same fp32 master weights), playing all dp slots of the SP run (`train(..., emulate_dp=dp)`): every step sees the same
 rows in the same micro-batches with the same global token normalisation, so the losses must agree
 to floating-point noise (fp32: 1e-5).
 """
@@ -52,8 +52,10 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
     base = cfg.model_dump(mode="json")
     base.update(max_steps=steps, checkpoint={"every": 0, "save_final": False, "resume": False})
     sp_cfg = config_from_dict({**base, "output_dir": str(out / "sp")})
-    # The reference: one process, SP=1, no FSDP (any max_length valid under SP is valid at SP=1).
-    ref_cfg = config_from_dict({**base, "output_dir": str(out / "ref"), "fsdp": False,
+    # The reference: one process, SP=1 (any max_length valid under SP is valid at SP=1), no FSDP -- except
+    # in bf16, where FSDP's fp32 master weights must be mirrored (FSDP2 on a 1-rank group).
+    ref_fsdp = cfg.fsdp and cfg.precision == "bf16"
+    ref_cfg = config_from_dict({**base, "output_dir": str(out / "ref"), "fsdp": ref_fsdp,
                                 "sequence_parallel": {"size": 1}})
 
     sp_yaml = write_config(sp_cfg, out / "sp_config.yaml")
