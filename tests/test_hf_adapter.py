@@ -270,7 +270,14 @@ def spawned_checks():
     L.sum_gradients(sp.parameters(), mesh)
     out["ckpt_grad"] = max(float((a.grad - b.grad).abs().max()) for a, b in zip(ref.parameters(), sp.parameters()))
 
-    # 4. a refusal is raised on every rank (same decision everywhere, no hang)
+    # 4. the equivalence harness (packed rows, awkward heads)
+    from seqpar.hf.equivalence import compare
+
+    g = torch.Generator().manual_seed(5)
+    rows = [[{"input_ids": torch.randint(3, 160, (n,), generator=g)} for n in (13, 21, 9)]]
+    out["harness"] = compare(lambda: tiny_model("qwen2", 14, 2), rows, mesh, packing=True)
+
+    # 5. a refusal is raised on every rank (same decision everywhere, no hang)
     sp = apply_sequence_parallel(tiny_model("mistral", 4, 2, sliding_window=32), mesh)
     try:
         sp(input_ids=shard(ids), position_ids=shard(pos))
@@ -287,3 +294,5 @@ def test_spawned_lora_eval_checkpointing_refusal():
         assert r["dropkw_logits"] <= LOGIT_TOL and r["dropkw_used_state"], r
         assert r["ckpt_grad"] <= TOL, r
         assert r["refused"], r
+        h = r["harness"]
+        assert h["loss"] <= TOL and h["grad"] <= TOL and h["logits"] <= LOGIT_TOL and h["count"] == 0, h
