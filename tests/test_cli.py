@@ -86,15 +86,18 @@ def test_cli_verify_bf16(tmp_path):
     _verify(tmp_path, "bf16", "sft", 2, tol=5e-2, precision="bf16", fsdp=True)
 
 
-def test_kill_rank_restart_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("variant", ["full_fsdp", pytest.param("lora_nofsdp", marks=pytest.mark.slow)])
+def test_kill_rank_restart_resume_equals_uninterrupted(tmp_path, variant):
     """A rank dies after step 3 (fault hook); torchrun restarts all ranks; they resume from the step-2
     checkpoint (model, optimizer, scheduler, sampler position, RNG). Final parameters must equal an
     uninterrupted run's exactly (same world, same config: deterministic CPU math)."""
     ck = {"every": 2, "save_final": True, "keep_last": 2}
-    base = _write_config(tmp_path, "uninterrupted", checkpoint=ck, fsdp=True)
+    extra = ({"fsdp": True} if variant == "full_fsdp"
+             else {"finetuning": {"method": "lora", "r": 4, "alpha": 8}, "schedule": {"name": "cosine"}})
+    base = _write_config(tmp_path, "uninterrupted", checkpoint=ck, **extra)
     r = _seqpar("train", str(base), "--nproc-per-node", "2")
     assert r.returncode == 0, r.stderr[-3000:]
-    faulty = _write_config(tmp_path, "faulty", checkpoint=ck, fsdp=True)
+    faulty = _write_config(tmp_path, "faulty", checkpoint=ck, **extra)
     r = _seqpar("train", str(faulty), "--nproc-per-node", "2", "--max-restarts", "1",
                 env={"SEQPAR_FAULT_AFTER_STEP": "3"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
