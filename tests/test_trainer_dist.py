@@ -87,6 +87,7 @@ def _check(data, tmp_path, grid):
         ref = _reference(case, dp)
         diff = max(abs(a - b) for a, b in zip(losses, ref))
         assert diff <= TOL, f"{name}: max |dloss| = {diff:.3e} > {TOL} (SP {losses} vs ref {ref})"
+        print(f"{name}: max |dloss| = {diff:.2e}")
         assert losses[-1] < losses[0] or case["stage"] == "dpo", f"{name}: loss did not decrease: {losses}"
 
 
