@@ -45,11 +45,12 @@ def test_schema(result):
         assert set(c["measured_bytes"]) == {"ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd"}
         assert set(c["ratio_vs_plan_heads"]) == set(c["ratio_vs_original_heads"]) == {"fwd", "bwd"}
     t = result["timing"]
-    assert set(t["results"]) == {"ulysses", "ring", "single_process"}
+    assert set(t["results"]) == {"ulysses", "ring", "single_process", "seqpar_one_process"}
     for v in t["results"].values():
         assert len(v["fwd_s"]) == len(v["bwd_s"]) == len(v["cpu_s_max_rank"]) == t["reps"]
         assert v["median_total_s"] > 0 and v["median_cpu_s_sum_ranks"] >= v["median_cpu_s_max_rank"] > 0
-    assert set(t["speedup_vs_single_process"]) == set(t["cpu_speedup_vs_single_process"]) == {"ulysses", "ring"}
+    others = {"ulysses", "ring", "seqpar_one_process"}
+    assert set(t["speedup_vs_single_process"]) == set(t["cpu_speedup_vs_single_process"]) == others
     assert result["peers"] == {"deepspeed": None}
     assert all(c["deepspeed"] is None for c in result["comm_bytes"]["cases"])
 

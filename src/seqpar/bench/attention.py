@@ -303,7 +303,8 @@ def _sdpa(q, k, v):
 
 
 def _rank_timing(seq: int, heads: int, d: int, reps: int, use_ds: bool) -> dict[str, Any]:
-    """Per repeat: each SP mode at P=2, then torch SDPA on rank 0 alone (rank 1 waits in a barrier).
+    """Per repeat: each SP mode at P=2, then on rank 0 alone (rank 1 waits in a barrier) torch SDPA
+    and seqpar's own one-process path (sp_size=1: the local kernel, fp32 merge buffer and all).
 
     SP step wall time = slowest rank. CPU times are summed and maxed over ranks: they do not depend
     on how many other processes share the cores, so they show the work split even on a loaded machine.
@@ -315,7 +316,12 @@ def _rank_timing(seq: int, heads: int, d: int, reps: int, use_ds: bool) -> dict[
         "ulysses": seqpar.init_mesh(world, ulysses_degree=world, ring_degree=1),
         "ring": seqpar.init_mesh(world, ulysses_degree=1, ring_degree=world, layout="zigzag"),
     }
+    one = seqpar.init_mesh(1)  # dp=world, sp=1: every collective of seqpar.attention is a no-op
     calls = {m: (lambda q, k, v, mesh=mesh: seqpar.attention(q, k, v, mesh, causal=True)) for m, mesh in meshes.items()}
+    alone = {
+        "single_process": (_sdpa, True),
+        "seqpar_one_process": (lambda q, k, v: seqpar.attention(q, k, v, one, causal=True), False),
+    }
     if use_ds:
         from .peers import DeepSpeedUlysses, setup_deepspeed
 
@@ -326,7 +332,7 @@ def _rank_timing(seq: int, heads: int, d: int, reps: int, use_ds: bool) -> dict[
     dout_full = torch.randn(1, seq, heads, d, generator=torch.Generator().manual_seed(3))
     local = {m: ([seqpar.shard(t, mesh) for t in full], seqpar.shard(dout_full, mesh)) for m, mesh in meshes.items()}
     keys = ("fwd_s", "bwd_s", "cpu_s_max_rank", "cpu_s_sum_ranks", "process_cpu_s_sum_ranks")
-    res: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in (*meshes, "single_process")}
+    res: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in (*meshes, *alone)}
     loads = []
     for rep in range(reps + 1):  # rep 0 warms up and is dropped
         for m in meshes:
@@ -342,10 +348,11 @@ def _rank_timing(seq: int, heads: int, d: int, reps: int, use_ds: bool) -> dict[
                     res[m][key].append(val)
         dist.barrier()
         if dist.get_rank() == 0:
-            r = _step(_sdpa, *full, dout_full, heads_first=True)
-            if rep:
-                for key, val in zip(keys, (r["fwd"], r["bwd"], r["cpu"], r["cpu"], r["proc"])):
-                    res["single_process"][key].append(val)
+            for name, (call, heads_first) in alone.items():
+                r = _step(call, *full, dout_full, heads_first=heads_first)
+                if rep:
+                    for key, val in zip(keys, (r["fwd"], r["bwd"], r["cpu"], r["cpu"], r["proc"])):
+                        res[name][key].append(val)
             loads.append(os.getloadavg()[0])
         dist.barrier()
     return {"runs": res, "loadavg_1min": loads}
