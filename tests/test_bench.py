@@ -61,6 +61,12 @@ def test_every_rank_counts_the_same_and_nothing_else(result):
         assert c["other_channels"] == {}, c  # attention itself must not all-gather or all-reduce
 
 
+def test_wrapper_counts_match_torch_distributed(result):
+    # CommStats (seqpar's wrappers) vs bytes counted independently at torch.distributed's entry points.
+    for c in result["comm_bytes"]["cases"]:
+        assert c["torch_distributed_bytes"] == c["totals"]["measured"], c
+
+
 def test_measured_equals_plan_theory_everywhere(result):
     # seqpar's schedule, with the head counts its plan actually moves, is exactly at the formula.
     for c in result["comm_bytes"]["cases"]:

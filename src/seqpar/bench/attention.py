@@ -15,10 +15,12 @@ Three parts, all written to one JSON document (see `run`):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +199,30 @@ def _theory_for(case: dict[str, Any], seq: int, d: int, hq: int, hkv: int) -> di
     return usp_theory(seq, 1, hq, hkv, d, case["ulysses_degree"], case["ring_degree"], elt)
 
 
+@contextlib.contextmanager
+def _count_torch_collectives(sent: list[int]) -> Iterator[None]:
+    """Independent check of seqpar's own accounting: count, at the torch.distributed entry points
+    seqpar.comm uses (all_to_all_single, batch_isend_irecv), the bytes this rank sends to others."""
+    a2a, batch = dist.all_to_all_single, dist.batch_isend_irecv
+
+    def counting_a2a(output, input, *args, **kwargs):
+        group = kwargs.get("group")
+        p = dist.get_world_size(group)
+        # Equal splits (seqpar's all-to-all): everything but this rank's own chunk leaves the rank.
+        sent.append(input.numel() * input.element_size() * (p - 1) // p)
+        return a2a(output, input, *args, **kwargs)
+
+    def counting_batch(ops):
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return batch(ops)
+
+    dist.all_to_all_single, dist.batch_isend_irecv = counting_a2a, counting_batch
+    try:
+        yield
+    finally:
+        dist.all_to_all_single, dist.batch_isend_irecv = a2a, batch
+
+
 def _measure_comm(case: dict[str, Any], seq: int, d: int, meshes: dict) -> dict[str, Any]:
     import seqpar
 
@@ -209,18 +235,24 @@ def _measure_comm(case: dict[str, Any], seq: int, d: int, meshes: dict) -> dict[
     for t in (q, k, v):
         t.requires_grad_(True)
     dist.barrier()
-    mesh.stats.reset()
-    out = seqpar.attention(q, k, v, mesh, causal=True)
-    fwd = dict(mesh.stats.bytes)
-    fwd_calls = dict(mesh.stats.calls)
-    mesh.stats.reset()
-    out.backward(torch.ones_like(out))
-    bwd = dict(mesh.stats.bytes)
-    bwd_calls = dict(mesh.stats.calls)
-    mesh.stats.reset()
+    seen: list[int] = []
+    with _count_torch_collectives(seen):
+        mesh.stats.reset()
+        out = seqpar.attention(q, k, v, mesh, causal=True)
+        fwd = dict(mesh.stats.bytes)
+        fwd_calls = dict(mesh.stats.calls)
+        torch_fwd = sum(seen)
+        seen.clear()
+        mesh.stats.reset()
+        out.backward(torch.ones_like(out))
+        bwd = dict(mesh.stats.bytes)
+        bwd_calls = dict(mesh.stats.calls)
+        torch_bwd = sum(seen)
+        mesh.stats.reset()
     plan = head_plan(case["num_heads"], case["num_kv_heads"], u)
     return {
         "bytes": {**fwd, **bwd},
+        "torch_distributed_bytes": {"fwd": torch_fwd, "bwd": torch_bwd},
         "calls": {**fwd_calls, **bwd_calls},
         "fwd_channels": sorted(fwd),
         "bwd_channels": sorted(bwd),
@@ -482,6 +514,8 @@ def _assemble_comm(cases, per_rank, seq, d, alone=None) -> list[dict[str, Any]]:
                 "other_channels": {c: b for c, b in measured.items() if c not in channels},
                 "calls": ranks[0]["calls"],
                 "same_on_all_ranks": all(r["bytes"] == measured for r in ranks),
+                # Bytes seen at torch.distributed's entry points, for a check of the wrappers' own count.
+                "torch_distributed_bytes": ranks[0]["torch_distributed_bytes"],
                 "theory_plan_heads": {c: th_plan[c] for c in channels},
                 "theory_original_heads": {c: th_orig[c] for c in channels},
                 "ring_bwd_lower_bound_plan_heads": th_plan["ring_bwd_min"],
