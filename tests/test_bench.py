@@ -12,7 +12,7 @@ import json
 import pytest
 
 from seqpar.bench.__main__ import main
-from seqpar.bench.attention import flops_per_rank, ring_theory, ulysses_theory
+from seqpar.bench.theory import flops_per_rank, ring_theory, ulysses_theory
 
 
 @pytest.fixture(scope="module")

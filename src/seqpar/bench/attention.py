@@ -9,8 +9,11 @@ Three parts, all written to one JSON document (see `run`):
 2. load_balance: causal attention FLOPs per ring rank from the ring's own piece plan (no run), for
    the contiguous and zigzag layouts and R in {2, 4, 8}; plus measured per-rank forward kernel CPU
    time at R=4 (a timing kernel wraps the CPU flash kernel, so only attention compute is counted).
-3. timing: fwd+bwd wall time of SP (P=2, 1 thread per rank) vs torch SDPA in one process (1 thread),
-   interleaved in the same run so both see the same machine load; medians over repeats.
+3. timing: fwd+bwd wall and CPU time of SP (P=2, 1 thread per rank; seqpar Ulysses, ring, and
+   DeepSpeed Ulysses when installed) vs torch SDPA and seqpar in one process (1 thread), interleaved
+   in the same run so all see the same machine load; medians over repeats.
+
+The formulas live in `theory.py`, the optional DeepSpeed peer in `peers.py`, rendering in `plot.py`.
 """
 
 from __future__ import annotations
@@ -27,15 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "Sizes",
-    "ulysses_theory",
-    "ring_theory",
-    "usp_theory",
-    "flops_per_rank",
-    "load_balance_table",
-    "run",
-]
+from .theory import flops_per_rank, load_balance_table, usp_theory
+
+__all__ = ["Sizes", "comm_cases", "run"]
 
 FWD_BWD = ("fwd", "bwd")
 
@@ -60,81 +57,6 @@ class Sizes:
         if quick:
             return Sizes(64, 16, 256, 2, 16, 1, 256, 2, 16, 2)
         return Sizes(1024, 64, 4096, 8, 64, 5, 8192, 8, 64, 5)
-
-
-# --------------------------------------------------------------------------------------------------
-# Theory (DESIGN.md §3). All numbers are bytes SENT by one rank for one attention call.
-# --------------------------------------------------------------------------------------------------
-
-
-def ulysses_theory(seq: int, batch: int, hq: int, hkv: int, d: int, p: int, elt: int) -> int:
-    """One pass (fwd or bwd) of Ulysses: q, k, v go seq->heads, out comes back: (P-1)/P of each local tensor."""
-    if p == 1:
-        return 0
-    per_token_heads = hq + 2 * hkv + hq
-    return (p - 1) * (seq // p) * batch * per_token_heads * d * elt // p
-
-
-def ring_theory(seq: int, batch: int, hkv: int, d: int, r: int, elt: int, grad_elt: int = 4) -> dict[str, int]:
-    """Ring over r ranks, each holding seq/r tokens of hkv heads.
-
-    fwd: K and V travel r-1 hops. bwd (seqpar's schedule): K and V again r-1 hops, and dK/dV (in the
-    fp32 accumulation dtype) r hops (they follow the KV ring and need one last hop home).
-    bwd_min: the strict lower bound for the dK/dV reduction, r-1 hops (a reduce-scatter).
-    """
-    if r == 1:
-        return {"fwd": 0, "bwd": 0, "bwd_min": 0}
-    blk = (seq // r) * batch * hkv * d
-    kv = (r - 1) * 2 * blk * elt
-    return {"fwd": kv, "bwd": kv + r * 2 * blk * grad_elt, "bwd_min": kv + (r - 1) * 2 * blk * grad_elt}
-
-
-def usp_theory(
-    seq: int, batch: int, hq: int, hkv: int, d: int, u: int, r: int, elt: int, grad_elt: int = 4
-) -> dict[str, int]:
-    """USP = Ulysses over u ranks on a seq/(u*r) shard, then a ring over r ranks with hkv/u kv heads each."""
-    uly = ulysses_theory(seq // r, batch, hq, hkv, d, u, elt)
-    ring = ring_theory(seq, batch, hkv, d, r, elt, grad_elt)  # all kv heads; each ulysses rank moves 1/u
-    return {
-        "ulysses_fwd": uly,
-        "ulysses_bwd": uly,
-        "ring_fwd": ring["fwd"] // u,
-        "ring_bwd": ring["bwd"] // u,
-        "ring_bwd_min": ring["bwd_min"] // u,
-    }
-
-
-# --------------------------------------------------------------------------------------------------
-# Load balance from the ring's piece plan (pure computation, no processes).
-# --------------------------------------------------------------------------------------------------
-
-
-def flops_per_rank(seq: int, r: int, layout: str, heads: int, d: int, batch: int = 1) -> list[float]:
-    """Causal forward attention FLOPs each ring rank executes, from ring.plan_pieces (what the ring runs)."""
-    from ..attention.ring import piece_flops, plan_pieces
-    from ..layout import ring_segments
-
-    segs = [ring_segments(seq, r, j, layout) for j in range(r)]
-    return [
-        sum(piece_flops(plan_pieces(segs[me], segs[j], True), batch, heads, d) for j in range(r)) for me in range(r)
-    ]
-
-
-def load_balance_table(seq: int, heads: int, d: int, degrees: tuple[int, ...] = (2, 4, 8)) -> list[dict[str, Any]]:
-    rows = []
-    for r in degrees:
-        for layout in ("contiguous", "zigzag"):
-            f = flops_per_rank(seq, r, layout, heads, d)
-            rows.append(
-                {
-                    "ring_degree": r,
-                    "layout": layout,
-                    "flops_per_rank": f,
-                    "max_over_mean": max(f) / statistics.fmean(f),
-                    "expected_max_over_mean": (2 * r - 1) / r if layout == "contiguous" else 1.0,
-                }
-            )
-    return rows
 
 
 # --------------------------------------------------------------------------------------------------
