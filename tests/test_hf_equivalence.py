@@ -242,6 +242,9 @@ def _assert_results(per_rank):
             if not (ok and r["count"] == 0):
                 bad.append((rank, key, r))
     assert not bad, "SP != no-SP:\n" + "\n".join(map(str, bad))
+    every = [r for results in per_rank for _, r in results]
+    worst = {k: max(r.get(k, 0.0) for r in every) for k in ("loss", "grad", "logits")}
+    print(f"{len(every)} case-ranks, worst errors: {worst}")  # shown with pytest -s
 
 
 HEADS_P2 = [(9, 3), (4, 2)]
