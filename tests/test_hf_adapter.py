@@ -8,6 +8,8 @@ per document, unpadded. Tolerance: fp32, 1e-5 absolute (logits 2e-5).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,8 @@ def test_scoped_to_one_model_and_removable():
     ids = _ids(24)
     with pytest.raises(SeqParError, match="already applied"):
         apply_sequence_parallel(a, mesh)
+    with pytest.raises(SeqParError, match="deep-copy"):
+        copy.deepcopy(a)
     want = b(input_ids=ids, position_ids=_pos(24)).logits
     got = a(input_ids=ids, position_ids=_pos(24)).logits
     assert (got - want).abs().max() <= LOGIT_TOL

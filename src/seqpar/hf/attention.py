@@ -63,6 +63,13 @@ class _SPState:
         self.restore: dict[str, Any] = {}
         self.finalizer: Any = None
 
+    def __deepcopy__(self, memo: dict) -> _SPState:
+        # A copy would share this model's registration (and mesh process groups): refuse clearly.
+        raise SeqParError(
+            "cannot deep-copy a model with sequence parallelism applied: copy it before "
+            "apply_sequence_parallel (or after remove_sequence_parallel), then apply SP to each copy"
+        )
+
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers PreTrainedModel inside (PEFT wrappers included)."""
