@@ -123,6 +123,12 @@ def test_load_balance(result):
         assert v["executed_flops_per_rank"] == v["planned_flops_per_rank"], layout
         assert v["executed_flops_per_rank"] == flops_per_rank(m["seq_len"], 4, layout, m["heads"], m["head_dim"])
     assert m["layouts"]["zigzag"]["max_over_mean_flops"] == pytest.approx(1.0, abs=1e-12)
+    for v in m["layouts"].values():
+        assert len(v["predicted_kernel_cpu_s_per_rank"]) == 4 and v["predicted_max_over_mean_cpu"] >= 1.0
+    assert {(s["q_len"], s["kv_len"], s["causal"]) for s in m["kernel_shape_cpu_s"]} >= {
+        (32, 32, True),
+        (32, 64, False),
+    }
 
 
 @pytest.mark.slow

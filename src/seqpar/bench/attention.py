@@ -215,6 +215,51 @@ def _measure_balance(layout: str, seq: int, heads: int, d: int, reps: int) -> di
     }
 
 
+def _shape_prediction(seq: int, r: int, heads: int, d: int, reps: int) -> dict[str, Any]:
+    """Per-rank kernel CPU time predicted from the plan: time each distinct piece shape once, in this
+    process with 1 thread, and add up each rank's pieces. Separates the kernel's per-shape
+    efficiency (causal diagonals, q-short vs kv-short blocks) from noise in the 4-rank measurement."""
+    from ..attention.kernels import default_scale, get_kernel
+    from ..attention.ring import plan_pieces
+    from ..layout import ring_segments
+
+    kern = get_kernel(torch.device("cpu"), "cpu")
+    shapes_per_rank: dict[str, list[list[tuple[int, int, bool]]]] = {}
+    for layout in ("contiguous", "zigzag"):
+        segs = [ring_segments(seq, r, j, layout) for j in range(r)]
+        shapes_per_rank[layout] = [
+            [(p.q1 - p.q0, p.k1 - p.k0, p.causal) for j in range(r) for p in plan_pieces(segs[me], segs[j], True)]
+            for me in range(r)
+        ]
+    shapes = sorted({sh for per in shapes_per_rank.values() for lst in per for sh in lst})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times = {}
+    try:
+        g = torch.Generator().manual_seed(4)
+        for sq, sk, causal in shapes:
+            q = torch.randn(1, sq, heads, d, generator=g)
+            k, v = torch.randn(1, sk, heads, d, generator=g), torch.randn(1, sk, heads, d, generator=g)
+            ts = []
+            for _ in range(reps + 1):
+                t0 = time.thread_time()
+                kern.forward(q, k, v, causal, default_scale(d))
+                ts.append(time.thread_time() - t0)
+            times[(sq, sk, causal)] = statistics.median(ts[1:])
+    finally:
+        torch.set_num_threads(threads)
+    out: dict[str, Any] = {
+        "kernel_shape_cpu_s": [{"q_len": a, "kv_len": b, "causal": c, "cpu_s": t} for (a, b, c), t in times.items()]
+    }
+    for layout, per in shapes_per_rank.items():
+        pred = [sum(times[sh] for sh in lst) for lst in per]
+        out[layout] = {
+            "predicted_kernel_cpu_s_per_rank": pred,
+            "predicted_max_over_mean_cpu": max(pred) / statistics.fmean(pred),
+        }
+    return out
+
+
 def _rank_comm_and_balance(
     seq: int, d: int, cases: list[dict], lb: tuple[int, int, int, int], use_ds: bool
 ) -> dict[str, Any]:
@@ -514,6 +559,7 @@ def run(quick: bool = False, timeout: float = 540.0, peers: str = "auto") -> dic
     )[0]
 
     table = load_balance_table(8192, 8, 64)
+    pred = _shape_prediction(sz.lb_seq, 4, sz.lb_heads, sz.lb_head_dim, sz.lb_reps)
     measured_lb = {}
     for layout in ("contiguous", "zigzag"):
         cpu = [pr["balance"][layout]["kernel_cpu_s"] for pr in per_rank]
@@ -526,6 +572,7 @@ def run(quick: bool = False, timeout: float = 540.0, peers: str = "auto") -> dic
             "planned_flops_per_rank": flops_per_rank(sz.lb_seq, 4, layout, sz.lb_heads, sz.lb_head_dim),
             "kernel_calls_per_rank": [pr["balance"][layout]["kernel_calls"] for pr in per_rank],
             "fwd_wall_s_per_rank": [pr["balance"][layout]["fwd_wall_s"] for pr in per_rank],
+            **pred[layout],
         }
     summaries = {m: _median_summary(r) for m, r in timing["runs"].items()}
     base_key = "single_process"
@@ -557,6 +604,7 @@ def run(quick: bool = False, timeout: float = 540.0, peers: str = "auto") -> dic
                 "reps": sz.lb_reps,
                 "dtype": "float32",
                 "layouts": measured_lb,
+                "kernel_shape_cpu_s": pred["kernel_shape_cpu_s"],
             },
         },
         "timing": {

@@ -72,13 +72,27 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
         f"Measured at R=4, S={m['seq_len']}, H={m['heads']}, D={m['head_dim']}, fp32, forward, median of {m['reps']}:",
         "",
     ]
-    out.append("| layout | kernel CPU s per rank | max/mean CPU | max/mean executed FLOPs | kernel calls per rank |")
-    out.append("|---|---|---:|---:|---|")
+    out.append(
+        "| layout | kernel CPU s per rank | max/mean CPU | predicted per rank (from shapes) | max/mean predicted "
+        "| max/mean executed FLOPs | kernel calls per rank |"
+    )
+    out.append("|---|---|---:|---|---:|---:|---|")
     for layout, v in m["layouts"].items():
         cpu = ", ".join(f"{x:.3f}" for x in v["kernel_cpu_s_per_rank"])
+        pr = ", ".join(f"{x:.3f}" for x in v["predicted_kernel_cpu_s_per_rank"])
         out.append(
-            f"| {layout} | {cpu} | {v['max_over_mean_cpu']:.3f} | {v['max_over_mean_flops']:.3f} | "
-            f"{v['kernel_calls_per_rank']} |"
+            f"| {layout} | {cpu} | {v['max_over_mean_cpu']:.3f} | {pr} | {v['predicted_max_over_mean_cpu']:.3f} | "
+            f"{v['max_over_mean_flops']:.3f} | {v['kernel_calls_per_rank']} |"
+        )
+    out += ["", "Kernel CPU time per piece shape (one process, 1 thread; FLOPs: causal counts half):", ""]
+    out.append("| q len | kv len | causal | CPU ms | ns per FLOP |")
+    out.append("|---:|---:|---|---:|---:|")
+    for sh in m["kernel_shape_cpu_s"]:
+        area = sh["q_len"] * (sh["q_len"] + 1) / 2 if sh["causal"] else sh["q_len"] * sh["kv_len"]
+        fl = 4.0 * m["heads"] * m["head_dim"] * area
+        out.append(
+            f"| {sh['q_len']} | {sh['kv_len']} | {sh['causal']} | {sh['cpu_s'] * 1e3:.2f} | "
+            f"{sh['cpu_s'] / fl * 1e9:.3f} |"
         )
     t = res["timing"]
     out += [
