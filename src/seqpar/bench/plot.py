@@ -163,6 +163,14 @@ def plot_attention(res: dict[str, Any], path: str) -> None:
             ms=12,
             label=f"{layout}: measured kernel CPU time, R=4",
         )
+        ax.plot(
+            [meas["ring_degree"] + 0.15],
+            [meas["layouts"][layout]["predicted_max_over_mean_cpu"]],
+            "x",
+            color=col,
+            ms=10,
+            label=f"{layout}: predicted from per-shape kernel time",
+        )
     ax.set_xlabel("ring degree R")
     ax.set_ylabel("max / mean per-rank causal attention work")
     ax.set_title("Causal load balance")
