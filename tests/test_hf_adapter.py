@@ -143,8 +143,11 @@ def test_refusals_at_apply():
     mesh = seqpar.init_mesh(1)
     with pytest.raises(SeqParError, match="softcapping"):
         apply_sequence_parallel(tiny_model("gemma2", 4, 2, attn_logit_softcapping=50.0), mesh)
-    with pytest.raises(SeqParError, match="attention_dropout"):
-        apply_sequence_parallel(tiny_model("llama", 4, 2, attention_dropout=0.1), mesh)
+    m = apply_sequence_parallel(tiny_model("llama", 4, 2, attention_dropout=0.1), mesh)
+    ids = _ids(16)
+    with pytest.raises(SeqParError, match="dropout=0.1 \\(train mode\\)"):
+        m.train()(input_ids=ids, position_ids=_pos(16))
+    m.eval()(input_ids=ids, position_ids=_pos(16))  # HF passes dropout=0 in eval mode
     with pytest.raises(SeqParError, match="SequenceParallelMesh"):
         apply_sequence_parallel(tiny_model("llama", 4, 2), None)
 

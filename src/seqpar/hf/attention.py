@@ -100,12 +100,7 @@ def _check_config(cfg: Any) -> None:
             "supported by seqpar's exact attention (the softmax merge needs plain logits); "
             "set config.attn_logit_softcapping = None (changes the model) or do not use SP"
         )
-    drop = float(getattr(cfg, "attention_dropout", 0.0) or 0.0)
-    if drop > 0:
-        # Refused up front: dropout would only appear in train mode and silently differ per rank.
-        raise SeqParError(
-            f"attention_dropout={drop}: attention dropout is not supported under SP; set config.attention_dropout = 0.0"
-        )
+    # attention_dropout > 0 is refused per forward, in train mode only (HF passes dropout=0 in eval).
     sinks = getattr(cfg, "use_sinks", None)
     if sinks:
         raise SeqParError("attention sinks are not supported by seqpar")
@@ -161,7 +156,10 @@ def _make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
                 f"{type(module).__name__} is not causal (is_causal=False): seqpar supports causal LMs only"
             )
         if dropout and dropout > 0:
-            raise SeqParError(f"attention dropout={dropout} is not supported under SP: set config.attention_dropout=0")
+            raise SeqParError(
+                f"attention dropout={dropout} (train mode) is not supported under SP: the dropout mask would "
+                "differ from the unsharded model's; set config.attention_dropout = 0.0 (eval mode is fine)"
+            )
         if softcap is not None:
             raise SeqParError(
                 f"attention logit softcapping (softcap={softcap}) is not supported under SP: "
@@ -337,9 +335,9 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
     this rank's shard of the logits (in the order of `seqpar.shard`). Works in train and eval mode
     and with PEFT wrappers (apply before or after get_peft_model). Only this model is affected: it
     gets its own config copy pointing at an attention function registered under a unique name.
-    Raises SeqParError for what seqpar cannot run exactly (softcapped attention logits, attention
-    dropout, non-causal attention, sliding windows shorter than the sequence (checked per forward),
-    attention sinks).
+    Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, attention
+    sinks, nested/encoder-decoder configs (here); attention dropout in train mode, non-causal
+    attention, sliding windows shorter than the sequence (per forward, on every rank alike).
     """
     from transformers import AttentionInterface
 
