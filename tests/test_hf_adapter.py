@@ -81,6 +81,13 @@ def test_scoped_to_one_model_and_removable():
     assert name not in AttentionInterface._global_mapping
     # Back to plain HF: no position_ids needed any more.
     assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+    # A garbage-collected SP model takes its registration with it.
+    import gc
+
+    other = c1.config._attn_implementation
+    del c1
+    gc.collect()
+    assert other not in AttentionInterface._global_mapping
 
 
 def test_eval_mode_and_no_grad_run_under_sp():
