@@ -88,7 +88,9 @@ def test_cli_verify_bf16(tmp_path):
 
 @pytest.mark.parametrize("variant", ["full_fsdp", pytest.param("lora_nofsdp", marks=pytest.mark.slow)])
 def test_kill_rank_restart_resume_equals_uninterrupted(tmp_path, variant):
-    """A rank dies after step 3 (fault hook); torchrun restarts all ranks; they resume from the step-2
+    """A rank dies after step 3 (fault hook); torchrun restarts all ranks (up to 3 rounds: a restart round
+    can itself fail to rendezvous on a loaded machine -- gloo "connectFullMesh ... Connection refused");
+    they resume from the step-2
     checkpoint (model, optimizer, scheduler, sampler position, RNG). Final parameters must equal an
     uninterrupted run's exactly (same world, same config: deterministic CPU math)."""
     ck = {"every": 2, "save_final": True, "keep_last": 2}
@@ -98,7 +100,7 @@ def test_kill_rank_restart_resume_equals_uninterrupted(tmp_path, variant):
     r = _seqpar("train", str(base), "--nproc-per-node", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     faulty = _write_config(tmp_path, "faulty", checkpoint=ck, **extra)
-    r = _seqpar("train", str(faulty), "--nproc-per-node", "2", "--max-restarts", "1",
+    r = _seqpar("train", str(faulty), "--nproc-per-node", "2", "--max-restarts", "3",
                 env={"SEQPAR_FAULT_AFTER_STEP": "3"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "fault hook: rank 1 exits after step 3" in r.stdout + r.stderr

@@ -103,7 +103,20 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     msd, osd = get_state_dict(model, optimizer, options=opts)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+    if trainable_only:
+        # Only the trainable (LoRA) weights were saved: load non-strictly, then check that exactly the
+        # frozen ones are missing.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        opts = StateDictOptions(ignore_frozen_params=True, strict=False)
+    res = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                         options=opts)
+    if trainable_only and res is not None:
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        missing = [k for k in res.missing_keys if any(k.endswith(t) or t.endswith(k) for t in trainable)]
+        if missing or res.unexpected_keys:
+            raise SeqParError(f"checkpoint {path} does not match the model (missing trainable {missing[:3]}, "
+                              f"unexpected {list(res.unexpected_keys)[:3]}): resume with the same config")
     trainer_state = torch.load(mine, weights_only=False)
     set_rng_state(trainer_state.pop("rng"))
     return trainer_state

@@ -253,7 +253,7 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     use_cuda = torch.cuda.is_available()
     created_pg = False
     if world > 1 and not pg_ready:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        _init_process_group("nccl" if use_cuda else "gloo")
         created_pg = True
     elif cfg.fsdp and not pg_ready:
         # FSDP2 needs a process group even on one rank (the bf16 reference of `seqpar verify` uses this).
@@ -443,6 +443,22 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     if world > 1:
         dist.barrier()
     return result
+
+
+def _init_process_group(backend: str) -> None:
+    """env:// init; after a torchrun restart, under a per-attempt key prefix.
+
+    torchrun's store outlives a failed attempt, and gloo's rendezvous keys do not change between
+    attempts: a restarted rank could read the dead rank's address ("connectFullMesh ... Connection
+    refused"). A prefix per TORCHELASTIC_RESTART_COUNT keeps each attempt's keys apart.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart == 0:
+        dist.init_process_group(backend)
+        return
+    store, rank, world = next(dist.rendezvous("env://"))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"seqpar_attempt_{restart}", store), rank=rank,
+                            world_size=world)
 
 
 def _trim_metrics(path: Path, keep_upto: int) -> None:

@@ -1,8 +1,9 @@
 """`seqpar verify`: the same config with SP and with SP=1, loss curves overlaid, max |dloss| in JSON.
 
 The SP run is launched under torchrun (N processes); the reference runs in THIS process with SP=1,
-no FSDP (bf16 + FSDP: FSDP2 on one rank, for the same fp32 master weights), playing all dp slots of the SP run (`train(..., emulate_dp=dp)`): every step sees the same
-rows in the same micro-batches with the same global token normalisation, so the losses must agree
+no FSDP (bf16 + FSDP: FSDP2 on one rank, for the same fp32 master weights), playing all dp slots of
+the SP run (`train(..., emulate_dp=dp)`): every step sees the same rows in the same micro-batches
+with the same global token normalisation, so the losses must agree
 to floating-point noise (fp32: 1e-5).
 """
 
