@@ -8,7 +8,7 @@ are supervised, so the gradient must flow through attention across the whole doc
 every SP shard. The demo then runs `seqpar verify` logic: the same steps with SP=1 in one process,
 and writes the overlaid loss curves (PNG) and max |dloss| (JSON).
 
-Options: --steps, --max-length (tokens per example, default 1024), --nproc (default 4),
+Options: --steps (default 5), --max-length (tokens per example, default 1024), --nproc (default 4),
 --out (default demo_output/). On 2 CPU cores the default run takes a few minutes.
 """
 
@@ -70,7 +70,7 @@ def build_examples(tok, n: int, max_length: int, seed: int = 0) -> list[dict[str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m seqpar.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--rows", type=int, default=12)
