@@ -135,3 +135,17 @@ def test_cli_bad_config_fails_before_spawning(tmp_path, sft_file):
     assert r.returncode == 2, r.stderr
     assert "does not divide the world size 3" in r.stderr and "1, 3" in r.stderr
     assert "torch.distributed" not in r.stderr and time.time() - t0 < 120
+
+
+def test_cli_check_in_process(tmp_path, sft_file, capsys):
+    from seqpar.cli.main import main
+
+    p = tmp_path / "cfg.yaml"
+    ds = f"{{path: {sft_file}, max_length: 256, packing: true}}"
+    p.write_text(f"model: tiny:llama\ndataset: {ds}\nsequence_parallel: 4\n")
+    assert main(["check", str(p), "--nproc-per-node", "8"]) == 0
+    assert "OK: 2 training examples from 6 rows" in capsys.readouterr().out  # ~43-token rows: packs of 5 + 1
+    assert main(["check", str(p), "--nproc-per-node", "8", "--set", "dataset.max_length=60"]) == 2
+    assert "use max_length: 56 or 64" in capsys.readouterr().err
+    assert main(["check", str(p), "--set", "sequence_parallel.ulysses_degree=3"]) == 2
+    assert "must divide size=4" in capsys.readouterr().err
