@@ -14,4 +14,15 @@ __all__ = [
     "smollm2_path",
     "tiny_config",
     "tiny_model",
+    "SequenceParallelTrainer",
+    "SequenceParallelDPOTrainer",
 ]
+
+
+def __getattr__(name: str):
+    # Lazy: importing seqpar.hf must not pull in transformers.Trainer / accelerate.
+    if name in ("SequenceParallelTrainer", "SequenceParallelDPOTrainer"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'seqpar.hf' has no attribute {name!r}")
