@@ -176,12 +176,6 @@ def _make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
                 raise SeqParError(f"{what} are not supported under SP")
         if getattr(module, "sinks", None) is not None:
             raise SeqParError("attention sinks are not supported under SP")
-        if not (query.dtype == key.dtype == value.dtype):
-            # Under autocast, RoPE can promote q/k to fp32 while v stays low precision; attend in the
-            # autocast dtype, as SDPA would (else the value dtype).
-            dev = query.device.type
-            target = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
-            query, key, value = (t.to(target) for t in (query, key, value))
         q = query.transpose(1, 2)
         k_ = key.transpose(1, 2)
         v = value.transpose(1, 2)
