@@ -502,7 +502,8 @@ def _assemble_comm(cases, per_rank, seq, d, alone=None) -> list[dict[str, Any]]:
 def _median_summary(runs: dict[str, list[float]]) -> dict[str, Any]:
     tot = [f + b for f, b in zip(runs["fwd_s"], runs["bwd_s"])]
     med = {f"median_{k}": statistics.median(v) for k, v in runs.items()}
-    return {**runs, **med, "median_total_s": statistics.median(tot)}
+    # External load only ever adds time, so the best repeat is the closest to an idle machine.
+    return {**runs, **med, "median_total_s": statistics.median(tot), "min_total_s": min(tot)}
 
 
 def _ds_version() -> str:
@@ -625,6 +626,9 @@ def run(quick: bool = False, timeout: float = 540.0, peers: str = "auto") -> dic
             "loadavg_1min_during": timing["loadavg_1min"],
             "results": summaries,
             "speedup_vs_single_process": {m: base / v["median_total_s"] for m, v in summaries.items() if m != base_key},
+            "best_rep_speedup_vs_single_process": {
+                m: summaries[base_key]["min_total_s"] / v["min_total_s"] for m, v in summaries.items() if m != base_key
+            },
             "cpu_speedup_vs_single_process": {
                 m: summaries[base_key]["median_cpu_s_max_rank"] / v["median_cpu_s_max_rank"]
                 for m, v in summaries.items()
