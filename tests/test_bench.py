@@ -51,6 +51,7 @@ def test_schema(result):
         assert v["median_total_s"] > 0 and v["median_cpu_s_sum_ranks"] >= v["median_cpu_s_max_rank"] > 0
     others = {"ulysses", "ring", "seqpar_one_process"}
     assert set(t["speedup_vs_single_process"]) == set(t["cpu_speedup_vs_single_process"]) == others
+    assert set(t["best_rep_speedup_vs_single_process"]) == others
     assert result["peers"] == {"deepspeed": None}
     assert all(c["deepspeed"] is None for c in result["comm_bytes"]["cases"])
 
@@ -65,6 +66,13 @@ def test_wrapper_counts_match_torch_distributed(result):
     # CommStats (seqpar's wrappers) vs bytes counted independently at torch.distributed's entry points.
     for c in result["comm_bytes"]["cases"]:
         assert c["torch_distributed_bytes"] == c["totals"]["measured"], c
+
+
+def test_measured_calls_are_exact(result):
+    # The attention whose bytes are counted is also right: fp32 1e-5, bf16 3e-2 (vs a float64 reference).
+    for c in result["comm_bytes"]["cases"]:
+        tol = 1e-5 if c["dtype"] == "float32" else 3e-2
+        assert c["max_abs_err_vs_fp64_reference"] < tol, c
 
 
 def test_measured_equals_plan_theory_everywhere(result):

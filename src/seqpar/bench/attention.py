@@ -153,9 +153,14 @@ def _measure_comm(case: dict[str, Any], seq: int, d: int, meshes: dict) -> dict[
     u, r = case["ulysses_degree"], case["ring_degree"]
     mesh = meshes[(u, r)]
     dtype = getattr(torch, case["dtype"])
-    q, k, v = (seqpar.shard(t, mesh) for t in _qkv(seq, case["num_heads"], case["num_kv_heads"], d, dtype))
+    full = _qkv(seq, case["num_heads"], case["num_kv_heads"], d, dtype)
+    q, k, v = (seqpar.shard(t, mesh) for t in full)
     for t in (q, k, v):
         t.requires_grad_(True)
+    # Independent float64 reference on the full sequence: the measured call must also be right.
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().transpose(1, 2) for t in full), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
     dist.barrier()
     seen: list[int] = []
     with _count_torch_collectives(seen):
@@ -172,8 +177,10 @@ def _measure_comm(case: dict[str, Any], seq: int, d: int, meshes: dict) -> dict[
         torch_bwd = sum(seen)
         mesh.stats.reset()
     plan = head_plan(case["num_heads"], case["num_kv_heads"], u)
+    err = (out.detach().double() - seqpar.shard(ref, mesh)).abs().max().item()
     return {
         "bytes": {**fwd, **bwd},
+        "max_abs_err_vs_fp64_reference": err,
         "torch_distributed_bytes": {"fwd": torch_fwd, "bwd": torch_bwd},
         "calls": {**fwd_calls, **bwd_calls},
         "fwd_channels": sorted(fwd),
@@ -483,6 +490,7 @@ def _assemble_comm(cases, per_rank, seq, d, alone=None) -> list[dict[str, Any]]:
                 "same_on_all_ranks": all(r["bytes"] == measured for r in ranks),
                 # Bytes seen at torch.distributed's entry points, for a check of the wrappers' own count.
                 "torch_distributed_bytes": ranks[0]["torch_distributed_bytes"],
+                "max_abs_err_vs_fp64_reference": max(r["max_abs_err_vs_fp64_reference"] for r in ranks),
                 "theory_plan_heads": {c: th_plan[c] for c in channels},
                 "theory_original_heads": {c: th_orig[c] for c in channels},
                 "ring_bwd_lower_bound_plan_heads": th_plan["ring_bwd_min"],

@@ -25,9 +25,9 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
     out.append("")
     out.append(
         "| case | heads moved (q/kv) | fwd measured | fwd theory (orig heads) | fwd ratio orig / plan "
-        "| bwd measured | bwd theory (orig heads) | bwd ratio orig / plan | bwd / strict bound |"
+        "| bwd measured | bwd theory (orig heads) | bwd ratio orig / plan | bwd / strict bound | max err vs fp64 |"
     )
-    out.append("|---|---|---:|---:|---|---:|---:|---|---:|")
+    out.append("|---|---|---:|---:|---|---:|---:|---|---:|---:|")
     for c in cases:
         t, ro, rp = c["totals"], c["ratio_vs_original_heads"], c["ratio_vs_plan_heads"]
         heads = f"{c['plan']['padded_heads']}/{c['plan']['expanded_kv_heads']}" if c["ulysses_degree"] > 1 else "-"
@@ -37,7 +37,7 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
             f"| {_case_label(c)} | {heads} | {t['measured']['fwd']:,} | {t['theory_original_heads']['fwd']:,} "
             f"| {ro['fwd']:.3f} / {rp['fwd']:.3f} | {t['measured']['bwd']:,} | "
             f"{t['theory_original_heads']['bwd']:,} | {ro['bwd']:.3f} / {rp['bwd']:.3f} | "
-            f"{t['measured']['bwd'] / bound:.3f} |"
+            f"{t['measured']['bwd'] / bound:.3f} | {c['max_abs_err_vs_fp64_reference']:.1e} |"
         )
     ds = [c for c in cases if c.get("deepspeed")]
     if ds:
