@@ -114,7 +114,17 @@ def test_head_plan_keeps_gqa_mapping(hq, hkv, p):
                 assert plan.kv_src[local_kv] == src // g0, "query head paired with the wrong KV head"
 
 
-def test_head_plan_example_from_design():
-    plan = head_plan(14, 2, 4)
-    assert (plan.padded_heads, plan.expanded_kv_heads, plan.dummy_heads) == (16, 4, 2)
-    assert head_plan(32, 8, 8).is_identity
+@pytest.mark.parametrize(
+    "shape,expect",
+    [
+        ((14, 2, 4), (16, 4)),  # DESIGN.md example: pad each 7-head group to 8, replicate kv to 4
+        ((6, 6, 4), (8, 8)),  # two dummy (q, kv) pairs beat replicating every head (12/12)
+        ((9, 3, 2), (12, 4)),  # one dummy kv group: 4 groups of 3 q (12/6 before)
+        ((8, 2, 4), (8, 4)),  # kv < P: replicate kv, no dummy
+        ((32, 8, 8), (32, 8)),
+    ],
+)
+def test_head_plan_moves_fewest_heads(shape, expect):
+    plan = head_plan(*shape)
+    assert (plan.padded_heads, plan.expanded_kv_heads) == expect
+    assert plan.is_identity == (expect == shape[:2])

@@ -16,6 +16,7 @@ import math
 import os
 import resource
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,23 @@ def _maybe_fault(step: int, rank: int, world: int) -> None:
 
 
 # ----------------------------------------------------------------------------- the loop
+def _quiet_non_main_ranks() -> None:
+    """One rank talks: other ranks' HF/datasets progress bars and info logs are noise (errors still show)."""
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")  # raised inside peft
+    if int(os.environ.get("RANK", "0")) == 0:
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass
+
+
 def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     """Train per `cfg`. Launch under torchrun for several ranks (or call inside an initialised group).
 
@@ -239,6 +257,7 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     if emulate_dp > 1 and (world != 1 or cfg.sequence_parallel.size != 1):
         raise SeqParError("emulate_dp is for single-process SP=1 references only")
 
+    _quiet_non_main_ranks()
     # 1. Everything that can fail on the config, before any process group exists.
     nh, nkv = model_heads(cfg)
     u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
