@@ -131,6 +131,19 @@ def piece_flops(pieces: list[Piece], batch: int, heads: int, head_dim: int) -> f
     return total
 
 
+def _remove_range(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    out = []
+    for a, b in ranges:
+        if b <= lo or a >= hi:
+            out.append((a, b))
+        else:
+            if a < lo:
+                out.append((a, lo))
+            if hi < b:
+                out.append((hi, b))
+    return out
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, stats, all_segs, ring_rank, bounds, causal, scale, kernel):
@@ -139,6 +152,7 @@ class _RingAttention(torch.autograd.Function):
         a = acc_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=a, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=a, device=q.device)
+        untouched = [(0, q.shape[1])]  # local q rows no piece has written yet
         kk, vv = k, v
         for step in range(n):
             if step < n - 1:
@@ -146,7 +160,13 @@ class _RingAttention(torch.autograd.Function):
             j = (r - step) % n
             for p in plan_pieces(all_segs[r], all_segs[j], causal, bounds):
                 o_p, l_p = kernel.forward(q[:, p.q0 : p.q1], kk[:, p.k0 : p.k1], vv[:, p.k0 : p.k1], p.causal, scale)
-                merge_(out[:, p.q0 : p.q1], lse[:, p.q0 : p.q1], o_p, l_p)
+                if any(a0 <= p.q0 and p.q1 <= a1 for a0, a1 in untouched):
+                    # First result for all these rows: a copy, not a merge into an empty accumulator.
+                    out[:, p.q0 : p.q1] = o_p
+                    lse[:, p.q0 : p.q1] = l_p
+                else:
+                    merge_(out[:, p.q0 : p.q1], lse[:, p.q0 : p.q1], o_p, l_p)
+                untouched = _remove_range(untouched, p.q0, p.q1)
             if step < n - 1:
                 kk, vv = ring.wait()
         out = out.to(q.dtype)
