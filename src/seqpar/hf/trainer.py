@@ -15,6 +15,8 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
   their SUM. The logged "loss" is then exactly the global token-averaged loss;
 - evaluate() runs under SP (no full-length forward on one rank) and reports the global
   token-averaged loss.
+- resume_from_checkpoint is exact, mid-epoch included (the skipped batches and each epoch's
+  shuffle come out as in the uninterrupted run); PEFT (LoRA) models train as with the stock Trainer.
 Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); DPO rows hold
 "prompt_input_ids", "chosen_input_ids", "rejected_input_ids".
 """
@@ -26,7 +28,7 @@ import math
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 from transformers import Trainer
 
 from .. import comm
@@ -40,11 +42,24 @@ from .attention import apply_sequence_parallel, is_sequence_parallel
 __all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer"]
 
 
+class _EpochBatchSampler(BatchSampler):
+    """A BatchSampler whose set_epoch reaches the SP sampler.
+
+    On a mid-epoch resume the Trainer swaps our loader for accelerate's `skip_first_batches` copy,
+    a plain DataLoader without set_epoch; it then reaches `loader.batch_sampler.batch_sampler
+    .set_epoch` (this object, under accelerate's SkipBatchSampler). Without it the resumed epoch
+    would replay epoch 0's shuffle.
+    """
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
 class _EpochDataLoader(DataLoader):
     """A plain DataLoader whose set_epoch reaches the SP sampler (the Trainer calls it per epoch)."""
 
     def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+        self.batch_sampler.set_epoch(epoch)
 
 
 def _is_sp_collator(c: Any) -> bool:
@@ -107,8 +122,9 @@ class SequenceParallelTrainer(Trainer):
             raise SeqParError("no dataset given: pass train_dataset= / eval_dataset=")
         sampler = SequenceParallelSampler(len(dataset), self.sp_mesh.dp_size, self.sp_mesh.dp_rank,
                                           shuffle=shuffle, seed=self.args.seed)
-        return _EpochDataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=self.data_collator,
-                                drop_last=self.args.dataloader_drop_last, num_workers=self.args.dataloader_num_workers)
+        batches = _EpochBatchSampler(sampler, batch_size, drop_last=self.args.dataloader_drop_last)
+        return _EpochDataLoader(dataset, batch_sampler=batches, collate_fn=self.data_collator,
+                                num_workers=self.args.dataloader_num_workers)
 
     def get_train_dataloader(self) -> DataLoader:
         shuffle = self.args.train_sampling_strategy != "sequential"
