@@ -20,6 +20,7 @@ Truncation: with `max_length`, rows (and, when packing, the packed sequence) lon
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
@@ -304,6 +305,12 @@ class SequenceParallelDPOCollator(SequenceParallelCollator):
     completion, right-padded to one length -- with prompt tokens unsupervised (the last prompt
     token's target is the first completion token), plus "num_pairs" (0-dim long, = B).
     With max_length, each prompt + completion is cut on the right (counted in num_truncated_tokens).
+
+    Precomputed reference log-probs (TRL style): when EVERY row also has "ref_chosen_logps" and
+    "ref_rejected_logps" (floats: sums of the reference model's log-probs over the full completion
+    tokens), the batch gets "ref_logps": float32 [2B] in the row order [chosen..., rejected...], the
+    same on every SP rank (per sequence, never sharded). They describe the untruncated completion, so
+    a batch that max_length would cut raises SeqParError, as does a batch where only some rows have them.
     """
 
     def __init__(
@@ -340,7 +347,46 @@ class SequenceParallelDPOCollator(SequenceParallelCollator):
         ]
         batch = self._assemble(prepared)
         batch["num_pairs"] = torch.tensor(len(rows), dtype=torch.long)
+        ref = _precomputed_ref_logps(rows)
+        if ref is not None:
+            if int(batch["num_truncated_tokens"]) > 0:
+                raise SeqParError(
+                    f"max_length={self.max_length} cuts {int(batch['num_truncated_tokens'])} tokens, but the rows' "
+                    f"ref_chosen_logps/ref_rejected_logps are sums over the full completions: drop or shorten "
+                    f"those pairs, raise max_length, or recompute the reference log-probs on the truncated rows"
+                )
+            batch["ref_logps"] = ref
         return batch
+
+
+_REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def _precomputed_ref_logps(rows: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
+    """float32 [2B] = [ref_chosen..., ref_rejected...] when every row has both keys, None when none has."""
+    has = [all(k in r for k in _REF_KEYS) for r in rows]
+    partial = [i for i, r in enumerate(rows) if any(k in r for k in _REF_KEYS) and not has[i]]
+    if not any(has) and not partial:
+        return None
+    if partial or not all(has):
+        missing = [i for i, h in enumerate(has) if not h]
+        raise SeqParError(
+            f"pairs {missing} lack ref_chosen_logps/ref_rejected_logps while others have them: precompute "
+            f"both for every row of the dataset, or remove both columns to use a reference model"
+        )
+    vals: list[list[float]] = [[], []]
+    for i, r in enumerate(rows):
+        for j, k in enumerate(_REF_KEYS):
+            v = r[k]
+            if isinstance(v, torch.Tensor):
+                if v.numel() != 1:
+                    raise SeqParError(f"pair {i}: {k} must be one float per sequence, got shape {tuple(v.shape)}")
+                v = v.item()
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise SeqParError(f"pair {i}: {k} must be a finite float (a log-prob sum), got {v!r}")
+            vals[j].append(float(v))
+    # float64 -> float32 once: the policy log-probs are float32 sums too.
+    return torch.tensor(vals[0] + vals[1], dtype=torch.float64).to(torch.float32)
 
 
 # ----------------------------------------------------------------------------- sampler

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import loss as L
+from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 
 __all__ = ["StepSpec", "count_items", "model_inputs", "forward_logits", "micro_batch_loss", "ReferenceLogps"]
@@ -83,21 +84,42 @@ def micro_batch_loss(
     spec: StepSpec,
     reference: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss_share, detached metrics) of one micro-batch; num_items = the step's global denominator."""
+    """(loss_share, detached metrics) of one micro-batch; num_items = the step's global denominator.
+
+    DPO reference log-probs: a batch with "ref_logps" (precomputed per-sequence sums, float [2B] in
+    the batch's [chosen..., rejected...] order; `SequenceParallelDPOCollator`) uses them and does NOT
+    call `reference` even when one is given (the trainers always build one; the precomputed values
+    are the reason to skip that forward). Otherwise `reference(batch)` runs. SimPO uses neither.
+    """
     if spec.stage == "sft":
         logits = forward_logits(model, batch)
         labels = batch["shift_labels"].to(logits.device)
         return L.sft_loss(logits, labels, num_items, mesh=mesh), {}
     ref_c = ref_r = None
+    rows = batch["shift_labels"].shape[0]
     if spec.loss_type != "simpo":
-        if reference is None:
-            raise ValueError(f"DPO loss_type={spec.loss_type!r} needs a reference model")
-        ref_logps, _ = reference(batch)
-        n = ref_logps.shape[0] // 2
+        if batch.get("ref_logps") is not None:
+            ref_logps = torch.as_tensor(batch["ref_logps"]).detach()
+            if ref_logps.shape != (rows,):
+                raise SeqParError(
+                    f"batch['ref_logps'] has shape {tuple(ref_logps.shape)}, expected ({rows},) (one sum per "
+                    f"row, [chosen..., rejected...]): build the batch with SequenceParallelDPOCollator"
+                )
+        elif reference is None:
+            raise SeqParError(
+                f"DPO loss_type={spec.loss_type!r} needs reference log-probs: give a reference model, or rows "
+                f"with precomputed ref_chosen_logps/ref_rejected_logps"
+            )
+        else:
+            ref_logps, _ = reference(batch)
+        n = rows // 2
         ref_c, ref_r = ref_logps[:n], ref_logps[n:]
     logits = forward_logits(model, batch)
     logps, counts = L.sequence_logps(logits, batch["shift_labels"].to(logits.device), mesh)
     n = logps.shape[0] // 2
+    if ref_c is not None:
+        ref_c = ref_c.to(logps.device, logps.dtype)
+        ref_r = ref_r.to(logps.device, logps.dtype)
     share, metrics = L.dpo_loss(
         logps[:n], logps[n:], ref_c, ref_r, beta=spec.beta, loss_type=spec.loss_type,
         chosen_counts=counts[:n], rejected_counts=counts[n:], gamma=spec.gamma, mesh=mesh, num_pairs=num_items,
