@@ -26,7 +26,8 @@ def validate_cu_seqlens(cu_seqlens, seq_len: int) -> list[int]:
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len:
         raise SeqParError(
             f"cu_seqlens must start at 0 and end at the FULL (padded) sequence length {seq_len}, got "
-            f"{cu[:3]}...{cu[-2:]}: count padding as its own last document"
+            f"{cu[:3]}...{cu[-2:]}: they describe the full sequence, not this rank's shard; count padding as "
+            "its own last document"
         )
     if any(b < a for a, b in zip(cu, cu[1:])):
         raise SeqParError("cu_seqlens must be non-decreasing")

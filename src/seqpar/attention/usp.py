@@ -28,8 +28,8 @@ def usp_attention(
     bounds: list[int] | None = None,
 ) -> torch.Tensor:
     """q [B, S/sp, Hq, D], k/v [B, S/sp, Hkv, D] in the mesh's layout -> out [B, S/sp, Hq, D]."""
-    plan = head_plan(q.shape[2], k.shape[2], mesh.ulysses_degree)
     if mesh.ulysses_degree > 1:
+        plan = head_plan(q.shape[2], k.shape[2], mesh.ulysses_degree)
         q, k, v = pad_heads(q, k, v, plan)
         q, k, v = (seq_to_heads(t, mesh.ulysses_group, mesh.stats) for t in (q, k, v))
     layout = mesh.effective_layout

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from ..attention import attention as sp_attention
+from ..attention import validate_cu_seqlens
+from ..data import document_starts
 from ..errors import SeqParError
 from ..layout import check_length, unshard
 from ..mesh import SequenceParallelMesh
@@ -205,23 +207,14 @@ def _make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
 
 # ----------------------------------------------------------------------------- per-forward plan
 def _bounds_of(pos_row: torch.Tensor) -> tuple[int, ...]:
-    """Inner document starts: wherever a position is not the previous one + 1 (as HF and the collator)."""
-    if pos_row.numel() < 2:
-        return ()
-    starts = torch.nonzero(pos_row[1:] != pos_row[:-1] + 1).reshape(-1) + 1
+    """Inner document starts of one full row (the collator's rule: a position that is not previous + 1)."""
+    starts = torch.nonzero(document_starts(pos_row)[1:]).reshape(-1) + 1
     return tuple(int(x) for x in starts.tolist())
 
 
-def _explicit_cu(kwargs: dict) -> list[int] | None:
-    for name in _CU_KWARGS:
-        cu = kwargs.get(name)
-        if cu is not None:
-            if isinstance(cu, torch.Tensor):
-                if cu.dim() != 1 or cu.dtype.is_floating_point:
-                    raise SeqParError(f"{name} must be a 1-D integer tensor, got {cu.dtype} {tuple(cu.shape)}")
-                return [int(x) for x in cu.tolist()]
-            return [int(x) for x in cu]
-    return None
+def _explicit_cu(kwargs: dict) -> Any:
+    """The first packed-document boundary kwarg given to model(...), unvalidated (or None)."""
+    return next((kwargs[n] for n in _CU_KWARGS if kwargs.get(n) is not None), None)
 
 
 def _make_plan(state: _SPState, kwargs: dict) -> ForwardPlan:
@@ -279,12 +272,7 @@ def _make_plan(state: _SPState, kwargs: dict) -> ForwardPlan:
     if cu is not None:
         if b != 1:
             raise SeqParError(f"cu_seqlens (packed documents) needs batch size 1, got B={b}: pack rows into one")
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != full_len:
-            raise SeqParError(
-                f"cu_seqlens must start at 0 and end at the FULL (padded) length {full_len}, got {cu}; "
-                "they describe the full sequence, not this rank's shard"
-            )
-        inner = tuple(sorted({x for x in cu[1:-1] if 0 < x < full_len}))
+        inner = tuple(validate_cu_seqlens(cu, full_len))
         missing = sorted(set(derived[0]) - set(inner))
         if missing:
             raise SeqParError(
