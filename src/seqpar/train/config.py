@@ -28,6 +28,8 @@ __all__ = [
     "ModelSpec",
     "DatasetSpec",
     "SequenceParallelSpec",
+    "MemorySpec",
+    "FSDPSpec",
     "load_config",
     "config_from_dict",
     "validate_for_launch",
@@ -120,6 +122,55 @@ class CheckpointSpec(_Strict):
     keep_last: int = Field(default=2, ge=1)
 
 
+class MemorySpec(_Strict):
+    """Long-context memory features (docs/memory.md). Each keeps the loss and gradients exact.
+
+    activation_checkpointing: recompute each decoder layer in backward (non-reentrant); only layer
+      inputs stay alive between forward and backward.
+    offload_activations: with activation_checkpointing, keep those layer inputs in host memory
+      (CUDA only; refused on CPU, where it would do nothing).
+    fused_loss: lm_head + loss over chunks of tokens, so no [S_local, vocab] logits tensor exists.
+    loss_chunk_tokens: tokens per loss chunk; None = as many as keep one chunk's fp32 logits <= 256 MB.
+    tiled_mlp: run each decoder MLP over sequence tiles, recomputing tile by tile in backward;
+      true = tile count from the shapes, an int = that many tiles.
+    """
+
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    fused_loss: bool = True
+    loss_chunk_tokens: int | None = Field(default=None, ge=1)
+    tiled_mlp: bool | int = False
+
+    @field_validator("tiled_mlp")
+    @classmethod
+    def _tiles(cls, v: bool | int) -> bool | int:
+        if not isinstance(v, bool) and v < 1:
+            raise ValueError(f"memory.tiled_mlp={v}: use true (automatic tile count), false, or a tile count >= 1")
+        return v
+
+    @model_validator(mode="after")
+    def _offload_needs_ckpt(self) -> MemorySpec:
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ValueError(
+                "memory.offload_activations offloads the checkpointed layer inputs: also set "
+                "memory.activation_checkpointing: true"
+            )
+        return self
+
+
+class FSDPSpec(_Strict):
+    """`fsdp: true` or `fsdp: {enabled: true, offload: true}`; truthy when enabled.
+
+    offload: parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy; CUDA only).
+    """
+
+    enabled: bool = False
+    offload: bool = False
+
+    def __bool__(self) -> bool:
+        return self.enabled
+
+
 class TrainConfig(_Strict):
     model: ModelSpec
     dataset: DatasetSpec
@@ -127,7 +178,8 @@ class TrainConfig(_Strict):
     dpo: DPOSpec = Field(default_factory=DPOSpec)
     finetuning: FinetuningSpec = Field(default_factory=FinetuningSpec)
     sequence_parallel: SequenceParallelSpec = Field(default_factory=SequenceParallelSpec)
-    fsdp: bool = False
+    fsdp: FSDPSpec = Field(default_factory=FSDPSpec)
+    memory: MemorySpec = Field(default_factory=MemorySpec)
     precision: Literal["fp32", "bf16"] = "fp32"
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
@@ -143,6 +195,15 @@ class TrainConfig(_Strict):
     @classmethod
     def _model_str(cls, v: Any) -> Any:
         return {"name": v} if isinstance(v, str) else v
+
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def _fsdp_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            return {"enabled": v}
+        if isinstance(v, dict) and "enabled" not in v:
+            return {"enabled": True, **v}  # `fsdp: {offload: true}` means FSDP on
+        return v
 
     @field_validator("sequence_parallel", mode="before")
     @classmethod

@@ -289,15 +289,35 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
             dist.destroy_process_group()
 
 
-def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, data_stats: dict, world: int, rank: int,
-         device: torch.device, u: int, r: int, emulate_dp: int) -> TrainResult:
+@dataclass
+class _Loop:
+    """What the loop's pieces share: built once by _run, read by _train_step / _log_step."""
+
+    cfg: TrainConfig
+    mesh: Any
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    streams: list[DataStream]
+    collator: Any
+    examples: list
+    spec: StepSpec
+    reference: Any
+    device: torch.device
+    world: int
+    rank: int
+    out: Path
+    factor: float = 1.0
+
+
+def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
+                 world: int) -> tuple[torch.nn.Module, Any]:
+    """SP attention, LoRA and FSDP2 on the model; the DPO reference when the stage needs one."""
     from ..hf import apply_sequence_parallel
 
-    mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=u, ring_degree=r, layout=cfg.sequence_parallel.layout)
     lora = cfg.finetuning.method == "lora"
-    spec = StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma)
     needs_ref = cfg.stage == "dpo" and cfg.dpo.loss_type != "simpo"
-
     bf16 = cfg.precision == "bf16"
     # bf16: with FSDP2, fp32 master weights + bf16 compute (MixedPrecisionPolicy, fp32 gradient reduction);
     # without FSDP, the weights themselves are bf16 (pure bf16 training). Not autocast: under autocast RoPE
@@ -320,33 +340,41 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
         )
     model.train()
     if cfg.fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-        # FSDP2 over the flattened dp x sp world: every rank holds 1/world of the parameters.
-        fmesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",))
-        for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=fmesh, **({"mp_policy": mp} if mp else {}))
-        fully_shard(model, mesh=fmesh, **({"mp_policy": mp} if mp else {}))
+        _apply_fsdp(model, device, world, bf16)
     reference = None
     if needs_ref:
         # Full fine-tuning: the frozen copy; LoRA: the policy itself with the adapter disabled.
         reference = (ReferenceLogps(mesh, ref_model=ref_model) if ref_model is not None
                      else ReferenceLogps(mesh, policy=model))
+    return model, reference
 
-    params = [p for p in model.parameters() if p.requires_grad]
+
+def _apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    # FSDP2 over the flattened dp x sp world: every rank holds 1/world of the parameters.
+    fmesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",))
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=fmesh, **({"mp_policy": mp} if mp else {}))
+    fully_shard(model, mesh=fmesh, **({"mp_policy": mp} if mp else {}))
+
+
+def _build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, Any]:
     o = cfg.optimizer
     if o.name == "adamw":
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     else:
         optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
 
-    # One stream per dp slot this process plays (1, or emulate_dp in the SP=1 reference).
+
+def _build_data(cfg: TrainConfig, mesh: Any, tok: Any, n_examples: int, emulate_dp: int) -> tuple[list, Any]:
+    """One row stream per dp slot this process plays (1, or emulate_dp in the SP=1 reference), and the collator."""
     slots = [(mesh.dp_size, mesh.dp_rank)] if emulate_dp == 1 else [(emulate_dp, d) for d in range(emulate_dp)]
     streams = [
-        DataStream(SequenceParallelSampler(len(examples), n, d, shuffle=cfg.dataset.shuffle, seed=cfg.seed))
+        DataStream(SequenceParallelSampler(n_examples, n, d, shuffle=cfg.dataset.shuffle, seed=cfg.seed))
         for n, d in slots
     ]
     if cfg.stage == "dpo":
@@ -354,8 +382,22 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     else:
         collator = SequenceParallelCollator(mesh, tok.pad_token_id, packing=cfg.dataset.packing,
                                             max_length=cfg.dataset.max_length)
+    return streams, collator
 
+
+def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, data_stats: dict, world: int, rank: int,
+         device: torch.device, u: int, r: int, emulate_dp: int) -> TrainResult:
+    mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=u, ring_degree=r, layout=cfg.sequence_parallel.layout)
+    lora = cfg.finetuning.method == "lora"
+    model, reference = _build_model(cfg, model, mesh, device, world)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = _build_optimizer(cfg, params)
+    streams, collator = _build_data(cfg, mesh, tok, len(examples), emulate_dp)
     out = Path(cfg.output_dir)
+    loop = _Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples,
+                 StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma), reference, device, world, rank,
+                 out, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0)
+
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     if world > 1:
@@ -375,12 +417,8 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
             (out / "config.json").write_text(cfg.model_dump_json(indent=2))
         (out / "mesh.txt").write_text(f"{mesh!r} world={world}\n")
 
-    factor = L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0
-    world_group = dist.group.WORLD if world > 1 else None
     result = TrainResult(output_dir=str(out), resumed_from=resumed_from, metrics_path=str(metrics_path),
                          world_size=world, mesh=repr(mesh))
-    rows_per_micro = 1 if cfg.dataset.packing else cfg.micro_batch_size
-
     from tqdm.auto import tqdm
 
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=(rank != 0 or not cfg.progress),
@@ -391,77 +429,98 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     step = start_step
     t_start = time.perf_counter()
     while step < cfg.max_steps:
-        t0 = time.perf_counter()
-        micro: list[dict[str, torch.Tensor]] = []
-        for stream in streams:
-            for _ in range(cfg.grad_accum):
-                idx = stream.take(rows_per_micro)
-                batch_rows = examples[idx[0]] if cfg.dataset.packing else [examples[i] for i in idx]
-                micro.append(collator(batch_rows))
-        # Global denominator first: all micro-batches of the step, then over dp (pitfalls 4 and 5).
-        num_items = L.global_token_count(count_items(micro, cfg.stage), mesh)
-        share_sum = torch.zeros((), dtype=torch.float32)
-        dpo_metrics: dict[str, float] = {}
-        for j, b in enumerate(micro):
-            if cfg.fsdp:
-                model.set_requires_gradient_sync(j == len(micro) - 1)
-            share, met = micro_batch_loss(model, b, num_items, mesh, spec, reference)
-            (share * factor).backward()
-            share_sum += share.detach().float().cpu()
-            for k, v in met.items():
-                dpo_metrics[k] = dpo_metrics.get(k, 0.0) + float(v) / len(micro)
-        if not cfg.fsdp:
-            L.sum_gradients(params, mesh)
-        max_norm = o.max_grad_norm if o.max_grad_norm is not None else float("inf")
-        gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        row = _train_step(loop, step)
         step += 1
-
-        loss_val = float(L.global_loss(share_sum, mesh))
-        tokens = int(L.global_token_count(sum(int(b["num_input_tokens"]) for b in micro), mesh))
-        stats = torch.tensor([_peak_memory_mb(device)], dtype=torch.float64)
-        if world_group is not None:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=world_group)
-            if dpo_metrics:
-                mt = torch.tensor(list(dpo_metrics.values()), dtype=torch.float64)
-                comm.all_reduce_(mt, mesh.dp_group)
-                dpo_metrics = dict(zip(dpo_metrics, (mt / mesh.dp_size).tolist()))
-        dt = time.perf_counter() - t0
-        row = {"step": step, "loss": loss_val, "lr": scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
-               "tokens": tokens, "supervised": int(num_items), "tokens_per_s": tokens / dt, "step_s": dt,
-               "peak_mem_mb": float(stats[0]), "elapsed_s": time.perf_counter() - t_start, **dpo_metrics}
+        row["elapsed_s"] = time.perf_counter() - t_start
         result.steps.append(step)
-        result.losses.append(loss_val)
+        result.losses.append(row["loss"])
         if rank == 0:
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tokens / dt:.0f}", mem=f"{row['peak_mem_mb']:.0f}MB")
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                            mem=f"{row['peak_mem_mb']:.0f}MB")
         every = cfg.checkpoint.every
         if every and step % every == 0 and step < cfg.max_steps:
             state = {"step": step, "scheduler": scheduler.state_dict(), "data": [s.state_dict() for s in streams]}
             save_checkpoint(out, step, model, optimizer, state, trainable_only=lora, keep_last=cfg.checkpoint.keep_last)
         _maybe_fault(step, rank, world)
     bar.close()
+    _finish(loop, result, metrics_path)
+    return result
 
+
+def _next_micro_batches(loop: _Loop) -> list[dict[str, torch.Tensor]]:
+    cfg = loop.cfg
+    rows_per_micro = 1 if cfg.dataset.packing else cfg.micro_batch_size
+    micro: list[dict[str, torch.Tensor]] = []
+    for stream in loop.streams:
+        for _ in range(cfg.grad_accum):
+            idx = stream.take(rows_per_micro)
+            batch_rows = loop.examples[idx[0]] if cfg.dataset.packing else [loop.examples[i] for i in idx]
+            micro.append(loop.collator(batch_rows))
+    return micro
+
+
+def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
+    """One optimizer step (all micro-batches of every dp slot this process plays); returns its metrics row."""
+    cfg, mesh = loop.cfg, loop.mesh
+    t0 = time.perf_counter()
+    micro = _next_micro_batches(loop)
+    # Global denominator first: all micro-batches of the step, then over dp (pitfalls 4 and 5).
+    num_items = L.global_token_count(count_items(micro, cfg.stage), mesh)
+    share_sum = torch.zeros((), dtype=torch.float32)
+    dpo_metrics: dict[str, float] = {}
+    for j, b in enumerate(micro):
+        if cfg.fsdp:
+            loop.model.set_requires_gradient_sync(j == len(micro) - 1)
+        share, met = micro_batch_loss(loop.model, b, num_items, mesh, loop.spec, loop.reference)
+        (share * loop.factor).backward()
+        share_sum += share.detach().float().cpu()
+        for k, v in met.items():
+            dpo_metrics[k] = dpo_metrics.get(k, 0.0) + float(v) / len(micro)
+    if not cfg.fsdp:
+        L.sum_gradients(loop.params, mesh)
+    o = cfg.optimizer
+    max_norm = o.max_grad_norm if o.max_grad_norm is not None else float("inf")
+    gnorm = torch.nn.utils.clip_grad_norm_(loop.params, max_norm)
+    gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+    loop.optimizer.step()
+    loop.scheduler.step()
+    loop.optimizer.zero_grad(set_to_none=True)
+
+    loss_val = float(L.global_loss(share_sum, mesh))
+    tokens = int(L.global_token_count(sum(int(b["num_input_tokens"]) for b in micro), mesh))
+    stats = torch.tensor([_peak_memory_mb(loop.device)], dtype=torch.float64)
+    if loop.world > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+        if dpo_metrics:
+            mt = torch.tensor(list(dpo_metrics.values()), dtype=torch.float64)
+            comm.all_reduce_(mt, mesh.dp_group)
+            dpo_metrics = dict(zip(dpo_metrics, (mt / mesh.dp_size).tolist()))
+    dt = time.perf_counter() - t0
+    return {"step": step + 1, "loss": loss_val, "lr": loop.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
+            "tokens": tokens, "supervised": int(num_items), "tokens_per_s": tokens / dt, "step_s": dt,
+            "peak_mem_mb": float(stats[0]), **dpo_metrics}
+
+
+def _finish(loop: _Loop, result: TrainResult, metrics_path: Path) -> None:
+    """Final state (when asked), the loss plot, and a last barrier so no rank leaves early."""
+    cfg = loop.cfg
     if cfg.checkpoint.save_final:
-        state = full_model_state(model, trainable_only=lora)
-        if rank == 0:
-            path = out / "final_state.pt"
+        state = full_model_state(loop.model, trainable_only=cfg.finetuning.method == "lora")
+        if loop.rank == 0:
+            path = loop.out / "final_state.pt"
             torch.save(state, path)
             result.final_state_path = str(path)
-    if rank == 0:
+    if loop.rank == 0:
         from .plots import plot_curves, read_metrics
 
         pts = [(m["step"], m["loss"]) for m in read_metrics(metrics_path)]
-        result.plot_path = str(plot_curves({f"{cfg.stage} loss ({repr(mesh)})": pts}, out / "loss.png",
+        result.plot_path = str(plot_curves({f"{cfg.stage} loss ({repr(loop.mesh)})": pts}, loop.out / "loss.png",
                                            title=f"seqpar {cfg.stage}: {cfg.model.name}"))
-    if world > 1:
+    if loop.world > 1:
         dist.barrier()
-    return result
 
 
 def _init_process_group(backend: str) -> None:

@@ -55,7 +55,7 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
     sp_cfg = config_from_dict({**base, "output_dir": str(out / "sp")})
     # The reference: one process, SP=1 (any max_length valid under SP is valid at SP=1), no FSDP -- except
     # in bf16, where FSDP's fp32 master weights must be mirrored (FSDP2 on a 1-rank group).
-    ref_fsdp = cfg.fsdp and cfg.precision == "bf16"
+    ref_fsdp = bool(cfg.fsdp) and cfg.precision == "bf16"
     ref_cfg = config_from_dict({**base, "output_dir": str(out / "ref"), "fsdp": ref_fsdp,
                                 "sequence_parallel": {"size": 1}})
 
@@ -107,7 +107,7 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
         "precision": cfg.precision,
         "stage": cfg.stage,
         "finetuning": cfg.finetuning.method,
-        "fsdp": cfg.fsdp,
+        "fsdp": bool(cfg.fsdp),
         "packing": cfg.dataset.packing,
         "png": str(png),
     }
