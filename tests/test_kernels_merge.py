@@ -93,3 +93,83 @@ def test_cpu_path_imports_nothing_cuda_only():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+# ----------------------------------------------------------------------------- kernel routing (GPU-free)
+def test_auto_routing_by_device_and_dtype():
+    from seqpar.attention.kernels import kernel_name_for
+
+    f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+    # torch's CUDA flash op takes fp16/bf16 only: fp32 (the default) must go to the efficient op, fp64 to math.
+    assert [kernel_name_for("cuda", d) for d in (f16, bf16, f32, f64)] == ["cuda", "cuda", "cuda_efficient", "math"]
+    assert {kernel_name_for("cpu", d) for d in (f16, bf16, f32, f64)} == {"cpu"}
+    assert {kernel_name_for("mps", d) for d in (f16, f32)} == {"math"}
+
+
+def test_explicit_kernel_refuses_unsupported_dtype():
+    from seqpar import SeqParError
+    from seqpar.attention.kernels import get_kernel
+
+    cuda = torch.device("cuda")
+    with pytest.raises(SeqParError, match="'cuda' does not support torch.float32.*cuda_efficient"):
+        get_kernel(cuda, "cuda", torch.float32)
+    with pytest.raises(SeqParError, match="'cuda_efficient' does not support torch.float64.*'math'"):
+        get_kernel(cuda, "cuda_efficient", torch.float64)
+    assert get_kernel(cuda, "auto", torch.float64).name == "math"
+    assert get_kernel(torch.device("cpu"), "auto", torch.float32).name == "cpu"
+
+
+@pytest.mark.parametrize("name,dtype", [("cuda", torch.bfloat16), ("cuda_efficient", torch.float32)])
+def test_cuda_kernel_plumbing_on_meta(name, dtype):
+    """The GPU wrappers' op arguments and output shapes, on torch's meta implementations of the same ops."""
+    from seqpar.attention.kernels import get_kernel
+
+    kern = get_kernel(torch.device("cuda"), "auto", dtype)
+    assert kern.name == name
+    b, s, hq, hkv, d = 2, 40, 6, 2, 8  # S not a multiple of 32: the efficient op pads its lse
+    q = torch.empty(b, s, hq, d, device="meta", dtype=dtype)
+    k = torch.empty(b, s, hkv, d, device="meta", dtype=dtype)
+    out, lse = kern.forward(q, k, k, True, 0.3)
+    assert out.shape == (b, s, hq, d) and out.dtype == dtype
+    assert lse.shape == (b, s, hq) and lse.dtype == torch.float32
+    dq, dk, dv = kern.backward(out, q, k, k, out, lse, True, 0.3)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only kernels (never run in CI)")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2), (torch.float64, 1e-10)])
+def test_cuda_kernels_forward_backward(dtype, tol):
+    from seqpar.attention.kernels import get_kernel
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 40, h, 16, generator=g) for h in (6, 2, 2))
+    do = torch.randn(2, 40, 6, 16, generator=g)
+    kern = get_kernel(torch.device("cuda"), "auto", dtype)
+    ql, kl, vl, dol = (t.to("cuda", dtype) for t in (q, k, v, do))
+    out, lse = kern.forward(ql, kl, vl, True, default_scale(16))
+    dq, dk, dv = kern.backward(dol, ql, kl, vl, out, lse, True, default_scale(16))
+    qr, kr, vr = (t.to(dtype).double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, True)
+    ref.backward(do.to(dtype).double())
+    for got, want in ((out, ref), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert (got.double().cpu() - want).abs().max() < tol
+
+
+# ----------------------------------------------------------------------------- no import cycle
+@pytest.mark.parametrize("first", ["seqpar.attention.cuda_kernels", "seqpar.attention.kernels"])
+def test_kernel_modules_import_first_in_fresh_interpreter(first):
+    r = subprocess.run([sys.executable, "-c", f"import {first}; print('ok')"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_kernel_modules_do_not_import_each_other_at_module_level():
+    import ast
+    import importlib
+    from pathlib import Path
+
+    root = Path(importlib.import_module("seqpar.attention.kernels").__file__).parent
+    for mod, other in (("cuda_kernels", "kernels"), ("kernels", "cuda_kernels")):
+        tree = ast.parse((root / f"{mod}.py").read_text())
+        top = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
+        assert not [n for n in top if n.module == other], f"{mod}.py imports .{other} at module level"

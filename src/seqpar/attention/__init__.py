@@ -72,4 +72,4 @@ def attention(
             raise SeqParError(f"cu_seqlens (packed documents) needs batch size 1, got B={b}: pack rows into one")
         bounds = validate_cu_seqlens(cu_seqlens, seq_len)
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
-    return usp_attention(q, k, v, mesh, seq_len, causal, scale, get_kernel(q.device, kernel), bounds)
+    return usp_attention(q, k, v, mesh, seq_len, causal, scale, get_kernel(q.device, kernel, q.dtype), bounds)

@@ -7,21 +7,33 @@ only ever used with Sq == Sk by seqpar's callers. No kernel is ever called with 
 
 - "cpu": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu (+ _backward). CI-tested.
 - "math": plain matmul/softmax in the accumulation dtype; any device and dtype. CI-tested.
-- "cuda": torch's CUDA flash SDPA ops. GPU-only and NOT CI-tested (no GPU here); imported lazily.
+- "cuda": torch's CUDA flash SDPA ops, fp16/bf16 only. GPU-only, NOT CI-tested; imported lazily.
+- "cuda_efficient": torch's CUDA memory-efficient SDPA ops (fp32, fp16, bf16). GPU-only, NOT CI-tested.
+'auto' routes by (device type, dtype): see `kernel_name_for` (CI-tested as a pure function).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
 
-__all__ = ["AttentionKernel", "CpuFlashKernel", "MathKernel", "get_kernel", "acc_dtype"]
+from ..errors import SeqParError
+from .kernel_utils import acc_dtype, default_scale
+from .kernel_utils import bhsd as _bhsd
+from .kernel_utils import fold_kv_grad as _fold_kv_grad
+from .kernel_utils import repeat_kv as _repeat_kv
 
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+__all__ = [
+    "AttentionKernel",
+    "CpuFlashKernel",
+    "MathKernel",
+    "KERNEL_NAMES",
+    "kernel_name_for",
+    "get_kernel",
+    "acc_dtype",
+    "default_scale",
+]
 
 
 class AttentionKernel(Protocol):
@@ -42,10 +54,6 @@ class AttentionKernel(Protocol):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2)
 
 
 class CpuFlashKernel:
@@ -73,17 +81,6 @@ class CpuFlashKernel:
             scale=scale,
         )
         return _bhsd(dq), _bhsd(dk), _bhsd(dv)
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
-
-
-def _fold_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return g
-    b, s, h, d = g.shape
-    return g.view(b, s, h // groups, groups, d).sum(3)
 
 
 class MathKernel:
@@ -131,20 +128,53 @@ class MathKernel:
         )
 
 
-def get_kernel(device: torch.device, name: str = "auto") -> AttentionKernel:
-    """Pick a kernel: 'auto' -> 'cpu' on CPU, 'cuda' on CUDA, 'math' elsewhere."""
+# dtypes each kernel accepts (None: any floating dtype). torch's CUDA flash op takes half precision only;
+# its memory-efficient op also takes fp32 but not fp64 (fp64 on CUDA goes to the math kernel).
+_KERNEL_DTYPES: dict[str, tuple[torch.dtype, ...] | None] = {
+    "cpu": None,
+    "math": None,
+    "cuda": (torch.float16, torch.bfloat16),
+    "cuda_efficient": (torch.float32, torch.float16, torch.bfloat16),
+}
+KERNEL_NAMES = tuple(_KERNEL_DTYPES)
+
+
+def kernel_name_for(device_type: str, dtype: torch.dtype) -> str:
+    """What 'auto' picks for a (device type, dtype): a pure function, so the routing is testable without a GPU.
+
+    cpu -> 'cpu' (every dtype); cuda -> 'cuda' (flash) for fp16/bf16, 'cuda_efficient' for fp32,
+    'math' for anything else (fp64); other devices -> 'math'.
+    """
+    if device_type == "cpu":
+        return "cpu"
+    if device_type == "cuda":
+        for name in ("cuda", "cuda_efficient"):
+            if dtype in _KERNEL_DTYPES[name]:
+                return name
+    return "math"
+
+
+def get_kernel(device: torch.device, name: str = "auto", dtype: torch.dtype | None = None) -> AttentionKernel:
+    """Pick a kernel by name; 'auto' routes by (device type, dtype) with `kernel_name_for`.
+
+    Without `dtype`, 'auto' assumes half precision on CUDA. With `dtype`, an explicit name that
+    cannot take it raises SeqParError (before any communication: the check needs no data).
+    """
     if name == "auto":
-        name = {"cpu": "cpu", "cuda": "cuda"}.get(device.type, "math")
+        name = kernel_name_for(device.type, dtype if dtype is not None else torch.bfloat16)
+    if name not in _KERNEL_DTYPES:
+        raise ValueError(f"unknown attention kernel {name!r}: use 'auto' or one of {KERNEL_NAMES}")
+    ok = _KERNEL_DTYPES[name]
+    if dtype is not None and ok is not None and dtype not in ok:
+        raise SeqParError(
+            f"attention kernel {name!r} does not support {dtype} (it takes {', '.join(map(str, ok))}): "
+            f"use kernel='auto' (picks {kernel_name_for(device.type, dtype)!r} here) or 'math'"
+        )
     if name == "cpu":
         return CpuFlashKernel()
     if name == "math":
         return MathKernel()
-    if name == "cuda":
-        from .cuda_kernels import CudaSdpaKernel  # GPU-only, not imported on the CPU path
+    # GPU-only, imported lazily: nothing on the CPU path loads cuda_kernels.
+    from .cuda_kernels import CudaEfficientKernel, CudaSdpaKernel
 
-        return CudaSdpaKernel()
-    raise ValueError(f"unknown attention kernel {name!r}: use 'auto', 'cpu', 'math' or 'cuda'")
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
+    return CudaSdpaKernel() if name == "cuda" else CudaEfficientKernel()

@@ -1,0 +1,40 @@
+"""Small tensor helpers shared by every local attention kernel (CPU, math and the GPU-only ones).
+
+Kept in their own module so `kernels.py` and `cuda_kernels.py` both import from here and never from
+each other (no import cycle; `kernels.get_kernel` imports `cuda_kernels` lazily, one way only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["acc_dtype", "bhsd", "repeat_kv", "fold_kv_grad", "default_scale"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax / lse accumulation dtype: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def bhsd(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] <-> [B, H, S, D] (also [B, S, H] <-> [B, H, S]): seqpar's layout vs torch SDPA's."""
+    return x.transpose(1, 2)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Expand KV heads for kernels that need as many KV heads as query heads (GQA)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+def fold_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
+    """Adjoint of repeat_kv: sum the gradients of the copies of each KV head."""
+    if groups == 1:
+        return g
+    b, s, h, d = g.shape
+    return g.view(b, s, h // groups, groups, d).sum(3)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
