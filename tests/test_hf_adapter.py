@@ -305,6 +305,53 @@ def spawned_checks():
         out["refused"] = False
     except SeqParError:
         out["refused"] = True
+
+    # 6. per-shard position_ids (arange(S_local) on every rank) are refused; genuine seam-aligned packing is not
+    out.update(_local_positions_checks(mesh))
+    return out
+
+
+def _refusal(fn):
+    try:
+        fn()
+    except SeqParError as e:
+        return str(e)
+    return None
+
+
+def _packed_sp_errors(mesh, model_fn, ids, pos_full, bounds, **kw):
+    """Max |logits| and |grad| error of an SP forward/backward vs the plain model run per document."""
+    from seqpar import loss as L
+
+    ref, sp = model_fn(), apply_sequence_parallel(model_fn(), mesh)
+    want = _docs_reference(ref, ids, bounds)
+    want.square().mean().backward()
+    logits = sp(input_ids=seqpar.shard(ids, mesh, 1), position_ids=seqpar.shard(pos_full, mesh, 1), **kw).logits
+    (logits.square().sum() / want.numel()).backward()  # this rank's share of the mean
+    L.sum_gradients(sp.parameters(), mesh)
+    got = seqpar.unshard(logits.detach(), mesh, 1)
+    grad = max(float((a.grad - b.grad).abs().max()) for a, b in zip(ref.parameters(), sp.parameters()))
+    return float((got - want.detach()).abs().max()), grad
+
+
+def _local_positions_checks(ring_mesh):
+    out = {}
+    contig = seqpar.init_mesh(2, ulysses_degree=2)  # contiguous layout: one seam at S/2
+    model_fn = lambda: tiny_model("llama", 4, 2)  # noqa: E731
+    ids = _ids(16, seed=7)
+    m = apply_sequence_parallel(model_fn(), ring_mesh)
+    local = torch.arange(8)[None]
+    # zigzag ring 2, S=16: chunks of 4; local aranges would read as documents starting at 4 and 12
+    out["local_zigzag"] = _refusal(lambda: m(input_ids=seqpar.shard(ids, ring_mesh, 1), position_ids=local))
+    c = apply_sequence_parallel(model_fn(), contig)
+    out["local_contig"] = _refusal(lambda: c(input_ids=seqpar.shard(ids, contig, 1), position_ids=local))
+    # A genuine document starting exactly at a zigzag seam (8) with global positions: accepted and exact.
+    two_docs = torch.cat([torch.arange(8), torch.arange(8)])[None]
+    out["seam_doc_zigzag"] = _packed_sp_errors(ring_mesh, model_fn, ids, two_docs, [8])
+    # Contiguous: the same packing IS arange(8) per rank: ambiguous, refused; cu_seqlens disambiguates.
+    out["seam_doc_contig_nocu"] = _refusal(lambda: _packed_sp_errors(contig, model_fn, ids, two_docs, [8]))
+    out["seam_doc_contig_cu"] = _packed_sp_errors(contig, model_fn, ids, two_docs, [8],
+                                                  cu_seqlens=torch.tensor([0, 8, 16]))
     return out
 
 
@@ -315,5 +362,12 @@ def test_spawned_lora_eval_checkpointing_refusal():
         assert r["dropkw_logits"] <= LOGIT_TOL and r["dropkw_used_state"], r
         assert r["ckpt_grad"] <= TOL, r
         assert r["refused"], r
+        assert "look per-shard" in r["local_zigzag"] and "[4, 12]" in r["local_zigzag"], r
+        assert "seqpar.shard(full_position_ids" in r["local_zigzag"], r
+        assert "look per-shard" in r["local_contig"] and "cu_seqlens=[0, 8, 16]" in r["local_contig"], r
+        assert "look per-shard" in r["seam_doc_contig_nocu"], r
+        for key in ("seam_doc_zigzag", "seam_doc_contig_cu"):
+            logit_err, grad_err = r[key]
+            assert logit_err <= LOGIT_TOL and grad_err <= TOL, (key, r[key])
         h = r["harness"]
         assert h["loss"] <= TOL and h["grad"] <= TOL and h["logits"] <= LOGIT_TOL and h["count"] == 0, h

@@ -27,7 +27,7 @@ from ..attention import attention as sp_attention
 from ..attention import validate_cu_seqlens
 from ..data import document_starts
 from ..errors import SeqParError
-from ..layout import check_length, unshard
+from ..layout import check_length, local_positions, unshard
 from ..mesh import SequenceParallelMesh
 
 __all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "is_sequence_parallel", "ForwardPlan"]
@@ -217,6 +217,33 @@ def _explicit_cu(kwargs: dict) -> Any:
     return next((kwargs[n] for n in _CU_KWARGS if kwargs.get(n) is not None), None)
 
 
+def _looks_local(full_pos: torch.Tensor, mesh: SequenceParallelMesh) -> torch.Tensor:
+    """Per row: does every SP rank hold exactly arange(S_local)? (Positions made per shard, not globally.)"""
+    b, full_len = full_pos.shape
+    s_loc = full_len // mesh.sp_size
+    # Global indices of each rank's shard, in that rank's local order (zigzag seams included).
+    order = torch.stack([local_positions(full_len, mesh, s) for s in range(mesh.sp_size)]).to(full_pos.device)
+    per_rank = full_pos[:, order]  # [B, sp, S_local]
+    return (per_rank == torch.arange(s_loc, device=full_pos.device)).all(dim=2).all(dim=1)
+
+
+def _refuse_local_positions(full_pos: torch.Tensor, mesh: SequenceParallelMesh, derived: list) -> None:
+    """Refuse per-shard position_ids (the classic SP bug): their restarts at the shard seams would be
+    read as packed-document starts, silently breaking RoPE and attention. Packed documents that all
+    start exactly on the seams look the same; an explicit cu_seqlens says which one is meant."""
+    if mesh.sp_size == 1 or not bool(_looks_local(full_pos, mesh).all()):
+        return
+    raise SeqParError(
+        f"position_ids look per-shard: every SP rank holds arange({full_pos.shape[1] // mesh.sp_size}), so "
+        f"positions restart at every shard seam (full-sequence indices {list(derived[0])}). Under SP they must be "
+        "the GLOBAL positions of the full sequence: pass position_ids=seqpar.shard(full_position_ids, mesh, 1) "
+        "(seqpar.data.SequenceParallelCollator returns them; for one unpacked row use "
+        "seqpar.local_positions(full_len, mesh)). If these really are packed documents that each start exactly "
+        "at a shard seam, pass the full sequence's boundaries as cu_seqlens (B=1, e.g. "
+        f"cu_seqlens={[0, *derived[0], full_pos.shape[1]]}) to say so"
+    )
+
+
 def _make_plan(state: _SPState, kwargs: dict) -> ForwardPlan:
     mesh = state.mesh
     ids = kwargs.get("input_ids")
@@ -281,6 +308,8 @@ def _make_plan(state: _SPState, kwargs: dict) -> ForwardPlan:
                 "seqpar collator)"
             )
         derived = [inner]
+    else:
+        _refuse_local_positions(full_pos, mesh, derived)
     return ForwardPlan(full_len=full_len, row_bounds=tuple(derived))
 
 
