@@ -2,15 +2,27 @@
 
 Every wrapper counts the bytes this rank sends into a `CommStats` (held by the mesh) so benchmarks
 can compare real traffic to the theoretical minimum. A group of None or of size 1 is a no-op.
+
+Device rule (one for every collective): tensors handed to a collective live on the mesh's
+communication device, `SequenceParallelMesh.comm_device` (the current CUDA device on an NCCL mesh,
+the CPU on gloo). Every wrapper takes `device=` and raises a SeqParError when a tensor is elsewhere
+(NCCL would refuse a CPU tensor with a far less helpful error). Host-side numbers (metrics, counts)
+go through `all_reduce_values`, which moves them there and back. Strict mode
+(env SEQPAR_STRICT_COMM_DEVICE=1) also refuses any collective called WITHOUT `device=`: a CPU test
+run in strict mode proves that every call site applies the rule, which a gloo run alone cannot.
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .errors import SeqParError
 
 __all__ = [
     "CommStats",
@@ -20,8 +32,38 @@ __all__ = [
     "all_reduce",
     "all_reduce_",
     "all_gather",
+    "all_reduce_values",
     "RingComm",
+    "STRICT_DEVICE_ENV",
+    "strict_device_checks",
+    "check_device",
 ]
+
+STRICT_DEVICE_ENV = "SEQPAR_STRICT_COMM_DEVICE"
+
+
+def strict_device_checks() -> bool:
+    """Whether strict mode is on (read per call, so a test can switch it on in its worker processes)."""
+    return os.environ.get(STRICT_DEVICE_ENV, "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def check_device(tensors: Iterable[torch.Tensor], device: torch.device | None, what: str) -> None:
+    """Raise unless every tensor handed to collective `what` is on `device` (the mesh's comm device)."""
+    if device is None:
+        if strict_device_checks():
+            raise SeqParError(
+                f"seqpar.comm.{what} was called without device= ({STRICT_DEVICE_ENV}=1): every collective "
+                "must name the mesh's communication device (device=mesh.comm_device)"
+            )
+        return
+    device = torch.device(device)
+    for t in tensors:
+        if t.device != device:
+            raise SeqParError(
+                f"seqpar.comm.{what}: a tensor on {t.device} was handed to a collective on a mesh that "
+                f"communicates on {device} (NCCL cannot reduce CPU tensors): move it with "
+                ".to(mesh.comm_device), or use seqpar.comm.all_reduce_values for host-side numbers"
+            )
 
 
 class CommStats:
@@ -90,10 +132,12 @@ def all_to_all(
     gather_dim: int,
     stats: CommStats | None = None,
     channel: str = "a2a",
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Differentiable all-to-all: split `scatter_dim` across ranks, concatenate along `gather_dim`."""
     if group_size(group) == 1:
         return x
+    check_device([x], device, "all_to_all")
     if x.shape[scatter_dim] % group_size(group) != 0:
         raise ValueError(f"all_to_all: dim {scatter_dim} of size {x.shape[scatter_dim]} not divisible by group")
     return _AllToAll.apply(x, group, scatter_dim, gather_dim, stats, channel)
@@ -117,21 +161,36 @@ class _AllReduceSum(torch.autograd.Function):
         return g, None, None
 
 
-def all_reduce(x: torch.Tensor, group: Any, stats: CommStats | None = None) -> torch.Tensor:
+def all_reduce(
+    x: torch.Tensor, group: Any, stats: CommStats | None = None, device: torch.device | None = None
+) -> torch.Tensor:
     """Differentiable sum all-reduce. Backward all-reduces (sums) the incoming gradients."""
     if group_size(group) == 1:
         return x
+    check_device([x], device, "all_reduce")
     return _AllReduceSum.apply(x, group, stats)
 
 
-def all_reduce_(x: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
-    """In-place, non-differentiable all-reduce (for counts, metrics and gradients)."""
+def all_reduce_(x: torch.Tensor, group: Any, op: Any = None, device: torch.device | None = None) -> torch.Tensor:
+    """In-place, non-differentiable all-reduce (for counts and gradients already on the comm device)."""
     if group_size(group) > 1:
+        check_device([x], device, "all_reduce_")
         dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=group)
     return x
 
 
-def all_gather(x: torch.Tensor, group: Any, dim: int = 0, stats: CommStats | None = None) -> torch.Tensor:
+def all_reduce_values(
+    values: Sequence[float] | torch.Tensor, group: Any, device: torch.device, op: Any = None
+) -> torch.Tensor:
+    """Reduce a few host-side numbers (metrics, step stats) over `group`: sent as float64 from the
+    mesh's communication device `device`, returned as a float64 CPU tensor (ready for .tolist())."""
+    t = torch.as_tensor(values, dtype=torch.float64).detach().to(device)
+    return all_reduce_(t, group, op, device=device).cpu()
+
+
+def all_gather(
+    x: torch.Tensor, group: Any, dim: int = 0, stats: CommStats | None = None, device: torch.device | None = None
+) -> torch.Tensor:
     """Differentiable all-gather along `dim` (rank order). Backward is a sum reduce-scatter.
 
     Uses the functional-collectives autograd op, which is correct on subgroups that exclude
@@ -140,6 +199,7 @@ def all_gather(x: torch.Tensor, group: Any, dim: int = 0, stats: CommStats | Non
     p = group_size(group)
     if p == 1:
         return x
+    check_device([x], device, "all_gather")
     from torch.distributed import _functional_collectives as funcol
 
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -158,8 +218,12 @@ class RingComm:
     received tensors.
     """
 
-    def __init__(self, group: Any, stats: CommStats | None = None, channel: str = "ring", tag: int = 0) -> None:
+    def __init__(
+        self, group: Any, stats: CommStats | None = None, channel: str = "ring", tag: int = 0,
+        device: torch.device | None = None,
+    ) -> None:
         self.group = group
+        self.device = device
         self.tag = tag
         self.stats = stats
         self.channel = channel
@@ -173,6 +237,7 @@ class RingComm:
     def start(self, tensors: list[torch.Tensor], channel: str | None = None) -> None:
         if self._reqs:
             raise RuntimeError("RingComm.start called twice without wait")
+        check_device(tensors, self.device, "RingComm")
         ops, self._recv = [], []
         for t in tensors:
             t = t.contiguous()

@@ -112,7 +112,7 @@ def unshard(x: torch.Tensor, mesh: SequenceParallelMesh, dim: int = 1) -> torch.
     if mesh.sp_size == 1:
         return x
     full_len = x.shape[dim] * mesh.sp_size
-    gathered = comm.all_gather(x, mesh.sp_group, dim=dim, stats=mesh.stats)
+    gathered = comm.all_gather(x, mesh.sp_group, dim=dim, stats=mesh.stats, device=mesh.comm_device)
     order = torch.cat([local_positions(full_len, mesh, s) for s in range(mesh.sp_size)])
     inv = torch.empty_like(order)
     inv[order] = torch.arange(full_len)

@@ -54,14 +54,6 @@ def _groups(mesh: SequenceParallelMesh | None) -> tuple[Any, Any]:
     return (None, None) if mesh is None else (mesh.sp_group, mesh.dp_group)
 
 
-def _comm_device(mesh: SequenceParallelMesh | None, default: torch.device) -> torch.device:
-    """Where a small tensor must live for the mesh's collectives (NCCL meshes cannot reduce CPU tensors)."""
-    dm = None if mesh is None else mesh.device_mesh
-    if dm is not None and getattr(dm, "device_type", "cpu") == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return default
-
-
 def global_token_count(local_count: torch.Tensor | int, mesh: SequenceParallelMesh | None) -> torch.Tensor:
     """Sum a FULL-batch count over dp (SP ranks of a group share the same count, so not over sp).
 
@@ -72,8 +64,8 @@ def global_token_count(local_count: torch.Tensor | int, mesh: SequenceParallelMe
     """
     t = torch.as_tensor(local_count).detach().clone().long()
     if mesh is not None and mesh.dp_size > 1:
-        t = t.to(_comm_device(mesh, t.device))
-        comm.all_reduce_(t, mesh.dp_group)
+        t = t.to(mesh.comm_device)
+        comm.all_reduce_(t, mesh.dp_group, device=mesh.comm_device)
     return t
 
 
@@ -103,8 +95,8 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh: SequenceParall
         buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
     for group in buckets.values():
         flat = torch.cat([p.grad.reshape(-1) for p in group])
-        comm.all_reduce_(flat, mesh.sp_group)
-        comm.all_reduce_(flat, mesh.dp_group)
+        comm.all_reduce_(flat, mesh.sp_group, device=mesh.comm_device)
+        comm.all_reduce_(flat, mesh.dp_group, device=mesh.comm_device)
         off = 0
         for p in group:
             n = p.grad.numel()
@@ -116,9 +108,9 @@ def global_loss(loss_share: torch.Tensor, mesh: SequenceParallelMesh | None) -> 
     """The true loss value (for logging): the detached sum of every rank's share over sp x dp."""
     t = _upcast(loss_share.detach().clone())
     if mesh is not None and mesh.world_size > 1:
-        t = t.to(_comm_device(mesh, t.device))
-        comm.all_reduce_(t, mesh.sp_group)
-        comm.all_reduce_(t, mesh.dp_group)
+        t = t.to(mesh.comm_device)
+        comm.all_reduce_(t, mesh.sp_group, device=mesh.comm_device)
+        comm.all_reduce_(t, mesh.dp_group, device=mesh.comm_device)
     return t
 
 
@@ -249,7 +241,7 @@ def sequence_logps(
     # One collective for both (counts < 2^24 per row are exact in fp32; they carry no gradient).
     both = torch.cat([local_logps, local_counts])
     if mesh is not None:
-        both = comm.all_reduce(both, mesh.sp_group, stats=mesh.stats)
+        both = comm.all_reduce(both, mesh.sp_group, stats=mesh.stats, device=mesh.comm_device)
     return both[:b], both[b:].detach().round().long()
 
 

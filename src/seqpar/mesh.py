@@ -86,6 +86,19 @@ class SequenceParallelMesh:
         return self.dp_size * self.sp_size
 
     @property
+    def comm_device(self) -> torch.device:
+        """Where every tensor handed to this mesh's collectives must live (see seqpar.comm's device rule):
+        the current CUDA device on a CUDA (NCCL) mesh, the CPU on a gloo mesh or without process groups."""
+        dtype = getattr(self.device_mesh, "device_type", "cpu") if self.device_mesh is not None else "cpu"
+        if dtype == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        if dtype == "cpu":
+            return torch.device("cpu")
+        module = getattr(torch, dtype, None)  # other accelerators (xpu, ...): their current device
+        index = module.current_device() if hasattr(module, "current_device") else None
+        return torch.device(dtype, index)
+
+    @property
     def effective_layout(self) -> str:
         """The layout shard() uses: contiguous whenever there is no ring to balance."""
         return self.layout if self.ring_degree > 1 else "contiguous"

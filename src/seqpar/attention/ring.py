@@ -146,8 +146,8 @@ def _remove_range(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, stats, all_segs, ring_rank, bounds, causal, scale, kernel):
-        ring = RingComm(group, stats, "ring_fwd")
+    def forward(ctx, q, k, v, group, stats, all_segs, ring_rank, bounds, causal, scale, kernel, device):
+        ring = RingComm(group, stats, "ring_fwd", device=device)
         r, n = ring_rank, ring.size
         a = acc_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=a, device=q.device)
@@ -171,15 +171,15 @@ class _RingAttention(torch.autograd.Function):
                 kk, vv = ring.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, stats, all_segs, ring_rank, bounds, causal, scale, kernel)
+        ctx.args = (group, stats, all_segs, ring_rank, bounds, causal, scale, kernel, device)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, stats, all_segs, r, bounds, causal, scale, kernel = ctx.args
-        kv_ring = RingComm(group, stats, "ring_bwd", tag=0)
-        dkv_ring = RingComm(group, stats, "ring_bwd", tag=1)
+        group, stats, all_segs, r, bounds, causal, scale, kernel, device = ctx.args
+        kv_ring = RingComm(group, stats, "ring_bwd", tag=0, device=device)
+        dkv_ring = RingComm(group, stats, "ring_bwd", tag=1, device=device)
         n = kv_ring.size
         a = acc_dtype(q.dtype)
         dout = dout.contiguous()
@@ -212,7 +212,7 @@ class _RingAttention(torch.autograd.Function):
                 kk, vv = kv_ring.wait()
         if n > 1:
             dk, dv = dkv_ring.wait()  # one last hop brings this rank's own block home
-        none = (None,) * 8
+        none = (None,) * 9
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none)
 
 
@@ -228,6 +228,8 @@ def ring_attention(
     kernel: AttentionKernel,
     bounds: list[int] | None = None,
     stats: CommStats | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Attention of local q against the KV of every ring rank. all_segs[j] = ring rank j's segments."""
-    return _RingAttention.apply(q, k, v, group, stats, all_segs, ring_rank, bounds, causal, scale, kernel)
+    """Attention of local q against the KV of every ring rank. all_segs[j] = ring rank j's segments.
+    `device`: the mesh's communication device (seqpar.comm's device rule)."""
+    return _RingAttention.apply(q, k, v, group, stats, all_segs, ring_rank, bounds, causal, scale, kernel, device)

@@ -108,11 +108,11 @@ def unpad_heads(out: torch.Tensor, plan: HeadPlan) -> torch.Tensor:
     return out.index_select(2, torch.tensor(keep, device=out.device))
 
 
-def seq_to_heads(x: torch.Tensor, group, stats=None) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, group, stats=None, device: torch.device | None = None) -> torch.Tensor:
     """[B, S/P, H, D] sequence shard -> [B, S, H/P, D] head shard (ranks' pieces in rank order)."""
-    return comm.all_to_all(x, group, scatter_dim=2, gather_dim=1, stats=stats, channel="ulysses")
+    return comm.all_to_all(x, group, scatter_dim=2, gather_dim=1, stats=stats, channel="ulysses", device=device)
 
 
-def heads_to_seq(x: torch.Tensor, group, stats=None) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, group, stats=None, device: torch.device | None = None) -> torch.Tensor:
     """Inverse of seq_to_heads."""
-    return comm.all_to_all(x, group, scatter_dim=1, gather_dim=2, stats=stats, channel="ulysses")
+    return comm.all_to_all(x, group, scatter_dim=1, gather_dim=2, stats=stats, channel="ulysses", device=device)

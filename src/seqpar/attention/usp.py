@@ -28,15 +28,16 @@ def usp_attention(
     bounds: list[int] | None = None,
 ) -> torch.Tensor:
     """q [B, S/sp, Hq, D], k/v [B, S/sp, Hkv, D] in the mesh's layout -> out [B, S/sp, Hq, D]."""
+    dev = mesh.comm_device
     if mesh.ulysses_degree > 1:
         plan = head_plan(q.shape[2], k.shape[2], mesh.ulysses_degree)
         q, k, v = pad_heads(q, k, v, plan)
-        q, k, v = (seq_to_heads(t, mesh.ulysses_group, mesh.stats) for t in (q, k, v))
+        q, k, v = (seq_to_heads(t, mesh.ulysses_group, mesh.stats, dev) for t in (q, k, v))
     layout = mesh.effective_layout
     all_segs = [ring_segments(seq_len, mesh.ring_degree, j, layout) for j in range(mesh.ring_degree)]
     out = ring_attention(
-        q, k, v, mesh.ring_group, all_segs, mesh.ring_rank, causal, scale, kernel, bounds, mesh.stats
+        q, k, v, mesh.ring_group, all_segs, mesh.ring_rank, causal, scale, kernel, bounds, mesh.stats, dev
     )
     if mesh.ulysses_degree > 1:
-        out = unpad_heads(heads_to_seq(out, mesh.ulysses_group, mesh.stats), plan)
+        out = unpad_heads(heads_to_seq(out, mesh.ulysses_group, mesh.stats, dev), plan)
     return out

@@ -170,8 +170,9 @@ class SequenceParallelTrainer(Trainer):
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self._sp_metric_n and "loss" in logs:
-            vals = torch.tensor(list(self._sp_metrics.values()), dtype=torch.float64) / self._sp_metric_n
-            comm.all_reduce_(vals, self.sp_mesh.dp_group)  # SP ranks of a group hold identical metrics
+            vals = [v / self._sp_metric_n for v in self._sp_metrics.values()]
+            # SP ranks of a group hold identical metrics; sent from the mesh's comm device (NCCL: CUDA).
+            vals = comm.all_reduce_values(vals, self.sp_mesh.dp_group, self.sp_mesh.comm_device)
             logs.update({k: v / self.sp_mesh.dp_size for k, v in zip(self._sp_metrics, vals.tolist())})
             self._sp_metrics, self._sp_metric_n = {}, 0
         super().log(logs, *args, **kwargs)

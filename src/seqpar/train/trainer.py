@@ -491,12 +491,12 @@ def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
 
     loss_val = float(L.global_loss(share_sum, mesh))
     tokens = int(L.global_token_count(sum(int(b["num_input_tokens"]) for b in micro), mesh))
-    stats = torch.tensor([_peak_memory_mb(loop.device)], dtype=torch.float64)
+    stats = [_peak_memory_mb(loop.device)]
     if loop.world > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+        # Host-side numbers travel on the mesh's communication device (NCCL refuses CPU tensors).
+        stats = comm.all_reduce_values(stats, dist.group.WORLD, mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
         if dpo_metrics:
-            mt = torch.tensor(list(dpo_metrics.values()), dtype=torch.float64)
-            comm.all_reduce_(mt, mesh.dp_group)
+            mt = comm.all_reduce_values(list(dpo_metrics.values()), mesh.dp_group, mesh.comm_device)
             dpo_metrics = dict(zip(dpo_metrics, (mt / mesh.dp_size).tolist()))
     dt = time.perf_counter() - t0
     return {"step": step + 1, "loss": loss_val, "lr": loop.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
