@@ -166,6 +166,84 @@ def test_refusals_at_apply():
         apply_sequence_parallel(tiny_model("llama", 4, 2), None)
 
 
+_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+_MAMBA2_MIX = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4)
+# (family, config class, model class, tiny config kwargs, what the refusal must name)
+NON_ATTENTION_MODELS = [
+    ("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
+     dict(_SMALL, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+          linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+          shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"]),
+     "Qwen3NextGatedDeltaNet"),
+    ("mamba", "MambaConfig", "MambaForCausalLM",
+     dict(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4), "MambaMixer"),
+    ("mamba2", "Mamba2Config", "Mamba2ForCausalLM",
+     dict(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, num_heads=4, head_dim=16,
+          n_groups=1), "Mamba2Mixer"),
+    ("jamba", "JambaConfig", "JambaForCausalLM",
+     dict(_SMALL, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+          expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+          mamba_dt_rank=4), "JambaMambaMixer"),
+    ("bamba", "BambaConfig", "BambaForCausalLM", dict(_SMALL, attn_layer_indices=[1], **_MAMBA2_MIX), "BambaMixer"),
+    ("falcon_h1", "FalconH1Config", "FalconH1ForCausalLM",
+     dict(_SMALL, head_dim=8, mamba_d_ssm=64, **_MAMBA2_MIX), "FalconH1Mixer"),
+    ("llama4_chunked", "Llama4TextConfig", "Llama4ForCausalLM",
+     dict(_SMALL, head_dim=8, num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=64,
+          attention_chunk_size=16), "attention_chunk_size=16"),
+    ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", dict(_SMALL, layer_types=["conv", "full_attention"]), "Lfm2ShortConv"),
+    ("recurrent_gemma", "RecurrentGemmaConfig", "RecurrentGemmaForCausalLM",
+     dict(_SMALL, lru_width=32, attention_window_size=16, conv1d_width=4), "RecurrentGemmaRecurrentBlock"),
+    ("rwkv", "RwkvConfig", "RwkvForCausalLM",
+     dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64),
+     "RwkvForCausalLM: a Rwkv model"),
+    ("minimax", "MiniMaxConfig", "MiniMaxForCausalLM",
+     dict(_SMALL, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+          layer_types=["linear_attention", "full_attention"]), "MiniMaxLightningAttention"),
+]
+
+
+@pytest.mark.parametrize("family,cfg_cls,model_cls,kw,named", NON_ATTENTION_MODELS,
+                         ids=[m[0] for m in NON_ATTENTION_MODELS])
+def test_refuses_non_softmax_sequence_mixers(family, cfg_cls, model_cls, kw, named):
+    """Linear attention, SSMs, convolutions, recurrences, chunked attention: refused at apply time, by name."""
+    import transformers
+
+    if not hasattr(transformers, cfg_cls):
+        pytest.skip(f"{cfg_cls} is not in this transformers")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kw))
+    with pytest.raises(SeqParError, match="outside softmax attention") as e:
+        apply_sequence_parallel(model, seqpar.init_mesh(1))
+    assert named in str(e.value) and "softmax-attention models only" in str(e.value), str(e.value)
+    assert not is_sequence_parallel(model)
+
+
+def test_mixer_detection_by_structure_and_config():
+    """Signals that do not depend on a known class name: a plain Conv1d along the sequence, layer_types."""
+    from seqpar.hf.mixers import find_sequence_mixers
+
+    m = tiny_model("llama", 4, 2)
+    cfg = m.config
+    m.model.layers[0].add_module("token_conv", torch.nn.Conv1d(32, 32, kernel_size=3, padding=2, groups=32))
+    assert any("model.layers.0.token_conv: Conv1d with kernel size 3" in f for f in find_sequence_mixers(m, cfg))
+    m = tiny_model("llama", 4, 2)
+    m.model.layers[0].add_module("pointwise", torch.nn.Conv1d(32, 32, kernel_size=1))  # per token: fine
+    assert find_sequence_mixers(m, cfg) == []
+    cfg.layer_types = ["full_attention", "my_linear_attention"]
+    want = "config.layer_types has non-softmax-attention layers ['my_linear_attention']"
+    assert find_sequence_mixers(m, cfg) == [want]
+
+
+@pytest.mark.parametrize("arch", seqpar.hf.ARCHS)
+def test_supported_archs_have_no_sequence_mixers(arch):
+    from seqpar.hf.mixers import find_sequence_mixers
+
+    m = tiny_model(arch, 4, 2)
+    assert find_sequence_mixers(m, m.config) == []
+    assert is_sequence_parallel(apply_sequence_parallel(m, seqpar.init_mesh(1)))
+
+
 def test_refusals_at_forward():
     mesh = seqpar.init_mesh(1)
     ids = _ids(24, b=2)

@@ -29,6 +29,7 @@ from ..data import document_starts
 from ..errors import SeqParError
 from ..layout import check_length, local_positions, unshard
 from ..mesh import SequenceParallelMesh
+from .mixers import check_softmax_attention_only
 
 __all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "is_sequence_parallel", "ForwardPlan"]
 
@@ -281,7 +282,7 @@ def _make_plan(state: _SPState, kwargs: dict) -> ForwardPlan:
     else:
         stacked = pos[None]
     # One small integer gather per forward, so all SP ranks take the same decisions (no rank may raise alone).
-    full = unshard(stacked, mesh, dim=2) if mesh.sp_size > 1 else stacked
+    full = unshard(stacked.to(mesh.comm_device), mesh, dim=2) if mesh.sp_size > 1 else stacked
     full_pos = full[0]
     if mask is not None:
         m = full[1] != 0
@@ -353,8 +354,10 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
     and with PEFT wrappers (apply before or after get_peft_model). Only this model is affected: it
     gets its own config copy pointing at an attention function registered under a unique name.
     Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, attention
-    sinks, nested/encoder-decoder configs (here); attention dropout in train mode, non-causal
-    attention, sliding windows shorter than the sequence (per forward, on every rank alike).
+    sinks, nested/encoder-decoder configs, any sequence mixing outside softmax attention (linear
+    attention, Mamba/SSM, convolutions, recurrences, chunked attention: see seqpar.hf.mixers)
+    (here); attention dropout in train mode, non-causal attention, sliding windows shorter than
+    the sequence (per forward, on every rank alike).
     """
     from transformers import AttentionInterface
 
@@ -372,6 +375,7 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
             "model.language_model with its own lm_head)"
         )
     _check_config(cfg)
+    check_softmax_attention_only(base, cfg)  # linear attention, SSMs, convolutions, chunked attention
     heads, kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     if heads % kv != 0:
         raise SeqParError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")

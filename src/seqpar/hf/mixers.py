@@ -1,0 +1,102 @@
+"""Find what mixes information along the sequence OUTSIDE softmax attention, so SP can refuse it.
+
+seqpar shards the sequence and makes only the attention function see the whole of it. Anything
+else that looks along the sequence (linear attention / Gated DeltaNet, Mamba / SSM scans, causal
+convolutions, recurrences such as RWKV, xLSTM or RG-LRU, chunked local attention) would run on the
+local shard alone and silently give wrong results. Three independent signals, any one suffices:
+- structure: `nn.Conv1d` with a kernel longer than 1 (a convolution along the sequence), `nn.RNNBase`;
+- class names of the known families (GatedDeltaNet, Mamba, SSM, Mixer, Recurrent, RWKV, xLSTM,
+  LinearAttention, LightningAttention, ShortConv, ...);
+- the config: `layer_types` entries that are not softmax attention ("linear_attention", "mamba",
+  "conv", "hybrid", "chunked_attention", ...), `layers_block_type`, `attention_chunk_size`.
+Sliding-window attention is softmax attention with a window: it is checked per forward instead
+(refused only when the window is shorter than the sequence).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from ..errors import SeqParError
+
+__all__ = ["ATTENTION_LAYER_TYPES", "find_sequence_mixers", "check_softmax_attention_only"]
+
+# layer_types values that are plain softmax attention (full or sliding window).
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
+_MIXER_NAMES = re.compile(
+    r"GatedDeltaNet|DeltaNet|Mamba|SSM|Ssm|Mixer|Recurrent|Rglru|RWKV|Rwkv|xLSTM|mLSTM|sLSTM|LinearAttention|"
+    r"LinearAttn|LightningAttention|ShortConv|Hyena|Retention"
+)
+
+
+# Per-token building blocks whose class name may contain a family name (MambaRMSNormGated, ...).
+_PER_TOKEN_NAMES = re.compile(r"Norm|MLP|Embedding|Rotary|Expert|Router|Moe|FeedForward|Activation")
+
+
+def _family(model: torch.nn.Module) -> str:
+    """'Mamba' for MambaForCausalLM: the prefix every class of a transformers model family shares."""
+    m = re.match(r"(.+?)(ForCausalLM|LMHeadModel|ForConditionalGeneration|Model)$", type(model).__name__)
+    return m.group(1) if m else type(model).__name__
+
+
+def _module_reason(module: torch.nn.Module, family: str) -> str | None:
+    if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
+        return f"Conv1d with kernel size {module.kernel_size[0]} (a convolution along the sequence)"
+    if isinstance(module, torch.nn.RNNBase):
+        return "a recurrent layer"
+    name = type(module).__name__
+    # Match the part after the family prefix: every class of RecurrentGemma / Rwkv contains the family name.
+    rest = name[len(family):] if name.startswith(family) else name
+    if _MIXER_NAMES.search(rest) and not _PER_TOKEN_NAMES.search(rest):
+        return f"{name} (linear attention / state-space / recurrent / convolutional sequence mixer)"
+    return None
+
+
+def _config_reasons(cfg: Any) -> list[str]:
+    reasons = []
+    for attr in ("layer_types", "layers_block_type"):
+        types = getattr(cfg, attr, None)
+        if isinstance(types, (list, tuple)):
+            other = sorted({str(t) for t in types if str(t) not in ATTENTION_LAYER_TYPES})
+            if other:
+                reasons.append(f"config.{attr} has non-softmax-attention layers {other}")
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    if chunk is not None:
+        reasons.append(f"config.attention_chunk_size={chunk} (chunked local attention)")
+    return reasons
+
+
+def find_sequence_mixers(model: torch.nn.Module, cfg: Any) -> list[str]:
+    """Descriptions of every non-softmax-attention sequence mixer found (empty: softmax attention only).
+
+    One entry per class, with the first module path where it occurs; config findings first.
+    """
+    found = _config_reasons(cfg)
+    family = _family(model)
+    if _MIXER_NAMES.search(family):
+        found.append(f"{type(model).__name__}: a {family} model (a non-attention model family)")
+    seen: set[type] = set()
+    for path, module in model.named_modules():
+        if type(module) in seen:
+            continue
+        reason = _module_reason(module, family)
+        if reason is not None:
+            seen.add(type(module))
+            found.append(f"{path or '<root>'}: {reason}")
+    return found
+
+
+def check_softmax_attention_only(model: torch.nn.Module, cfg: Any) -> None:
+    """Raise SeqParError if the model mixes along the sequence anywhere but in softmax attention."""
+    found = find_sequence_mixers(model, cfg)
+    if found:
+        listed = "; ".join(found[:6]) + ("; ..." if len(found) > 6 else "")
+        raise SeqParError(
+            f"{type(model).__name__} mixes information along the sequence outside softmax attention ({listed}). "
+            "seqpar supports softmax-attention models only: these layers would see only their rank's shard and "
+            "give silently wrong results. Use a softmax-attention model (Llama, Qwen2/3, Mistral, Gemma2/3, "
+            "Phi3, ...) or train without SP; support for hybrid models is a separate planned feature"
+        )
