@@ -1,0 +1,313 @@
+"""Fused chunked lm_head + loss (seqpar.memory.fused_loss) in the shared train step.
+
+Each case runs the SAME global batch through
+- an independent single-process reference: the plain HF model (no SP, full logits) on every row
+  (every packed document) separately, with hand-written shift / CE / DPO (tests/test_hf_equivalence);
+- `seqpar.train.steps.micro_batch_loss` (what `seqpar train` and both HF Trainer drop-ins call) on
+  the SP model with fused_loss on (small chunks, so several chunks per rank), and again with it off
+  (full logits), gradients SUMMED over dp x sp (seqpar.loss convention; FSDP2 averages, hence the factor).
+Compared: global loss and every parameter gradient. Tolerances: fp32 fused vs reference 1e-5
+absolute; fused vs full-logits path 1e-6 (absolute on the loss; on gradients relative to
+max(1, largest |gradient|), since the chunked lm_head sums the same fp32 products in another
+order); bf16 (pure bf16 weights) fused vs full-logits bf16 path 1e-3 on loss / 1e-2 (relative, as
+above) on gradients (bf16 rounding of differently-grouped matmuls), and loss vs the fp32 reference 1e-2.
+A dispatch-mode test shows no op output ever has S_local * vocab elements with fused_loss on, and
+that the same check catches the full-logits path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hf_equivalence import MODES, _grads, _max_grad_diff, _ref_dpo, _ref_sft, _rows
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import seqpar
+from seqpar import loss as L
+from seqpar.data import SequenceParallelCollator, SequenceParallelDPOCollator
+from seqpar.errors import SeqParError
+from seqpar.hf import ARCHS, apply_sequence_parallel, tiny_model
+from seqpar.memory.fused_loss import fused_targets, install_fused_head
+from seqpar.testing import run_distributed
+from seqpar.train.steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
+
+REF_TOL = 1e-5  # fp32: fused SP vs single-process plain HF model
+PATH_TOL = 1e-6  # fp32: fused vs full-logits path of the same SP run
+BF16_PATH_LOSS, BF16_PATH_GRAD, BF16_REF_LOSS = 1e-3, 1e-2, 1e-2
+CHUNK = 7  # supervised tokens per chunk: several chunks per rank
+
+
+class _AdapterOff:
+    """The single-process reference model of a LoRA policy: the same PEFT model, adapter disabled."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kw):
+        with self.model.disable_adapter():
+            return self.model(**kw)
+
+
+def _make(arch, hq, hkv, seed, opts):
+    kw = {}
+    if opts.get("tied"):
+        kw["tie_word_embeddings"] = True
+    if opts.get("softcap"):
+        kw["final_logit_softcapping"] = opts["softcap"]
+    model = tiny_model(arch, hq, hkv, seed=seed, **kw)
+    if opts.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed + 7)  # identical random A and B in every copy (B != 0: real gradients)
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = get_peft_model(model, cfg)
+    return model
+
+
+def _reference(arch, hq, hkv, kind, loss_type, rows, opts):
+    """(loss, grads) of the plain single-process model; beta/gamma as in _sp_run."""
+    policy = _make(arch, hq, hkv, 0, opts).train()
+    if kind == "dpo":
+        ref = _AdapterOff(policy) if opts.get("lora") else _make(arch, hq, hkv, 1, opts).eval()
+        want = _ref_dpo(policy, ref, rows, loss_type, 0.5, 0.3)
+    else:
+        want, _, _ = _ref_sft(policy, rows)
+    want.backward()
+    return float(want.detach()), _grads(policy)
+
+
+def _sp_run(mesh, arch, hq, hkv, kind, loss_type, rows, opts, fused):
+    """(global loss, grads summed over dp x sp) of micro_batch_loss on this rank's shard."""
+    bf16, fsdp = opts.get("bf16", False), opts.get("fsdp", False)
+    model = apply_sequence_parallel(_make(arch, hq, hkv, 0, opts), mesh).train()
+    if bf16:
+        model.to(torch.bfloat16)
+    factor = 1.0
+    if fsdp:
+        from seqpar.train.trainer import _apply_fsdp
+
+        _apply_fsdp(model, torch.device("cpu"), mesh.world_size, False)
+        factor = L.gradient_reduction_factor(mesh)
+    spec = StepSpec("dpo" if kind == "dpo" else "sft", 0.5, loss_type or "sigmoid", 0.3,
+                    fused_loss=fused, loss_chunk_tokens=CHUNK)
+    fkw = dict(fused_loss=fused, loss_chunk_tokens=CHUNK)
+    reference = None
+    if kind == "dpo" and loss_type != "simpo":
+        if opts.get("lora"):
+            reference = ReferenceLogps(mesh, policy=model, **fkw)
+        else:
+            ref = apply_sequence_parallel(_make(arch, hq, hkv, 1, opts), mesh).eval().requires_grad_(False)
+            reference = ReferenceLogps(mesh, ref_model=ref.to(torch.bfloat16) if bf16 else ref, **fkw)
+    if kind == "dpo":
+        batch = SequenceParallelDPOCollator(mesh, pad_token_id=0)(rows[mesh.dp_rank])
+    else:
+        batch = SequenceParallelCollator(mesh, pad_token_id=0, packing=(kind == "packed"))(rows[mesh.dp_rank])
+    num = L.global_token_count(count_items([batch], spec.stage), mesh)
+    share, _ = micro_batch_loss(model, batch, num, mesh, spec, reference)
+    (share * factor).backward()
+    if not fsdp:
+        L.sum_gradients(model.parameters(), mesh)
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        grads[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().float().clone()
+    return float(L.global_loss(share, mesh)), grads
+
+
+def run_case(mesh, arch, hq, hkv, kind, loss_type="", **opts):
+    rows = _rows(kind, 100, mesh.dp_size)
+    want, ref_grads = _reference(arch, hq, hkv, kind, loss_type, rows, opts)
+    got, grads = _sp_run(mesh, arch, hq, hkv, kind, loss_type, rows, opts, fused=True)
+    full, full_grads = _sp_run(mesh, arch, hq, hkv, kind, loss_type, rows, opts, fused=False)
+    return {
+        "ref_loss": abs(got - want), "ref_grad": _max_grad_diff(grads, ref_grads),
+        "path_loss": abs(got - full), "value": want,
+        "path_grad": _max_grad_diff(grads, full_grads) / max(1.0, *(float(g.abs().max()) for g in full_grads.values())),
+    }
+
+
+def world_cases(cases):
+    """Run cases [(mode, arch, hq, hkv, kind, loss_type, opts)]; meshes built once per mode."""
+    meshes, out = {}, []
+    for mode, arch, hq, hkv, kind, loss_type, opts in cases:
+        if mode not in meshes:
+            sp, u, r = MODES[mode]
+            meshes[mode] = seqpar.init_mesh(sp, ulysses_degree=u, ring_degree=r)
+        out.append(((mode, arch, kind, loss_type, opts), run_case(meshes[mode], arch, hq, hkv, kind, loss_type,
+                                                                  **opts)))
+    return out
+
+
+def _assert_results(per_rank):
+    bad = []
+    for rank, results in enumerate(per_rank):
+        for key, r in results:
+            if key[-1].get("bf16"):
+                ok = (r["path_loss"] <= BF16_PATH_LOSS and r["path_grad"] <= BF16_PATH_GRAD
+                      and r["ref_loss"] <= BF16_REF_LOSS)
+            else:
+                ok = (r["ref_loss"] <= REF_TOL and r["ref_grad"] <= REF_TOL and r["path_loss"] <= PATH_TOL
+                      and r["path_grad"] <= PATH_TOL)
+            if not ok:
+                bad.append((rank, key, r))
+    assert not bad, "fused loss != reference:\n" + "\n".join(map(str, bad))
+    for results in per_rank[:1]:
+        for key, r in results:
+            print(key, {k: f"{v:.2e}" for k, v in r.items()})  # shown with pytest -s
+
+
+FAST_W2 = [
+    ("ulysses2", "llama", 9, 3, "pad", "", {}),
+    ("ring2", "qwen3", 4, 2, "packed", "", {"tied": True}),
+    ("ulysses2", "gemma2", 4, 2, "dpo", "sigmoid", {"softcap": 2.0}),
+    ("ring2", "mistral", 4, 2, "dpo", "ipo", {"lora": True}),
+    ("ulysses2", "llama", 4, 2, "pad", "", {"fsdp": True}),
+    ("ring2", "llama", 4, 2, "pad", "", {"bf16": True}),
+]
+FAST_W4 = [
+    ("usp2x2", "gemma3", 4, 2, "pad", "", {}),
+    ("dp2xring2", "phi3", 4, 2, "dpo", "simpo", {}),
+]
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_fused_world2_fast():
+    _assert_results(run_distributed(world_cases, 2, FAST_W2, timeout=600))
+
+
+def test_fused_world4_fast():
+    _assert_results(run_distributed(world_cases, 4, FAST_W4, timeout=600))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_full_grid(world):
+    modes = {2: ["ulysses2", "ring2"], 4: ["usp2x2", "dp2xulysses2"]}[world]
+    kinds = [("pad", ""), ("packed", ""), ("dpo", "sigmoid"), ("dpo", "ipo"), ("dpo", "simpo")]
+    cases = [(m, a, 4, 2, kind, lt, {"softcap": 2.0} if a in ("gemma2", "gemma3") else {})
+             for m in modes for a in ARCHS for kind, lt in kinds]
+    cases += [(modes[0], a, 4, 2, "dpo", "sigmoid", {"lora": True, "tied": True}) for a in ("llama", "qwen2")]
+    cases += [(modes[1], "llama", 4, 2, "dpo", "sigmoid", {"fsdp": True}),
+              (modes[1], "gemma2", 4, 2, "pad", "", {"bf16": True, "softcap": 2.0})]
+    _assert_results(run_distributed(world_cases, world, cases, timeout=3000))
+
+
+# ----------------------------------------------------------------------------- no [S_local, V] tensor
+class _MaxNumel(TorchDispatchMode):
+    """Records the largest numel of any op output (forward, backward and checkpoint recomputation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.max = max(self.max, t.numel())
+        return out
+
+
+def _largest_tensor(fused):
+    vocab, s_full = 8192, 256  # S_local = 128 per rank; hidden 32: S_local * V >> V * H (embedding grads)
+    mesh = seqpar.init_mesh(2, ulysses_degree=2, ring_degree=1)
+    model = apply_sequence_parallel(tiny_model("llama", 4, 2, vocab_size=vocab), mesh).train()
+    ids = torch.randint(3, vocab, (s_full,), generator=torch.Generator().manual_seed(0))
+    batch = SequenceParallelCollator(mesh, pad_token_id=0)([{"input_ids": ids}])
+    spec = StepSpec("sft", fused_loss=fused, loss_chunk_tokens=16)
+    num = L.global_token_count(count_items([batch], "sft"), mesh)
+    with _MaxNumel() as rec:
+        share, _ = micro_batch_loss(model, batch, num, mesh, spec)
+        share.backward()
+    return rec.max, batch["input_ids"].shape[1] * vocab, model.get_input_embeddings().weight.numel()
+
+
+def _numel_world():
+    return {fused: _largest_tensor(fused) for fused in (True, False)}
+
+
+def test_no_full_logits_tensor():
+    for res in run_distributed(_numel_world, 2, timeout=600):
+        fused_max, s_v, weight = res[True]
+        full_max = res[False][0]
+        print(f"S_local*V={s_v} V*H={weight} largest op output: fused {fused_max}, full logits {full_max}")
+        assert full_max >= s_v  # the check sees the full-logits tensor when it exists
+        assert fused_max < s_v  # no [S_local, V] tensor, forward or backward
+        assert fused_max <= weight  # nothing larger than the embedding (grad): chunk logits are 16 x V
+
+
+# ----------------------------------------------------------------------------- scaled heads, bad input
+def _nll_both_paths(model, mesh, labels_len=40):
+    ids = torch.randint(3, model.config.vocab_size, (2, labels_len), generator=torch.Generator().manual_seed(1))
+    batch = SequenceParallelCollator(mesh, pad_token_id=0)([{"input_ids": r} for r in ids])
+    num = L.global_token_count(count_items([batch], "sft"), mesh)
+    out = {}
+    for fused in (True, False):
+        model.zero_grad()
+        share, _ = micro_batch_loss(model, batch, num, mesh, StepSpec("sft", fused_loss=fused, loss_chunk_tokens=5))
+        share.backward()
+        out[fused] = (float(share.detach()), {n: p.grad.clone() for n, p in model.named_parameters()})
+    return abs(out[True][0] - out[False][0]), _max_grad_diff(out[True][1], out[False][1])
+
+
+@pytest.mark.parametrize("arch", ["cohere", "granite"])
+def test_scaled_logit_heads_match_full_path(arch, one_thread):
+    """Cohere (logits * logit_scale) and Granite (logits / logits_scaling): fused == full logits at SP=1."""
+    import transformers as tf
+
+    cls, extra = {"cohere": (tf.CohereConfig, {"logit_scale": 0.5}),
+                  "granite": (tf.GraniteConfig, {"logits_scaling": 4.0})}[arch]
+    cfg = cls(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    mesh = seqpar.init_mesh(1)
+    apply_sequence_parallel(model, mesh)
+    dl, dg = _nll_both_paths(model, mesh)
+    assert dl <= PATH_TOL and dg <= PATH_TOL, (dl, dg)
+
+
+def test_unknown_logit_transform_is_refused(one_thread):
+    model = tiny_model("llama", 4, 2)
+    model.config.logits_scaling = 2.0  # a post-lm_head scale this architecture does not apply
+    with pytest.raises(SeqParError, match="memory.fused_loss: false.*fused_loss=False"):
+        install_fused_head(model)
+
+
+def test_missing_output_embeddings_is_refused(one_thread, monkeypatch):
+    model = tiny_model("llama", 4, 2)
+    monkeypatch.setattr(model, "get_output_embeddings", lambda: None)
+    with pytest.raises(SeqParError, match="no output embeddings.*memory.fused_loss: false"):
+        with fused_targets(model, torch.zeros(1, 4, dtype=torch.long)):
+            pass
+
+
+def test_head_not_called_by_forward_is_refused(one_thread, monkeypatch):
+    """A model whose forward bypasses get_output_embeddings() gets the error, not silently full logits."""
+    model = tiny_model("llama", 4, 2)
+    monkeypatch.setattr(model, "get_output_embeddings", lambda: torch.nn.Linear(32, 160))
+    ids = torch.randint(3, 160, (1, 12))
+    with pytest.raises(SeqParError, match="was not used by this model's forward.*fused_loss=False"):
+        with fused_targets(model, ids) as req:
+            out = model(input_ids=ids)
+        req.result(out)
+
+
+def test_head_unchanged_without_request_and_state_dict_keys_kept(one_thread):
+    model = tiny_model("gemma2", 4, 2, final_logit_softcapping=2.0)
+    ids = torch.randint(3, 160, (2, 9))
+    before, keys = model(input_ids=ids).logits, list(model.state_dict())
+    install_fused_head(model)
+    assert list(model.state_dict()) == keys
+    assert torch.equal(model(input_ids=ids).logits, before)
+    with pytest.raises(SeqParError, match="loss_chunk_tokens must be >= 1"):
+        with fused_targets(model, ids, chunk_tokens=0):
+            pass
