@@ -5,7 +5,8 @@ Each case runs the SAME global batch through
   (every packed document) separately, with hand-written shift / CE / DPO (tests/test_hf_equivalence);
 - `seqpar.train.steps.micro_batch_loss` (what `seqpar train` and both HF Trainer drop-ins call) on
   the SP model with fused_loss on (small chunks, so several chunks per rank), and again with it off
-  (full logits), gradients SUMMED over dp x sp (seqpar.loss convention; FSDP2 averages, hence the factor).
+  (full logits), gradients SUMMED over dp x sp (seqpar.loss convention; FSDP2 and DDP average, hence
+  the factor). DDP runs with find_unused_parameters=True, the HF Trainer's default.
 Compared: global loss and every parameter gradient. Tolerances: fp32 fused vs reference 1e-5
 absolute; fused vs full-logits path 1e-6 (absolute on the loss; on gradients relative to
 max(1, largest |gradient|), since the chunked lm_head sums the same fp32 products in another
@@ -89,6 +90,9 @@ def _sp_run(mesh, arch, hq, hkv, kind, loss_type, rows, opts, fused):
 
         _apply_fsdp(model, torch.device("cpu"), mesh.world_size, False)
         factor = L.gradient_reduction_factor(mesh)
+    if opts.get("ddp"):  # as the HF Trainer wraps it: DDP over dp x sp, find_unused_parameters=True
+        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        factor = L.gradient_reduction_factor(mesh)
     spec = StepSpec("dpo" if kind == "dpo" else "sft", 0.5, loss_type or "sigmoid", 0.3,
                     fused_loss=fused, loss_chunk_tokens=CHUNK)
     fkw = dict(fused_loss=fused, loss_chunk_tokens=CHUNK)
@@ -106,12 +110,13 @@ def _sp_run(mesh, arch, hq, hkv, kind, loss_type, rows, opts, fused):
     num = L.global_token_count(count_items([batch], spec.stage), mesh)
     share, _ = micro_batch_loss(model, batch, num, mesh, spec, reference)
     (share * factor).backward()
-    if not fsdp:
+    if factor == 1.0:
         L.sum_gradients(model.parameters(), mesh)
     grads = {}
     for n, p in model.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
-        grads[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().float().clone()
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g  # FSDP2: DTensor shards
+        grads[n.removeprefix("module.")] = g.detach().float().clone()  # DDP: "module." prefix
     return float(L.global_loss(share, mesh)), grads
 
 
@@ -163,6 +168,7 @@ FAST_W2 = [
     ("ulysses2", "gemma2", 4, 2, "dpo", "sigmoid", {"softcap": 2.0}),
     ("ring2", "mistral", 4, 2, "dpo", "ipo", {"lora": True}),
     ("ulysses2", "llama", 4, 2, "pad", "", {"fsdp": True}),
+    ("ring2", "qwen2", 4, 2, "pad", "", {"ddp": True}),
     ("ring2", "llama", 4, 2, "pad", "", {"bf16": True}),
 ]
 FAST_W4 = [

@@ -55,8 +55,8 @@ class FusedRequest:
                 "the fused loss head was not used by this model's forward (it computes logits without calling "
                 f"get_output_embeddings(), or post-processes them in a way seqpar cannot fuse): {FUSED_OFF_HINT}"
             )
-        # Sum of an empty tensor: an exact 0 that puts the returned logits (and FSDP2's pre-backward
-        # hooks on the root's outputs) on the loss's autograd path.
+        # Sum of an empty tensor: an exact 0 that puts the returned logits (and the hooks wrappers put on
+        # the model's outputs, e.g. FSDP2's pre-backward) on the loss's autograd path.
         return self.nll + logits.sum().to(self.nll.dtype)
 
 
@@ -85,7 +85,10 @@ def _fused_forward(self: torch.nn.Module, hidden: torch.Tensor, *args: Any, **kw
         return state.orig_forward(h, *args, **kwargs)
 
     req.nll = L.chunked_token_nll(hidden, req.shift_labels, head, req.chunk_tokens, req.ignore_index, state.transform)
-    return hidden[..., :0].clone()  # a non-view empty tensor (FSDP2 warns on view outputs)
+    # Empty, but computed FROM the NLL: wrappers that walk the autograd graph of the model's outputs
+    # (DDP find_unused_parameters=True, the HF Trainer's default) then see lm_head's parameters as used.
+    # clone(): not a view (FSDP2 warns on view outputs).
+    return req.nll.unsqueeze(-1)[..., :0].to(hidden.dtype).clone()
 
 
 # ----------------------------------------------------------------------------- post-lm_head transforms
