@@ -359,3 +359,22 @@ def test_smollm2_fused_sp2_matches_no_sp():
     for r in run_distributed(_smollm2_world, 2, timeout=900):
         print(r)
         assert r["loss"] <= REF_TOL and r["grad"] <= REF_TOL, r
+
+
+def test_trainer_dropins_take_the_switch(tmp_path, one_thread):
+    """fused_loss= / loss_chunk_tokens= reach the step spec and the DPO reference; refusal at construction."""
+    from transformers import TrainingArguments
+
+    from seqpar.hf.trainer import SequenceParallelDPOTrainer, SequenceParallelTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    t = SequenceParallelTrainer(model=tiny_model("llama", 4, 2), args=args, fused_loss=False, loss_chunk_tokens=5)
+    assert (t._sp_spec.fused_loss, t._sp_spec.loss_chunk_tokens) == (False, 5)
+    d = SequenceParallelDPOTrainer(model=tiny_model("llama", 4, 2), args=args, loss_chunk_tokens=3)
+    assert (d._sp_spec.fused_loss, d._sp_reference.fused_loss, d._sp_reference.loss_chunk_tokens) == (True, True, 3)
+    bad = tiny_model("llama", 4, 2)
+    bad.config.logits_scaling = 2.0
+    with pytest.raises(SeqParError, match="fused_loss=False"):
+        SequenceParallelTrainer(model=bad, args=args)
+    with pytest.raises(SeqParError, match="loss_chunk_tokens must be >= 1"):
+        SequenceParallelTrainer(model=tiny_model("llama", 4, 2), args=args, loss_chunk_tokens=0)
