@@ -381,3 +381,39 @@ def test_trainer_dropins_take_the_switch(tmp_path, one_thread):
         SequenceParallelTrainer(model=bad, args=args)
     with pytest.raises(SeqParError, match="loss_chunk_tokens must be >= 1"):
         SequenceParallelTrainer(model=tiny_model("llama", 4, 2), args=args, loss_chunk_tokens=0)
+
+
+def test_seqpar_train_config_switch(tmp_path, monkeypatch, one_thread):
+    """`memory.fused_loss` / `memory.loss_chunk_tokens` reach the step (policy and reference forwards) of
+    `seqpar train`; the DPO losses of both settings agree within 1e-6 (SP=1, one process)."""
+    import json
+
+    import seqpar.train.steps as steps
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.trainer import train
+
+    with open(tmp_path / "dpo.jsonl", "w") as f:
+        for i in range(4):
+            row = {"prompt": f"question {i}?", "chosen": "yes " * (i + 2), "rejected": "no " * (5 - i)}
+            f.write(json.dumps(row) + "\n")
+    calls = []
+    real = steps.fused_targets
+
+    def spy(model, labels, chunk_tokens=None, *a, **k):
+        calls.append(chunk_tokens)
+        return real(model, labels, chunk_tokens, *a, **k)
+
+    monkeypatch.setattr(steps, "fused_targets", spy)
+    losses = {}
+    for fused in (True, False):
+        cfg = config_from_dict({
+            "model": {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 1}},
+            "dataset": {"path": str(tmp_path / "dpo.jsonl"), "max_length": 64}, "stage": "dpo",
+            "memory": {"fused_loss": fused, "loss_chunk_tokens": 5}, "micro_batch_size": 2, "max_steps": 2,
+            "optimizer": {"lr": 1e-2}, "output_dir": str(tmp_path / f"out{fused}"), "progress": False,
+        })
+        n = len(calls)
+        losses[fused] = train(cfg).losses
+        assert (len(calls) > n) == fused and set(calls[n:]) <= {5}
+    assert len(losses[True]) == 2
+    assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) <= 1e-6, losses
