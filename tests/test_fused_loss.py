@@ -85,13 +85,13 @@ def _sp_run(mesh, arch, hq, hkv, kind, loss_type, rows, opts, fused):
     """(global loss, grads summed over dp x sp) of micro_batch_loss on this rank's shard."""
     bf16, fsdp = opts.get("bf16", False), opts.get("fsdp", False)
     model = apply_sequence_parallel(_make(arch, hq, hkv, 0, opts), mesh).train()
-    if bf16:
+    if bf16 and not fsdp:  # as `seqpar train`: pure bf16 weights, or FSDP2 mixed precision (fp32 master)
         model.to(torch.bfloat16)
     factor = 1.0
     if fsdp:
         from seqpar.train.trainer import _apply_fsdp
 
-        _apply_fsdp(model, torch.device("cpu"), mesh.world_size, False)
+        _apply_fsdp(model, torch.device("cpu"), mesh.world_size, bf16)
         factor = L.gradient_reduction_factor(mesh)
     if opts.get("ddp"):  # as the HF Trainer wraps it: DDP over dp x sp, find_unused_parameters=True
         model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
@@ -205,6 +205,7 @@ def test_fused_full_grid(world):
              for m in modes for a in ARCHS for kind, lt in kinds]
     cases += [(modes[0], a, 4, 2, "dpo", "sigmoid", {"lora": True, "tied": True}) for a in ("llama", "qwen2")]
     cases += [(modes[1], "llama", 4, 2, "dpo", "sigmoid", {"fsdp": True}),
+              (modes[0], "qwen3", 4, 2, "dpo", "sigmoid", {"fsdp": True, "bf16": True}),
               (modes[1], "gemma2", 4, 2, "pad", "", {"bf16": True, "softcap": 2.0})]
     _assert_results(run_distributed(world_cases, world, cases, timeout=3000))
 
@@ -225,32 +226,43 @@ class _MaxNumel(TorchDispatchMode):
         return out
 
 
-def _largest_tensor(fused):
+def _largest_tensor(fused, stage):
+    """Largest op output of one SFT or DPO (sigmoid, frozen reference model) step: forward + backward."""
     vocab, s_full = 8192, 256  # S_local = 128 per rank; hidden 32: S_local * V >> V * H (embedding grads)
     mesh = seqpar.init_mesh(2, ulysses_degree=2, ring_degree=1)
     model = apply_sequence_parallel(tiny_model("llama", 4, 2, vocab_size=vocab), mesh).train()
-    ids = torch.randint(3, vocab, (s_full,), generator=torch.Generator().manual_seed(0))
-    batch = SequenceParallelCollator(mesh, pad_token_id=0)([{"input_ids": ids}])
-    spec = StepSpec("sft", fused_loss=fused, loss_chunk_tokens=16)
-    num = L.global_token_count(count_items([batch], "sft"), mesh)
+    g = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(3, vocab, (n,), generator=g)  # noqa: E731
+    spec = StepSpec(stage, fused_loss=fused, loss_chunk_tokens=16)
+    reference = None
+    if stage == "dpo":
+        pair = {"prompt_input_ids": tokens(16), "chosen_input_ids": tokens(s_full - 16),
+                "rejected_input_ids": tokens(200)}
+        batch = SequenceParallelDPOCollator(mesh, pad_token_id=0)([pair])
+        ref = apply_sequence_parallel(tiny_model("llama", 4, 2, vocab_size=vocab, seed=1), mesh).eval()
+        reference = ReferenceLogps(mesh, ref_model=ref, fused_loss=fused, loss_chunk_tokens=16)
+    else:
+        batch = SequenceParallelCollator(mesh, pad_token_id=0)([{"input_ids": tokens(s_full)}])
+    num = L.global_token_count(count_items([batch], stage), mesh)
     with _MaxNumel() as rec:
-        share, _ = micro_batch_loss(model, batch, num, mesh, spec)
+        share, _ = micro_batch_loss(model, batch, num, mesh, spec, reference)
         share.backward()
     return rec.max, batch["input_ids"].shape[1] * vocab, model.get_input_embeddings().weight.numel()
 
 
 def _numel_world():
-    return {fused: _largest_tensor(fused) for fused in (True, False)}
+    return {(stage, fused): _largest_tensor(fused, stage) for stage in ("sft", "dpo") for fused in (True, False)}
 
 
 def test_no_full_logits_tensor():
     for res in run_distributed(_numel_world, 2, timeout=600):
-        fused_max, s_v, weight = res[True]
-        full_max = res[False][0]
-        print(f"S_local*V={s_v} V*H={weight} largest op output: fused {fused_max}, full logits {full_max}")
-        assert full_max >= s_v  # the check sees the full-logits tensor when it exists
-        assert fused_max < s_v  # no [S_local, V] tensor, forward or backward
-        assert fused_max <= weight  # nothing larger than the embedding (grad): chunk logits are 16 x V
+        for stage in ("sft", "dpo"):
+            fused_max, s_v, weight = res[(stage, True)]
+            full_max = res[(stage, False)][0]
+            print(f"{stage}: S_local*V={s_v} V*H={weight} largest op output: fused {fused_max}, full {full_max}")
+            assert full_max >= s_v  # the check sees the full-logits tensor when it exists
+            assert fused_max < s_v  # no [S_local, V] tensor, forward or backward
+            assert fused_max <= weight  # nothing larger than the embedding (grad): chunk logits are 16 x V
 
 
 # ----------------------------------------------------------------------------- scaled heads, bad input
