@@ -38,6 +38,10 @@ __all__ = [
     "global_token_count",
     "sft_loss",
     "sequence_logps",
+    "sft_loss_from_nll",
+    "sequence_logps_from_nll",
+    "chunked_token_nll",
+    "token_nll",
     "dpo_loss",
     "gradient_reduction_factor",
     "sum_gradients",
@@ -138,8 +142,48 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _chunk_nll(h: torch.Tensor, y: torch.Tensor, lm_head: Callable) -> torch.Tensor:
-    return F.cross_entropy(_upcast(lm_head(h)), y, reduction="none")
+def _chunk_nll(h: torch.Tensor, y: torch.Tensor, lm_head: Callable, transform: Callable | None) -> torch.Tensor:
+    logits = lm_head(h)
+    if transform is not None:  # e.g. Gemma's final-logit softcap, in the head's dtype as the model does it
+        logits = transform(logits)
+    return F.cross_entropy(_upcast(logits), y, reduction="none")
+
+
+def chunked_token_nll(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    chunk_size: int,
+    ignore_index: int = IGNORE_INDEX,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Per-token NLL [B, S_local] from hidden states [B, S_local, H], never holding more than one chunk's logits.
+
+    Only supervised tokens get logits, `chunk_size` of them at a time; under autograd each chunk is
+    checkpointed, so at most one chunk's [chunk_size, V] logits are alive, in forward and in backward.
+    transform: applied to each chunk's lm_head output before the fp32 cross-entropy (post-lm_head
+    logit processing such as softcapping). fp32 result (fp64 for fp64 inputs); 0 where not supervised.
+    """
+    if chunk_size < 1:
+        raise SeqParError(f"chunk_size must be >= 1, got {chunk_size}")
+    labels = labels.to(hidden.device).long()
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    idx = torch.nonzero(y != ignore_index).reshape(-1)
+    if idx.numel() == 0:
+        zero = _upcast(lm_head(h[:1])).sum() * 0.0  # keeps every parameter in the graph
+        return zero + torch.zeros(labels.shape, dtype=zero.dtype, device=h.device)
+    hs, ys = h.index_select(0, idx), y.index_select(0, idx)
+    grad = torch.is_grad_enabled()
+    parts = [
+        checkpoint(_chunk_nll, hs[i : i + chunk_size], ys[i : i + chunk_size], lm_head, transform, use_reentrant=False)
+        if grad
+        else _chunk_nll(hs[i : i + chunk_size], ys[i : i + chunk_size], lm_head, transform)
+        for i in range(0, idx.numel(), chunk_size)
+    ]
+    nll = torch.cat(parts)
+    out = torch.zeros(y.numel(), dtype=nll.dtype, device=nll.device).index_add(0, idx, nll)
+    return out.view_as(labels)
 
 
 def _token_nll(
@@ -155,29 +199,18 @@ def _token_nll(
     Always connected to the graph of the inputs (and of lm_head's parameters), even with no
     supervised token, so backward gives zero -- not missing -- gradients on every rank.
     """
-    labels = labels.to((logits if logits is not None else hidden).device).long()
-    if logits is not None:
-        flat_logits = _upcast(logits.reshape(-1, logits.shape[-1]))
-        flat = F.cross_entropy(flat_logits, labels.reshape(-1), ignore_index=ignore_index, reduction="none")
-        return flat.view_as(labels)
-    if chunk_size < 1:
-        raise SeqParError(f"chunk_size must be >= 1, got {chunk_size}")
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    # Only supervised tokens need logits; each chunk is checkpointed so that at most one chunk's
-    # full-vocab logits are alive at a time, in forward and in backward.
-    idx = torch.nonzero(y != ignore_index).reshape(-1)
-    if idx.numel() == 0:
-        zero = _upcast(lm_head(h[:1])).sum() * 0.0  # keeps every parameter in the graph
-        return zero + torch.zeros(labels.shape, dtype=zero.dtype, device=h.device)
-    hs, ys = h.index_select(0, idx), y.index_select(0, idx)
-    parts = [
-        checkpoint(_chunk_nll, hs[i : i + chunk_size], ys[i : i + chunk_size], lm_head, use_reentrant=False)
-        for i in range(0, idx.numel(), chunk_size)
-    ]
-    nll = torch.cat(parts)
-    out = torch.zeros(y.numel(), dtype=nll.dtype, device=nll.device).index_add(0, idx, nll)
-    return out.view_as(labels)
+    if logits is None:
+        return chunked_token_nll(hidden, labels, lm_head, chunk_size, ignore_index)
+    labels = labels.to(logits.device).long()
+    flat_logits = _upcast(logits.reshape(-1, logits.shape[-1]))
+    flat = F.cross_entropy(flat_logits, labels.reshape(-1), ignore_index=ignore_index, reduction="none")
+    return flat.view_as(labels)
+
+
+def token_nll(logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-token NLL [B, S_local] (fp32) from full logits [B, S_local, V]; 0 where not supervised."""
+    _check_inputs(logits, None, None, shift_labels)
+    return _token_nll(logits, shift_labels, None, None, 1, ignore_index)
 
 
 # ----------------------------------------------------------------------------- SFT
@@ -206,6 +239,18 @@ def sft_loss(
     """
     _check_inputs(logits, hidden, lm_head, shift_labels)
     nll = _token_nll(logits, shift_labels, hidden, lm_head, chunk_size, ignore_index)
+    return sft_loss_from_nll(nll, shift_labels, num_items, mesh=mesh, ignore_index=ignore_index)
+
+
+def sft_loss_from_nll(
+    nll: torch.Tensor,
+    shift_labels: torch.Tensor,
+    num_items: torch.Tensor | int | None,
+    *,
+    mesh: SequenceParallelMesh | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """`sft_loss` from a per-token NLL [B, S_local] (0 where not supervised), e.g. the fused head's."""
     if num_items is None:
         if mesh is None:
             raise SeqParError("num_items=None needs mesh= to count supervised tokens over sp x dp")
@@ -235,6 +280,14 @@ def sequence_logps(
     """
     _check_inputs(logits, hidden, lm_head, shift_labels)
     nll = _token_nll(logits, shift_labels, hidden, lm_head, chunk_size, ignore_index)
+    return sequence_logps_from_nll(nll, shift_labels, mesh, ignore_index=ignore_index)
+
+
+def sequence_logps_from_nll(
+    nll: torch.Tensor, shift_labels: torch.Tensor, mesh: SequenceParallelMesh | None, *,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` from a per-token NLL [B, S_local] (0 where not supervised), e.g. the fused head's."""
     local_logps = -nll.sum(dim=1)
     local_counts = (shift_labels != ignore_index).sum(dim=1).to(device=nll.device, dtype=nll.dtype)
     b = local_logps.shape[0]

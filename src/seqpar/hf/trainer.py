@@ -35,6 +35,7 @@ from .. import comm
 from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError
+from ..memory.fused_loss import install_fused_head
 from ..mesh import SequenceParallelMesh, init_mesh
 from ..train.steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
 from .attention import apply_sequence_parallel, is_sequence_parallel
@@ -71,7 +72,9 @@ class SequenceParallelTrainer(Trainer):
 
     Extra keyword arguments: sequence_parallel_size (default: world size), ulysses_degree,
     ring_degree, layout, mesh (a prebuilt SequenceParallelMesh instead), packing and max_length (for
-    the SP collator). A data_collator that is not a seqpar SP collator is replaced by one (it could
+    the SP collator), fused_loss (default True: chunked lm_head + loss, no [S_local, vocab] logits;
+    False: full logits) and loss_chunk_tokens (None: one chunk's fp32 logits <= 256 MB).
+    A data_collator that is not a seqpar SP collator is replaced by one (it could
     not shard the batch).
     """
 
@@ -80,7 +83,8 @@ class SequenceParallelTrainer(Trainer):
     def __init__(self, model: torch.nn.Module | None = None, args: Any = None, *,
                  sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
                  ring_degree: int | None = None, layout: str = "zigzag", mesh: SequenceParallelMesh | None = None,
-                 packing: bool = False, max_length: int | None = None, **kwargs: Any) -> None:
+                 packing: bool = False, max_length: int | None = None, fused_loss: bool = True,
+                 loss_chunk_tokens: int | None = None, **kwargs: Any) -> None:
         from transformers import TrainingArguments
 
         if model is None:
@@ -92,11 +96,16 @@ class SequenceParallelTrainer(Trainer):
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             mesh = init_mesh(sequence_parallel_size or world, ulysses_degree, ring_degree,
                              model_config=model.config, layout=layout)
+        if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
+            raise SeqParError(f"loss_chunk_tokens must be >= 1 (or None), got {loss_chunk_tokens}")
         self.sp_mesh = mesh
+        self._sp_fused = (bool(fused_loss), loss_chunk_tokens)
         self._sp_spec = self._make_spec()
         self._sp_reference = self._build_reference(model, kwargs)
         if not is_sequence_parallel(model):
             apply_sequence_parallel(model, mesh)
+        if fused_loss:  # refuses an architecture it cannot fuse now, identically on every rank
+            install_fused_head(model)
         collator = kwargs.pop("data_collator", None)
         if not _is_sp_collator(collator):
             collator = self._default_collator(model, kwargs.get("processing_class"), packing, max_length)
@@ -108,7 +117,7 @@ class SequenceParallelTrainer(Trainer):
 
     # ------------------------------------------------------------------ hooks for the DPO subclass
     def _make_spec(self) -> StepSpec:
-        return StepSpec("sft")
+        return StepSpec("sft", fused_loss=self._sp_fused[0], loss_chunk_tokens=self._sp_fused[1])
 
     def _build_reference(self, model: torch.nn.Module, kwargs: dict) -> Any:
         return None
@@ -228,14 +237,14 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
 
     def _make_spec(self) -> StepSpec:
         beta, loss_type, gamma, _ = self._dpo
-        return StepSpec("dpo", beta, loss_type, gamma)
+        return StepSpec("dpo", beta, loss_type, gamma, *self._sp_fused)
 
     def _build_reference(self, model: torch.nn.Module, kwargs: dict) -> Any:
         _, loss_type, _, ref = self._dpo
         if loss_type == "simpo":
             return None
         if ref is None and hasattr(model, "disable_adapter"):
-            return ReferenceLogps(self.sp_mesh, policy=model)
+            return ReferenceLogps(self.sp_mesh, policy=model, **self._fused_kw())
         if ref is None:
             if is_sequence_parallel(model):
                 raise SeqParError(
@@ -246,7 +255,10 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
         if not is_sequence_parallel(ref):
             apply_sequence_parallel(ref, self.sp_mesh)
         device = next(model.parameters()).device
-        return ReferenceLogps(self.sp_mesh, ref_model=ref.to(device))
+        return ReferenceLogps(self.sp_mesh, ref_model=ref.to(device), **self._fused_kw())
+
+    def _fused_kw(self) -> dict[str, Any]:
+        return {"fused_loss": self._sp_fused[0], "loss_chunk_tokens": self._sp_fused[1]}
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
         return SequenceParallelDPOCollator(self.sp_mesh, _pad_id(model, tok), max_length=max_length)

@@ -17,9 +17,11 @@ import torch
 
 from .. import loss as L
 from ..errors import SeqParError
+from ..memory.fused_loss import fused_targets
 from ..mesh import SequenceParallelMesh
 
-__all__ = ["StepSpec", "count_items", "model_inputs", "forward_logits", "micro_batch_loss", "ReferenceLogps"]
+__all__ = ["StepSpec", "count_items", "model_inputs", "forward_logits", "forward_nll", "micro_batch_loss",
+           "ReferenceLogps"]
 
 
 @dataclass
@@ -28,6 +30,9 @@ class StepSpec:
     beta: float = 0.1
     loss_type: str = "sigmoid"
     gamma: float = 0.5
+    # Fused chunked lm_head + loss (seqpar.memory.fused_loss): no [S_local, vocab] logits; off = full logits.
+    fused_loss: bool = True
+    loss_chunk_tokens: int | None = None  # None: as many as keep one chunk's fp32 logits <= 256 MB
 
 
 def count_items(micro_batches: Sequence[dict[str, torch.Tensor]], stage: str) -> torch.Tensor:
@@ -57,23 +62,37 @@ def forward_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     return model(**model_inputs(batch, device)).logits
 
 
+def forward_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: bool = True,
+                chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token NLL [B, S_local] fp32, shift_labels on its device): fused chunked head, or full logits."""
+    device = next(model.parameters()).device
+    labels = batch["shift_labels"].to(device)
+    if not fused:
+        return L.token_nll(model(**model_inputs(batch, device)).logits, labels), labels
+    with fused_targets(model, labels, chunk_tokens) as request:
+        out = model(**model_inputs(batch, device))
+    return request.result(out), labels
+
+
 class ReferenceLogps:
     """Reference-model log-probs for DPO: a frozen copy, or the policy with its LoRA adapter disabled."""
 
     def __init__(self, mesh: SequenceParallelMesh, ref_model: torch.nn.Module | None = None,
-                 policy: torch.nn.Module | None = None) -> None:
+                 policy: torch.nn.Module | None = None, *, fused_loss: bool = True,
+                 loss_chunk_tokens: int | None = None) -> None:
         if (ref_model is None) == (policy is None):
             raise ValueError("give exactly one of ref_model (frozen copy) or policy (a PEFT model: adapter disabled)")
         self.mesh, self.ref_model, self.policy = mesh, ref_model, policy
+        self.fused_loss, self.loss_chunk_tokens = fused_loss, loss_chunk_tokens
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ref_model is not None:
-            logits = forward_logits(self.ref_model, batch)
+            nll, labels = forward_nll(self.ref_model, batch, self.fused_loss, self.loss_chunk_tokens)
         else:
             with self.policy.disable_adapter():
-                logits = forward_logits(self.policy, batch)
-        return L.sequence_logps(logits, batch["shift_labels"].to(logits.device), self.mesh)
+                nll, labels = forward_nll(self.policy, batch, self.fused_loss, self.loss_chunk_tokens)
+        return L.sequence_logps_from_nll(nll, labels, self.mesh)
 
 
 def micro_batch_loss(
@@ -92,9 +111,8 @@ def micro_batch_loss(
     are the reason to skip that forward). Otherwise `reference(batch)` runs. SimPO uses neither.
     """
     if spec.stage == "sft":
-        logits = forward_logits(model, batch)
-        labels = batch["shift_labels"].to(logits.device)
-        return L.sft_loss(logits, labels, num_items, mesh=mesh), {}
+        nll, labels = forward_nll(model, batch, spec.fused_loss, spec.loss_chunk_tokens)
+        return L.sft_loss_from_nll(nll, labels, num_items, mesh=mesh), {}
     ref_c = ref_r = None
     rows = batch["shift_labels"].shape[0]
     if spec.loss_type != "simpo":
@@ -114,8 +132,8 @@ def micro_batch_loss(
             ref_logps, _ = reference(batch)
         n = rows // 2
         ref_c, ref_r = ref_logps[:n], ref_logps[n:]
-    logits = forward_logits(model, batch)
-    logps, counts = L.sequence_logps(logits, batch["shift_labels"].to(logits.device), mesh)
+    nll, labels = forward_nll(model, batch, spec.fused_loss, spec.loss_chunk_tokens)
+    logps, counts = L.sequence_logps_from_nll(nll, labels, mesh)
     n = logps.shape[0] // 2
     if ref_c is not None:
         ref_c = ref_c.to(logps.device, logps.dtype)

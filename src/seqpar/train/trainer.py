@@ -28,6 +28,7 @@ from .. import comm
 from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError
+from ..memory.fused_loss import install_fused_head
 from ..mesh import init_mesh
 from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, validate_for_launch
@@ -341,11 +342,16 @@ def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: to
     model.train()
     if cfg.fsdp:
         _apply_fsdp(model, device, world, bf16)
+    if cfg.memory.fused_loss:  # refuses an architecture it cannot fuse now, before any collective
+        for m in (model, ref_model):
+            if m is not None:
+                install_fused_head(m)
     reference = None
     if needs_ref:
         # Full fine-tuning: the frozen copy; LoRA: the policy itself with the adapter disabled.
-        reference = (ReferenceLogps(mesh, ref_model=ref_model) if ref_model is not None
-                     else ReferenceLogps(mesh, policy=model))
+        fused = dict(fused_loss=cfg.memory.fused_loss, loss_chunk_tokens=cfg.memory.loss_chunk_tokens)
+        reference = (ReferenceLogps(mesh, ref_model=ref_model, **fused) if ref_model is not None
+                     else ReferenceLogps(mesh, policy=model, **fused))
     return model, reference
 
 
@@ -395,7 +401,8 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     streams, collator = _build_data(cfg, mesh, tok, len(examples), emulate_dp)
     out = Path(cfg.output_dir)
     loop = _Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples,
-                 StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma), reference, device, world, rank,
+                 StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma, cfg.memory.fused_loss,
+                          cfg.memory.loss_chunk_tokens), reference, device, world, rank,
                  out, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0)
 
     if rank == 0:
