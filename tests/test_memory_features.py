@@ -515,7 +515,8 @@ else:
 t.train()
 res = {"losses": [h["loss"] for h in t.state.log_history if "loss" in h],
        "ckpt": bool(model.is_activation_checkpointing),
-       "ckpt_kwargs": sorted(getattr(model.model.layers[0]._gradient_checkpointing_func, "keywords", {}).items())}
+       "ckpt_kwargs": sorted(getattr(getattr(model.model.layers[0], "_gradient_checkpointing_func", None),
+                                     "keywords", {}).items())}
 if t.is_world_process_zero():
     json.dump(res, open(f"{out}/result.json", "w"))
 '''
