@@ -314,7 +314,8 @@ class _Loop:
 
 def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
                  world: int) -> tuple[torch.nn.Module, Any]:
-    """SP attention, LoRA and FSDP2 on the model; the DPO reference when the stage needs one."""
+    """SP attention, LoRA, memory features (docs/memory.md) and FSDP2 on the model, in that order; the DPO
+    reference when the stage needs one."""
     from ..hf import apply_sequence_parallel
 
     lora = cfg.finetuning.method == "lora"
