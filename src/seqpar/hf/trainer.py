@@ -17,6 +17,9 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
   token-averaged loss.
 - resume_from_checkpoint is exact, mid-epoch included (the skipped batches and each epoch's
   shuffle come out as in the uninterrupted run); PEFT (LoRA) models train as with the stock Trainer.
+- `TrainingArguments(gradient_checkpointing=True)` is honoured, made non-reentrant with whole-layer
+  recomputes (seqpar.memory.checkpointing.checkpoint_kwargs); `tiled_mlp=True | n` tiles every decoder
+  MLP (seqpar.memory.tiled_mlp). Host offload of checkpointed activations is refused on CPU-only runs.
 Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); DPO rows hold
 "prompt_input_ids", "chosen_input_ids", "rejected_input_ids".
 """
@@ -35,7 +38,9 @@ from .. import comm
 from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError
+from ..memory.checkpointing import checkpoint_kwargs, refuse_offload_on_cpu
 from ..memory.fused_loss import install_fused_head
+from ..memory.tiled_mlp import apply_tiled_mlp, decoder_mlps
 from ..mesh import SequenceParallelMesh, init_mesh
 from ..train.steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
 from .attention import apply_sequence_parallel, is_sequence_parallel
@@ -73,9 +78,9 @@ class SequenceParallelTrainer(Trainer):
     Extra keyword arguments: sequence_parallel_size (default: world size), ulysses_degree,
     ring_degree, layout, mesh (a prebuilt SequenceParallelMesh instead), packing and max_length (for
     the SP collator), fused_loss (default True: chunked lm_head + loss, no [S_local, vocab] logits;
-    False: full logits) and loss_chunk_tokens (None: one chunk's fp32 logits <= 256 MB).
-    A data_collator that is not a seqpar SP collator is replaced by one (it could
-    not shard the batch).
+    False: full logits), loss_chunk_tokens (None: one chunk's fp32 logits <= 256 MB) and tiled_mlp
+    (False | True = automatic tile count | int tiles). A data_collator that is not a seqpar SP collator
+    is replaced by one (it could not shard the batch).
     """
 
     _stage = "sft"
@@ -84,13 +89,14 @@ class SequenceParallelTrainer(Trainer):
                  sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
                  ring_degree: int | None = None, layout: str = "zigzag", mesh: SequenceParallelMesh | None = None,
                  packing: bool = False, max_length: int | None = None, fused_loss: bool = True,
-                 loss_chunk_tokens: int | None = None, **kwargs: Any) -> None:
+                 loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False, **kwargs: Any) -> None:
         from transformers import TrainingArguments
 
         if model is None:
             raise SeqParError("SequenceParallelTrainer needs model= (an HF causal LM)")
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
+        _check_memory_args(model, args, tiled_mlp)  # before args.device creates the process group
         _ = args.device  # sets up torch.distributed under torchrun (accelerate), before the mesh
         if mesh is None:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -106,6 +112,8 @@ class SequenceParallelTrainer(Trainer):
             apply_sequence_parallel(model, mesh)
         if fused_loss:  # refuses an architecture it cannot fuse now, identically on every rank
             install_fused_head(model)
+        if tiled_mlp:
+            apply_tiled_mlp(model, tiled_mlp)
         collator = kwargs.pop("data_collator", None)
         if not _is_sp_collator(collator):
             collator = self._default_collator(model, kwargs.get("processing_class"), packing, max_length)
@@ -265,6 +273,32 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
 
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
         return dataset  # the pair columns are not model.forward arguments, but the collator needs them
+
+
+def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int) -> None:
+    """Checkpointing / tiled-MLP settings seqpar cannot run exactly fail here, on every rank alike.
+
+    The Trainer enables checkpointing itself in train() with args.activation_checkpointing_kwargs (a.k.a.
+    gradient_checkpointing_kwargs): we make those non-reentrant with whole-layer recomputes, so its own call
+    does what `seqpar train` does (memory.activation_checkpointing).
+    """
+    if tiled_mlp is not False:
+        if not isinstance(tiled_mlp, bool) and (not isinstance(tiled_mlp, int) or tiled_mlp < 1):
+            raise SeqParError(f"tiled_mlp={tiled_mlp!r}: use False, True (automatic tile count) or an int >= 1")
+        if tiled_mlp:
+            decoder_mlps(model)  # raises for MLPs it cannot tile
+    if not getattr(args, "gradient_checkpointing", False):
+        return
+    user = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
+    if isinstance(user, str):
+        raise SeqParError("gradient_checkpointing_kwargs must be a dict here, got a string")
+    ck = checkpoint_kwargs(user)
+    if ck.get("offload"):
+        on_acc = not getattr(args, "use_cpu", False) and torch.accelerator.is_available()
+        refuse_offload_on_cpu("gradient_checkpointing_kwargs={'offload': True}", on_acc)
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        if hasattr(args, name):
+            setattr(args, name, dict(ck))
 
 
 def _pad_id(model: torch.nn.Module, tok: Any) -> int:

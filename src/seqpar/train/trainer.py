@@ -268,6 +268,7 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     model = load_model(cfg)
     if _heads(model) != (nh, nkv):
         raise SeqParError(f"model has heads {_heads(model)} but its config said {(nh, nkv)}")
+    _check_memory_features(cfg, model, on_accelerator=torch.cuda.is_available())
 
     # 2. Distributed setup.
     use_cuda = torch.cuda.is_available()
@@ -314,7 +315,8 @@ class _Loop:
 
 def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
                  world: int) -> tuple[torch.nn.Module, Any]:
-    """SP attention, LoRA and FSDP2 on the model; the DPO reference when the stage needs one."""
+    """SP attention, LoRA, memory features (docs/memory.md) and FSDP2 on the model, in that order; the DPO
+    reference when the stage needs one."""
     from ..hf import apply_sequence_parallel
 
     lora = cfg.finetuning.method == "lora"
@@ -339,9 +341,10 @@ def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: to
         model = get_peft_model(
             model, LoraConfig(r=f.r, lora_alpha=f.alpha, lora_dropout=f.dropout, target_modules=f.targets, bias="none")
         )
+    _apply_memory_features(cfg, model, ref_model)
     model.train()
     if cfg.fsdp:
-        _apply_fsdp(model, device, world, bf16)
+        _apply_fsdp(model, device, world, bf16, offload=cfg.fsdp.offload)
     if cfg.memory.fused_loss:  # refuses an architecture it cannot fuse now, before any collective
         for m in (model, ref_model):
             if m is not None:
@@ -355,16 +358,47 @@ def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: to
     return model, reference
 
 
-def _apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: bool) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _check_memory_features(cfg: TrainConfig, model: torch.nn.Module, on_accelerator: bool) -> None:
+    """Memory options that cannot work here fail before the process group (identically on every rank)."""
+    from ..memory.checkpointing import refuse_offload_on_cpu
+    from ..memory.tiled_mlp import decoder_mlps
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    if cfg.memory.offload_activations:
+        refuse_offload_on_cpu("memory.offload_activations", on_accelerator)
+    if cfg.fsdp.offload:
+        refuse_offload_on_cpu("fsdp.offload (FSDP2 CPUOffloadPolicy)", on_accelerator)
+    if cfg.memory.tiled_mlp:
+        decoder_mlps(model)  # raises for MLPs it cannot tile
+
+
+def _apply_memory_features(cfg: TrainConfig, model: torch.nn.Module, ref_model: torch.nn.Module | None) -> None:
+    """Layer checkpointing and tiled MLP: after SP attention and LoRA, before FSDP2 (docs/memory.md)."""
+    from ..memory.checkpointing import enable_activation_checkpointing
+    from ..memory.tiled_mlp import apply_tiled_mlp
+
+    m = cfg.memory
+    if m.activation_checkpointing:
+        enable_activation_checkpointing(model, offload=m.offload_activations)
+    if m.tiled_mlp:
+        for target in (model, ref_model):  # the frozen reference gains the lower forward peak too
+            if target is not None:
+                apply_tiled_mlp(target, m.tiled_mlp)
+
+
+def _apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: bool, offload: bool = False) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kw: dict[str, Any] = {}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:  # refused on CPU-only runs before the process group (_check_memory_features); untested here
+        kw["offload_policy"] = CPUOffloadPolicy()
     # FSDP2 over the flattened dp x sp world: every rank holds 1/world of the parameters.
     fmesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",))
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=fmesh, **({"mp_policy": mp} if mp else {}))
-    fully_shard(model, mesh=fmesh, **({"mp_policy": mp} if mp else {}))
+        fully_shard(layer, mesh=fmesh, **kw)
+    fully_shard(model, mesh=fmesh, **kw)
 
 
 def _build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, Any]:

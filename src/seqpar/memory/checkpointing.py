@@ -1,0 +1,108 @@
+"""Per-decoder-layer activation checkpointing (non-reentrant), optionally with the kept layer inputs in host memory.
+
+    enable_activation_checkpointing(model)                 # after apply_sequence_parallel / get_peft_model,
+    enable_activation_checkpointing(model, offload=True)   # before FSDP2's fully_shard; offload: accelerators only
+
+Why transformers' own switch (`PreTrainedModel.activation_checkpointing_enable`, the deprecated
+`gradient_checkpointing_enable` on older 5.x) rather than torch's checkpoint_wrapper: every decoder layer of
+the supported archs is a `GradientCheckpointingLayer`, which checkpoints the layer's *forward*, not its
+`__call__`, so module hooks (FSDP2's unshard / reshard) stay outside the recompute; nothing is replaced
+(state_dict keys, PEFT and FSDP2 see the same module tree); and the HF Trainer's `gradient_checkpointing=True`
+goes through the very same code, so both trainers checkpoint alike.
+
+Exact under SP, where the recompute re-runs the SP attention collectives inside backward:
+- the layer kwargs are bound into the checkpointed call (`functools.partial(forward, self, **kwargs)`), so
+  the recompute uses the seqpar forward plan of ITS forward, even after later forwards (the next
+  micro-batch, a DPO reference pass) replaced the model's current plan;
+- non-reentrant: a layer is recomputed when backward first needs one of its saved tensors. The graph is the
+  same on every rank (same model, same requires_grad flags), so every rank recomputes the same layers in
+  the same order; under no_grad (eval, DPO reference forwards) nothing is saved and nothing is recomputed
+  on any rank, and HF does not checkpoint at all in eval mode;
+- early_stop=False: by default torch stops a recompute as soon as the last tensor backward needs exists;
+  where that is depends on which tensors the layer saved, which may differ between ranks (ring steps that
+  skip blocks), so one rank could stop while the others still wait in a collective. We recompute whole layers.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from ..errors import SeqParError
+
+__all__ = ["CHECKPOINT_KWARGS", "checkpoint_kwargs", "enable_activation_checkpointing",
+           "is_activation_checkpointing", "refuse_offload_on_cpu"]
+
+# What every checkpointed layer call gets (torch.utils.checkpoint.checkpoint keyword arguments).
+CHECKPOINT_KWARGS: dict[str, Any] = {"use_reentrant": False, "early_stop": False}
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers PreTrainedModel inside (PEFT wrappers included)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def refuse_offload_on_cpu(what: str, on_accelerator: bool) -> None:
+    """Host offload on a CPU-only run would copy host memory to host memory: refuse it clearly."""
+    if not on_accelerator:
+        raise SeqParError(
+            f"{what} keeps tensors in host memory while they are not in use on the accelerator; this run has "
+            f"no accelerator (CPU only), so it would do nothing: turn {what} off"
+        )
+
+
+def checkpoint_kwargs(user: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`user` checkpoint kwargs (e.g. TrainingArguments.gradient_checkpointing_kwargs) made SP-safe.
+
+    Keys the Trainer handles itself (every_n_layers, offload) pass through; use_reentrant=True and
+    early_stop=True are refused rather than silently overridden.
+    """
+    out = dict(user or {})
+    if out.get("use_reentrant", False):
+        raise SeqParError(
+            "use_reentrant=True activation checkpointing is not supported under sequence parallelism (seqpar "
+            "recomputes layers non-reentrantly so every rank re-runs the same collectives): drop use_reentrant "
+            "from gradient_checkpointing_kwargs or set it to False"
+        )
+    if out.get("early_stop", False):
+        raise SeqParError(
+            "early_stop=True activation checkpointing could end a layer's recompute at a different point on each "
+            "SP rank (inside a collective): drop early_stop from gradient_checkpointing_kwargs"
+        )
+    out.update(CHECKPOINT_KWARGS)
+    return out
+
+
+def enable_activation_checkpointing(model: torch.nn.Module, *, offload: bool = False, every_n_layers: int = 1) -> None:
+    """Checkpoint every `every_n_layers`-th decoder layer of `model` (a PEFT wrapper is fine); returns nothing.
+
+    offload: keep the checkpointed layers' inputs in pinned host memory (torch.autograd.graph.save_on_cpu
+    around each checkpointed call, via transformers); the caller refuses it on CPU-only runs.
+    Apply before FSDP2's fully_shard.
+    """
+    base = _base_model(model)
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise SeqParError(
+            f"{type(base).__name__} does not support activation checkpointing: set "
+            "memory.activation_checkpointing: false"
+        )
+    enable = getattr(base, "activation_checkpointing_enable", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecated alias on some 5.x versions
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=checkpoint_kwargs(), every_n_layers=every_n_layers,
+                   offload=offload)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(),
+                                               every_n_layers=every_n_layers, offload=offload)
+    if not is_activation_checkpointing(model):
+        raise SeqParError(
+            f"{type(base).__name__} has no checkpointable decoder layers: set memory.activation_checkpointing: false"
+        )
+
+
+def is_activation_checkpointing(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in _base_model(model).modules())

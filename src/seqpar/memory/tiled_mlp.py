@@ -1,0 +1,118 @@
+"""Tiled MLP (ALST semantics): each decoder MLP runs over tiles of the local sequence.
+
+    apply_tiled_mlp(model, True)   # tile count from the shapes: ceil(S_local / hidden_size), at least 1
+    apply_tiled_mlp(model, 4)      # 4 tiles (at most one per token)
+
+Forward runs each tile through `torch.utils.checkpoint.checkpoint(mlp_forward, tile, use_reentrant=False)`
+and concatenates the outputs, so the [tile, intermediate] activations of a tile are dropped as soon as the
+tile is done; backward recomputes tile by tile and autograd sums the weight gradients of all tiles. The
+peak is one tile's intermediates in forward and in backward, never a [S_local, intermediate] tensor.
+Under no_grad the tiles simply run one after the other (same peak, nothing to recompute).
+
+Exact: the MLP is per token, so tiling only changes the order of independent rows. It composes with layer
+checkpointing (nested non-reentrant checkpoints), LoRA on the MLP projections and FSDP2 (parameters are
+gathered per decoder layer, outside the tiles). There is no collective per tile, so tile counts may
+differ between ranks (dp ranks with different row lengths) without any risk of a hang.
+
+The override is instance-level (`mlp.forward`): no module is replaced, state_dict keys are unchanged.
+MLPs seqpar does not recognise as per-token dense MLPs (mixture-of-experts blocks, unknown structures)
+are refused with a SeqParError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import SeqParError
+
+__all__ = ["apply_tiled_mlp", "remove_tiled_mlp", "decoder_mlps", "auto_tile_count", "TiledForward"]
+
+_REFUSE = "set memory.tiled_mlp: false (or tiled_mlp=False for the Trainer drop-in)"
+
+
+def auto_tile_count(seq_len: int, hidden_size: int) -> int:
+    """ALST's rule: tiles of about hidden_size tokens, so a tile's [tile, intermediate] activation is about
+    the size of one MLP weight matrix."""
+    return max(1, math.ceil(seq_len / max(1, hidden_size)))
+
+
+def _is_dense_mlp(mlp: torch.nn.Module) -> bool:
+    """Per-token gated MLPs of the supported archs: gate/up/down projections (Phi3: fused gate_up_proj)."""
+    has = lambda *names: all(isinstance(getattr(mlp, n, None), torch.nn.Module) for n in names)  # noqa: E731
+    routed = any(hasattr(mlp, n) for n in ("experts", "router", "shared_expert"))
+    return type(mlp).__name__.endswith("MLP") and not routed and (
+        has("gate_proj", "up_proj", "down_proj") or has("gate_up_proj", "down_proj")
+    )
+
+
+def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MLP module of every decoder layer; SeqParError if one is not a per-token dense MLP."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers:
+        raise SeqParError(f"{type(model).__name__} has no decoder layers seqpar recognises: {_REFUSE}")
+    out = []
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, torch.nn.Module) or not _is_dense_mlp(mlp):
+            found = type(mlp).__name__ if mlp is not None else "no `mlp` attribute"
+            raise SeqParError(
+                f"tiled MLP cannot tile the MLP of {type(layer).__name__} ({found}): it supports per-token dense "
+                f"MLPs (gate/up/down projections; mixture-of-experts blocks are not tiled): {_REFUSE}"
+            )
+        out.append(mlp)
+    return out
+
+
+class TiledForward:
+    """The instance-level forward of a tiled MLP: `tiles` = int, or None for auto_tile_count."""
+
+    def __init__(self, orig: torch.nn.Module.forward, tiles: int | None) -> None:
+        self.orig = orig
+        self.tiles = tiles
+
+    def count(self, x: torch.Tensor) -> int:
+        seq = x.shape[-2] if x.dim() >= 2 else 1
+        n = auto_tile_count(seq, x.shape[-1]) if self.tiles is None else self.tiles
+        return max(1, min(n, seq))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.count(x)
+        if n == 1:
+            return self.orig(x)
+        tiles = x.tensor_split(n, dim=-2)
+        if torch.is_grad_enabled():
+            outs = [checkpoint(self.orig, t, use_reentrant=False) for t in tiles]
+        else:
+            outs = [self.orig(t) for t in tiles]
+        return torch.cat(outs, dim=-2)
+
+
+def apply_tiled_mlp(model: torch.nn.Module, tiles: bool | int = True) -> int:
+    """Tile every decoder MLP of `model` (PEFT wrappers fine; before FSDP2). Returns the number of MLPs tiled.
+
+    tiles: True = auto (ceil(S_local / hidden_size) per forward), an int >= 1 = that many tiles. Applying
+    again changes the tile count.
+    """
+    if isinstance(tiles, bool) or tiles is None:
+        if not tiles:
+            raise SeqParError("apply_tiled_mlp(tiles=False): call remove_tiled_mlp instead")
+        n = None
+    else:
+        n = int(tiles)
+        if n < 1:
+            raise SeqParError(f"tiled MLP tile count {tiles}: use True (automatic) or an int >= 1")
+    mlps = decoder_mlps(model)  # every check before any change
+    for mlp in mlps:
+        cur = mlp.__dict__.get("forward")
+        orig = cur.orig if isinstance(cur, TiledForward) else mlp.forward
+        mlp.forward = TiledForward(orig, n)
+    return len(mlps)
+
+
+def remove_tiled_mlp(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m.__dict__.get("forward"), TiledForward):
+            del m.forward
