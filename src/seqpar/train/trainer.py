@@ -28,6 +28,7 @@ from .. import comm
 from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError
+from ..memory.meter import PeakMemoryMeter
 from ..mesh import init_mesh
 from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, validate_for_launch
@@ -53,6 +54,7 @@ class TrainResult:
     plot_path: str | None = None
     world_size: int = 1
     mesh: str = ""
+    peak_alloc: list[dict] = field(default_factory=list)  # this rank's memory meter reading per step
 
 
 # ----------------------------------------------------------------------------- model + tokenizer
@@ -309,6 +311,7 @@ class _Loop:
     rank: int
     out: Path
     factor: float = 1.0
+    meter: Any = None  # seqpar.memory.meter.PeakMemoryMeter when memory.measure
 
 
 def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
@@ -397,6 +400,8 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     loop = _Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples,
                  StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma), reference, device, world, rank,
                  out, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0)
+    if cfg.memory.measure:
+        loop.meter = PeakMemoryMeter(model, optimizer, device, extra=(getattr(reference, "ref_model", None),))
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -429,7 +434,9 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     step = start_step
     t_start = time.perf_counter()
     while step < cfg.max_steps:
-        row = _train_step(loop, step)
+        row = _measured_step(loop, step)
+        if loop.meter is not None:
+            result.peak_alloc.append(loop.meter.last)
         step += 1
         row["elapsed_s"] = time.perf_counter() - t_start
         result.steps.append(step)
@@ -502,6 +509,19 @@ def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
     return {"step": step + 1, "loss": loss_val, "lr": loop.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
             "tokens": tokens, "supervised": int(num_items), "tokens_per_s": tokens / dt, "step_s": dt,
             "peak_mem_mb": float(stats[0]), **dpo_metrics}
+
+
+def _measured_step(loop: _Loop, step: int) -> dict[str, Any]:
+    """_train_step inside the memory meter (memory.measure): adds peak_alloc_mb, the max over ranks."""
+    if loop.meter is None:
+        return _train_step(loop, step)
+    with loop.meter.measure():
+        row = _train_step(loop, step)
+    peak = torch.tensor([float(loop.meter.last["peak_bytes"])], dtype=torch.float64)
+    if loop.world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    row["peak_alloc_mb"] = float(peak[0]) / 2**20
+    return row
 
 
 def _finish(loop: _Loop, result: TrainResult, metrics_path: Path) -> None:
