@@ -199,3 +199,14 @@ def test_train_meter_is_exact_and_changes_nothing(world, data, name):
             assert last["Parameter"] >= params
         else:
             assert last["Parameter"] == params
+
+
+def test_demo_prints_both_peaks(tmp_path):
+    from seqpar.demo import _peak_alloc_line
+
+    for run, peaks in (("sp", [10.5, 12.25]), ("ref", [40.0, 41.5])):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i + 1, "loss": 1.0, "peak_alloc_mb": p}) + "\n" for i, p in enumerate(peaks)))
+    line = _peak_alloc_line(tmp_path, 4)
+    assert "SP=4 12.2 MiB vs SP=1 41.5 MiB (0.30x)" in line
