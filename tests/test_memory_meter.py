@@ -101,6 +101,8 @@ CASES = {
     "ring_full": {},
     "ring_lora": {"finetuning": {"method": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}},
     "fsdp": {"fsdp": True},
+    # The memory features (no-ops until their branches are merged): recomputation under the tracker.
+    "features": {"memory": {"activation_checkpointing": True, "tiled_mlp": 2}},
     "dpo_full": {"stage": "dpo"},  # a frozen reference copy: its parameters count too
     "dpo_lora": {"stage": "dpo", "finetuning": {"method": "lora", "r": 4, "alpha": 8, "targets": ["q_proj"]}},
 }
@@ -129,7 +131,7 @@ def _cfg(data, out, name, measure, sp=2):
         "dataset": {"path": str(data / f"{stage}.jsonl"), "max_length": 64},
         "sequence_parallel": {"size": sp, "ring_degree": sp} if sp > 1 else 1,
         "micro_batch_size": 2, "grad_accum": 2, "max_steps": 2, "optimizer": {"lr": 1e-2},
-        "memory": {"measure": measure}, "output_dir": str(out), "progress": False, **extra,
+        "output_dir": str(out), "progress": False, **extra, "memory": {**extra.get("memory", {}), "measure": measure},
     }
 
 
