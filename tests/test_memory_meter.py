@@ -212,3 +212,8 @@ def test_demo_prints_both_peaks(tmp_path):
             json.dumps({"step": i + 1, "loss": 1.0, "peak_alloc_mb": p}) + "\n" for i, p in enumerate(peaks)))
     line = _peak_alloc_line(tmp_path, 4)
     assert "SP=4 12.2 MiB vs SP=1 41.5 MiB (0.30x)" in line
+
+
+def test_activation_bytes_needs_the_split():
+    with pytest.raises(ValueError, match="categories=True"):
+        activation_bytes({"peak_bytes": 100, "by_category": {}})

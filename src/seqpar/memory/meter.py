@@ -164,5 +164,7 @@ def activation_bytes(reading: dict[str, Any]) -> int:
     With the tracker's split this is Activation + Temp + Other at the peak; on CUDA the allocator's
     extra (workspaces, fragmentation inside blocks) is attributed to activations too.
     """
-    cats = reading.get("by_category") or {}
+    cats = reading.get("by_category")
+    if not cats:
+        raise ValueError("this reading has no split by category: measure with PeakMemoryMeter(..., categories=True)")
     return int(reading["peak_bytes"]) - sum(int(cats.get(c, 0)) for c in MODEL_STATE_CATEGORIES)

@@ -401,7 +401,9 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
                  StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma), reference, device, world, rank,
                  out, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0)
     if cfg.memory.measure:
-        loop.meter = PeakMemoryMeter(model, optimizer, device, extra=(getattr(reference, "ref_model", None),))
+        # CUDA: the allocator's exact peak, without the tracker's per-op Python cost (no split by category).
+        loop.meter = PeakMemoryMeter(model, optimizer, device, extra=(getattr(reference, "ref_model", None),),
+                                     categories=device.type != "cuda")
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
