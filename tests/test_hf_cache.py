@@ -54,6 +54,17 @@ def test_failed_conversion_leaves_no_entry(tmp_path, monkeypatch):
     assert [p for p in os.listdir(tmp_path) if not p.endswith(".lock")] == []
 
 
+def test_unwritable_cache_names_the_fix(tmp_path, monkeypatch):
+    from seqpar import SeqParError
+    from seqpar.hf.cache import converted_dir
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("SEQPAR_CACHE", str(blocker / "cache"))
+    with pytest.raises(SeqParError, match=r"set \$SEQPAR_CACHE to a writable directory"):
+        converted_dir("entry-3", lambda tmp: None)
+
+
 def _smollm2_available() -> bool:
     from seqpar import SeqParError
     from seqpar.hf import smollm2_path

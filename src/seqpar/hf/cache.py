@@ -18,6 +18,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ..errors import SeqParError
+
 __all__ = ["CACHE_ENV", "cache_root", "converted_dir"]
 
 CACHE_ENV = "SEQPAR_CACHE"
@@ -49,7 +51,12 @@ def converted_dir(key: str, write: Callable[[Path], None]) -> Path:
     target = root / key
     if target.is_dir():
         return target
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f"{key}.lock").touch()
+    except OSError as e:
+        raise SeqParError(f"cannot write the seqpar cache at {root} ({e.strerror}): set ${CACHE_ENV} to a "
+                          f"writable directory") from None
     with _lock(root / f"{key}.lock"):
         if target.is_dir():  # another process converted while we waited
             return target

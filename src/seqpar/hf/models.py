@@ -161,7 +161,8 @@ def _progress_bars_on_rank0_only() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _smollm2_from_gguf(dtype: torch.dtype, attn_implementation: str) -> tuple[torch.nn.Module, Any]:
+def _smollm2_from_gguf(dtype: torch.dtype, attn_implementation: str, tokenizer: bool = True
+                      ) -> tuple[torch.nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = smollm2_path()
@@ -173,7 +174,7 @@ def _smollm2_from_gguf(dtype: torch.dtype, attn_implementation: str) -> tuple[to
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=SMOLLM2_GGUF, dtype=dtype, attn_implementation=attn_implementation
         )
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF) if tokenizer else None
     return model, tok
 
 
@@ -213,7 +214,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = 
     the GGUF now (the cache's reference).
     """
     if not cache:
-        return _smollm2_from_gguf(dtype, attn_implementation)[0]
+        return _smollm2_from_gguf(dtype, attn_implementation, tokenizer=False)[0]
     from transformers import AutoModelForCausalLM
 
     path = smollm2_cache_dir()
