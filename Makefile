@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.seqpar-installed
 PYTEST_FLAGS ?= -q
 
-.PHONY: setup test test-all demo lint bench clean
+.PHONY: setup test test-all demo lint bench bench-memory clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,9 @@ demo: setup
 
 bench: setup
 	$(PY) -m seqpar.bench attention --out bench_results/attention.json
+
+bench-memory: setup
+	$(PY) -m seqpar.bench memory --out bench_results/memory.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench_results

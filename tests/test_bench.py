@@ -158,3 +158,66 @@ def test_deepspeed_peer_quick(tmp_path):
     for hq, hkv in ((8, 2), (14, 2), (6, 6)):  # each either measured or refused with a recorded reason
         d = _case(res, "ulysses", hq, hkv)["deepspeed"]
         assert ("error" in d) != ("measured_bytes" in d)
+
+
+# ----------------------------------------------------------------------------- python -m seqpar.bench memory --quick
+@pytest.fixture(scope="module")
+def memory_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_memory") / "memory.json"
+    assert main(["memory", "--quick", "--out", str(out), "--timeout", "300"]) == 0
+    assert out.with_suffix(".png").stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+def test_memory_quick_points_are_exact_meter_readings(memory_result):
+    from seqpar.bench.memory import FEATURE_SETS
+
+    r = memory_result
+    assert r["benchmark"] == "memory" and r["quick"] is True and set(r["models"]) == {"tiny"}
+    m = r["models"]["tiny"]
+    assert len(m["points"]) == len(m["sp_sizes"]) * len(FEATURE_SETS) * len(m["s_locals"])
+    for p in m["points"]:
+        assert p["source"] == "tensor_tracker"
+        assert p["peak_bytes"] == max(p["per_rank_peak_bytes"]) == sum(p["by_category"].values())
+        assert p["full_length"] == p["s_local"] * p["sp"]
+        assert 0 < p["activation_bytes"] < p["peak_bytes"]
+    for sp in m["sp_sizes"]:
+        for fs in FEATURE_SETS:
+            pts = sorted((p for p in m["points"] if p["sp"] == sp and p["feature_set"] == fs),
+                         key=lambda p: p["s_local"])
+            assert pts[0]["peak_bytes"] < pts[-1]["peak_bytes"]  # longer sequence, more activations
+
+
+def test_memory_quick_fit_max_length_and_confirmation(memory_result):
+    m = memory_result["models"]["tiny"]
+    budget = memory_result["budget_gib"] * 2**30
+    for key, fit in m["fits"].items():
+        sp = int(key.split("/")[0][2:])
+        pts = [p for p in m["points"] if f"sp{p['sp']}/{p['feature_set']}" == key]
+        for p, res in zip(sorted(pts, key=lambda p: p["s_local"]), fit["residuals_bytes"]):
+            assert p["peak_bytes"] == pytest.approx(fit["a_bytes"] + fit["b_bytes_per_token"] * p["s_local"] + res)
+        ml = m["max_length"][key]
+        L, mult = ml["max_full_length"], ml["multiple"]
+        assert L % mult == 0
+        a, b = fit["a_bytes"], fit["b_bytes_per_token"]
+        assert a + b * L / sp <= budget < a + b * (L + mult) / sp
+    c = m["confirmation"]
+    assert c["sp"] == max(m["sp_sizes"]) and c["full_length"] <= c["cap"]
+    # The line through the short runs predicts the peak of a 2-4x longer run (linearity in S_local).
+    assert abs(c["rel_error"]) < 0.05
+    assert c["measured_peak_bytes"] == c["point"]["peak_bytes"]
+
+
+def test_memory_quick_sp_splits_activations_and_times(memory_result):
+    from seqpar.bench.memory import FEATURE_SETS
+
+    m = memory_result["models"]["tiny"]
+    assert set(m["activation_ratio"]) == set(FEATURE_SETS)
+    for fs, a in m["activation_ratio"].items():
+        assert a["ideal"] == 0.5 and 0 < a["ratio"] < 1, (fs, a)
+    # No features: SP=2 holds half the tokens per rank, so about half the activation bytes (plus small
+    # per-rank constants). With the features, fixed-size buffers (tiles, chunks) weigh more at these lengths.
+    assert 0.45 < m["activation_ratio"]["none"]["ratio"] < 0.65
+    for t in m["time"].values():
+        assert set(t["ratio_vs_none"]) == set(FEATURE_SETS) and t["ratio_vs_none"]["none"] == 1.0
+        assert all(v > 0 for v in t["step_s"].values())

@@ -63,7 +63,7 @@ def _verify(tmp_path, name, stage, nproc, tol=1e-5, **over):
     assert rep["passed"] and rep["max_abs_dloss"] <= tol and len(rep["steps"]) == 5, rep
     assert "PASS" in r.stdout and str(out / "verify_loss.png") in r.stdout
     row = json.loads((out / "sp" / "metrics.jsonl").read_text().splitlines()[-1])
-    for key in ("loss", "lr", "grad_norm", "tokens", "supervised", "tokens_per_s", "peak_mem_mb"):
+    for key in ("loss", "lr", "grad_norm", "tokens", "supervised", "tokens_per_s", "peak_mem_mb", "peak_alloc_mb"):
         assert key in row and row[key] > 0, (key, row)
     assert (out / "sp" / "loss.png").stat().st_size > 5_000
     print(f"{name}: max |dloss| = {rep['max_abs_dloss']:.2e}")

@@ -68,6 +68,20 @@ def build_examples(tok, n: int, max_length: int, seed: int = 0) -> list[dict[str
     return rows
 
 
+def _peak_alloc_line(verify_dir: Path, nproc: int) -> str:
+    """Per-rank peak of live tensor bytes (seqpar.memory.meter; max over ranks and steps), SP vs SP=1."""
+    from .train.plots import read_metrics
+
+    peaks = {}
+    for run in ("sp", "ref"):
+        vals = [r["peak_alloc_mb"] for r in read_metrics(verify_dir / run / "metrics.jsonl") if "peak_alloc_mb" in r]
+        peaks[run] = max(vals) if vals else None
+    if None in peaks.values():
+        return "[demo] peak_alloc: not measured (memory.measure is false)"
+    return (f"[demo] peak memory per rank (exact live tensor bytes, max over ranks and steps): SP={nproc} "
+            f"{peaks['sp']:.1f} MiB vs SP=1 {peaks['ref']:.1f} MiB ({peaks['sp'] / peaks['ref']:.2f}x)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m seqpar.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5)
@@ -119,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     print("[demo] SP=1 loss:  " + " ".join(f"{x:.5f}" for x in rep["ref_loss"]))
     print(f"[demo] max |dloss| = {rep['max_abs_dloss']:.2e} (tolerance {rep['tolerance']:.0e}): "
           f"{'PASS' if rep['passed'] else 'FAIL'}")
+    print(_peak_alloc_line(out / "verify", args.nproc))
     print(f"[demo] loss curves: {rep['png']}")
     print(f"[demo] report:      {rep['json']}")
     print(f"[demo] done in {time.time() - t0:.0f}s")

@@ -1,1 +1,1 @@
-"""Benchmarks that write JSON (and a PNG): `python -m seqpar.bench attention --out FILE [--png FILE] [--quick]`."""
+"""Benchmarks that write JSON (and a PNG): `python -m seqpar.bench attention|memory --out FILE [--quick]`."""

@@ -1,4 +1,5 @@
-"""CLI: python -m seqpar.bench attention [--out bench_results/attention.json] [--png FILE] [--quick]."""
+"""CLI: python -m seqpar.bench attention [--out bench_results/attention.json] [--png FILE] [--quick]
+     python -m seqpar.bench memory [--out bench_results/memory.json] [--png FILE] [--quick] [--budget-gib 4]."""
 
 from __future__ import annotations
 
@@ -22,7 +23,16 @@ def main(argv: list[str] | None = None) -> int:
         help="DeepSpeed Ulysses side by side: auto = when installed (not a seqpar dependency)",
     )
     att.add_argument("--timeout", type=float, default=540.0, help="per spawned world, seconds")
+    mem = sub.add_parser("memory", help="exact per-rank peak vs length, SP size and memory features; max length")
+    mem.add_argument("--out", default="bench_results/memory.json", help="JSON output path")
+    mem.add_argument("--png", default=None, help="PNG output path (default: next to --out); 'none' to skip")
+    mem.add_argument("--quick", action="store_true", help="tiny model, 2 lengths (smoke test)")
+    mem.add_argument("--budget-gib", type=float, default=4.0, help="per-rank memory budget for the max length")
+    mem.add_argument("--models", default=None, help="comma-separated subset: tiny,smollm2")
+    mem.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
     args = parser.parse_args(argv)
+    if args.bench == "memory":
+        return _memory(args)
 
     from .attention import run
 
@@ -39,6 +49,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {png}")
     from .plot import summary_lines
 
+    print("\n".join(summary_lines(result)))
+    return 0
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from .memory import run, summary_lines
+
+    models = args.models.split(",") if args.models else None
+    result = run(quick=args.quick, budget_gib=args.budget_gib, timeout=args.timeout, models=models)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    if png.lower() != "none":
+        from .plot_memory import plot_memory
+
+        plot_memory(result, png)
+        print(f"wrote {png}")
     print("\n".join(summary_lines(result)))
     return 0
 

