@@ -32,6 +32,7 @@ from ..mesh import init_mesh
 from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, validate_for_launch
 from .datasets import ByteTokenizer, HFTokenizer, build_examples, load_rows
+from .grads import fault_grad_scale, maybe_dump_grads
 from .steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
 
 __all__ = ["train", "TrainResult", "load_model", "load_tokenizer", "load_model_and_tokenizer", "model_heads",
@@ -396,7 +397,7 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     out = Path(cfg.output_dir)
     loop = _Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples,
                  StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma), reference, device, world, rank,
-                 out, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0)
+                 out, factor=(L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0) * fault_grad_scale(world))
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -481,6 +482,7 @@ def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
             dpo_metrics[k] = dpo_metrics.get(k, 0.0) + float(v) / len(micro)
     if not cfg.fsdp:
         L.sum_gradients(loop.params, mesh)
+    maybe_dump_grads(loop.model, loop.params, step, loop.rank)  # for `seqpar verify` (env-triggered)
     o = cfg.optimizer
     max_norm = o.max_grad_norm if o.max_grad_norm is not None else float("inf")
     gnorm = torch.nn.utils.clip_grad_norm_(loop.params, max_norm)
