@@ -127,6 +127,12 @@ def test_cli_verify_bf16(tmp_path):
     _verify(tmp_path, "bf16", "sft", 2, tol=5e-2, grad_tol=(5e-2, 5e-2), precision="bf16", fsdp=True)
 
 
+@pytest.mark.slow
+def test_cli_verify_bf16_master_weights_nofsdp(tmp_path):
+    """bf16 without FSDP (bf16 weights + fp32 masters, train/precision.py) SP=2 vs the SP=1 reference; bar 5e-2."""
+    _verify(tmp_path, "bf16m", "sft", 2, tol=5e-2, grad_tol=(5e-2, 5e-2), precision="bf16")
+
+
 @pytest.mark.parametrize("variant", ["full_fsdp", pytest.param("lora_nofsdp", marks=pytest.mark.slow)])
 def test_kill_rank_restart_resume_equals_uninterrupted(tmp_path, variant):
     """A rank dies after step 3 (fault hook); torchrun restarts all ranks (up to 3 rounds: a restart round
