@@ -2,9 +2,10 @@
 
 The same script runs (a) with `transformers.Trainer` in one process and (b) with
 `SequenceParallelTrainer` under torchrun on 2 ranks (tiny Llama with 3 q / 1 kv heads, so the
-auto mesh is a zigzag ring of 2). Per-step logged training losses must agree within 1e-5 (fp32,
-grad accumulation 2, lr 1e-2), and the SP `evaluate()` must equal an independent one-process
-global token-mean CE of the plain run's final model within 1e-5. The script then runs
+auto mesh is a zigzag ring of 2). Per-step logged training losses and the final parameters must
+agree within 1e-5 (fp32, grad accumulation 2, SGD lr 0.1 without clipping: unlike AdamW or
+clipping, SGD is not blind to a gradient-scale error), and the SP `evaluate()` must equal an
+independent one-process global token-mean CE of the plain run's final model within 1e-5. The script then runs
 `SequenceParallelDPOTrainer` at SP=2 and at SP=1 (one process): losses within 1e-5.
 """
 
@@ -45,18 +46,21 @@ def pad_collate(batch):
     att = torch.tensor([[1] * len(r["input_ids"]) + [0] * (m - len(r["input_ids"])) for r in batch])
     return {"input_ids": ids, "labels": lab, "attention_mask": att}
 
-def args(sub):
+def args(sub, **kw):
     return TrainingArguments(output_dir=f"{out}/{sub}", per_device_train_batch_size=2, gradient_accumulation_steps=ga,
-                             max_steps=4, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
-                             train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True)
+                             max_steps=4, logging_steps=1, report_to=[], save_strategy="no",
+                             train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True,
+                             **{"learning_rate": 1e-2, **kw})
 
 model = tiny_model("llama", 3, 1, vocab_size=64, seed=0)
 Cls = SequenceParallelTrainer if mode == "sp" else Trainer          # <- the change
 collate = pad_collate if mode == "plain" else None                  # <- and seqpar builds the SP collator
-trainer = Cls(model=model, args=args("sft"), train_dataset=ds, eval_dataset=ds, data_collator=collate,
-              **(sp_kw if mode == "sp" else {}))
+trainer = Cls(model=model, args=args("sft", optim="sgd", learning_rate=0.1, max_grad_norm=0.0), train_dataset=ds,
+              eval_dataset=ds, data_collator=collate, **(sp_kw if mode == "sp" else {}))
 trainer.train()
 res = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+if trainer.is_world_process_zero():
+    torch.save({k: v.detach() for k, v in model.named_parameters()}, f"{out}/sft_params.pt")
 if mode == "sp":
     res["eval_loss"] = trainer.evaluate()["eval_loss"]
     res["mesh"] = [trainer.sp_mesh.sp_size, trainer.sp_mesh.ring_degree, trainer.sp_mesh.ulysses_degree]
@@ -89,6 +93,15 @@ def _run(cmd, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
 
 
+def _param_err(tmp_path):
+    import torch
+
+    a = torch.load(tmp_path / "plain" / "sft_params.pt")
+    b = torch.load(tmp_path / "sp" / "sft_params.pt")
+    assert a.keys() == b.keys() and len(a) > 0
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
 def test_hf_trainer_gains_sp_by_changing_the_class(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
@@ -100,6 +113,8 @@ def test_hf_trainer_gains_sp_by_changing_the_class(tmp_path):
     assert sp["mesh"] == [2, 2, 1]  # really sequence-parallel: a ring of 2 ranks
     assert len(sp["losses"]) == len(plain["losses"]) == 4
     assert max(abs(a - b) for a, b in zip(sp["losses"], plain["losses"])) <= 1e-5, (sp, plain)
+    assert _param_err(tmp_path) <= 1e-5, _param_err(tmp_path)
+    print(f"SFT SP=2 vs stock Trainer: max |dparam| after 4 SGD steps = {_param_err(tmp_path):.2e}")
     assert abs(sp["eval_loss"] - plain["ref_eval_loss"]) <= 1e-5, (sp["eval_loss"], plain["ref_eval_loss"])
     assert len(sp["dpo_losses"]) == len(plain["dpo_losses"]) == 4
     assert max(abs(a - b) for a, b in zip(sp["dpo_losses"], plain["dpo_losses"])) <= 1e-5, (sp, plain)
@@ -120,6 +135,7 @@ def test_hf_trainer_dp2_x_sp2_packed(tmp_path):
     assert sp["mesh"] == [2, 2, 1]
     assert len(sp["losses"]) == len(plain["losses"]) == 4
     assert max(abs(a - b) for a, b in zip(sp["losses"], plain["losses"])) <= 1e-5, (sp, plain)
+    assert _param_err(tmp_path) <= 1e-5, _param_err(tmp_path)
     assert abs(sp["eval_loss"] - plain["ref_eval_loss"]) <= 1e-5, (sp["eval_loss"], plain["ref_eval_loss"])
 
 
