@@ -227,18 +227,26 @@ def _full_grid():
             grid.append((name, dict(stage=stage, method=method, sp=sp, fsdp=fsdp, packing=packing)))
     for lt in ("ipo", "simpo"):
         grid.append((f"dpo_full_usp2x2_{lt}", dict(stage="dpo", sp=USP, loss_type=lt)))
-    return grid + SGD_SLOW
-
-
-SGD_SLOW = [("sft_full_usp2x2_nofsdp_sgd", dict(sp=USP, **SGD)),
-            ("sft_lora_ring2_dp2_nofsdp_sgd", dict(method="lora", sp=RING2, **SGD))]
+    return grid
 
 
 @pytest.mark.slow
 def test_train_loop_full_grid(data, tmp_path):
     _check(data, tmp_path, _full_grid())
-    for name, kw in SGD_SLOW[:1]:  # full fine-tuning: the plain loop trains every parameter
-        case = _case(data, tmp_path / name, **kw)
-        losses = [json.loads(ln)["loss"] for ln in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        dloss, dparam, _ = _check_vs_plain_loop(tmp_path, name, losses, case)
-        assert dloss <= TOL and dparam <= TOL, (name, dloss, dparam)
+
+
+SGD_SLOW = [("sft_full_usp2x2_nofsdp_sgd", dict(sp=USP, **SGD)),  # dp 1: the all-reduce path, no FSDP
+            ("sft_full_uly2_dp2_nofsdp_sgd", dict(sp=ULY2, **SGD)),
+            ("sft_lora_ring2_dp2_fsdp_sgd", dict(method="lora", sp=RING2, fsdp=True, **SGD))]
+
+
+@pytest.mark.slow
+def test_train_loop_sgd_more_meshes(data, tmp_path):
+    """More SGD cases vs the SP=1 reference; the full fine-tuning ones also vs the plain-PyTorch loop."""
+    cases = [(name, _case(data, tmp_path / name, **kw)) for name, kw in SGD_SLOW]
+    results = run_distributed(_train_cases, WORLD, cases, timeout=900)
+    _check(data, tmp_path, SGD_SLOW, results)
+    for name, case in cases:
+        if case["finetuning"]["method"] == "full":  # the plain loop trains every parameter
+            dloss, dparam, _ = _check_vs_plain_loop(tmp_path, name, results[0][name], case)
+            assert dloss <= TOL and dparam <= TOL, (name, dloss, dparam)
