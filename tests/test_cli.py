@@ -4,6 +4,7 @@ kill-a-rank / torchrun restart / resume giving the same final parameters as an u
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -53,20 +54,28 @@ def _seqpar(*args, env=None, timeout=400):
     return r
 
 
-def _verify(tmp_path, name, stage, nproc, tol=1e-5, **over):
+def _verify(tmp_path, name, stage, nproc, tol=1e-5, grad_tol=(1e-4, 1e-5), env=None, expect_pass=True, **over):
+    """grad_tol: (relative per-step grad-norm error, step-1 gradient error: abs for fp32, relative for bf16)."""
     cfg = _write_config(tmp_path, name, stage, **over)
     out = tmp_path / f"{name}_verify"
-    r = _seqpar("verify", str(cfg), "--steps", "5", "--nproc-per-node", str(nproc), "--output-dir", str(out))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _seqpar("verify", str(cfg), "--steps", "5", "--nproc-per-node", str(nproc), "--output-dir", str(out), env=env)
     rep = json.loads((out / "verify.json").read_text())
+    g1 = rep[rep["grad_step1_measure"]]
+    print(f"{name}: max |dloss| = {rep['max_abs_dloss']:.2e}, max rel dgrad_norm = {rep['max_rel_dgrad_norm']:.2e}, "
+          f"step-1 {rep['grad_step1_measure']} = {g1:.2e}")
+    if not expect_pass:
+        assert r.returncode == 1 and "FAIL" in r.stdout and not rep["passed"], r.stdout[-3000:] + r.stderr[-3000:]
+        return rep
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (out / "verify_loss.png").stat().st_size > 10_000
     assert rep["passed"] and rep["max_abs_dloss"] <= tol and len(rep["steps"]) == 5, rep
+    assert rep["grads_passed"] and rep["max_rel_dgrad_norm"] <= grad_tol[0] and g1 <= grad_tol[1], rep
+    assert min(rep["ref_grad_norm"]) > 0 and math.isfinite(rep["max_abs_dgrad_step1"])
     assert "PASS" in r.stdout and str(out / "verify_loss.png") in r.stdout
     row = json.loads((out / "sp" / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("loss", "lr", "grad_norm", "tokens", "supervised", "tokens_per_s", "peak_mem_mb", "peak_alloc_mb"):
         assert key in row and row[key] > 0, (key, row)
     assert (out / "sp" / "loss.png").stat().st_size > 5_000
-    print(f"{name}: max |dloss| = {rep['max_abs_dloss']:.2e}")
     return rep
 
 
@@ -75,6 +84,34 @@ def test_cli_verify_sft_packed(tmp_path):
     _verify(tmp_path, "sft", "sft", 2, micro_batch_size=1,
             dataset={"path": str(tmp_path / "sft.jsonl"), "max_length": 128, "packing": True},
             sequence_parallel={"size": 2, "ring_degree": 2})
+
+
+@pytest.mark.slow
+def test_cli_verify_fails_on_injected_gradient_scale_fault(tmp_path):
+    """The SP run's gradients are scaled by dp x sp = 2 (test-only env fault, SP side only): with AdamW the
+    loss curves still agree to ~1e-6, but the gradient checks of verify catch it and it FAILS (exit 1)."""
+    rep = _verify(tmp_path, "fault", "sft", 2, env={"SEQPAR_FAULT_GRAD_SCALE": "2"}, expect_pass=False)
+    assert not rep["grads_passed"] and rep["max_rel_dgrad_norm"] > 0.9, rep
+
+
+def test_verify_gradient_comparison_fails_on_a_scale_error(tmp_path):
+    """Unit test of verify's gradient comparison: a x4 (dp x sp) scale on the SP side fails it; equal passes."""
+    from seqpar.train.verify import compare_gradients
+
+    g = {"a.weight": torch.randn(4, 3), "b.bias": torch.randn(3)}
+    rows = [{"step": s, "grad_norm": 1.5 + s} for s in (1, 2, 3)]
+    torch.save(g, tmp_path / "ref.pt")
+    torch.save(g, tmp_path / "same.pt")
+    torch.save({k: 4 * v for k, v in g.items()}, tmp_path / "x4.pt")
+    ok = compare_gradients(rows, rows, tmp_path / "same.pt", tmp_path / "ref.pt", "fp32")
+    assert ok["grads_passed"] and ok["max_abs_dgrad_step1"] == 0.0 and ok["max_rel_dgrad_norm"] == 0.0
+    x4_rows = [dict(r, grad_norm=4 * r["grad_norm"]) for r in rows]
+    bad = compare_gradients(x4_rows, rows, tmp_path / "x4.pt", tmp_path / "ref.pt", "fp32")
+    assert not bad["grads_passed"] and abs(bad["max_rel_dgrad_norm"] - 3.0) < 1e-9
+    assert bad["max_abs_dgrad_step1"] > 1e-5
+    # Either check alone fails it: right norms but a wrong step-1 gradient, and the reverse.
+    assert not compare_gradients(rows, rows, tmp_path / "x4.pt", tmp_path / "ref.pt", "fp32")["grads_passed"]
+    assert not compare_gradients(x4_rows, rows, tmp_path / "same.pt", tmp_path / "ref.pt", "fp32")["grads_passed"]
 
 
 @pytest.mark.slow
@@ -87,7 +124,13 @@ def test_cli_verify_dpo_lora_fsdp(tmp_path):
 @pytest.mark.slow
 def test_cli_verify_bf16(tmp_path):
     """bf16 (FSDP2 mixed precision: fp32 master weights) SP=2 vs the bf16 SP=1 reference; bar 5e-2."""
-    _verify(tmp_path, "bf16", "sft", 2, tol=5e-2, precision="bf16", fsdp=True)
+    _verify(tmp_path, "bf16", "sft", 2, tol=5e-2, grad_tol=(5e-2, 5e-2), precision="bf16", fsdp=True)
+
+
+@pytest.mark.slow
+def test_cli_verify_bf16_master_weights_nofsdp(tmp_path):
+    """bf16 without FSDP (bf16 weights + fp32 masters, train/precision.py) SP=2 vs the SP=1 reference; bar 5e-2."""
+    _verify(tmp_path, "bf16m", "sft", 2, tol=5e-2, grad_tol=(5e-2, 5e-2), precision="bf16")
 
 
 @pytest.mark.parametrize("variant", ["full_fsdp", pytest.param("lora_nofsdp", marks=pytest.mark.slow)])

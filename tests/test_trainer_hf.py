@@ -2,9 +2,10 @@
 
 The same script runs (a) with `transformers.Trainer` in one process and (b) with
 `SequenceParallelTrainer` under torchrun on 2 ranks (tiny Llama with 3 q / 1 kv heads, so the
-auto mesh is a zigzag ring of 2). Per-step logged training losses must agree within 1e-5 (fp32,
-grad accumulation 2, lr 1e-2), and the SP `evaluate()` must equal an independent one-process
-global token-mean CE of the plain run's final model within 1e-5. The script then runs
+auto mesh is a zigzag ring of 2). Per-step logged training losses and the final parameters must
+agree within 1e-5 (fp32, grad accumulation 2, SGD lr 0.1 without clipping: unlike AdamW or
+clipping, SGD is not blind to a gradient-scale error), and the SP `evaluate()` must equal an
+independent one-process global token-mean CE of the plain run's final model within 1e-5. The script then runs
 `SequenceParallelDPOTrainer` at SP=2 and at SP=1 (one process): losses within 1e-5.
 """
 
@@ -45,17 +46,21 @@ def pad_collate(batch):
     att = torch.tensor([[1] * len(r["input_ids"]) + [0] * (m - len(r["input_ids"])) for r in batch])
     return {"input_ids": ids, "labels": lab, "attention_mask": att}
 
-def args(sub):
+def args(sub, **kw):
     return TrainingArguments(output_dir=f"{out}/{sub}", per_device_train_batch_size=2, gradient_accumulation_steps=ga,
-                             max_steps=4, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
-                             train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True)
+                             max_steps=4, logging_steps=1, report_to=[], save_strategy="no",
+                             train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True,
+                             **{"learning_rate": 1e-2, **kw})
 
 model = tiny_model("llama", 3, 1, vocab_size=64, seed=0)
-Cls = SequenceParallelTrainer if mode == "sp" else Trainer          # <- the only change
-trainer = Cls(model=model, args=args("sft"), train_dataset=ds, eval_dataset=ds, data_collator=pad_collate,
-              **(sp_kw if mode == "sp" else {}))
+Cls = SequenceParallelTrainer if mode == "sp" else Trainer          # <- the change
+collate = pad_collate if mode == "plain" else None                  # <- and seqpar builds the SP collator
+trainer = Cls(model=model, args=args("sft", optim="sgd", learning_rate=0.1, max_grad_norm=0.0), train_dataset=ds,
+              eval_dataset=ds, data_collator=collate, **(sp_kw if mode == "sp" else {}))
 trainer.train()
 res = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+if trainer.is_world_process_zero():
+    torch.save({k: v.detach() for k, v in model.named_parameters()}, f"{out}/sft_params.pt")
 if mode == "sp":
     res["eval_loss"] = trainer.evaluate()["eval_loss"]
     res["mesh"] = [trainer.sp_mesh.sp_size, trainer.sp_mesh.ring_degree, trainer.sp_mesh.ulysses_degree]
@@ -88,6 +93,15 @@ def _run(cmd, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
 
 
+def _param_err(tmp_path):
+    import torch
+
+    a = torch.load(tmp_path / "plain" / "sft_params.pt")
+    b = torch.load(tmp_path / "sp" / "sft_params.pt")
+    assert a.keys() == b.keys() and len(a) > 0
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
 def test_hf_trainer_gains_sp_by_changing_the_class(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
@@ -99,6 +113,8 @@ def test_hf_trainer_gains_sp_by_changing_the_class(tmp_path):
     assert sp["mesh"] == [2, 2, 1]  # really sequence-parallel: a ring of 2 ranks
     assert len(sp["losses"]) == len(plain["losses"]) == 4
     assert max(abs(a - b) for a, b in zip(sp["losses"], plain["losses"])) <= 1e-5, (sp, plain)
+    assert _param_err(tmp_path) <= 1e-5, _param_err(tmp_path)
+    print(f"SFT SP=2 vs stock Trainer: max |dparam| after 4 SGD steps = {_param_err(tmp_path):.2e}")
     assert abs(sp["eval_loss"] - plain["ref_eval_loss"]) <= 1e-5, (sp["eval_loss"], plain["ref_eval_loss"])
     assert len(sp["dpo_losses"]) == len(plain["dpo_losses"]) == 4
     assert max(abs(a - b) for a, b in zip(sp["dpo_losses"], plain["dpo_losses"])) <= 1e-5, (sp, plain)
@@ -119,6 +135,7 @@ def test_hf_trainer_dp2_x_sp2_packed(tmp_path):
     assert sp["mesh"] == [2, 2, 1]
     assert len(sp["losses"]) == len(plain["losses"]) == 4
     assert max(abs(a - b) for a, b in zip(sp["losses"], plain["losses"])) <= 1e-5, (sp, plain)
+    assert _param_err(tmp_path) <= 1e-5, _param_err(tmp_path)
     assert abs(sp["eval_loss"] - plain["ref_eval_loss"]) <= 1e-5, (sp["eval_loss"], plain["ref_eval_loss"])
 
 
@@ -232,14 +249,16 @@ def pad_collate(batch):
     return {"input_ids": ids, "labels": lab, "attention_mask": att}
 
 args = TrainingArguments(output_dir=f"{out}/lora", per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                         max_steps=3, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+                         max_steps=3, learning_rate=0.5, optim="sgd", max_grad_norm=0.0,  # scale-sensitive
+                         logging_steps=1, report_to=[], save_strategy="no",
                          train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True)
 base = tiny_model("llama", 3, 1, vocab_size=64, seed=0)
 torch.manual_seed(0)  # LoRA A init
 model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
                                         lora_dropout=0.0))
-Cls = SequenceParallelTrainer if mode == "sp" else Trainer          # <- the only change
-trainer = Cls(model=model, args=args, train_dataset=ds, data_collator=pad_collate)
+Cls = SequenceParallelTrainer if mode == "sp" else Trainer          # <- the change
+collate = pad_collate if mode == "plain" else None                  # <- and seqpar builds the SP collator
+trainer = Cls(model=model, args=args, train_dataset=ds, data_collator=collate)
 trainer.train()
 res = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
        "lora": {k: v.detach().flatten().tolist() for k, v in model.named_parameters() if v.requires_grad},
@@ -252,9 +271,9 @@ if trainer.is_world_process_zero():
 
 
 def test_hf_trainer_lora_matches_plain_trainer(tmp_path):
-    """A PEFT LoRA model (q/v/o, r=4) trained 3 steps by SequenceParallelTrainer on 2 ranks (zigzag ring) equals
-    the same script with the stock Trainer in one process: losses within 1e-5 (measured 5e-7), every trainable
-    LoRA parameter within 1e-6 (measured 8e-7), the same parameters frozen."""
+    """A PEFT LoRA model (q/v/o, r=4) trained 3 steps (SGD lr 0.5, no clipping: a gradient-scale error would
+    show) by SequenceParallelTrainer on 2 ranks (zigzag ring) equals the same script with the stock Trainer in
+    one process: losses within 1e-5, every trainable LoRA parameter within 1e-6, the same parameters frozen."""
     script = tmp_path / "lora.py"
     script.write_text(LORA_SCRIPT)
     _run([sys.executable, str(script), "plain", str(tmp_path / "plain")], tmp_path)
@@ -269,4 +288,161 @@ def test_hf_trainer_lora_matches_plain_trainer(tmp_path):
     assert sp["n_frozen"] == plain["n_frozen"] > 0
     assert any(abs(x) > 1e-4 for k, v in sp["lora"].items() if "lora_B" in k for x in v)  # B (init 0) trained
     err = max(abs(a - b) for k in plain["lora"] for a, b in zip(plain["lora"][k], sp["lora"][k]))
+    print(f"LoRA SP=2 vs stock Trainer: max |dparam| = {err:.2e}")
     assert err <= 1e-6, err
+
+
+# ----------------------------------------------------------------------------- DPO vs the formula; eval rows
+DPO_EVAL_SCRIPT = r"""
+import copy, json, os, sys
+import torch, datasets
+import torch.nn.functional as F
+from transformers import TrainingArguments
+from seqpar.hf import tiny_model
+from seqpar.hf.trainer import SequenceParallelDPOTrainer, SequenceParallelTrainer
+
+out, sp = sys.argv[1], int(sys.argv[2])
+dp = int(os.environ["WORLD_SIZE"]) // sp
+BETA, LR, STEPS = 0.5, 0.5, 2
+g = torch.Generator().manual_seed(0)
+def ids(lo, hi):
+    return torch.randint(3, 64, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+pairs = [{"prompt_input_ids": ids(3, 12), "chosen_input_ids": ids(2, 20), "rejected_input_ids": ids(2, 20)}
+         for _ in range(4)]
+
+def args(sub, bs, **kw):
+    return TrainingArguments(output_dir=f"{out}/{sub}", per_device_train_batch_size=bs, per_device_eval_batch_size=2,
+                             max_steps=STEPS, learning_rate=LR, optim="sgd", lr_scheduler_type="constant",
+                             max_grad_norm=0.0, weight_decay=0.0, logging_steps=1, report_to=[], save_strategy="no",
+                             train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True, **kw)
+
+# Independent reference: the unsharded HF model, the DPO sigmoid formula by hand, torch.optim.SGD.
+# Every step sees all 4 pairs (one step = one epoch), so the pair order within a step does not matter.
+policy0 = tiny_model("llama", 3, 1, vocab_size=64, seed=1)
+frozen = copy.deepcopy(policy0).eval().requires_grad_(False)
+plain = copy.deepcopy(policy0)
+opt = torch.optim.SGD(plain.parameters(), lr=LR)
+
+def seq_logp(model, prompt, comp):
+    x = torch.tensor([prompt + comp])
+    lp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None])[:, 0]
+    return lp[len(prompt) - 1:].sum()  # the completion tokens' log-probs
+
+ref_losses = []
+for _ in range(STEPS):
+    terms = []
+    for p in pairs:
+        pc, pr = (seq_logp(plain, p["prompt_input_ids"], p[k]) for k in ("chosen_input_ids", "rejected_input_ids"))
+        with torch.no_grad():
+            rc, rr = (seq_logp(frozen, p["prompt_input_ids"], p[k]) for k in ("chosen_input_ids", "rejected_input_ids"))
+        terms.append(-F.logsigmoid(BETA * ((pc - rc) - (pr - rr))))
+    loss = torch.stack(terms).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    ref_losses.append(float(loss.detach()))
+
+policy = copy.deepcopy(policy0)
+dpo = SequenceParallelDPOTrainer(model=policy, args=args("dpo", len(pairs) // dp),
+                                 train_dataset=datasets.Dataset.from_list(pairs), beta=BETA,
+                                 sequence_parallel_size=sp)
+dpo.train()
+want = dict(plain.named_parameters())
+res = {"mesh": [dpo.sp_mesh.dp_size, dpo.sp_mesh.sp_size],
+       "dpo_losses": [h["loss"] for h in dpo.state.log_history if "loss" in h], "ref_losses": ref_losses,
+       "param_err": max(float((p - want[n]).abs().max()) for n, p in policy.named_parameters()),
+       "moved": max(float((p - q).abs().max()) for p, q in zip(plain.parameters(), policy0.parameters()))}
+
+# evaluate() over dp ranks with an eval set of 5 rows (not a multiple of dp): each row counted once.
+rows = []
+for i in range(5):
+    x = ids(10, 40)
+    rows.append({"input_ids": x, "labels": [-100] * 3 + x[3:]})
+model = tiny_model("llama", 3, 1, vocab_size=64, seed=0)
+tot, cnt = 0.0, 0
+with torch.no_grad():
+    for r in rows:
+        logits = model(input_ids=torch.tensor([r["input_ids"]])).logits[0, :-1]
+        lab = torch.tensor(r["labels"][1:])
+        tot += float(F.cross_entropy(logits, lab, ignore_index=-100, reduction="sum"))
+        cnt += int((lab != -100).sum())
+ev = SequenceParallelTrainer(model=model, args=args("eval", 1), eval_dataset=datasets.Dataset.from_list(rows),
+                             sequence_parallel_size=1)
+m = ev.evaluate()
+res.update(eval_mesh=[ev.sp_mesh.dp_size, ev.sp_mesh.sp_size], eval_loss=m["eval_loss"], eval_items=m["eval_items"],
+           ref_eval_loss=tot / cnt, ref_eval_items=cnt)
+if dpo.is_world_process_zero():
+    json.dump(res, open(f"{out}/result.json", "w"))
+"""
+
+
+def _dpo_eval(tmp_path, nproc, sp):
+    script = tmp_path / "dpo_eval.py"
+    script.write_text(DPO_EVAL_SCRIPT)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+          str(tmp_path / "out"), str(sp)], tmp_path)
+    res = json.loads((tmp_path / "out" / "result.json").read_text())
+    dloss = max(abs(a - b) for a, b in zip(res["dpo_losses"], res["ref_losses"]))
+    print(f"DPO dp{res['mesh'][0]} x sp{res['mesh'][1]} vs hand formula: max |dloss| = {dloss:.2e}, "
+          f"max |dparam| = {res['param_err']:.2e} (moved {res['moved']:.2e}); eval |d| = "
+          f"{abs(res['eval_loss'] - res['ref_eval_loss']):.2e}")
+    assert res["mesh"] == [nproc // sp, sp]
+    assert len(res["dpo_losses"]) == len(res["ref_losses"]) == 2 and dloss <= 1e-5, res
+    assert res["param_err"] <= 1e-5 and res["moved"] > 1e-3, res
+    assert res["eval_mesh"] == [nproc, 1]
+    assert res["eval_items"] == res["ref_eval_items"], res  # every eval row counted exactly once
+    assert abs(res["eval_loss"] - res["ref_eval_loss"]) <= 1e-5, res
+    return res
+
+
+def test_hf_dpo_trainer_matches_hand_written_dpo_and_eval_counts_rows_once(tmp_path):
+    """SequenceParallelDPOTrainer at SP=2 (zigzag ring), SGD lr 0.5, 2 steps over 4 pairs, against the unsharded
+    model with the DPO sigmoid formula written by hand and torch.optim.SGD: logged losses and parameters after
+    2 steps within 1e-5. Then evaluate() at dp=2 (SP=1 per group) on 5 eval rows: eval_items equals the 5 rows'
+    supervised-token count and eval_loss the one-process token-mean CE within 1e-5 (the old wrap-around sampler
+    counted row 0 twice)."""
+    _dpo_eval(tmp_path, 2, 2)
+
+
+@pytest.mark.slow
+def test_hf_dpo_trainer_matches_hand_written_dpo_dp2_x_sp2(tmp_path):
+    """The same at dp 2 x SP 2 (4 ranks; evaluate() at dp=4 over 5 rows)."""
+    _dpo_eval(tmp_path, 4, 2)
+
+
+def test_hf_trainer_refuses_what_it_cannot_do_under_sp(tmp_path):
+    """compute_metrics, predict()/prediction_step(), length-grouped sampling and a foreign data_collator would
+    silently do something else under SP: each is a SeqParError naming the alternative (one process, SP=1)."""
+    import datasets
+    from transformers import TrainingArguments
+
+    from seqpar.errors import SeqParError
+    from seqpar.hf import tiny_model
+    from seqpar.hf.trainer import SequenceParallelDPOTrainer, SequenceParallelTrainer
+
+    ds = datasets.Dataset.from_list([{"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8]}] * 2)
+
+    def args(**kw):
+        return TrainingArguments(output_dir=str(tmp_path / "t"), report_to=[], use_cpu=True, disable_tqdm=True, **kw)
+
+    def make(cls=SequenceParallelTrainer, a=None, **kw):
+        return cls(model=tiny_model("llama", 2, 1, vocab_size=64, seed=0), args=a or args(), train_dataset=ds, **kw)
+
+    with pytest.raises(SeqParError, match="compute_metrics=.*evaluate\\(\\) reports eval_loss"):
+        make(compute_metrics=lambda p: {})
+    with pytest.raises(SeqParError, match="preprocess_logits_for_metrics"):
+        make(SequenceParallelDPOTrainer, preprocess_logits_for_metrics=lambda a, b: a)
+    for strategy in ("group_by_length", "batch_rebalance"):
+        with pytest.raises(SeqParError, match=f"train_sampling_strategy='{strategy}'.*'random' or 'sequential'"):
+            make(a=args(train_sampling_strategy=strategy))
+    with pytest.raises(SeqParError, match="data_collator=my_collate is not a seqpar collator.*drop data_collator="):
+        def my_collate(rows):
+            return rows
+        make(data_collator=my_collate)
+    t = make(eval_dataset=ds)
+    with pytest.raises(SeqParError, match="predict\\(\\) is not supported.*evaluate\\(\\)"):
+        t.predict(ds)
+    with pytest.raises(SeqParError, match="prediction_step\\(\\) is not supported"):
+        t.prediction_step(t.model, {}, prediction_loss_only=True)
+    m = t.evaluate()  # what it offers instead
+    assert m["eval_items"] == 6 and m["eval_loss"] > 0

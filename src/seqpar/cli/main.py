@@ -132,7 +132,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     rep = verify(cfg, args.steps, nproc, out, tolerance=args.tolerance)
     status = "PASS" if rep["passed"] else "FAIL"
     print(f"[seqpar verify] {status}: max |dloss| = {rep['max_abs_dloss']:.3e} over {len(rep['steps'])} steps "
-          f"(tolerance {rep['tolerance']:.0e}); plot {rep['png']}; report {rep['json']}", flush=True)
+          f"(tolerance {rep['tolerance']:.0e}); max rel |dgrad_norm| = {rep['max_rel_dgrad_norm']:.3e} "
+          f"(tolerance {rep['grad_norm_tolerance']:.0e}); step-1 gradient {rep['grad_step1_measure']} = "
+          f"{rep[rep['grad_step1_measure']]:.3e} (tolerance {rep['grad_step1_tolerance']:.0e}); plot {rep['png']}; "
+          f"report {rep['json']}", flush=True)
     return 0 if rep["passed"] else 1
 
 

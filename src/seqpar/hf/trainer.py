@@ -14,7 +14,13 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
   DPO), multiplied by dp x sp because DDP AVERAGES gradients over the world and our shares need
   their SUM. The logged "loss" is then exactly the global token-averaged loss;
 - evaluate() runs under SP (no full-length forward on one rank) and reports the global
-  token-averaged loss.
+  token-averaged loss, counting every eval row exactly once (no wrap-around padding: a dp rank
+  with fewer rows runs discarded padding batches so the collectives stay matched).
+- refused at init with a SeqParError that names the alternative (they would silently do something
+  else under SP): compute_metrics / preprocess_logits_for_metrics, predict() / prediction_step()
+  (logits are sharded over the sequence), train_sampling_strategy "group_by_length" /
+  "batch_rebalance" (the SP sampler does not group by length), and a data_collator that is not a
+  seqpar collator (it could not shard the batch).
 - resume_from_checkpoint is exact, mid-epoch included (the skipped batches and each epoch's
   shuffle come out as in the uninterrupted run); PEFT (LoRA) models train as with the stock Trainer.
 - `TrainingArguments(gradient_checkpointing=True)` is honoured, made non-reentrant with whole-layer
@@ -79,8 +85,8 @@ class SequenceParallelTrainer(Trainer):
     ring_degree, layout, mesh (a prebuilt SequenceParallelMesh instead), packing and max_length (for
     the SP collator), fused_loss (default True: chunked lm_head + loss, no [S_local, vocab] logits;
     False: full logits), loss_chunk_tokens (None: one chunk's fp32 logits <= 256 MB) and tiled_mlp
-    (False | True = automatic tile count | int tiles). A data_collator that is not a seqpar SP collator
-    is replaced by one (it could not shard the batch).
+    (False | True = automatic tile count | int tiles). data_collator: None (the SP collator is built)
+    or a seqpar SP collator.
     """
 
     _stage = "sft"
@@ -97,6 +103,7 @@ class SequenceParallelTrainer(Trainer):
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         _check_memory_args(model, args, tiled_mlp)  # before args.device creates the process group
+        _refuse_unsupported(type(self).__name__, args, kwargs)
         _ = args.device  # sets up torch.distributed under torchrun (accelerate), before the mesh
         if mesh is None:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -115,7 +122,7 @@ class SequenceParallelTrainer(Trainer):
         if tiled_mlp:
             apply_tiled_mlp(model, tiled_mlp)
         collator = kwargs.pop("data_collator", None)
-        if not _is_sp_collator(collator):
+        if collator is None:
             collator = self._default_collator(model, kwargs.get("processing_class"), packing, max_length)
         super().__init__(model=model, args=args, data_collator=collator, **kwargs)
         # We normalise by the step's global count ourselves: the Trainer must not divide by grad-accum steps.
@@ -148,10 +155,22 @@ class SequenceParallelTrainer(Trainer):
         return self._sp_loader(self.train_dataset, self._train_batch_size, shuffle)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """This dp rank's eval rows (dp_rank, dp_rank + dp, ...) in order, each exactly once (no wrap-around)."""
         ds = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(ds, str):
             ds = self.eval_dataset[ds]
-        return self._sp_loader(ds, self.args.eval_batch_size, shuffle=False)
+        if ds is None:
+            raise SeqParError("no dataset given: pass eval_dataset=")
+        mine = list(range(self.sp_mesh.dp_rank, len(ds), self.sp_mesh.dp_size))
+        bs = self.args.eval_batch_size
+        batches = [mine[i:i + bs] for i in range(0, len(mine), bs)]
+        return DataLoader(ds, batch_sampler=batches, collate_fn=self.data_collator,
+                          num_workers=self.args.dataloader_num_workers)
+
+    def _eval_padding_batches(self, dataset_len: int, own_batches: int) -> int:
+        """How many discarded batches this dp rank runs so every rank runs the longest rank's count."""
+        dp, bs = self.sp_mesh.dp_size, self.args.eval_batch_size
+        return math.ceil(math.ceil(dataset_len / dp) / bs) - own_batches
 
     # ------------------------------------------------------------------ loss
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
@@ -199,18 +218,21 @@ class SequenceParallelTrainer(Trainer):
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
         """Global token-averaged eval loss (pair-averaged for DPO), computed sequence-parallel."""
         loader = self.get_eval_dataloader(eval_dataset)
+        n_pad = self._eval_padding_batches(len(loader.dataset), len(loader.batch_sampler))
         model = self.model
         was_training = model.training
         model.eval()
         total = torch.zeros((), dtype=torch.float64)
         items = torch.zeros((), dtype=torch.long)
         try:
-            for batch in loader:
+            padding = [(self.data_collator([loader.dataset[0]]), False)] * n_pad
+            for batch, counted in [*((b, True) for b in loader), *padding]:
                 batch = self._prepare_inputs(batch)
                 # Denominator 1 gives this rank's share of the SUM of losses; normalise once at the end.
                 share, _ = micro_batch_loss(model, batch, 1, self.sp_mesh, self._sp_spec, self._sp_reference)
-                total += share.detach().double().cpu()
-                items += count_items([batch], self._sp_spec.stage).cpu()
+                if counted:  # a padding batch only keeps this rank's collectives matched with longer ranks'
+                    total += share.detach().double().cpu()
+                    items += count_items([batch], self._sp_spec.stage).cpu()
         finally:
             model.train(was_training)
         total = L.global_loss(total, self.sp_mesh)
@@ -222,6 +244,47 @@ class SequenceParallelTrainer(Trainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+
+    def predict(self, test_dataset: Any, ignore_keys: Any = None, metric_key_prefix: str = "test") -> Any:
+        raise SeqParError(
+            f"{type(self).__name__}.predict() is not supported: under SP each rank holds logits for its shard of "
+            "the sequence only. Use evaluate() for the loss / perplexity, or predict with the stock "
+            "transformers.Trainer (or model.generate) on one process after training"
+        )
+
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise SeqParError(
+            f"{type(self).__name__}.prediction_step() is not supported (logits are sharded over the sequence): "
+            "use evaluate() for the loss, or the stock transformers.Trainer on one process for predictions"
+        )
+
+
+def _refuse_unsupported(name: str, args: Any, kwargs: dict[str, Any]) -> None:
+    """Trainer features that would silently do something else under SP: refuse them (same on every rank)."""
+    for key in ("compute_metrics", "preprocess_logits_for_metrics"):
+        if kwargs.get(key) is not None:
+            raise SeqParError(
+                f"{name}: {key}= is not supported: under SP each rank holds logits for its shard of the sequence "
+                f"only. Drop {key}=; evaluate() reports eval_loss and eval_perplexity (global token-averaged); "
+                "compute other metrics with the stock transformers.Trainer on one process after training"
+            )
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy in ("group_by_length", "batch_rebalance") or getattr(args, "group_by_length", False):
+        raise SeqParError(
+            f"{name}: train_sampling_strategy={strategy!r} is not supported (the SP sampler shuffles or keeps the "
+            "order; it does not group rows by length): use train_sampling_strategy='random' or 'sequential', "
+            "and packing=True to avoid padding waste"
+        )
+    collator = kwargs.get("data_collator")
+    if collator is not None and not _is_sp_collator(collator):
+        raise SeqParError(
+            f"{name}: data_collator={getattr(collator, '__name__', type(collator).__name__)} is not a seqpar "
+            "collator and cannot shard a batch over the SP ranks: drop data_collator= (rows with input_ids and "
+            "optional labels, -100 = unsupervised, are collated by seqpar.data.SequenceParallelCollator; use "
+            "packing= / max_length= here), or pass a seqpar.data.SequenceParallelCollator yourself; do any "
+            "other per-row preprocessing in the dataset (datasets.Dataset.map)"
+        )
 
 
 class SequenceParallelDPOTrainer(SequenceParallelTrainer):

@@ -183,7 +183,7 @@ class TrainConfig(_Strict):
     sequence_parallel: SequenceParallelSpec = Field(default_factory=SequenceParallelSpec)
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec)
     memory: MemorySpec = Field(default_factory=MemorySpec)
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "bf16-pure"] = "fp32"  # bf16: fp32 master weights; bf16-pure: none
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     micro_batch_size: int = Field(default=1, ge=1)

@@ -34,6 +34,8 @@ from ..mesh import init_mesh
 from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, validate_for_launch
 from .datasets import ByteTokenizer, HFTokenizer, build_examples, load_rows
+from .grads import fault_grad_scale, maybe_dump_grads
+from .precision import MasterWeights
 from .steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
 
 __all__ = ["train", "TrainResult", "load_model", "load_tokenizer", "load_model_and_tokenizer", "model_heads",
@@ -314,21 +316,23 @@ class _Loop:
     out: Path
     factor: float = 1.0
     meter: Any = None  # seqpar.memory.meter.PeakMemoryMeter when memory.measure
+    prec: MasterWeights | None = None  # bf16 without FSDP: fp32 masters behind `params` / the optimizer
 
 
 def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
-                 world: int) -> tuple[torch.nn.Module, Any]:
+                 world: int) -> tuple[torch.nn.Module, Any, MasterWeights | None]:
     """SP attention, LoRA, memory features (docs/memory.md) and FSDP2 on the model, in that order; the DPO
-    reference when the stage needs one."""
+    reference when the stage needs one; the fp32 master weights of bf16 mixed precision without FSDP."""
     from ..hf import apply_sequence_parallel
 
     lora = cfg.finetuning.method == "lora"
     needs_ref = cfg.stage == "dpo" and cfg.dpo.loss_type != "simpo"
-    bf16 = cfg.precision == "bf16"
-    # bf16: with FSDP2, fp32 master weights + bf16 compute (MixedPrecisionPolicy, fp32 gradient reduction);
-    # without FSDP, the weights themselves are bf16 (pure bf16 training). Not autocast: under autocast RoPE
-    # promotes q/k to fp32 while v stays bf16, and the SP attention requires one dtype.
-    model.to(device=device, dtype=torch.bfloat16 if bf16 and not cfg.fsdp else None)
+    bf16 = cfg.precision != "fp32"
+    # bf16: fp32 master weights + bf16 compute: with FSDP2 its MixedPrecisionPolicy (fp32 gradient
+    # reduction), without FSDP MasterWeights (train/precision.py: taken from the fp32 weights, then the
+    # model is cast to bf16 below). bf16-pure: the weights themselves are bf16. Not autocast: under
+    # autocast RoPE promotes q/k to fp32 while v stays bf16, and the SP attention requires one dtype.
+    model.to(device=device, dtype=torch.bfloat16 if cfg.precision == "bf16-pure" else None)
     ref_model = None
     if needs_ref and not lora:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -346,8 +350,12 @@ def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: to
         )
     _apply_memory_features(cfg, model, ref_model)
     model.train()
+    prec = None
+    if cfg.precision == "bf16" and not cfg.fsdp:
+        prec = MasterWeights(model)
+        model.to(torch.bfloat16)
     if cfg.fsdp:
-        _apply_fsdp(model, device, world, bf16, offload=cfg.fsdp.offload)
+        _apply_fsdp(model, device, world, cfg.precision == "bf16", offload=cfg.fsdp.offload)
     if cfg.memory.fused_loss:  # refuses an architecture it cannot fuse now, before any collective
         for m in (model, ref_model):
             if m is not None:
@@ -358,7 +366,7 @@ def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: to
         fused = dict(fused_loss=cfg.memory.fused_loss, loss_chunk_tokens=cfg.memory.loss_chunk_tokens)
         reference = (ReferenceLogps(mesh, ref_model=ref_model, **fused) if ref_model is not None
                      else ReferenceLogps(mesh, policy=model, **fused))
-    return model, reference
+    return model, reference, prec
 
 
 def _check_memory_features(cfg: TrainConfig, model: torch.nn.Module, on_accelerator: bool) -> None:
@@ -432,18 +440,21 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
          device: torch.device, u: int, r: int, emulate_dp: int) -> TrainResult:
     mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=u, ring_degree=r, layout=cfg.sequence_parallel.layout)
     lora = cfg.finetuning.method == "lora"
-    model, reference = _build_model(cfg, model, mesh, device, world)
-    params = [p for p in model.parameters() if p.requires_grad]
+    model, reference, prec = _build_model(cfg, model, mesh, device, world)
+    params = prec.masters if prec else [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = _build_optimizer(cfg, params)
     streams, collator = _build_data(cfg, mesh, tok, len(examples), emulate_dp)
     out = Path(cfg.output_dir)
     loop = _Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples,
                  StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma, cfg.memory.fused_loss,
                           cfg.memory.loss_chunk_tokens), reference, device, world, rank,
-                 out, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0)
+                 out, factor=(L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0) * fault_grad_scale(world),
+                 prec=prec)
+    state_model = prec.module if prec else model  # what checkpoints hold: the fp32 masters under bf16
     if cfg.memory.measure:
         # CUDA: the allocator's exact peak, without the tracker's per-op Python cost (no split by category).
-        loop.meter = PeakMemoryMeter(model, optimizer, device, extra=(getattr(reference, "ref_model", None),),
+        extra = (getattr(reference, "ref_model", None), prec.module if prec else None)
+        loop.meter = PeakMemoryMeter(model, optimizer, device, extra=extra,
                                      categories=device.type != "cuda")
 
     if rank == 0:
@@ -454,7 +465,9 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
     start_step, resumed_from = 0, None
     ckpt = latest_checkpoint(out) if cfg.checkpoint.resume else None
     if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer, trainable_only=lora)
+        state = load_checkpoint(ckpt, state_model, optimizer, trainable_only=lora)
+        if prec:
+            prec.masters_to_model()
         start_step = resumed_from = int(state["step"])
         scheduler.load_state_dict(state["scheduler"])
         for s, st in zip(streams, state["data"]):
@@ -493,7 +506,8 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
         every = cfg.checkpoint.every
         if every and step % every == 0 and step < cfg.max_steps:
             state = {"step": step, "scheduler": scheduler.state_dict(), "data": [s.state_dict() for s in streams]}
-            save_checkpoint(out, step, model, optimizer, state, trainable_only=lora, keep_last=cfg.checkpoint.keep_last)
+            save_checkpoint(out, step, state_model, optimizer, state, trainable_only=lora,
+                            keep_last=cfg.checkpoint.keep_last)
         _maybe_fault(step, rank, world)
     bar.close()
     _finish(loop, result, metrics_path)
@@ -529,13 +543,18 @@ def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
         share_sum += share.detach().float().cpu()
         for k, v in met.items():
             dpo_metrics[k] = dpo_metrics.get(k, 0.0) + float(v) / len(micro)
+    if loop.prec:
+        loop.prec.grads_to_masters()
     if not cfg.fsdp:
         L.sum_gradients(loop.params, mesh)
+    maybe_dump_grads(loop.model, loop.params, step, loop.rank)  # for `seqpar verify` (env-triggered)
     o = cfg.optimizer
     max_norm = o.max_grad_norm if o.max_grad_norm is not None else float("inf")
     gnorm = torch.nn.utils.clip_grad_norm_(loop.params, max_norm)
     gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
     loop.optimizer.step()
+    if loop.prec:
+        loop.prec.masters_to_model()
     loop.scheduler.step()
     loop.optimizer.zero_grad(set_to_none=True)
 
@@ -571,7 +590,8 @@ def _finish(loop: _Loop, result: TrainResult, metrics_path: Path) -> None:
     """Final state (when asked), the loss plot, and a last barrier so no rank leaves early."""
     cfg = loop.cfg
     if cfg.checkpoint.save_final:
-        state = full_model_state(loop.model, trainable_only=cfg.finetuning.method == "lora")
+        state = full_model_state(loop.prec.module if loop.prec else loop.model,
+                                 trainable_only=cfg.finetuning.method == "lora")
         if loop.rank == 0:
             path = loop.out / "final_state.pt"
             torch.save(state, path)

@@ -1,18 +1,22 @@
-"""`seqpar verify`: the same config with SP and with SP=1, loss curves overlaid, max |dloss| in JSON.
+"""`seqpar verify`: the same config with SP and with SP=1: losses AND gradients compared, curves overlaid.
 
 The SP run is launched under torchrun (N processes); the reference runs in THIS process with SP=1,
 no FSDP (bf16 + FSDP: FSDP2 on one rank, for the same fp32 master weights), playing all dp slots of
 the SP run (`train(..., emulate_dp=dp)`): every step sees the same rows in the same micro-batches
 with the same global token normalisation, so the losses must agree
-to floating-point noise (fp32: 1e-5).
+to floating-point noise (fp32: 1e-5). Loss curves cannot see a constant gradient-scale error (AdamW
+is invariant to it), so `passed` also needs the per-step global pre-clip gradient norms (relative
+error) and the full pre-clip gradient of step 1 (max abs difference; `seqpar.train.grads`) to agree.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +24,29 @@ import yaml
 
 from ..errors import SeqParError
 from .config import TrainConfig, config_from_dict
+from .grads import GRAD_DUMP_ENV, grad_dump_errors, grad_norm_errors
 from .plots import plot_curves, read_metrics
 
 __all__ = ["verify", "torchrun_command", "write_config"]
 
-DEFAULT_TOL = {"fp32": 1e-5, "bf16": 5e-2}
+DEFAULT_TOL = {"fp32": 1e-5, "bf16": 5e-2, "bf16-pure": 5e-2}
+# Gradient bars: relative error of the per-step global grad norm; step-1 gradient: max abs difference
+# (fp32), or that divided by max |g_ref| (bf16, whose rounding scales with the gradient).
+GRAD_NORM_TOL = {"fp32": 1e-4, "bf16": 5e-2, "bf16-pure": 5e-2}
+GRAD_STEP1_TOL = {"fp32": 1e-5, "bf16": 5e-2, "bf16-pure": 5e-2}
+
+
+@contextlib.contextmanager
+def _env(key: str, value: str) -> Iterator[None]:
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def write_config(cfg: TrainConfig, path: str | Path) -> Path:
@@ -60,20 +82,25 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
                                 "sequence_parallel": {"size": 1}})
 
     sp_yaml = write_config(sp_cfg, out / "sp_config.yaml")
+    sp_dump, ref_dump = out / "sp" / "grads_step1.pt", out / "ref" / "grads_step1.pt"
+    for f in (sp_dump, ref_dump):
+        f.unlink(missing_ok=True)
     if nproc > 1:
         cmd = torchrun_command(nproc, ["train", str(sp_yaml)])
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{GRAD_DUMP_ENV: str(sp_dump)})
         proc = subprocess.run(cmd, env=env, timeout=timeout)
         if proc.returncode != 0:
             raise SeqParError(f"the SP run failed (exit code {proc.returncode}): see its output above")
     else:
         from .trainer import train
 
-        train(sp_cfg)
+        with _env(GRAD_DUMP_ENV, str(sp_dump)):
+            train(sp_cfg)
     from .trainer import train
 
     write_config(ref_cfg, out / "ref_config.yaml")
-    train(ref_cfg, emulate_dp=dp)
+    with _env(GRAD_DUMP_ENV, str(ref_dump)):
+        train(ref_cfg, emulate_dp=dp)
 
     sp_rows = read_metrics(out / "sp" / "metrics.jsonl")
     ref_rows = read_metrics(out / "ref" / "metrics.jsonl")
@@ -84,6 +111,7 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
         raise SeqParError(f"expected {steps} logged steps from both runs, got SP {len(sp_loss)} / ref {len(ref_loss)}")
     diffs = [abs(sp_loss[s] - ref_loss[s]) for s in common_steps]
     tol = DEFAULT_TOL[cfg.precision] if tolerance is None else tolerance
+    grads = compare_gradients(sp_rows, ref_rows, sp_dump, ref_dump, cfg.precision)
     sp = cfg.sequence_parallel
     label_sp = f"SP={sp.size} x dp={dp} ({nproc} ranks)"
     label_ref = f"SP=1 reference (1 process, {dp} dp slot{'s' if dp > 1 else ''})"
@@ -95,7 +123,9 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
     report = {
         "max_abs_dloss": max(diffs),
         "tolerance": tol,
-        "passed": max(diffs) <= tol,
+        "loss_passed": max(diffs) <= tol,
+        **grads,
+        "passed": max(diffs) <= tol and grads["grads_passed"],
         "steps": common_steps,
         "sp_loss": [sp_loss[s] for s in common_steps],
         "ref_loss": [ref_loss[s] for s in common_steps],
@@ -114,3 +144,31 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
     (out / "verify.json").write_text(json.dumps(report, indent=2))
     report["json"] = str(out / "verify.json")
     return report
+
+
+def compare_gradients(sp_rows: list[dict], ref_rows: list[dict], sp_dump: Path, ref_dump: Path,
+                      precision: str) -> dict[str, Any]:
+    """The gradient part of the verify report: per-step grad-norm and step-1 full-gradient errors."""
+    import torch
+
+    for f in (sp_dump, ref_dump):
+        if not f.is_file():
+            raise SeqParError(f"{f} was not written: the run did not reach the end of step 1")
+    sp_gn = {r["step"]: r["grad_norm"] for r in sp_rows}
+    ref_gn = {r["step"]: r["grad_norm"] for r in ref_rows}
+    steps = sorted(set(sp_gn) & set(ref_gn))
+    rel = grad_norm_errors([sp_gn[s] for s in steps], [ref_gn[s] for s in steps])
+    dabs, drel = grad_dump_errors(torch.load(sp_dump), torch.load(ref_dump))
+    gn_tol, g1_tol = GRAD_NORM_TOL[precision], GRAD_STEP1_TOL[precision]
+    g1 = dabs if precision == "fp32" else drel  # bf16: relative to max |g_ref|
+    return {
+        "max_rel_dgrad_norm": max(rel),
+        "grad_norm_tolerance": gn_tol,
+        "sp_grad_norm": [sp_gn[s] for s in steps],
+        "ref_grad_norm": [ref_gn[s] for s in steps],
+        "max_abs_dgrad_step1": dabs,
+        "max_rel_dgrad_step1": drel,
+        "grad_step1_measure": "max_abs_dgrad_step1" if precision == "fp32" else "max_rel_dgrad_step1",
+        "grad_step1_tolerance": g1_tol,
+        "grads_passed": max(rel) <= gn_tol and g1 <= g1_tol,
+    }
