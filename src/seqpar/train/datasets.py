@@ -332,8 +332,8 @@ def describe_stats(stats: dict[str, int], max_length: int, what: str = "dataset"
     """Human-readable lines for what build_examples changed (empty when nothing was)."""
     msgs = {
         "truncated": f"truncated to max_length={max_length}",
-        "dropped_unsupervised": f"dropped: no supervised token within max_length={max_length}",
-        "prompt_truncated": "DPO prompts cut to max_prompt_length",
-        "dropped_long_prompt": f"DPO pairs dropped: the prompt alone reaches max_length={max_length}",
+        "dropped_unsupervised": f"dropped (no supervised token within max_length={max_length})",
+        "prompt_truncated": "with the DPO prompt cut to max_prompt_length",
+        "dropped_long_prompt": f"dropped (the DPO prompt alone reaches max_length={max_length})",
     }
     return [f"{what}: {stats[k]} of {stats['rows']} rows {m}" for k, m in msgs.items() if stats.get(k)]
