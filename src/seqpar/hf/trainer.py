@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from typing import Any
 
 import torch
@@ -87,6 +88,7 @@ class SequenceParallelTrainer(Trainer):
             raise SeqParError("SequenceParallelTrainer needs model= (an HF causal LM)")
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
+        _use_cpu_when_no_accelerator(args)
         _ = args.device  # sets up torch.distributed under torchrun (accelerate), before the mesh
         if mesh is None:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -148,6 +150,12 @@ class SequenceParallelTrainer(Trainer):
         from torch.nn.parallel import DistributedDataParallel
 
         if not isinstance(model, DistributedDataParallel):
+            if self.accelerator.distributed_type.name == "NO":
+                raise SeqParError(
+                    f"{type(self).__name__}: {self.sp_mesh.world_size} ranks, but the Trainer set up no distributed "
+                    f"training (accelerate distributed_type NO), so gradients would not be reduced: on CPU pass "
+                    f"TrainingArguments(use_cpu=True)"
+                )
             raise SeqParError(
                 f"{type(self).__name__} expects the Trainer to wrap the model in DDP over all dp x sp ranks "
                 f"(it got {type(model).__name__}); FSDP / DeepSpeed through the Trainer are not supported: "
@@ -252,6 +260,21 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
 
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
         return dataset  # the pair columns are not model.forward arguments, but the collator needs them
+
+
+def _use_cpu_when_no_accelerator(args: Any) -> None:
+    """Several ranks and no accelerator: make accelerate use multi-CPU DDP (gloo).
+
+    accelerate picks its MULTI_CPU (DDP over gloo) mode only with `use_cpu=True`; without it, on a
+    machine with no GPU it sets up NO distributed training at all, and the model is never wrapped in DDP.
+    """
+    multi = torch.distributed.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not multi or args.use_cpu or torch.accelerator.current_accelerator() is not None:
+        return
+    args.use_cpu = True
+    # args.device may have been read already: drop the cached device setup so the next read redoes it
+    # (TrainingArguments._setup_devices resets accelerate's state itself).
+    args.__dict__.pop("_setup_devices", None)
 
 
 def _pad_id(model: torch.nn.Module, tok: Any) -> int:
