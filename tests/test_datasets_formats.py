@@ -111,7 +111,7 @@ def test_trl_dpo_conversational_and_implicit_prompt():
     assert len(examples) == 2 and stats["dropped_long_prompt"] == 0
 
 
-def test_hf_tokenizer_conversational_dpo_and_chat_template_override(smol, tmp_path):
+def test_hf_tokenizer_conversational_dpo_and_chat_template_override(smol, tmp_path, monkeypatch):
     tok = HFTokenizer(smol)
     row = {"prompt": _conv(("user", "What is 2+2?")), "chosen": _conv(("assistant", "4")),
            "rejected": _conv(("assistant", "5"))}
@@ -130,9 +130,14 @@ def test_hf_tokenizer_conversational_dpo_and_chat_template_override(smol, tmp_pa
                                      "chat_template: plain.jinja}\n")
     cfg = load_config(tmp_path / "c.yaml")
     assert load_chat_template(cfg.dataset.chat_template) == tpl
+    import copy
+
+    import seqpar.hf
     from seqpar.train.trainer import load_tokenizer, prepare_examples
 
+    monkeypatch.setattr(seqpar.hf, "load_smollm2_tokenizer", lambda: copy.deepcopy(smol))  # no second load
     plain = load_tokenizer(cfg)
+    assert smol.chat_template != tpl  # the override went to the copy
     assert plain.tok.chat_template == tpl
     (ex2,), stats = prepare_examples(cfg, plain)
     text = smol.decode(ex2["input_ids"])
@@ -205,3 +210,28 @@ def test_config_options_and_epochs(tmp_path):
     assert cfg.eval_dataset.path == str((tmp_path / "sub" / "d.jsonl").absolute())
     cli = load_config(tmp_path / "sub" / "c.yaml", {"output_dir": "out", "max_steps": 4})
     assert cli.output_dir == "out" and cli.max_steps == 4 and cli.num_epochs is None
+
+
+def test_report_to_tensorboard_needs_the_package(monkeypatch):
+    import sys
+
+    from seqpar.train.config import validate_for_launch
+
+    cfg = config_from_dict({"model": TINY, "dataset": {"path": "d.jsonl", "max_length": 64},
+                            "report_to": "tensorboard"})
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    with pytest.raises(SeqParError, match="pip install tensorboard"):
+        validate_for_launch(cfg, 1, num_heads=4, num_kv_heads=2)
+
+
+def test_lora_targets_all_is_every_decoder_linear_but_lm_head():
+    from peft import LoraConfig, get_peft_model
+
+    from seqpar.hf import tiny_model
+
+    f = config_from_dict({"model": TINY, "dataset": {"path": "d.jsonl", "max_length": 64},
+                          "finetuning": {"method": "lora", "targets": "all"}}).finetuning
+    model = get_peft_model(tiny_model("llama", 4, 2, vocab_size=300, seed=0),
+                           LoraConfig(r=f.r, lora_alpha=f.alpha, target_modules=f.targets))
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
