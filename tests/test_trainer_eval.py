@@ -6,7 +6,7 @@ One spawned 4-rank gloo world (sp=2 x dp=2) runs both cases through `seqpar.trai
   last eval_loss must equal a single-process token-mean cross-entropy of the final weights (plain HF
   forward of the full rows, computed here) within 1e-5 (fp32).
 - DPO with one pair whose prompt alone exceeds max_length among good pairs: it is skipped and
-  counted, and training runs.
+  counted, training runs, and the DPO eval (7 pairs over dp=2, with the reference model) runs.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def _cases(d):
                       "checkpoint": {"save_final": True}, "output_dir": str(d / "sft_eval")}),
         ("dpo_long_prompt", {**common, "stage": "dpo", "dataset": {"path": _write(d / "dpo.jsonl", dpo),
                                                                   "max_length": 96},
+                             "eval_dataset": str(d / "dpo.jsonl"),  # DPO eval (pair-mean), after the last step
                              "max_steps": 2, "output_dir": str(d / "dpo_long_prompt")}),
     ]
 
@@ -114,4 +115,7 @@ def test_eval_epochs_and_long_dpo_prompt(tmp_path, capfd):
 
     dpo = res["dpo_long_prompt"]
     assert len(dpo["losses"]) == 2 and all(x == x for x in dpo["losses"])
-    assert "1 of 8 rows dropped (the DPO prompt alone reaches max_length=96)" in capfd.readouterr().out
+    assert [s for s, _ in dpo["eval"]] == [2] and 0 < dpo["eval"][0][1] < 10
+    printed = capfd.readouterr().out
+    assert "dataset: 1 of 8 rows dropped (the DPO prompt alone reaches max_length=96)" in printed
+    assert "eval_dataset: 1 of 8 rows dropped (the DPO prompt alone reaches max_length=96)" in printed
