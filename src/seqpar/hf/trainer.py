@@ -15,6 +15,8 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
   their SUM. The logged "loss" is then exactly the global token-averaged loss;
 - evaluate() runs under SP (no full-length forward on one rank) and reports the global
   token-averaged loss.
+- on CPU ranks (several ranks, no accelerator) `use_cpu=True` is set on the TrainingArguments:
+  accelerate sets up multi-CPU DDP only with it (without it: no distributed training at all);
 - resume_from_checkpoint is exact, mid-epoch included (the skipped batches and each epoch's
   shuffle come out as in the uninterrupted run); PEFT (LoRA) models train as with the stock Trainer.
 Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); DPO rows hold
