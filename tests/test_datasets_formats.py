@@ -235,3 +235,34 @@ def test_lora_targets_all_is_every_decoder_linear_but_lm_head():
                            LoraConfig(r=f.r, lora_alpha=f.alpha, target_modules=f.targets))
     wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
     assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_tensorboard_rows_rank0_only(tmp_path, monkeypatch):
+    """metrics rows -> TensorBoard scalars on rank 0 (a stand-in SummaryWriter: tensorboard is optional)."""
+    import sys
+    import types
+
+    from seqpar.train import trainer as T
+
+    calls = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            calls.append(("dir", log_dir))
+
+        def add_scalar(self, tag, value, step):
+            calls.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    cfg = config_from_dict({"model": TINY, "dataset": {"path": "d.jsonl", "max_length": 64},
+                            "report_to": "tensorboard"})
+    assert T._open_tensorboard(cfg, 1, tmp_path) is None
+    loop = types.SimpleNamespace(tensorboard=T._open_tensorboard(cfg, 0, tmp_path))
+    T._log_row(loop, tmp_path / "m.jsonl", {"step": 3, "loss": 1.5, "lr": 0.1})
+    T._log_row(loop, tmp_path / "m.jsonl", {"step": 3, "eval_loss": 1.25})
+    assert calls == [("dir", str(tmp_path / "tensorboard")), ("train/loss", 1.5, 3), ("train/lr", 0.1, 3),
+                     ("eval/eval_loss", 1.25, 3)]
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
