@@ -1,5 +1,7 @@
 """seqpar.attention inside a custom model. Run: torchrun --nproc-per-node 4 examples/custom_attention.py"""
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -24,6 +26,9 @@ class SPSelfAttention(torch.nn.Module):
 
 def main() -> float:
     if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python examples/custom_attention.py`: no ranks to talk to
+            raise SystemExit("this example runs on several ranks: torchrun --nproc-per-node 4 "
+                             "examples/custom_attention.py")
         dist.init_process_group("gloo")
     mesh = seqpar.init_mesh(sp_size=dist.get_world_size(), num_heads=14, num_kv_heads=2)
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """Smoke test of `python -m seqpar.bench attention --quick`: JSON schema, and that the bytes seqpar's
-collective wrappers count equal the DESIGN.md §3 minimum wherever seqpar should be exactly at it.
+collective wrappers count equal the theoretical minimum wherever seqpar should be exactly at it.
 
 One run of the benchmark (two spawned worlds: 4 and 2 gloo ranks) serves every test in this module.
 Byte counts are integers: every comparison here is exact.
@@ -93,7 +93,7 @@ def test_at_the_minimum_with_original_heads(result):
 
 
 def test_independent_formulas(result):
-    # Recomputed here from DESIGN.md §3 by hand, not from the benchmark's own theory fields.
+    # Recomputed here by hand (bytes each rank must send), not from the benchmark's own theory fields.
     c = _case(result, "ulysses", 8, 8)
     s, d, p = c["seq_len"], c["head_dim"], 4
     assert c["measured_bytes"]["ulysses_fwd"] == (p - 1) * (s // p) * (8 + 2 * 8 + 8) * d * 4 // p

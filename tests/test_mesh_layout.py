@@ -117,7 +117,7 @@ def test_head_plan_keeps_gqa_mapping(hq, hkv, p):
 @pytest.mark.parametrize(
     "shape,expect",
     [
-        ((14, 2, 4), (16, 4)),  # DESIGN.md example: pad each 7-head group to 8, replicate kv to 4
+        ((14, 2, 4), (16, 4)),  # pad each 7-head group to 8, replicate kv to 4
         ((6, 6, 4), (8, 8)),  # two dummy (q, kv) pairs beat replicating every head (12/12)
         ((9, 3, 2), (12, 4)),  # one dummy kv group: 4 groups of 3 q (12/6 before)
         ((8, 2, 4), (8, 4)),  # kv < P: replicate kv, no dummy

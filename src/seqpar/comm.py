@@ -194,7 +194,7 @@ def all_gather(
     """Differentiable all-gather along `dim` (rank order). Backward is a sum reduce-scatter.
 
     Uses the functional-collectives autograd op, which is correct on subgroups that exclude
-    global rank 0 (torch.distributed.nn.functional.all_gather is not; see DESIGN.md §2).
+    global rank 0 (torch.distributed.nn.functional.all_gather is not).
     """
     p = group_size(group)
     if p == 1:

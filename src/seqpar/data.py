@@ -1,6 +1,6 @@
 """Data path for sequence parallelism: collators (SFT, DPO) and an SP-aware sampler.
 
-What the collators guarantee (DESIGN §4 pitfalls 1, 2, 6, 7):
+What the collators guarantee:
 - labels are shifted on the FULL sequence before sharding, so no target is lost at a shard
   boundary, and never across a document boundary (a new document starts wherever position_ids
   are not the previous position + 1);
@@ -394,7 +394,7 @@ class SequenceParallelSampler(Sampler[int]):
     """Indices for one dp rank: identical on every rank of an SP group, disjoint across dp ranks.
 
     Like DistributedSampler, but keyed on the mesh's dp rank (not the global rank, which would give
-    each SP rank different rows -- DESIGN §4.6). Shuffling depends only on (seed, epoch).
+    each SP rank different rows). Shuffling depends only on (seed, epoch).
     Without drop_last, the index list is padded by wrapping around so every dp rank gets the same
     number of samples (a few rows are then seen twice per epoch).
 

@@ -17,7 +17,7 @@ The VALUE of a share is not the loss: `global_loss(share, mesh)` sums the shares
 Why shares and not the plain loss: SP ranks hold different tokens, and collectives with autograd
 (all-to-all in attention, the all-reduce of per-sequence log-probs) route gradient to the ranks
 that own the inputs. If every SP rank backpropagated the same reduced DPO loss, the all-reduce
-backward would sum sp identical gradients (DESIGN §4.3): each rank therefore backpropagates 1/sp of it.
+backward would sum sp identical gradients: each rank therefore backpropagates 1/sp of it.
 """
 
 from __future__ import annotations

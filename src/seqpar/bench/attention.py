@@ -4,7 +4,7 @@ Three parts, all written to one JSON document (see `run`):
 
 1. comm_bytes: bytes this rank hands to seqpar's collective wrappers (mesh.stats, per channel) for one
    attention call, forward and backward, for Ulysses / ring (zigzag) / USP on 4 gloo ranks, next to
-   the DESIGN.md §3 formulas evaluated with the ORIGINAL head counts and with the head counts that
+   the byte formulas of seqpar.bench.theory evaluated with the ORIGINAL head counts and with the head counts that
    seqpar's Ulysses head plan actually moves (dummy q heads, replicated kv heads).
 2. load_balance: causal attention FLOPs per ring rank from the ring's own piece plan (no run), for
    the contiguous and zigzag layouts and R in {2, 4, 8}; plus measured per-rank forward kernel CPU
@@ -597,7 +597,7 @@ def run(quick: bool = False, timeout: float = 540.0, peers: str = "auto") -> dic
         "comm_bytes": {
             "description": (
                 "bytes sent per rank for one attention call, counted in seqpar's collective wrappers "
-                "(mesh.stats), vs DESIGN.md §3 with original and with head-plan head counts"
+                "(mesh.stats), vs seqpar.bench.theory with original and with head-plan head counts"
             ),
             "world_size": 4,
             "cases": _assemble_comm(cases, per_rank, sz.comm_seq, sz.comm_head_dim, alone),

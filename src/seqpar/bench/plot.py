@@ -19,7 +19,8 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
     c0 = cases[0]
     out.append(
         f"S={c0['seq_len']}, B=1, D={c0['head_dim']}; bytes per rank; ratio = measured / theory "
-        "(DESIGN §3 with the original heads / with the heads the Ulysses plan moves); strict bound = "
+        "(the byte formulas of seqpar.bench.theory with the original heads / with the heads the Ulysses plan "
+        "moves); strict bound = "
         "the plan's heads with dK/dV reduced in R-1 ring hops instead of R."
     )
     out.append("")
@@ -151,7 +152,7 @@ def plot_attention(res: dict[str, Any], path: str) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(list(xs), labels, rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("measured / theory bytes (mean of fwd, bwd)")
-    ax.set_title("Comm bytes per rank vs DESIGN §3")
+    ax.set_title("Comm bytes per rank vs theory")
     ax.legend(fontsize=8)
 
     ax = axes[1]

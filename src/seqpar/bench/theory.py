@@ -1,4 +1,4 @@
-"""Theory for the attention benchmark: DESIGN.md §3 byte formulas and causal FLOPs per ring rank.
+"""Theory for the attention benchmark: byte formulas and causal FLOPs per ring rank.
 
 Pure functions, no processes: the benchmark compares its measurements against these.
 """
@@ -11,7 +11,7 @@ from typing import Any
 __all__ = ["ulysses_theory", "ring_theory", "usp_theory", "flops_per_rank", "load_balance_table"]
 
 # --------------------------------------------------------------------------------------------------
-# Theory (DESIGN.md §3). All numbers are bytes SENT by one rank for one attention call.
+# Theory. All numbers are bytes SENT by one rank for one attention call.
 # --------------------------------------------------------------------------------------------------
 
 

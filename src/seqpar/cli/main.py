@@ -143,11 +143,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
     cfg = _load(args)
     world = _world_for_checks(args, cfg)
     _static_checks(cfg, world)
+    from ..train.config import with_total_steps
+    from ..train.datasets import describe_stats
     from ..train.trainer import prepare_examples
 
     examples, stats = prepare_examples(cfg)
+    dropped = stats["dropped_unsupervised"] + stats["dropped_long_prompt"]
+    steps = with_total_steps(cfg, len(examples), max(1, world // cfg.sequence_parallel.size)).max_steps
     print(f"[seqpar check] OK: {len(examples)} training examples from {stats['rows']} rows "
-          f"({stats['truncated']} truncated, {stats['dropped_unsupervised']} dropped), world={world}")
+          f"({stats['truncated']} truncated, {dropped} dropped), world={world}, {steps} steps")
+    lines = describe_stats(stats, cfg.dataset.max_length)
+    if cfg.eval_dataset is not None:
+        ev, ev_stats = prepare_examples(cfg, spec=cfg.eval_dataset)
+        print(f"[seqpar check] eval: {len(ev)} examples from {ev_stats['rows']} rows")
+        lines += describe_stats(ev_stats, cfg.eval_dataset.max_length, "eval_dataset")
+    for line in lines:
+        print(f"[seqpar check] {line}")
     return 0
 
 

@@ -21,6 +21,8 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
   (logits are sharded over the sequence), train_sampling_strategy "group_by_length" /
   "batch_rebalance" (the SP sampler does not group by length), and a data_collator that is not a
   seqpar collator (it could not shard the batch).
+- on CPU ranks (several ranks, no accelerator) `use_cpu=True` is set on the TrainingArguments:
+  accelerate sets up multi-CPU DDP only with it (without it: no distributed training at all);
 - resume_from_checkpoint is exact, mid-epoch included (the skipped batches and each epoch's
   shuffle come out as in the uninterrupted run); PEFT (LoRA) models train as with the stock Trainer.
 - `TrainingArguments(gradient_checkpointing=True)` is honoured, made non-reentrant with whole-layer
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from typing import Any
 
 import torch
@@ -102,6 +105,7 @@ class SequenceParallelTrainer(Trainer):
             raise SeqParError("SequenceParallelTrainer needs model= (an HF causal LM)")
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
+        _use_cpu_when_no_accelerator(args)
         _check_memory_args(model, args, tiled_mlp)  # before args.device creates the process group
         _refuse_unsupported(type(self).__name__, args, kwargs)
         _ = args.device  # sets up torch.distributed under torchrun (accelerate), before the mesh
@@ -184,6 +188,12 @@ class SequenceParallelTrainer(Trainer):
         from torch.nn.parallel import DistributedDataParallel
 
         if not isinstance(model, DistributedDataParallel):
+            if self.accelerator.distributed_type.name == "NO":
+                raise SeqParError(
+                    f"{type(self).__name__}: {self.sp_mesh.world_size} ranks, but the Trainer set up no distributed "
+                    f"training (accelerate distributed_type NO), so gradients would not be reduced: on CPU pass "
+                    f"TrainingArguments(use_cpu=True)"
+                )
             raise SeqParError(
                 f"{type(self).__name__} expects the Trainer to wrap the model in DDP over all dp x sp ranks "
                 f"(it got {type(model).__name__}); FSDP / DeepSpeed through the Trainer are not supported: "
@@ -362,6 +372,21 @@ def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int)
     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
         if hasattr(args, name):
             setattr(args, name, dict(ck))
+
+
+def _use_cpu_when_no_accelerator(args: Any) -> None:
+    """Several ranks and no accelerator: make accelerate use multi-CPU DDP (gloo).
+
+    accelerate picks its MULTI_CPU (DDP over gloo) mode only with `use_cpu=True`; without it, on a
+    machine with no GPU it sets up NO distributed training at all, and the model is never wrapped in DDP.
+    """
+    multi = torch.distributed.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not multi or args.use_cpu or torch.accelerator.current_accelerator() is not None:
+        return
+    args.use_cpu = True
+    # args.device may have been read already: drop the cached device setup so the next read redoes it
+    # (TrainingArguments._setup_devices resets accelerate's state itself).
+    args.__dict__.pop("_setup_devices", None)
 
 
 def _pad_id(model: torch.nn.Module, tok: Any) -> int:

@@ -12,6 +12,7 @@ Every message names the fix.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +35,8 @@ __all__ = [
     "config_from_dict",
     "validate_for_launch",
     "resolve_sp_degrees",
+    "steps_for_epochs",
+    "with_total_steps",
 ]
 
 
@@ -54,16 +57,36 @@ class ModelSpec(_Strict):
 class DatasetSpec(_Strict):
     """A local JSONL / JSON / Parquet file (or a directory of them), read with `datasets`.
 
-    format: auto (from the fields), text {"text"}, instruction {"instruction"|"prompt", "response"|
-    "completion"}, chat {"messages": [{"role", "content"}]}, dpo {"prompt", "chosen", "rejected"},
-    tokenized {"input_ids", optional "labels"}.
+    format: auto (from the fields), text {"text"}, instruction (Alpaca {"instruction", "input"?, "output",
+    "system"?, "history"?} or TRL {"prompt", "completion"}), chat {"messages": [{"role", "content"}]},
+    sharegpt {"conversations": [{"from", "value"}]}, dpo {"prompt"?, "chosen", "rejected"}, tokenized
+    {"input_ids", optional "labels"} (seqpar.train.formats). Relative `path` and `chat_template` file
+    paths are relative to the config file.
+    train_on_prompt: supervise prompt tokens too; mask_history: supervise only the last assistant turn.
+    chat_template: a Jinja template string, or a path to a .jinja file, replacing the tokenizer's own.
+    max_prompt_length / truncation_mode (DPO): cut longer prompts to that many tokens, keeping their end
+    (keep_end) or start (keep_start); pairs whose prompt still reaches max_length are skipped (counted).
     """
 
     path: str
-    format: Literal["auto", "text", "instruction", "chat", "dpo", "tokenized"] = "auto"
+    format: Literal["auto", "text", "instruction", "chat", "sharegpt", "dpo", "tokenized"] = "auto"
     max_length: int = Field(gt=0)
     packing: bool = False
     shuffle: bool = True
+    train_on_prompt: bool = False
+    mask_history: bool = False
+    chat_template: str | None = None
+    max_prompt_length: int | None = Field(default=None, gt=0)
+    truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+
+    @model_validator(mode="after")
+    def _prompt_room(self) -> DatasetSpec:
+        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
+            raise ValueError(
+                f"max_prompt_length={self.max_prompt_length} leaves no room for the response within "
+                f"max_length={self.max_length}: set it below {self.max_length}"
+            )
+        return self
 
 
 class SequenceParallelSpec(_Strict):
@@ -98,7 +121,16 @@ class FinetuningSpec(_Strict):
     r: int = Field(default=8, ge=1)
     alpha: float = Field(default=16.0, gt=0)
     dropout: float = Field(default=0.0, ge=0, lt=1)
-    targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # A list of module names, or "all" (every linear layer of the decoder except lm_head: peft's "all-linear").
+    targets: list[str] | Literal["all-linear"] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _all(cls, v: Any) -> Any:
+        if isinstance(v, str):  # LLaMA-Factory style: "all" or "q_proj,v_proj"
+            names = [t.strip() for t in v.split(",") if t.strip()]
+            return "all-linear" if names in (["all"], ["all-linear"]) else names
+        return v
 
 
 class OptimizerSpec(_Strict):
@@ -111,8 +143,20 @@ class OptimizerSpec(_Strict):
 
 
 class ScheduleSpec(_Strict):
+    """warmup_ratio: warmup over ceil(ratio x total steps) steps (instead of warmup_steps)."""
+
     name: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(default=0, ge=0)
+    warmup_ratio: float | None = Field(default=None, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> ScheduleSpec:
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise ValueError("set schedule.warmup_steps or schedule.warmup_ratio, not both")
+        return self
+
+    def warmup(self, total_steps: int) -> int:
+        return math.ceil(self.warmup_ratio * total_steps) if self.warmup_ratio is not None else self.warmup_steps
 
 
 class CheckpointSpec(_Strict):
@@ -188,11 +232,36 @@ class TrainConfig(_Strict):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     micro_batch_size: int = Field(default=1, ge=1)
     grad_accum: int = Field(default=1, ge=1)
-    max_steps: int = Field(default=10, ge=1)
+    # Exactly one of max_steps / num_epochs (neither: max_steps 10); see steps_for_epochs for the rule.
+    max_steps: int | None = Field(default=None, ge=1)
+    num_epochs: float | None = Field(default=None, gt=0)
+    eval_dataset: DatasetSpec | None = None  # fields not given are taken from `dataset`
+    eval_every: int = Field(default=0, ge=0)  # steps between evals; 0 = only after the last step
+    report_to: list[Literal["tensorboard"]] = Field(default_factory=list)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    output_dir: str = "runs/seqpar"
+    output_dir: str = "runs/seqpar"  # relative: to the config file when loaded from one, else to the cwd
     seed: int = 0
     progress: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("eval_dataset") is not None and isinstance(data.get("dataset"), dict):
+            ev = data["eval_dataset"]
+            ev = {"path": ev} if isinstance(ev, str) else ev
+            if isinstance(ev, dict):
+                if "chat_template" in ev:
+                    raise ValueError("eval_dataset.chat_template: set chat_template on dataset (it applies to both)")
+                base = {k: v for k, v in data["dataset"].items() if k != "path"}
+                data = {**data, "eval_dataset": {**base, **ev}}
+        return data
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, v: Any) -> Any:
+        if v is None or v == "none":
+            return []
+        return [v] if isinstance(v, str) else v
 
     @field_validator("model", mode="before")
     @classmethod
@@ -215,6 +284,10 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross(self) -> TrainConfig:
+        if self.max_steps is not None and self.num_epochs is not None:
+            raise ValueError("set max_steps or num_epochs, not both")
+        if self.max_steps is None and self.num_epochs is None:
+            self.max_steps = 10
         if self.stage == "dpo" and self.dataset.packing:
             raise ValueError(
                 "dataset.packing is not supported with stage: dpo (pairs are padded rows): set packing: false"
@@ -252,15 +325,40 @@ def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
         raise SeqParError(f"{p}: the top level must be a mapping of keys (model:, dataset:, ...)")
+    _relative_to(data, p.parent)
     for key, val in (overrides or {}).items():
         set_dotted(data, key, val)
-    # Relative dataset paths are relative to the config file, so configs travel with their data.
-    ds = data.get("dataset")
-    if isinstance(ds, dict) and isinstance(ds.get("path"), str) and not os.path.isabs(ds["path"]):
-        cand = p.parent / ds["path"]
-        if cand.exists() and not Path(ds["path"]).exists():
-            ds["path"] = str(cand)
+    for a, b in (("max_steps", "num_epochs"), ("num_epochs", "max_steps")):
+        if a in (overrides or {}) and b not in (overrides or {}):
+            data.pop(b, None)  # --max-steps on the command line replaces the file's num_epochs (and back)
+    # Override values (CLI --set / --output-dir) keep the caller's working directory as their base, except
+    # dataset paths, which fall back to the config directory as before.
+    for name in ("dataset", "eval_dataset"):
+        ds = data.get(name)
+        if isinstance(ds, dict) and isinstance(ds.get("path"), str) and not os.path.isabs(ds["path"]):
+            cand = p.parent / ds["path"]
+            if cand.exists() and not Path(ds["path"]).exists():
+                ds["path"] = str(cand)
     return config_from_dict(data, source=str(p))
+
+
+def _relative_to(data: dict[str, Any], base: Path) -> None:
+    """Relative paths written in a config file are relative to that file, so configs travel with their data:
+    dataset/eval_dataset path (when it exists there) and chat_template file, and output_dir."""
+    base = base.absolute()  # a config re-loaded from elsewhere (verify's copies) must not re-resolve them
+    for name in ("dataset", "eval_dataset"):
+        ds = data.get(name)
+        if isinstance(ds, str):
+            ds = data[name] = {"path": ds}
+        if not isinstance(ds, dict):
+            continue
+        for key in ("path", "chat_template"):
+            v = ds.get(key)
+            if isinstance(v, str) and not os.path.isabs(v) and "{" not in v and (base / v).exists():
+                ds[key] = str(base / v)
+    out = data.get("output_dir")
+    if isinstance(out, str) and not os.path.isabs(out):
+        data["output_dir"] = str(base / out)
 
 
 def set_dotted(data: dict[str, Any], key: str, val: Any) -> None:
@@ -301,13 +399,39 @@ def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | N
         )
     u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads)
     m = required_multiple(r, u, cfg.sequence_parallel.layout if r > 1 else "contiguous")
-    L = cfg.dataset.max_length
-    if L % m != 0:
-        lo, hi = (L // m) * m, (L // m + 1) * m
-        alts = " or ".join(str(x) for x in (lo, hi) if x > 0)
-        raise SeqParError(
-            f"dataset.max_length={L} cannot be split evenly over sequence_parallel.size={sp} "
-            f"(ulysses={u}, ring={r}, layout={cfg.sequence_parallel.layout}): it must be a multiple of {m}; "
-            f"use max_length: {alts}"
-        )
+    for name, ds in (("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset)):
+        L = ds.max_length if ds is not None else m
+        if L % m != 0:
+            lo, hi = (L // m) * m, (L // m + 1) * m
+            alts = " or ".join(str(x) for x in (lo, hi) if x > 0)
+            raise SeqParError(
+                f"{name}.max_length={L} cannot be split evenly over sequence_parallel.size={sp} "
+                f"(ulysses={u}, ring={r}, layout={cfg.sequence_parallel.layout}): it must be a multiple of {m}; "
+                f"use max_length: {alts}"
+            )
+    if "tensorboard" in cfg.report_to:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise SeqParError(
+                "report_to: tensorboard needs the tensorboard package: pip install tensorboard (or drop report_to)"
+            ) from None
     return u, r
+
+
+def steps_for_epochs(cfg: TrainConfig, n_examples: int, dp_size: int) -> int:
+    """Optimizer steps for cfg.num_epochs passes over n_examples (rows, or packs when packing).
+
+    steps = ceil(num_epochs x ceil(n_examples / dp_size) / (micro_batch_size x grad_accum)): each dp slot
+    sees ceil(n / dp) rows per epoch (the sampler wraps around to even out dp slots) and a step takes
+    micro_batch_size x grad_accum of them (a pack counts as one row).
+    """
+    per_slot = math.ceil(n_examples / dp_size)
+    return max(1, math.ceil(cfg.num_epochs * per_slot / (cfg.micro_batch_size * cfg.grad_accum)))
+
+
+def with_total_steps(cfg: TrainConfig, n_examples: int, dp_size: int) -> TrainConfig:
+    """cfg with max_steps filled in from num_epochs (unchanged when max_steps was given)."""
+    if cfg.num_epochs is None:
+        return cfg
+    return cfg.model_copy(update={"max_steps": steps_for_epochs(cfg, n_examples, dp_size)})

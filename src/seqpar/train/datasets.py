@@ -1,9 +1,11 @@
 """Local datasets -> tokenized training examples (SFT rows, packed SFT rows, DPO pairs).
 
-Files are read with `datasets` (JSONL / JSON / Parquet, or a directory of them). Each format maps to
-token ids plus labels (-100 = not supervised): prompts are never supervised, responses (and every
-assistant turn of a chat) are. Checks raise SeqParError naming the row and the fix; they run before
-any process group exists.
+Files are read with `datasets` (JSONL / JSON / Parquet, or a directory of them); seqpar.train.formats
+maps each row format to text, token ids or a conversation, and this module tokenizes them into ids
+plus labels (-100 = not supervised): prompts are not supervised, responses (and every assistant turn
+of a chat) are, unless train_on_prompt / mask_history say otherwise. What is truncated or dropped is
+counted in the stats build_examples returns. Checks raise SeqParError naming the row and the fix;
+they run before any process group exists.
 """
 
 from __future__ import annotations
@@ -14,28 +16,23 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import SeqParError
+from .formats import Text, Tokenized, check_stage, detect_format, normalize_dpo, normalize_sft
 
 __all__ = [
     "Tokenizer",
     "ByteTokenizer",
     "HFTokenizer",
     "load_rows",
+    "load_chat_template",
     "detect_format",
-    "check_fields",
     "tokenize_sft",
     "tokenize_dpo",
     "build_examples",
     "pack_rows",
+    "describe_stats",
 ]
 
 IGNORE = -100
-FIELDS = {
-    "text": [("text",)],
-    "instruction": [("instruction", "prompt"), ("response", "completion", "output")],
-    "chat": [("messages",)],
-    "dpo": [("prompt",), ("chosen",), ("rejected",)],
-    "tokenized": [("input_ids",)],
-}
 
 
 class Tokenizer(Protocol):
@@ -74,10 +71,12 @@ class ByteTokenizer:
 class HFTokenizer:
     """Adapter over a transformers tokenizer (chat template rendered to text, then encoded)."""
 
-    def __init__(self, tok: Any) -> None:
+    def __init__(self, tok: Any, chat_template: str | None = None) -> None:
         self.tok = tok
         if tok.eos_token_id is None:
             raise SeqParError("the tokenizer has no eos token: set one (tokenizer.eos_token = ...)")
+        if chat_template is not None:
+            tok.chat_template = chat_template  # dataset.chat_template overrides the model's own
         self.eos_token_id = int(tok.eos_token_id)
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self.has_chat_template = bool(getattr(tok, "chat_template", None))
@@ -92,10 +91,23 @@ class HFTokenizer:
         if not self.has_chat_template:
             raise SeqParError(
                 "this tokenizer has no chat template, needed for chat/instruction/dpo data: use a model with "
-                "one (e.g. an -Instruct model), or set dataset.format: text"
+                "one (e.g. an -Instruct model), set dataset.chat_template, or set dataset.format: text"
             )
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.encode(text)
+
+
+def load_chat_template(value: str) -> str:
+    """dataset.chat_template: a Jinja template itself, or the path of a file holding one (.jinja)."""
+    if "{{" in value or "{%" in value:
+        return value
+    p = Path(value)
+    if not p.is_file():
+        raise SeqParError(
+            f"dataset.chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') nor an existing file: "
+            "give the template text or the path of a .jinja file"
+        )
+    return p.read_text()
 
 
 def load_rows(path: str) -> list[dict[str, Any]]:
@@ -124,105 +136,98 @@ def load_rows(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def detect_format(columns: Sequence[str]) -> str:
-    cols = set(columns)
-    if {"prompt", "chosen", "rejected"} <= cols:
-        return "dpo"
-    if "messages" in cols:
-        return "chat"
-    if "input_ids" in cols:
-        return "tokenized"
-    if cols & {"instruction", "prompt"} and cols & {"response", "completion", "output"}:
-        return "instruction"
-    if "text" in cols:
-        return "text"
-    raise SeqParError(
-        f"cannot tell the dataset format from its fields {sorted(cols)}: provide text, instruction/response, "
-        "messages, prompt/chosen/rejected or input_ids, or set dataset.format"
-    )
-
-
-def _pick(row: dict[str, Any], names: tuple[str, ...]) -> Any:
-    for n in names:
-        if n in row and row[n] is not None:
-            return row[n]
-    return None
-
-
-def check_fields(rows: list[dict[str, Any]], fmt: str, stage: str) -> None:
-    if stage == "dpo" and fmt != "dpo":
-        raise SeqParError(
-            f"stage: dpo needs rows with prompt, chosen and rejected fields, but the data looks like format {fmt!r}: "
-            "use a preference dataset, or set stage: sft"
-        )
-    if stage == "sft" and fmt == "dpo":
-        raise SeqParError("stage: sft got preference rows (prompt/chosen/rejected): set stage: dpo")
-    for i, row in enumerate(rows):
-        for names in FIELDS[fmt]:
-            if _pick(row, names) is None:
-                what = " or ".join(repr(n) for n in names)
-                raise SeqParError(
-                    f"dataset row {i} has no {what} field (format {fmt!r} needs {FIELDS[fmt]}): add it to every row"
-                    + (" (DPO rows need a rejected response)" if names == ("rejected",) else "")
-                )
-        if fmt == "chat":
-            msgs = row["messages"]
-            ok = isinstance(msgs, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs)
-            if not ok:
-                raise SeqParError(f"dataset row {i}: messages must be a list of {{role, content}} dicts")
-            if not any(m["role"] == "assistant" for m in msgs):
-                raise SeqParError(f"dataset row {i}: no assistant message to supervise: add one or drop the row")
-
-
 def _chat_or_plain(tok: Tokenizer, prompt: str) -> list[int]:
     if isinstance(tok, ByteTokenizer) or getattr(tok, "has_chat_template", False):
         return tok.chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return tok.encode(prompt)
 
 
-def tokenize_sft(row: dict[str, Any], fmt: str, tok: Tokenizer) -> dict[str, list[int]]:
-    """-> {"input_ids", "labels"} (untruncated)."""
-    if fmt == "tokenized":
-        ids = [int(x) for x in row["input_ids"]]
-        labels = [int(x) for x in row["labels"]] if row.get("labels") is not None else list(ids)
-        if len(labels) != len(ids):
-            raise SeqParError(f"tokenized row has {len(ids)} input_ids but {len(labels)} labels: make them equal")
-        return {"input_ids": ids, "labels": labels}
-    if fmt == "text":
-        ids = tok.encode(row["text"]) + [tok.eos_token_id]
+def tokenize_sft(row: dict[str, Any], fmt: str, tok: Tokenizer, *, train_on_prompt: bool = False,
+                 mask_history: bool = False, index: int = 0) -> dict[str, list[int]]:
+    """-> {"input_ids", "labels"} (untruncated).
+
+    train_on_prompt: supervise every token (prompt and template tokens too); mask_history: supervise
+    only the last assistant turn of a conversation.
+    """
+    ex = normalize_sft(row, fmt, index)
+    if isinstance(ex, Tokenized):
+        return {"input_ids": ex.input_ids, "labels": ex.labels if ex.labels is not None else list(ex.input_ids)}
+    if isinstance(ex, Text):
+        ids = tok.encode(ex.text) + [tok.eos_token_id]
         return {"input_ids": ids, "labels": list(ids)}
-    if fmt == "instruction":
-        prompt = _chat_or_plain(tok, _pick(row, FIELDS["instruction"][0]))
-        resp = tok.encode(_pick(row, FIELDS["instruction"][1])) + [tok.eos_token_id]
+    train = list(ex.train)
+    if mask_history:
+        last = max(j for j, t in enumerate(train) if t)
+        train = [j == last for j in range(len(train))]
+    out = _render_conversation(ex.messages, train, tok)
+    if train_on_prompt:
+        out["labels"] = list(out["input_ids"])
+    return out
+
+
+def _can_chat(tok: Tokenizer) -> bool:
+    return isinstance(tok, ByteTokenizer) or getattr(tok, "has_chat_template", False)
+
+
+def _render_conversation(msgs: list[dict[str, Any]], train: list[bool], tok: Tokenizer) -> dict[str, list[int]]:
+    if not _can_chat(tok):
+        # No chat template: a single user -> assistant exchange is plain prompt + response + eos.
+        if [m["role"] for m in msgs] != ["user", "assistant"]:
+            raise SeqParError(
+                "this tokenizer has no chat template, needed for system prompts, history and multi-turn chats: "
+                "use a model with one, or set dataset.chat_template"
+            )
+        prompt, resp = tok.encode(msgs[0]["content"]), tok.encode(msgs[1]["content"]) + [tok.eos_token_id]
         return {"input_ids": prompt + resp, "labels": [IGNORE] * len(prompt) + resp}
-    if fmt == "chat":
-        msgs = row["messages"]
-        ids: list[int] = []
-        labels: list[int] = []
-        # Render growing prefixes: the tokens each assistant turn adds are supervised, the rest not.
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            before = tok.chat(msgs[:i], add_generation_prompt=True)
-            upto = tok.chat(msgs[: i + 1], add_generation_prompt=False)
-            if before[: len(ids)] != ids or upto[: len(before)] != before:
-                raise SeqParError(
-                    "the chat template does not render conversations prefix-consistently, so assistant turns "
-                    "cannot be located: use format: instruction or a tokenized dataset"
-                )
-            labels += [IGNORE] * (len(before) - len(ids)) + upto[len(before):]
-            ids = upto
-        return {"input_ids": ids, "labels": labels}
-    raise SeqParError(f"format {fmt!r} is not an SFT format")
+    ids: list[int] = []
+    labels: list[int] = []
+    # Render growing prefixes: the tokens each assistant turn adds are supervised (when trained), the rest not.
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        before = tok.chat(msgs[:i], add_generation_prompt=True)
+        upto = tok.chat(msgs[: i + 1], add_generation_prompt=False)
+        if before[: len(ids)] != ids or upto[: len(before)] != before:
+            raise SeqParError(
+                "the chat template does not render conversations prefix-consistently, so assistant turns "
+                "cannot be located: set dataset.chat_template to one that does, or use a tokenized dataset"
+            )
+        turn = upto[len(before):]
+        labels += [IGNORE] * (len(before) - len(ids)) + (turn if train[i] else [IGNORE] * len(turn))
+        ids = upto
+    return {"input_ids": ids, "labels": labels}
 
 
-def tokenize_dpo(row: dict[str, Any], tok: Tokenizer) -> dict[str, list[int]]:
+def _completion(tok: Tokenizer, prompt: Any, completion: Any, prompt_ids: list[int]) -> list[int]:
+    if isinstance(completion, str):
+        return tok.encode(completion) + [tok.eos_token_id]
+    full = tok.chat(prompt + completion, add_generation_prompt=False)
+    if full[: len(prompt_ids)] != prompt_ids:
+        raise SeqParError(
+            "the chat template does not render the prompt as a prefix of prompt + completion, so the completion "
+            "cannot be located: set dataset.chat_template to one that does, or use string prompts"
+        )
+    return full[len(prompt_ids):]
+
+
+def tokenize_dpo(row: dict[str, Any], tok: Tokenizer, index: int = 0) -> dict[str, list[int]]:
     """-> {"prompt_input_ids", "chosen_input_ids", "rejected_input_ids"}; completions exclude the prompt."""
-    return {
-        "prompt_input_ids": _chat_or_plain(tok, row["prompt"]),
-        "chosen_input_ids": tok.encode(row["chosen"]) + [tok.eos_token_id],
-        "rejected_input_ids": tok.encode(row["rejected"]) + [tok.eos_token_id],
-    }
+    p = normalize_dpo(row, index)
+    if isinstance(p.prompt, str):
+        prompt_ids = _chat_or_plain(tok, p.prompt)
+    else:
+        if not _can_chat(tok):
+            raise SeqParError(
+                "conversational DPO rows need a tokenizer with a chat template: set dataset.chat_template"
+            )
+        prompt_ids = tok.chat(p.prompt, add_generation_prompt=True)
+    out = {"prompt_input_ids": prompt_ids,
+           "chosen_input_ids": _completion(tok, p.prompt, p.chosen, prompt_ids),
+           "rejected_input_ids": _completion(tok, p.prompt, p.rejected, prompt_ids)}
+    for k in ("ref_chosen_logps", "ref_rejected_logps"):
+        if row.get(k) is not None:
+            out[k] = row[k]
+    return out
 
 
 def pack_rows(rows: list[dict[str, list[int]]], max_length: int) -> list[list[dict[str, list[int]]]]:
@@ -242,44 +247,76 @@ def pack_rows(rows: list[dict[str, list[int]]], max_length: int) -> list[list[di
     return packs
 
 
+def _truncate_prompt(ids: list[int], keep: int, mode: str) -> list[int]:
+    return ids[-keep:] if mode == "keep_end" else ids[:keep]
+
+
+def _build_dpo(rows: list[dict[str, Any]], tok: Tokenizer, max_length: int, max_prompt_length: int | None,
+               truncation_mode: str, stats: dict[str, int]) -> list[dict[str, Any]]:
+    """Pairs; prompts cut to max_prompt_length (when set), pairs whose prompt still reaches max_length skipped."""
+    out, longest = [], 0
+    for i, row in enumerate(rows):
+        ex = tokenize_dpo(row, tok, i)
+        n_prompt = len(ex["prompt_input_ids"])
+        if max_prompt_length is not None and n_prompt > max_prompt_length:
+            if "ref_chosen_logps" in ex:
+                raise SeqParError(
+                    f"DPO row {i}: its prompt ({n_prompt} tokens) would be cut to "
+                    f"max_prompt_length={max_prompt_length}, "
+                    f"but its precomputed reference log-probs were taken on the full prompt: raise max_prompt_length "
+                    f"or recompute them"
+                )
+            ex["prompt_input_ids"] = _truncate_prompt(ex["prompt_input_ids"], max_prompt_length, truncation_mode)
+            stats["prompt_truncated"] += 1
+            n_prompt = max_prompt_length
+        if n_prompt >= max_length:  # no completion token would be left: like a row with nothing to supervise
+            stats["dropped_long_prompt"] += 1
+            longest = max(longest, n_prompt)
+            continue
+        # The collator cuts prompt + completion to max_length on the right.
+        stats["truncated"] += sum(n_prompt + len(ex[k]) > max_length
+                                  for k in ("chosen_input_ids", "rejected_input_ids"))
+        out.append(ex)
+    if not out:
+        raise SeqParError(
+            f"every DPO row's prompt alone reaches dataset.max_length={max_length} (up to {longest} tokens), leaving "
+            f"no response tokens: raise max_length above {longest}, or set dataset.max_prompt_length below "
+            f"{max_length} to cut prompts (dataset.truncation_mode: keep_end | keep_start)"
+        )
+    return out
+
+
 def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokenizer, max_length: int,
-                   packing: bool) -> tuple[list[Any], dict[str, int]]:
+                   packing: bool, *, train_on_prompt: bool = False, mask_history: bool = False,
+                   max_prompt_length: int | None = None,
+                   truncation_mode: str = "keep_end") -> tuple[list[Any], dict[str, int]]:
     """Tokenize, truncate to max_length, drop rows left without supervision, pack.
 
-    Returns (examples, stats); an example is a row dict, or a list of row dicts (a pack).
+    Returns (examples, stats); an example is a row dict, or a list of row dicts (a pack). stats counts
+    what was changed: rows, truncated (SFT rows cut to max_length; DPO completions the collator will
+    cut), dropped_unsupervised (SFT rows with no supervised token left), prompt_truncated (DPO prompts
+    cut to max_prompt_length), dropped_long_prompt (DPO pairs whose prompt alone reaches max_length).
     """
     if fmt == "auto":
         fmt = detect_format(list(rows[0].keys()))
-    check_fields(rows, fmt, stage)
-    stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0}
+    check_stage(fmt, stage)
+    stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
+             "dropped_long_prompt": 0}
     if stage == "dpo":
-        out = []
-        for i, row in enumerate(rows):
-            ex = tokenize_dpo(row, tok)
-            n_prompt = len(ex["prompt_input_ids"])
-            if n_prompt >= max_length:
-                raise SeqParError(
-                    f"DPO row {i}: the prompt alone has {n_prompt} tokens >= dataset.max_length={max_length}, leaving "
-                    f"no response tokens: raise max_length above {n_prompt} or shorten the prompt"
-                )
-            # The collator cuts prompt + completion to max_length on the right.
-            stats["truncated"] += sum(n_prompt + len(ex[k]) > max_length
-                                      for k in ("chosen_input_ids", "rejected_input_ids"))
-            out.append(ex)
-        return out, stats
+        return _build_dpo(rows, tok, max_length, max_prompt_length, truncation_mode, stats), stats
     examples = []
     longest_prompt = 0
-    for row in rows:
-        ex = tokenize_sft(row, fmt, tok)
-        if len(ex["input_ids"]) > max_length:
-            ex = {k: v[:max_length] for k, v in ex.items()}
-            stats["truncated"] += 1
+    for i, row in enumerate(rows):
+        full = tokenize_sft(row, fmt, tok, train_on_prompt=train_on_prompt, mask_history=mask_history, index=i)
+        cut = len(full["input_ids"]) > max_length
+        ex = {k: v[:max_length] for k, v in full.items()} if cut else full
         # A target exists where labels[t+1] != -100 (the collator shifts on the full sequence).
         if not any(lab != IGNORE for lab in ex["labels"][1:]):
             stats["dropped_unsupervised"] += 1
-            first = next((j for j, lab in enumerate(tokenize_sft(row, fmt, tok)["labels"]) if lab != IGNORE), None)
+            first = next((j for j, lab in enumerate(full["labels"]) if lab != IGNORE), None)
             longest_prompt = max(longest_prompt, first or 0)
             continue
+        stats["truncated"] += cut  # counted for kept rows only (a dropped row is counted once, as dropped)
         examples.append(ex)
     if not examples:
         raise SeqParError(
@@ -289,3 +326,14 @@ def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokeni
     if packing:
         return pack_rows(examples, max_length), stats
     return examples, stats
+
+
+def describe_stats(stats: dict[str, int], max_length: int, what: str = "dataset") -> list[str]:
+    """Human-readable lines for what build_examples changed (empty when nothing was)."""
+    msgs = {
+        "truncated": f"truncated to max_length={max_length}",
+        "dropped_unsupervised": f"dropped (no supervised token within max_length={max_length})",
+        "prompt_truncated": "with the DPO prompt cut to max_prompt_length",
+        "dropped_long_prompt": f"dropped (the DPO prompt alone reaches max_length={max_length})",
+    }
+    return [f"{what}: {stats[k]} of {stats['rows']} rows {m}" for k, m in msgs.items() if stats.get(k)]

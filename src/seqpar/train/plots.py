@@ -9,14 +9,15 @@ __all__ = ["read_metrics", "plot_curves"]
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """Rows of a metrics.jsonl; a later row for the same step (a resumed run) replaces the earlier one."""
+    """Rows of a metrics.jsonl merged per step (a train row and its eval row become one); a later value for
+    the same step and key (a resumed run) replaces the earlier one."""
     by_step: dict[int, dict] = {}
     with open(path) as f:
         for line in f:
             line = line.strip()
             if line:
                 row = json.loads(line)
-                by_step[int(row["step"])] = row
+                by_step.setdefault(int(row["step"]), {}).update(row)
     return [by_step[k] for k in sorted(by_step)]
 
 

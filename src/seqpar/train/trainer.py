@@ -32,8 +32,9 @@ from ..memory.fused_loss import install_fused_head
 from ..memory.meter import PeakMemoryMeter
 from ..mesh import init_mesh
 from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, validate_for_launch
-from .datasets import ByteTokenizer, HFTokenizer, build_examples, load_rows
+from .config import DatasetSpec, TrainConfig, validate_for_launch, with_total_steps
+from .datasets import ByteTokenizer, HFTokenizer, build_examples, describe_stats, load_chat_template, load_rows
+from .evaluation import evaluate
 from .grads import fault_grad_scale, maybe_dump_grads
 from .precision import MasterWeights
 from .steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
@@ -51,6 +52,7 @@ class TrainResult:
     output_dir: str
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, eval_loss)
     resumed_from: int | None = None
     metrics_path: str | None = None
     final_state_path: str | None = None
@@ -120,16 +122,20 @@ def model_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
 
 def load_tokenizer(cfg: TrainConfig) -> Any:
     kind = _model_kind(cfg)
+    template = cfg.dataset.chat_template
     if kind == "tiny":
+        if template is not None:
+            raise SeqParError("dataset.chat_template needs an HF tokenizer; tiny models use a byte tokenizer: drop it")
         return ByteTokenizer()
+    template = load_chat_template(template) if template is not None else None
     if kind == "smollm2":
         from ..hf import load_smollm2_tokenizer
 
-        return HFTokenizer(load_smollm2_tokenizer())
+        return HFTokenizer(load_smollm2_tokenizer(), template)
     from transformers import AutoTokenizer
 
     try:
-        return HFTokenizer(AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name))
+        return HFTokenizer(AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name), template)
     except (OSError, ValueError) as e:
         raise _unknown_model(cfg.model.tokenizer or cfg.model.name, e) from None
 
@@ -159,11 +165,14 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
     return load_model(cfg), load_tokenizer(cfg)
 
 
-def prepare_examples(cfg: TrainConfig, tok: Any = None) -> tuple[list, dict[str, int]]:
-    """Tokenized (and packed) training examples + stats; every dataset check runs here."""
+def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None = None) -> tuple[list, dict[str, int]]:
+    """Tokenized (and packed) examples of `spec` (default: cfg.dataset) + stats; every dataset check runs here."""
     tok = tok if tok is not None else load_tokenizer(cfg)
-    rows = load_rows(cfg.dataset.path)
-    return build_examples(rows, cfg.dataset.format, cfg.stage, tok, cfg.dataset.max_length, cfg.dataset.packing)
+    d = spec if spec is not None else cfg.dataset
+    rows = load_rows(d.path)
+    return build_examples(rows, d.format, cfg.stage, tok, d.max_length, d.packing, train_on_prompt=d.train_on_prompt,
+                          mask_history=d.mask_history, max_prompt_length=d.max_prompt_length,
+                          truncation_mode=d.truncation_mode)
 
 
 def _heads(model: torch.nn.Module) -> tuple[int, int]:
@@ -205,7 +214,8 @@ class DataStream:
 
 
 def _lr_lambda(cfg: TrainConfig):
-    warm, total, kind = cfg.schedule.warmup_steps, cfg.max_steps, cfg.schedule.name
+    total, kind = cfg.max_steps, cfg.schedule.name
+    warm = cfg.schedule.warmup(total)
 
     def f(step: int) -> float:
         if warm and step < warm:
@@ -268,6 +278,8 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
     tok = load_tokenizer(cfg)
     examples, data_stats = prepare_examples(cfg, tok)
+    eval_data = prepare_examples(cfg, tok, cfg.eval_dataset) if cfg.eval_dataset is not None else None
+    cfg = with_total_steps(cfg, len(examples), emulate_dp if emulate_dp > 1 else world // cfg.sequence_parallel.size)
     torch.manual_seed(cfg.seed)
     model = load_model(cfg)
     if _heads(model) != (nh, nkv):
@@ -289,7 +301,7 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     if use_cuda:
         torch.cuda.set_device(device)
     try:
-        return _run(cfg, model, tok, examples, data_stats, world, rank, device, u, r, emulate_dp)
+        return _run(cfg, model, tok, examples, data_stats, world, rank, device, u, r, emulate_dp, eval_data)
     finally:
         if created_pg:
             dist.destroy_process_group()
@@ -317,6 +329,9 @@ class _Loop:
     factor: float = 1.0
     meter: Any = None  # seqpar.memory.meter.PeakMemoryMeter when memory.measure
     prec: MasterWeights | None = None  # bf16 without FSDP: fp32 masters behind `params` / the optimizer
+    eval_examples: list | None = None
+    eval_collator: Any = None
+    tensorboard: Any = None
 
 
 def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
@@ -428,16 +443,18 @@ def _build_data(cfg: TrainConfig, mesh: Any, tok: Any, n_examples: int, emulate_
         DataStream(SequenceParallelSampler(n_examples, n, d, shuffle=cfg.dataset.shuffle, seed=cfg.seed))
         for n, d in slots
     ]
+    return streams, _make_collator(cfg, mesh, tok, cfg.dataset)
+
+
+def _make_collator(cfg: TrainConfig, mesh: Any, tok: Any, ds: DatasetSpec) -> Any:
     if cfg.stage == "dpo":
-        collator = SequenceParallelDPOCollator(mesh, tok.pad_token_id, max_length=cfg.dataset.max_length)
-    else:
-        collator = SequenceParallelCollator(mesh, tok.pad_token_id, packing=cfg.dataset.packing,
-                                            max_length=cfg.dataset.max_length)
-    return streams, collator
+        return SequenceParallelDPOCollator(mesh, tok.pad_token_id, max_length=ds.max_length)
+    return SequenceParallelCollator(mesh, tok.pad_token_id, packing=ds.packing, max_length=ds.max_length)
 
 
 def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, data_stats: dict, world: int, rank: int,
-         device: torch.device, u: int, r: int, emulate_dp: int) -> TrainResult:
+         device: torch.device, u: int, r: int, emulate_dp: int,
+         eval_data: tuple[list, dict] | None = None) -> TrainResult:
     mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=u, ring_degree=r, layout=cfg.sequence_parallel.layout)
     lora = cfg.finetuning.method == "lora"
     model, reference, prec = _build_model(cfg, model, mesh, device, world)
@@ -449,7 +466,8 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
                  StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma, cfg.memory.fused_loss,
                           cfg.memory.loss_chunk_tokens), reference, device, world, rank,
                  out, factor=(L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0) * fault_grad_scale(world),
-                 prec=prec)
+                 prec=prec, eval_examples=eval_data[0] if eval_data else None,
+                 eval_collator=_make_collator(cfg, mesh, tok, cfg.eval_dataset) if eval_data else None)
     state_model = prec.module if prec else model  # what checkpoints hold: the fp32 masters under bf16
     if cfg.memory.measure:
         # CUDA: the allocator's exact peak, without the tracker's per-op Python cost (no split by category).
@@ -484,9 +502,8 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
 
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=(rank != 0 or not cfg.progress),
                desc=f"{cfg.stage} sp={mesh.sp_size} dp={mesh.dp_size}", dynamic_ncols=True)
-    if rank == 0 and data_stats["dropped_unsupervised"]:
-        print(f"[seqpar] dropped {data_stats['dropped_unsupervised']} rows with no supervised token within "
-              f"max_length={cfg.dataset.max_length}", flush=True)
+    _report_data_stats(cfg, rank, data_stats, eval_data[1] if eval_data else None)
+    loop.tensorboard = _open_tensorboard(cfg, rank, out)
     step = start_step
     t_start = time.perf_counter()
     while step < cfg.max_steps:
@@ -498,8 +515,7 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
         result.steps.append(step)
         result.losses.append(row["loss"])
         if rank == 0:
-            with open(metrics_path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            _log_row(loop, metrics_path, row)
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                             mem=f"{row['peak_mem_mb']:.0f}MB")
@@ -508,10 +524,58 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
             state = {"step": step, "scheduler": scheduler.state_dict(), "data": [s.state_dict() for s in streams]}
             save_checkpoint(out, step, state_model, optimizer, state, trainable_only=lora,
                             keep_last=cfg.checkpoint.keep_last)
+        _maybe_eval(loop, result, metrics_path, step)
         _maybe_fault(step, rank, world)
     bar.close()
     _finish(loop, result, metrics_path)
     return result
+
+
+def _report_data_stats(cfg: TrainConfig, rank: int, stats: dict, eval_stats: dict | None) -> None:
+    """Rank 0 prints what the data pipeline truncated or dropped (rows are never changed silently)."""
+    if rank != 0:
+        return
+    lines = describe_stats(stats, cfg.dataset.max_length)
+    if eval_stats is not None:
+        lines += describe_stats(eval_stats, cfg.eval_dataset.max_length, "eval_dataset")
+    for line in lines:
+        print(f"[seqpar] {line}", flush=True)
+
+
+def _open_tensorboard(cfg: TrainConfig, rank: int, out: Path) -> Any:
+    if rank != 0 or "tensorboard" not in cfg.report_to:
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # needs `pip install tensorboard` (checked at launch)
+
+    return SummaryWriter(log_dir=str(out / "tensorboard"))
+
+
+def _log_row(loop: _Loop, metrics_path: Path, row: dict[str, Any]) -> None:
+    """Rank 0: one metrics.jsonl row, and its numbers as TensorBoard scalars when asked."""
+    with open(metrics_path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    if loop.tensorboard is not None:
+        for k, v in row.items():
+            if k != "step" and isinstance(v, (int, float)):
+                loop.tensorboard.add_scalar(f"{'eval' if k.startswith('eval_') else 'train'}/{k}", v, row["step"])
+        loop.tensorboard.flush()
+
+
+def _maybe_eval(loop: _Loop, result: TrainResult, metrics_path: Path, step: int) -> None:
+    """Eval every cfg.eval_every steps and after the last one (all ranks; rank 0 logs)."""
+    cfg = loop.cfg
+    if loop.eval_examples is None:
+        return
+    if not (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+        return
+    t0 = time.perf_counter()
+    ev = cfg.eval_dataset
+    loss, items = evaluate(loop.model, loop.eval_examples, loop.eval_collator, loop.mesh, loop.spec, loop.reference,
+                           rows_per_batch=cfg.micro_batch_size, packing=ev.packing)
+    result.eval_losses.append((step, loss))
+    if loop.rank == 0:
+        _log_row(loop, metrics_path, {"step": step, "eval_loss": loss, "eval_items": items,
+                                      "eval_s": time.perf_counter() - t0})
 
 
 def _next_micro_batches(loop: _Loop) -> list[dict[str, torch.Tensor]]:
@@ -599,9 +663,14 @@ def _finish(loop: _Loop, result: TrainResult, metrics_path: Path) -> None:
     if loop.rank == 0:
         from .plots import plot_curves, read_metrics
 
-        pts = [(m["step"], m["loss"]) for m in read_metrics(metrics_path)]
-        result.plot_path = str(plot_curves({f"{cfg.stage} loss ({repr(loop.mesh)})": pts}, loop.out / "loss.png",
-                                           title=f"seqpar {cfg.stage}: {cfg.model.name}"))
+        rows = read_metrics(metrics_path)
+        curves = {f"{cfg.stage} loss ({repr(loop.mesh)})": [(m["step"], m["loss"]) for m in rows if "loss" in m]}
+        if loop.eval_examples is not None:
+            curves["eval loss"] = [(m["step"], m["eval_loss"]) for m in rows if "eval_loss" in m]
+        title = f"seqpar {cfg.stage}: {cfg.model.name}"
+        result.plot_path = str(plot_curves(curves, loop.out / "loss.png", title=title))
+    if loop.tensorboard is not None:
+        loop.tensorboard.close()
     if loop.world > 1:
         dist.barrier()
 

@@ -52,7 +52,13 @@ def _env(key: str, value: str) -> Iterator[None]:
 def write_config(cfg: TrainConfig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    data = cfg.model_dump(mode="json")
+    # Absolute paths: load_config resolves relative ones against the directory of the YAML written here.
+    data["output_dir"] = str(Path(cfg.output_dir).absolute())
+    for name in ("dataset", "eval_dataset"):
+        if data.get(name):
+            data[name]["path"] = str(Path(data[name]["path"]).absolute())
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
@@ -73,7 +79,7 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
         )
     dp = nproc // cfg.sequence_parallel.size
     base = cfg.model_dump(mode="json")
-    base.update(max_steps=steps, checkpoint={"every": 0, "save_final": False, "resume": False})
+    base.update(max_steps=steps, num_epochs=None, checkpoint={"every": 0, "save_final": False, "resume": False})
     sp_cfg = config_from_dict({**base, "output_dir": str(out / "sp")})
     # The reference: one process, SP=1 (any max_length valid under SP is valid at SP=1), no FSDP -- except
     # in bf16, where FSDP's fp32 master weights must be mirrored (FSDP2 on a 1-rank group).
