@@ -78,7 +78,8 @@ def _table(cands: list[Any], top: int, max_len: bool) -> str:
     out = [head + "   (memory GiB per GPU)"]
     for i, c in enumerate(cands[:top]):
         m = c.memory.as_dict()
-        gib = [f"{m[k] / GiB:7.1f}" for k in ("parameters", "gradients", "optimizer_state", "activations", "loss_chunk")]
+        parts = ("parameters", "gradients", "optimizer_state", "activations", "loss_chunk")
+        gib = [f"{m[k] / GiB:7.1f}" for k in parts]
         gib += [f"{m[k] / GiB:6.1f}" for k in ("comm_buffers", "temp")]
         row = (f"{i:>2} {c.layout.ulysses:>3} {c.layout.ring:>3} {c.layout.dp:>3} "
                f"{'y' if c.features.activation_checkpointing else 'n':>4} {'y' if c.features.fsdp else 'n':>4} "

@@ -169,7 +169,9 @@ def plan(m: ModelFacts, cl: Cluster, req: Request) -> tuple[list[Candidate], int
     if req.max_seq_len:
         cands.sort(key=lambda c: (not c.fits, -(c.max_seq_len or 0), _bucket(c.time.step_s), -_intra_ulysses(c, cl)))
     else:
-        cands.sort(key=lambda c: (not c.fits, _bucket(c.time.step_s), -_intra_ulysses(c, cl), c.memory.total))
+        # fitting ones by speed; the others by how far they are from fitting
+        cands.sort(key=lambda c: (not c.fits, _bucket(c.time.step_s) if c.fits else c.memory.total,
+                                  -_intra_ulysses(c, cl), c.memory.total))
     return cands, (0 if cands and cands[0].fits else None)
 
 
