@@ -103,6 +103,7 @@ def _step_tracker() -> Any:
             root = set(self._mod_tracker.parents) - {name} == {"Global"}
             if module in self.memory_tracking and root and not self._mod_tracker.is_bw:
                 self.reset_mod_stats()
+            _skip_frozen_grad_hooks(self, module, hook_trainable=False)  # FSDP2 gathers fresh frozen params
             super()._pre_fw_hook(module, inputs)
 
     return _StepMemTracker()
@@ -113,7 +114,7 @@ class _NoHook:
         pass
 
 
-def _skip_frozen_grad_hooks(mt: Any, *modules: Any) -> None:
+def _skip_frozen_grad_hooks(mt: Any, *modules: Any, hook_trainable: bool = True) -> None:
     """MemTracker registers a grad hook on every parameter when its module first runs, which torch
     refuses for a frozen one (LoRA base weights, the DPO reference copy, LoRA weights inside peft's
     disable_adapter()). Mark frozen parameters as hooked and hook the trainable ones now, while they
@@ -122,9 +123,10 @@ def _skip_frozen_grad_hooks(mt: Any, *modules: Any) -> None:
         if m is None:
             continue
         for p in m.parameters():
-            if not p.requires_grad:
+            if not p.requires_grad and p not in mt._param_to_grad_hook_handles:
                 mt._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-        mt._track_module_params_and_buffers(m, install_grad_hooks=True)
+        if hook_trainable:
+            mt._track_module_params_and_buffers(m, install_grad_hooks=True)
 
 
 def measure_case(case_d: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from .measure import Case, measure_case
 from .memory import Features, Layout, Workload, estimate_memory
 from .model import load_model_facts
 
-__all__ = ["GRID", "FAST_GRID", "FEATURE_SETS", "predict_case", "run_validation", "TOLERANCE"]
+__all__ = ["GRID", "FAST_GRID", "FEATURE_SETS", "predict_case", "run_validation", "format_rows", "with_features",
+           "TOLERANCE"]
 
 TOLERANCE = 0.05
 NO_FEATURES: dict[str, Any] = {"fused_loss": False}
