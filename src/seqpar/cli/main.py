@@ -5,6 +5,7 @@
     seqpar train cfg.yaml --nproc-per-node 4       # re-launches itself under torch.distributed.run
     seqpar verify cfg.yaml --steps 20 --nproc-per-node 4
     seqpar check cfg.yaml --nproc-per-node 4       # validate only
+    seqpar plan --model llama-3.1-8b --gpus 8 --seq-len 131072   # predict memory/time, recommend a mesh
 
 `--set key.sub=value` overrides config keys (value parsed as YAML). Config errors exit with code 2
 and a message naming the fix, before any process is spawned or any process group is created.
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="validate the config (and dataset) without training")
     common(c)
+    from ..planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 
@@ -165,6 +169,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "plan":
+            return args.func(args)
         return {"train": _cmd_train, "verify": _cmd_verify, "check": _cmd_check}[args.command](args)
     except SeqParError as e:
         rank = os.environ.get("RANK", "0")

@@ -1,0 +1,162 @@
+"""`seqpar plan`: arguments, the table, --json, --validate / --validate-time (kept out of cli/main.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from typing import Any
+
+from ..errors import SeqParError
+
+__all__ = ["add_plan_parser", "cmd_plan"]
+
+GiB = 2**30
+
+
+def add_plan_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="predict memory / step time of ulysses x ring x dp and memory features; "
+                                    "recommend one and print its YAML")
+    p.add_argument("--model", default=None, help="bundled name (llama-3.1-8b, qwen2.5-7b, qwen3-32b, smollm2, ...), "
+                                                 "tiny:<arch>, a model directory or config.json")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, default=8)
+    c.add_argument("--gpus-per-node", type=int, default=None)
+    c.add_argument("--gpu", default=None, help="preset: a100-80g | h100 | h200 (default h100 numbers)")
+    c.add_argument("--gpu-mem", default=None, help="per-GPU memory, e.g. 80GiB")
+    c.add_argument("--intra-bw", type=float, default=None, help="GB/s per GPU inside a node")
+    c.add_argument("--inter-bw", type=float, default=None, help="GB/s per GPU across nodes")
+    c.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s per GPU")
+    w = p.add_argument_group("workload")
+    g = w.add_mutually_exclusive_group()
+    g.add_argument("--seq-len", type=int, default=None)
+    g.add_argument("--max-seq-len", action="store_true", help="search the longest sequence that fits")
+    w.add_argument("--stage", choices=("sft", "dpo"), default="sft")
+    w.add_argument("--finetuning", choices=("full", "lora"), default="full")
+    w.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    w.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
+    w.add_argument("--micro-batch-size", type=int, default=1)
+    s = p.add_argument_group("restrict the search")
+    s.add_argument("--ulysses-degree", type=int, default=None)
+    s.add_argument("--ring-degree", type=int, default=None)
+    s.add_argument("--no-activation-checkpointing", action="store_true")
+    s.add_argument("--activation-checkpointing", action="store_true", help="only candidates with it")
+    s.add_argument("--no-fused-loss", action="store_true")
+    s.add_argument("--tiled-mlp", action="store_true")
+    s.add_argument("--offload-activations", action="store_true")
+    s.add_argument("--offload-optimizer", action="store_true")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="one JSON object: candidates, recommended")
+    o.add_argument("--top", type=int, default=12, help="rows of the table")
+    v = p.add_argument_group("validation (CPU, spawns gloo worlds)")
+    v.add_argument("--validate", action="store_true", help="predicted vs MemTracker-measured peak memory")
+    v.add_argument("--features", default="none", help="feature rows for --validate: none | all | ckpt,fused,tiled")
+    v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")
+    p.set_defaults(func=cmd_plan)
+
+
+def _request(args: argparse.Namespace) -> Any:
+    from .memory import Workload
+    from .search import Request
+
+    if args.micro_batch_size < 1:
+        raise SeqParError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    if not args.max_seq_len and args.seq_len is None:
+        raise SeqParError("give --seq-len N or --max-seq-len")
+    ac = False if args.no_activation_checkpointing else (True if args.activation_checkpointing else None)
+    return Request(
+        workload=Workload(args.seq_len or 0, args.stage, args.finetuning, args.precision, args.micro_batch_size),
+        ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, activation_checkpointing=ac,
+        fused_loss=not args.no_fused_loss, tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations,
+        offload_optimizer=args.offload_optimizer, fsdp=args.fsdp, max_seq_len=args.max_seq_len)
+
+
+def _table(cands: list[Any], top: int, max_len: bool) -> str:
+    head = (f"{'#':>2} {'u':>3} {'r':>3} {'dp':>3} {'ckpt':>4} {'fsdp':>4} {'dummy':>5} "
+            f"{'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'loss':>7} {'comm':>6} {'temp':>6} {'total':>7} "
+            f"{'GB/lay':>7} {'comp s':>8} {'comm s':>8} {'step s':>8} {'fits':>4}" + ("   max_seq" if max_len else ""))
+    out = [head + "   (memory GiB per GPU)"]
+    for i, c in enumerate(cands[:top]):
+        m = c.memory.as_dict()
+        parts = ("parameters", "gradients", "optimizer_state", "activations", "loss_chunk")
+        gib = [f"{m[k] / GiB:7.1f}" for k in parts]
+        gib += [f"{m[k] / GiB:6.1f}" for k in ("comm_buffers", "temp")]
+        row = (f"{i:>2} {c.layout.ulysses:>3} {c.layout.ring:>3} {c.layout.dp:>3} "
+               f"{'y' if c.features.activation_checkpointing else 'n':>4} {'y' if c.features.fsdp else 'n':>4} "
+               f"{c.dummy_heads:>5} {' '.join(gib)} {m['total'] / GiB:7.1f} "
+               f"{c.time.comm_bytes_per_layer / 1e9:7.2f} "
+               f"{c.time.compute_s:8.2f} {c.time.exposed_comm_s:8.2f} {c.time.step_s:8.2f} "
+               f"{'yes' if c.fits else 'no':>4}")
+        out.append(row + (f"   {c.max_seq_len:>8}" if max_len else ""))
+    if len(cands) > top:
+        out.append(f"... {len(cands) - top} more (--top N, or --json)")
+    return "\n".join(out)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .validate import FEATURE_SETS, GRID, format_rows, run_validation, with_features
+
+    names = list(FEATURE_SETS) if args.features == "all" else args.features.split(",")
+    bad = [n for n in names if n not in FEATURE_SETS]
+    if bad:
+        raise SeqParError(f"--features {args.features!r}: unknown {bad}; use none, all or {','.join(FEATURE_SETS)}")
+    rows = run_validation(with_features(GRID, names))
+    print(format_rows(rows))
+    return 0 if all(abs(r["rel_err"]) <= 0.05 for r in rows) else 1
+
+
+def _validate_time() -> int:
+    from .gpus import make_cluster
+    from .memory import Layout, Workload
+    from .model import load_model_facts
+    from .time import estimate_time
+    from .validate import TIME_GRID, _features, run_validation, time_ordering
+
+    rows = run_validation(TIME_GRID)
+    preds = []
+    for c in TIME_GRID:
+        m = load_model_facts(f"tiny:{c.arch}", {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
+                             "head_dim": c.head_dim, "num_layers": c.num_layers,
+                             "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size})
+        # a CPU "cluster": 0.05 TFLOP/s fp32 per process, 2 GB/s gloo loopback
+        cl = replace(make_cluster(c.world, c.world), fp32_tflops=0.05, peak_tflops=0.05, intra_bw=2.0, inter_bw=2.0)
+        wl = Workload(c.seq_len, c.stage, c.finetuning, c.precision)
+        preds.append(estimate_time(m, wl, Layout(c.ulysses, c.ring, c.dp), _features(c), cl).step_s)
+    for r, p in zip(rows, preds):
+        print(f"{r['case']:62s} measured {r['step_s']:8.3f} s   predicted {p:8.3f} s")
+    same, total = time_ordering(rows, preds)
+    print(f"ordering agrees on {same}/{total} pairs (absolute times are a model; only the order is checked)")
+    return 0 if same == total else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.validate or args.validate_time:
+        rc = _validate(args) if args.validate else 0
+        return max(rc, _validate_time() if args.validate_time else 0)
+    if args.model is None:
+        raise SeqParError("give --model (e.g. --model llama-3.1-8b, tiny:llama, or a config.json)")
+    from .gpus import make_cluster
+    from .model import load_model_facts
+    from .search import plan, train_yaml, usable_bytes, why
+
+    m = load_model_facts(args.model)
+    cl = make_cluster(args.gpus, args.gpus_per_node, args.gpu, args.gpu_mem, args.intra_bw, args.inter_bw,
+                      args.peak_tflops)
+    req = _request(args)
+    cands, rec = plan(m, cl, req)
+    if args.json:
+        print(json.dumps({"model": args.model, "gpus": cl.gpus, "usable_bytes_per_gpu": usable_bytes(cl),
+                          "candidates": [c.as_json() for c in cands], "recommended": rec}, indent=1))
+        return 0
+    print(f"{args.model}: {m.num_params() / 1e9:.2f}B params, {m.layers} layers, hidden {m.hidden}, "
+          f"{m.heads} q / {m.kv_heads} kv heads x {m.head_dim}, vocab {m.vocab}; {cl.gpus} x {cl.name} "
+          f"({cl.mem_bytes / GiB:.0f} GiB, {usable_bytes(cl) / GiB:.1f} usable), {cl.gpus_per_node} per node")
+    print(_table(cands, args.top, args.max_seq_len))
+    if rec is None:
+        print("\nnothing fits: add GPUs, use LoRA, --offload-optimizer/--offload-activations, or a shorter sequence")
+        return 1
+    best = cands[rec]
+    seq = best.max_seq_len if args.max_seq_len else req.workload.seq_len
+    print(f"\nrecommended #{rec}: {why(m, cl, best)}")
+    print(f"\n# seqpar train config (launch {cl.gpus} processes):\n" + train_yaml(args.model, best, req.workload, seq))
+    return 0

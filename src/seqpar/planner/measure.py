@@ -1,0 +1,170 @@
+"""Measure one training step's per-rank peak memory (and time) with torch's MemTracker.
+
+The step is the plain trainer's own (`seqpar.train.trainer._train_step` on a loop built by the
+trainer's `_build_model` / `_build_optimizer` / `_build_data`), so every memory feature switched on
+in `TrainConfig.memory` is measured exactly as `seqpar train` runs it. A warm-up step first creates
+the optimizer state; the second step is metered. Tiny models only (CPU, gloo): see planner.validate.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Case", "measure_case", "case_config"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One validation row: a tiny model, a workload and a mesh (world = dp * ulysses * ring)."""
+
+    arch: str = "llama"
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    num_layers: int = 2
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    seq_len: int = 256
+    stage: str = "sft"
+    finetuning: str = "full"
+    fsdp: bool = False
+    ulysses: int = 1
+    ring: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1
+    precision: str = "fp32"
+    memory: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.ulysses * self.ring
+
+    def label(self) -> str:
+        feats = ",".join(f"{k}={v}" for k, v in sorted(self.memory.items())) or "none"
+        return (f"{self.arch} S={self.seq_len} {self.stage}/{self.finetuning}{'/fsdp' if self.fsdp else ''} "
+                f"u{self.ulysses}r{self.ring}d{self.dp} mem[{feats}]")
+
+    def __hash__(self) -> int:  # memory is a dict
+        return hash(self.label())
+
+
+def case_config(case: Case) -> Any:
+    from ..train.config import config_from_dict
+
+    sp = case.ulysses * case.ring
+    return config_from_dict({
+        "model": {"name": f"tiny:{case.arch}", "kwargs": {
+            "num_heads": case.num_heads, "num_kv_heads": case.num_kv_heads, "head_dim": case.head_dim,
+            "num_layers": case.num_layers, "intermediate_size": case.intermediate_size,
+            "vocab_size": case.vocab_size, "max_position_embeddings": max(4096, case.seq_len),
+            **({"sliding_window": max(4096, case.seq_len)} if case.arch in ("qwen2", "mistral") else {})}},
+        "dataset": {"path": "<synthetic>", "format": "text" if case.stage == "sft" else "dpo",
+                    "max_length": case.seq_len, "shuffle": False},
+        "stage": case.stage,
+        "finetuning": {"method": case.finetuning},
+        "sequence_parallel": {"size": sp, "ulysses_degree": case.ulysses, "ring_degree": case.ring},
+        "fsdp": case.fsdp,
+        "memory": dict(case.memory),
+        "precision": case.precision,
+        "micro_batch_size": case.micro_batch_size,
+        "max_steps": 2,
+        "progress": False,
+    }, source="validation case")
+
+
+def _synthetic_examples(case: Case, tok: Any, n: int) -> list[Any]:
+    """Rows that fill max_length exactly (truncated), every token supervised, deterministic."""
+    from ..train.datasets import build_examples
+
+    rng = random.Random(0)
+    text = lambda k: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(k))  # noqa: E731
+    if case.stage == "sft":
+        rows = [{"text": text(case.seq_len + 8)} for _ in range(n)]
+        return build_examples(rows, "text", "sft", tok, case.seq_len, False)[0]
+    p = case.seq_len // 4
+    rows = [{"prompt": text(p), "chosen": text(case.seq_len), "rejected": text(case.seq_len)} for _ in range(n)]
+    return build_examples(rows, "dpo", "dpo", tok, case.seq_len, False)[0]
+
+
+def _step_tracker() -> Any:
+    """torch's MemTracker, allowing the root module to run forward twice in one step (DPO with LoRA:
+    the reference pass is the policy with its adapter disabled). Only the per-module statistics, which
+    we do not read, are reset; the peak snapshot is global and kept."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _StepMemTracker(MemTracker):
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            root = set(self._mod_tracker.parents) - {name} == {"Global"}
+            if module in self.memory_tracking and root and not self._mod_tracker.is_bw:
+                self.reset_mod_stats()
+            _skip_frozen_grad_hooks(self, module, hook_trainable=False)  # FSDP2 gathers fresh frozen params
+            super()._pre_fw_hook(module, inputs)
+
+    return _StepMemTracker()
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen_grad_hooks(mt: Any, *modules: Any, hook_trainable: bool = True) -> None:
+    """MemTracker registers a grad hook on every parameter when its module first runs, which torch
+    refuses for a frozen one (LoRA base weights, the DPO reference copy, LoRA weights inside peft's
+    disable_adapter()). Mark frozen parameters as hooked and hook the trainable ones now, while they
+    still require grad, so the tracker never tries later."""
+    for m in modules:
+        if m is None:
+            continue
+        for p in m.parameters():
+            if not p.requires_grad and p not in mt._param_to_grad_hook_handles:
+                mt._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+        if hook_trainable:
+            mt._track_module_params_and_buffers(m, install_grad_hooks=True)
+
+
+def measure_case(case_d: dict[str, Any]) -> dict[str, Any]:
+    """Per-rank body (under run_distributed): peak bytes per MemTracker category + step seconds."""
+    import torch.distributed as dist
+
+    from .. import loss as L
+    from ..mesh import init_mesh
+    from ..train import trainer as T
+    from ..train.steps import StepSpec
+
+    case = Case(**case_d)
+    cfg = case_config(case)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = torch.device("cpu")
+    tok = T.load_tokenizer(cfg)
+    examples = _synthetic_examples(case, tok, 2 * case.micro_batch_size * max(1, case.dp))
+    torch.manual_seed(cfg.seed)
+    model = T.load_model(cfg)
+    mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=case.ulysses, ring_degree=case.ring)
+    model, reference = T._build_model(cfg, model, mesh, device, world)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = T._build_optimizer(cfg, params)
+    streams, collator = T._build_data(cfg, mesh, tok, len(examples), 1)
+    loop = T._Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples,
+                   StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma), reference, device, world,
+                   rank, out=None, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0)
+    T._train_step(loop, 0)  # warm-up: the optimizer state exists from here on
+    mt = _step_tracker()
+    ref_model = getattr(reference, "ref_model", None)
+    _skip_frozen_grad_hooks(mt, model, ref_model)
+    mt.track_external(model, optimizer, ref_model)
+    t0 = time.perf_counter()
+    with mt:
+        T._train_step(loop, 1)
+    dt = time.perf_counter() - t0
+    snap = mt.get_tracker_snapshot("peak")
+    dev_snap = snap.get(device) or next(iter(snap.values()))
+    out = {str(k.value if hasattr(k, "value") else k): int(v) for k, v in dev_snap.items()}
+    return {"case": asdict(case), "peak": out, "step_s": dt, "rank": rank}

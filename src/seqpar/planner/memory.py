@@ -1,0 +1,248 @@
+"""Per-rank peak memory of one training step, counted from the saved tensors of a decoder layer.
+
+Not a curve fit: every term is a tensor that autograd keeps (or a step allocates), per token of this
+rank's shard, in its dtype (e = 2 for bf16, 4 for fp32; softmax statistics and norm internals are fp32).
+Checked against torch's MemTracker by `seqpar plan --validate` (planner.validate).
+
+Saved per decoder layer and token (no memory features, full fine-tuning):
+- each RMSNorm: its fp32 input (the residual itself in fp32, an fp32 copy in bf16) 4h, rsqrt 4,
+  normalised x (kept for the weight's gradient) e*h, its output (kept by the next Linear) e*h;
+- q/k norms (Qwen3): the projection output (fp32) 4(q+kv), rsqrt 4(Hq+Hkv), normalised e(q+kv);
+- attention: q, k, v after RoPE and the output e(q+2kv+q), lse 4*Hq; with Ulysses the all-to-all
+  copies in head space (dummy heads / replicated kv included, from the ulysses head plan) replace
+  q, k, v, plus the head-space output and the sequence-space output;
+- MLP: gate, silu(gate), up, silu*up: 4e*I (silu*up only when down_proj trains).
+Per token once: RoPE cos/sin 2e*D, int64 positions/labels 24 B, the final norm, and without the fused
+loss 12*V bytes at the start of backward (fp32 log-softmax kept + its gradient + the logits gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..attention.ulysses import head_plan
+from .model import ModelFacts
+
+__all__ = ["Features", "Workload", "Layout", "MemoryBreakdown", "estimate_memory", "activation_bytes_per_token",
+           "DEFAULT_LOSS_CHUNK_BYTES", "INDEX_BYTES_PER_TOKEN"]
+
+DEFAULT_LOSS_CHUNK_BYTES = 256 * 2**20  # MemorySpec.loss_chunk_tokens=None: one chunk's fp32 logits <= 256 MB
+INDEX_BYTES_PER_TOKEN = 24  # int64 position_ids / shift_labels / their long copies
+
+
+@dataclass(frozen=True)
+class Features:
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    fused_loss: bool = False
+    tiled_mlp: bool = False
+    fsdp: bool = False
+    offload_optimizer: bool = False  # FSDP CPU offload of parameters, gradients and optimizer state
+    loss_chunk_tokens: int | None = None
+
+    def as_dict(self) -> dict[str, bool]:
+        return {k: v for k, v in self.__dict__.items() if k != "loss_chunk_tokens"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    stage: str = "sft"
+    finetuning: str = "full"
+    precision: str = "bf16"
+    micro_batch_size: int = 1
+    lora_r: int = 8
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    @property
+    def elt(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def rows(self) -> int:
+        return self.micro_batch_size * (2 if self.stage == "dpo" else 1)  # DPO: chosen + rejected rows
+
+    @property
+    def lora(self) -> bool:
+        return self.finetuning == "lora"
+
+    def trains(self, module: str) -> bool:
+        """Whether a Linear keeps its input for a weight gradient (trained, or a LoRA target)."""
+        return not self.lora or module in self.lora_targets
+
+
+@dataclass(frozen=True)
+class Layout:
+    ulysses: int = 1
+    ring: int = 1
+    dp: int = 1
+
+    @property
+    def sp(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def world(self) -> int:
+        return self.sp * self.dp
+
+
+@dataclass
+class MemoryBreakdown:
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    loss_chunk: int
+    comm_buffers: int
+    temp: int
+    phase: str  # which moment of the step is the peak: loss_backward | layer_backward | optimizer
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer_state + self.activations + self.loss_chunk
+                + self.comm_buffers + self.temp)
+
+    def as_dict(self) -> dict[str, int]:
+        d = {k: int(getattr(self, k)) for k in ("parameters", "gradients", "optimizer_state", "activations",
+                                                "loss_chunk", "comm_buffers", "temp")}
+        d["total"] = int(self.total)
+        return d
+
+
+def _norm(m: ModelFacts, e: int, input_grad: bool, weight_trains: bool, consumer_saves: bool) -> int:
+    """Bytes one RMSNorm keeps per token: fp32 input + rsqrt, normalised x (weight grad), output (consumer)."""
+    n = (4 * m.hidden + 4) if input_grad else 0
+    return n + (e * m.hidden if weight_trains else 0) + (e * m.hidden if consumer_saves else 0)
+
+
+def _attention(m: ModelFacts, wl: Workload, u: int) -> int:
+    e, d = wl.elt, m.head_dim
+    n = 0
+    if m.qk_norm:
+        full = not wl.lora
+        n += 4 * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads) + (e * (m.q_dim + m.kv_dim) if full else 0)
+    if u == 1:
+        return n + e * (2 * m.q_dim + 2 * m.kv_dim) + 4 * m.heads
+    plan = head_plan(m.heads, m.kv_heads, u)
+    hq, hkv = plan.padded_heads, plan.expanded_kv_heads
+    # per LOCAL token: the head-space q, k, v, output and lse of P tokens x 1/P of the heads
+    n += e * (2 * hq + 2 * hkv) * d + 4 * hq
+    return n + (e * m.q_dim if wl.trains("o_proj") else 0)  # the sequence-space output o_proj keeps
+
+
+def _lora(m: ModelFacts, wl: Workload) -> int:
+    return wl.elt * wl.lora_r * sum(1 for t in wl.lora_targets) if wl.lora else 0
+
+
+def _mlp(m: ModelFacts, wl: Workload, tiled: bool) -> int:
+    if tiled:
+        return 0  # tiles are recomputed in backward: nothing [S, intermediate] stays alive
+    return wl.elt * m.intermediate * (3 + (1 if wl.trains("down_proj") else 0))
+
+
+def layer_bytes_per_token(m: ModelFacts, wl: Workload, u: int, tiled_mlp: bool = False) -> int:
+    """What one decoder layer keeps for backward, per local token (no checkpointing)."""
+    e, full = wl.elt, not wl.lora
+    qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
+    mlp_in = any(wl.trains(t) for t in ("gate_proj", "up_proj"))
+    return (_norm(m, e, True, full, qkv) + _attention(m, wl, u) + _norm(m, e, True, full, mlp_in or tiled_mlp)
+            + _mlp(m, wl, tiled_mlp) + _lora(m, wl))
+
+
+def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features) -> int:
+    """Bytes alive per local token at the end of forward (loss working set excluded)."""
+    e, full = wl.elt, not wl.lora
+    once = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, int64 index tensors
+    once += _norm(m, e, True, full, full and not feats.fused_loss)  # final norm (lm_head keeps its output)
+    if feats.fused_loss:
+        once += e * m.hidden  # the supervised hidden states the loss chunks keep
+    if wl.lora:
+        once -= 4 * m.hidden + 4  # a frozen embedding: layer 0's norm input needs no gradient
+    if feats.activation_checkpointing:
+        kept = 2 if feats.offload_activations else m.layers  # offload: ~current + prefetched layer input on GPU
+        return once + kept * e * m.hidden
+    return once + m.layers * layer_bytes_per_token(m, wl, u, feats.tiled_mlp)
+
+
+def _param_bytes(m: ModelFacts, wl: Workload, feats: Features, world: int) -> tuple[int, int, int, int, int]:
+    """(resident params at peak, gradients, optimizer state, optimizer temp, one layer's gathered params)."""
+    e, n = wl.elt, m.num_params()
+    layer = m.layer_params() * e
+    if wl.lora:
+        t = m.lora_params(wl.lora_r, wl.lora_targets)
+        base = n * e + t * e
+        if feats.fsdp:
+            base = base // world + (m.embed_params() + m.lm_head_params() + m.hidden) * e
+        return base, t * e, 2 * t * e, t * e, layer if feats.fsdp else 0
+    if not feats.fsdp:
+        # pure bf16 (or fp32) weights, AdamW moments in the weights' dtype, one foreach temp of that size
+        return n * e, n * e, 2 * n * e, n * e, 0
+    shard = 0 if feats.offload_optimizer else n * 4 // world  # fp32 master shards
+    root = (m.embed_params() + m.lm_head_params() + m.hidden) * e  # the root module stays gathered
+    return shard + root, shard, 2 * shard, shard, layer
+
+
+def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> int:
+    if not feats.fused_loss:
+        return 12 * m.vocab * tokens  # fp32 log-softmax kept + its gradient + the logits gradient
+    chunk = feats.loss_chunk_tokens or max(1, DEFAULT_LOSS_CHUNK_BYTES // (4 * m.vocab))
+    return min(chunk, tokens) * m.vocab * (wl.elt + 12)
+
+
+def _layer_backward_bytes(m: ModelFacts, wl: Workload, u: int, feats: Features) -> int:
+    """Transient per token while one layer runs backward: recomputed activations + activation gradients."""
+    e = wl.elt
+    grads = e * (3 * m.hidden + 2 * m.intermediate) + 4 * (m.q_dim + 2 * m.kv_dim)
+    if feats.tiled_mlp:
+        grads -= 2 * e * m.intermediate
+    recompute = layer_bytes_per_token(m, wl, u, feats.tiled_mlp) if feats.activation_checkpointing else 0
+    return grads + recompute
+
+
+def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_params: int) -> int:
+    """Transient communication buffers of one attention call (and FSDP's gathered layers)."""
+    e, d = wl.elt, m.head_dim
+    n = 0
+    if lay.ulysses > 1:
+        plan = head_plan(m.heads, m.kv_heads, lay.ulysses)
+        n += 2 * e * plan.padded_heads * d * tokens  # all-to-all send + receive of the largest tensor (q)
+    if lay.ring > 1:
+        kv_local = m.kv_dim if lay.ulysses == 1 else head_plan(m.heads, m.kv_heads, lay.ulysses).expanded_kv_heads * d
+        ring_tokens = tokens * lay.ulysses  # a ring block holds the ulysses group's tokens, 1/u of the heads
+        n += 2 * 2 * (e + 4) * kv_local // lay.ulysses * ring_tokens  # K,V in flight + fp32 dK,dV in flight
+    return n + 2 * layer_params  # FSDP: the running and the prefetched layer
+
+
+def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *,
+                    foreach: bool = True) -> MemoryBreakdown:
+    """Peak bytes on one rank: the largest of three moments of the step (see module docstring).
+
+    foreach: AdamW's multi-tensor path (the default on GPUs) allocates one temporary the size of all
+    trainable parameters; the CPU single-tensor path only the largest tensor's. Without FSDP and with
+    more than one rank, seqpar.loss.sum_gradients flattens all gradients into one buffer first.
+    """
+    tokens = wl.rows * wl.seq_len // lay.sp
+    params, grads, opt, opt_temp, layer = _param_bytes(m, wl, feats, lay.world)
+    if not foreach and not (lay.world > 1 and not feats.fsdp):
+        opt_temp = min(opt_temp, max(m.embed_params(), m.hidden * m.intermediate) * wl.elt)
+    if feats.fsdp and feats.offload_optimizer:
+        params, grads, opt, opt_temp = params - (m.num_params() * 4 // lay.world), 0, 0, 0
+    ref = m.num_params() * wl.elt if wl.stage == "dpo" and not wl.lora else 0  # frozen reference copy
+    params += ref
+    acts = activation_bytes_per_token(m, wl, lay.ulysses, feats) * tokens
+    loss = _loss_bytes(m, wl, feats, tokens)
+    comm = _comm_bytes(m, wl, lay, tokens, layer)
+    layer_bwd = _layer_backward_bytes(m, wl, lay.ulysses, feats) * tokens
+    lm_grad = 0 if wl.lora else (m.embed_params() + m.lm_head_params()) * wl.elt // (lay.world if feats.fsdp else 1)
+    phases = {
+        "loss_backward": params + opt + acts + loss,
+        "layer_backward": params + opt + lm_grad + acts + layer_bwd + comm,
+        "optimizer": params + grads + opt + opt_temp,
+    }
+    phase = max(phases, key=phases.get)
+    if phase == "loss_backward":
+        return MemoryBreakdown(params, 0, opt, acts, loss, 0, 0, phase, phases)
+    if phase == "layer_backward":
+        return MemoryBreakdown(params, lm_grad, opt, acts, 0, comm, layer_bwd, phase, phases)
+    return MemoryBreakdown(params, grads, opt, 0, 0, 0, opt_temp, phase, phases)

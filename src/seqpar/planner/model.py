@@ -1,0 +1,136 @@
+"""Architecture facts of a decoder-only causal LM, from its HF config alone (no weights, no hub).
+
+Sources: a local model directory or config.json, a bundled name (planner/configs/*.json: published
+config.json numbers of well-known models, and `smollm2`), or `tiny:<arch>` (seqpar.hf.tiny_config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from ..errors import SeqParError
+
+__all__ = ["ModelFacts", "load_model_facts", "bundled_models"]
+
+# Architectures whose attention normalises q and k per head (RMSNorm over head_dim) before RoPE.
+QK_NORM_TYPES = ("qwen3",)
+# Architectures with a bias on the q/k/v projections.
+QKV_BIAS_TYPES = ("qwen2",)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    max_positions: int | None = None
+    qk_norm: bool = False
+    qkv_bias: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        n = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h
+        if self.qkv_bias:
+            n += q + 2 * kv
+        if self.qk_norm:
+            n += 2 * self.head_dim
+        return n
+
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def lm_head_params(self) -> int:
+        return 0 if self.tied else self.vocab * self.hidden
+
+    def num_params(self) -> int:
+        return self.embed_params() + self.layers * self.layer_params() + self.hidden + self.lm_head_params()
+
+    def lora_params(self, r: int, targets: tuple[str, ...]) -> int:
+        """Trainable LoRA parameters (A: in x r, B: r x out) over all layers."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return self.layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
+
+
+def bundled_models() -> list[str]:
+    files = resources.files("seqpar.planner").joinpath("configs")
+    return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".json"))
+
+
+def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
+    c = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
+    try:
+        hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        kv = int(c.get("num_key_value_heads") or heads)
+        facts = ModelFacts(
+            name=name, model_type=str(c.get("model_type", "llama")), hidden=hidden,
+            layers=int(c["num_hidden_layers"]), heads=heads, kv_heads=kv,
+            head_dim=int(c.get("head_dim") or hidden // heads), intermediate=int(c["intermediate_size"]),
+            vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
+            max_positions=c.get("max_position_embeddings"),
+            qk_norm=c.get("model_type") in QK_NORM_TYPES,
+            qkv_bias=bool(c.get("attention_bias", c.get("model_type") in QKV_BIAS_TYPES)),
+        )
+    except KeyError as e:
+        raise SeqParError(
+            f"model config {name!r} lacks {e.args[0]!r}: give a decoder-only causal LM config.json"
+        ) from None
+    if facts.heads % facts.kv_heads != 0:
+        raise SeqParError(
+            f"model {name!r}: num_attention_heads={facts.heads} is not a multiple of num_key_value_heads="
+            f"{facts.kv_heads}, so its heads cannot be split for attention: check the config"
+        )
+    return facts
+
+
+def _tiny(name: str, kwargs: dict[str, Any] | None) -> ModelFacts:
+    from ..hf import ARCHS, tiny_config
+
+    arch = name.split(":", 1)[1]
+    if arch not in ARCHS:
+        raise SeqParError(f"model {name!r}: unknown tiny architecture {arch!r}: use tiny:<{'|'.join(ARCHS)}>")
+    kw = dict(kwargs or {})
+    kw.setdefault("vocab_size", 259)  # the byte tokenizer seqpar train gives tiny models
+    c = tiny_config(arch, **kw).to_dict()
+    c["model_type"] = arch
+    return _facts(name, c)
+
+
+def load_model_facts(name: str, tiny_kwargs: dict[str, Any] | None = None) -> ModelFacts:
+    """`name`: a bundled model (see bundled_models()), tiny:<arch>, a model directory or a config.json."""
+    if name.startswith("tiny:"):
+        return _tiny(name, tiny_kwargs)
+    key = name.lower().removesuffix("-instruct").split("/")[-1]
+    if key in ("smollm2-135m",):
+        key = "smollm2"
+    if key in bundled_models():
+        path = resources.files("seqpar.planner").joinpath("configs", f"{key}.json")
+        return _facts(name, json.loads(path.read_text()))
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if not os.path.isfile(path):
+        raise SeqParError(
+            f"model {name!r} is neither a bundled model ({', '.join(bundled_models())}), tiny:<arch>, a model "
+            f"directory with config.json nor a config.json file: pass one of those (no hub access here)"
+        )
+    with open(path) as f:
+        return _facts(name, json.load(f))

@@ -1,0 +1,103 @@
+"""`seqpar plan --validate`: predicted vs measured (MemTracker) peak memory on small CPU configurations.
+
+The grid covers what this build can measure: no memory features, full vs LoRA, SFT vs DPO, FSDP on/off,
+SP 1/2/4 in ulysses, ring and USP modes, two architectures (Llama; Qwen3 with q/k norms). Feature rows
+are the same cases with `memory` keys flipped (FEATURE_SETS): once a feature is built, its rows measure it.
+`--validate-time` compares the ORDER of predicted step times with measured CPU step times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import Any
+
+from .measure import Case, measure_case
+from .memory import Features, Layout, Workload, estimate_memory
+from .model import load_model_facts
+
+__all__ = ["GRID", "FAST_GRID", "FEATURE_SETS", "predict_case", "run_validation", "format_rows", "with_features",
+           "TOLERANCE"]
+
+TOLERANCE = 0.05
+NO_FEATURES: dict[str, Any] = {"fused_loss": False}
+FEATURE_SETS: dict[str, dict[str, Any]] = {
+    "none": NO_FEATURES,
+    # Rows for the memory features: measured once the features exist (`--features all`).
+    "ckpt": {"fused_loss": False, "activation_checkpointing": True},
+    "fused": {"fused_loss": True},
+    "tiled": {"fused_loss": False, "tiled_mlp": True},
+    "all": {"fused_loss": True, "activation_checkpointing": True, "tiled_mlp": True},
+}
+_B = Case(memory=NO_FEATURES)
+GRID: list[Case] = [
+    _B, replace(_B, seq_len=512), replace(_B, finetuning="lora"), replace(_B, stage="dpo"),
+    replace(_B, stage="dpo", finetuning="lora"), replace(_B, arch="qwen3"),
+    replace(_B, arch="qwen3", finetuning="lora"),
+    replace(_B, ulysses=2), replace(_B, ring=2), replace(_B, ulysses=2, fsdp=True), replace(_B, ring=2, fsdp=True),
+    replace(_B, ulysses=4), replace(_B, ring=4), replace(_B, ulysses=2, ring=2),
+    replace(_B, num_heads=6, num_kv_heads=2, ulysses=4),  # dummy heads + kv replication
+    replace(_B, arch="qwen3", ulysses=2, ring=2, stage="dpo"),
+    replace(_B, ulysses=2, dp=2), replace(_B, ring=2, finetuning="lora", fsdp=True),
+]
+FAST_GRID: list[Case] = [_B, replace(_B, finetuning="lora"), replace(_B, ulysses=2), replace(_B, stage="dpo")]
+
+
+def _features(case: Case) -> Features:
+    mem = case.memory
+    tiled = mem.get("tiled_mlp", False)
+    return Features(activation_checkpointing=bool(mem.get("activation_checkpointing", False)),
+                    offload_activations=bool(mem.get("offload_activations", False)),
+                    fused_loss=bool(mem.get("fused_loss", True)), tiled_mlp=bool(tiled), fsdp=case.fsdp,
+                    loss_chunk_tokens=mem.get("loss_chunk_tokens"))
+
+
+def predict_case(case: Case) -> int:
+    """The planner's peak bytes per rank for a validation case (CPU: AdamW without foreach)."""
+    m = load_model_facts(f"tiny:{case.arch}", {
+        "num_heads": case.num_heads, "num_kv_heads": case.num_kv_heads, "head_dim": case.head_dim,
+        "num_layers": case.num_layers, "intermediate_size": case.intermediate_size, "vocab_size": case.vocab_size})
+    wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision, case.micro_batch_size)
+    lay = Layout(case.ulysses, case.ring, case.dp)
+    return estimate_memory(m, wl, lay, _features(case), foreach=False).total
+
+
+def with_features(cases: list[Case], names: list[str]) -> list[Case]:
+    return [replace(c, memory=FEATURE_SETS[n]) for n in names for c in cases]
+
+
+def run_validation(cases: list[Case], timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Measure each case (one spawned world per case) and compare; rows carry both numbers."""
+    from ..testing import run_distributed
+
+    rows = []
+    for case in cases:
+        res = run_distributed(measure_case, case.world, asdict(case), timeout=timeout)
+        measured = max(r["peak"]["Total"] for r in res)
+        pred = predict_case(case)
+        rows.append({"case": case.label(), "measured": measured, "predicted": pred,
+                     "rel_err": pred / measured - 1.0, "step_s": max(r["step_s"] for r in res)})
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'case':62s} {'measured':>11s} {'predicted':>11s} {'error':>8s}"]
+    for r in rows:
+        flag = "" if abs(r["rel_err"]) <= TOLERANCE else "  <-- over 5%"
+        lines.append(f"{r['case']:62s} {r['measured']:11d} {r['predicted']:11d} {r['rel_err']:+8.2%}{flag}")
+    worst = max(abs(r["rel_err"]) for r in rows) if rows else 0.0
+    lines.append(f"worst |error| {worst:.2%} (target {TOLERANCE:.0%})")
+    return "\n".join(lines)
+
+
+TIME_GRID: list[Case] = [replace(_B, seq_len=1024, ulysses=2), replace(_B, seq_len=1024, ring=2),
+                         replace(_B, seq_len=1024, ulysses=2, fsdp=True), replace(_B, seq_len=1024, ring=2, fsdp=True)]
+
+
+def time_ordering(rows: list[dict[str, Any]], predicted: list[float]) -> tuple[int, int]:
+    """(pairs ordered the same way, pairs compared) between measured step_s and predicted times."""
+    same = total = 0
+    for i in range(len(rows)):
+        for j in range(i + 1, len(rows)):
+            total += 1
+            same += (rows[i]["step_s"] < rows[j]["step_s"]) == (predicted[i] < predicted[j])
+    return same, total

@@ -1,0 +1,156 @@
+"""seqpar plan: formulas (hand-checked), bad inputs, --json schema, and predicted vs MemTracker-measured memory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from seqpar.bench.theory import ring_theory, ulysses_theory
+from seqpar.cli.main import main
+from seqpar.errors import SeqParError
+from seqpar.planner import Features, Layout, Workload, estimate_memory, load_model_facts, make_cluster
+from seqpar.planner.memory import activation_bytes_per_token, layer_bytes_per_token
+from seqpar.planner.search import Request, plan
+from seqpar.planner.time import attention_flops, comm_bytes_per_layer
+
+# The validation grid's base model: h=64 (4 q heads x 16), 2 kv heads, I=128, V=512, 2 layers.
+TINY = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "num_layers": 2, "intermediate_size": 128,
+        "vocab_size": 512}
+
+
+def tiny(arch: str = "llama", **kw):
+    return load_model_facts(f"tiny:{arch}", {**TINY, **kw})
+
+
+def test_param_counts_match_hf_and_published():
+    from seqpar.hf import tiny_model
+
+    for arch in ("llama", "qwen2", "qwen3"):
+        model = tiny_model(arch, **{k: v for k, v in TINY.items() if k not in ("num_heads", "num_kv_heads")})
+        assert tiny(arch).num_params() == sum(p.numel() for p in model.parameters()), arch
+    assert load_model_facts("llama-3.1-8b").num_params() == 8_030_261_248  # published count
+    assert load_model_facts("smollm2").num_params() == 134_515_008
+    q3 = load_model_facts("Qwen/Qwen3-4B")
+    assert (q3.tied, q3.qk_norm, q3.heads, q3.kv_heads, q3.head_dim) == (True, True, 32, 8, 128)
+
+
+def test_layer_activation_bytes_hand_count():
+    m = tiny()
+    # fp32 full FT, per token: 2 norms x (rsqrt 1 + fp32 input 64 + normalised 64 + output 64) = 386,
+    # q 64 + k 32 + v 32 + out 64 + lse 4 = 196, MLP gate/silu/up/product 4 x 128 = 512 -> 1094 floats.
+    assert layer_bytes_per_token(m, Workload(256, precision="fp32"), 1) == 1094 * 4
+    # Ulysses u=2 (identity head plan): head-space q/k/v/out 64+32+32+64 + lse 4 + o_proj input 64 = 260.
+    assert layer_bytes_per_token(m, Workload(256, precision="fp32"), 2) == (1094 - 196 + 260) * 4
+    # bf16: norms keep an fp32 input copy (4*64) + rsqrt (4) + two bf16 tensors (2*2*64) = 516 bytes each;
+    # attention 2*(64+32+32+64) + 4*4 = 400; MLP 2*512 = 1024.
+    assert layer_bytes_per_token(m, Workload(256, precision="bf16"), 1) == 2 * 516 + 400 + 1024
+    # LoRA (q,k,v,o, r=8): norms keep no normalised x; the MLP input is not kept (frozen gate/up); no
+    # silu*up (frozen down); + 4 adapters x r=8 outputs.
+    lora = Workload(256, finetuning="lora", precision="fp32")
+    assert layer_bytes_per_token(m, lora, 1) == (65 + 64) * 4 + 196 * 4 + 65 * 4 + 3 * 128 * 4 + 32 * 4
+    # Qwen3 q/k norms: projection outputs (fp32) 64+32, rsqrt 4+2, normalised 64+32 -> 198 floats more.
+    assert layer_bytes_per_token(tiny("qwen3"), Workload(256, precision="fp32"), 1) == (1094 + 198) * 4
+
+
+def test_feature_terms():
+    m, wl = tiny(), Workload(256, precision="bf16")
+    none = activation_bytes_per_token(m, wl, 1, Features())
+    ckpt = activation_bytes_per_token(m, wl, 1, Features(activation_checkpointing=True))
+    # checkpointing keeps one bf16 layer input per layer instead of the layer's saved tensors
+    assert none - ckpt == 2 * (layer_bytes_per_token(m, wl, 1) - 2 * 64)
+    tiled = activation_bytes_per_token(m, wl, 1, Features(tiled_mlp=True))
+    assert none - tiled == 2 * 2 * 4 * 128  # no [S, intermediate] tensor stays: 4 of them, bf16, 2 layers
+    lay = Layout()
+    loss = estimate_memory(m, Workload(256, precision="fp32"), lay, Features()).phases
+    plain = Features()
+    assert estimate_memory(m, Workload(256, precision="fp32"), lay, plain).loss_chunk == 12 * 512 * 256
+    fused = estimate_memory(m, Workload(256, precision="fp32"), lay, Features(fused_loss=True, loss_chunk_tokens=32))
+    assert fused.phases["loss_backward"] < loss["loss_backward"]
+
+
+def test_comm_and_flops_reuse_theory():
+    m = tiny()
+    wl = Workload(1024, precision="bf16")
+    cb = comm_bytes_per_layer(m, wl, Layout(2, 2, 1))
+    assert cb["ulysses"] == 2 * ulysses_theory(512, 1, 4, 2, 16, 2, 2)
+    r = ring_theory(1024, 1, 2, 16, 2, 2)
+    assert cb["ring"] == (r["fwd"] + r["bwd"]) // 2
+    # one rank, causal: 4 * H * D * S(S+1)/2
+    assert attention_flops(m, wl, Layout()) == 4 * 4 * 16 * 1024 * 1025 / 2
+    # zigzag ring of 4: every rank does a quarter of the (block-causal) work
+    assert attention_flops(m, wl, Layout(1, 4, 1)) == pytest.approx(4 * 4 * 16 * 1024 * 1025 / 2 / 4, rel=0.01)
+
+
+def test_dummy_heads_reported():
+    m = load_model_facts("tiny:llama", {"num_heads": 14, "num_kv_heads": 2, "head_dim": 8})
+    cands, _ = plan(m, make_cluster(4, 4, gpu_mem="80GiB"), Request(Workload(4096), ulysses_degree=4))
+    assert cands and all(c.dummy_heads == 2 and c.kv_replication == 2 for c in cands)
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--model", "tiny:llama", "--gpu", "b300", "--seq-len", "1024"], "unknown GPU 'b300'"),
+    (["--model", "tiny:llama", "--gpu-mem", "0", "--seq-len", "1024"], "must be positive"),
+    (["--model", "tiny:llama", "--gpus", "8", "--ulysses-degree", "8", "--seq-len", "1001"], "multiple of 8"),
+    (["--model", "tiny:llama", "--gpus", "8", "--ulysses-degree", "3", "--seq-len", "1024"], "must divide --gpus 8"),
+    (["--model", "no/such-model", "--seq-len", "1024"], "neither a bundled model"),
+    (["--model", "tiny:llama", "--gpus", "0", "--seq-len", "1024"], "--gpus must be a positive"),
+    (["--model", "tiny:llama"], "give --seq-len"),
+])
+def test_bad_inputs(capsys, argv, msg):
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2 and msg in err, err
+
+
+def test_heads_that_cannot_be_split(tmp_path, capsys):
+    cfg = {"hidden_size": 96, "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 4,
+           "intermediate_size": 128, "vocab_size": 512}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = _run(capsys, "--model", str(tmp_path), "--seq-len", "1024")
+    assert rc == 2 and "not a multiple of num_key_value_heads=4" in err
+    with pytest.raises(SeqParError):
+        load_model_facts(str(tmp_path / "config.json"))
+
+
+def test_json_schema(capsys):
+    rc, out, _ = _run(capsys, "--model", "llama-3.1-8b", "--gpus", "16", "--gpus-per-node", "8",
+                      "--seq-len", "131072", "--json")
+    d = json.loads(out)
+    assert rc == 0 and set(d) >= {"candidates", "recommended"}
+    c = d["candidates"][d["recommended"]]
+    assert {"ulysses_degree", "ring_degree", "dp_size", "features", "memory_bytes", "step_time_s", "fits"} <= set(c)
+    assert c["fits"] and c["ulysses_degree"] * c["ring_degree"] * c["dp_size"] == 16
+    mem = c["memory_bytes"]
+    assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+    assert {"parameters", "gradients", "optimizer_state", "activations", "loss_chunk", "comm_buffers"} <= set(mem)
+    rc, out, _ = _run(capsys, "--model", "qwen3-4b", "--gpus", "8", "--max-seq-len", "--json",
+                      "--no-activation-checkpointing", "--fsdp")
+    d = json.loads(out)
+    best = d["candidates"][d["recommended"]]
+    assert best["max_seq_len"] >= max(c["max_seq_len"] for c in d["candidates"]) > 0
+    assert not best["features"]["activation_checkpointing"] and best["features"]["fsdp"]
+
+
+def test_table_and_yaml(capsys, tmp_path):
+    rc, out, _ = _run(capsys, "--model", "qwen2.5-7b", "--gpus", "8", "--seq-len", "65536")
+    assert rc == 0 and "recommended #0" in out and "sequence_parallel:" in out
+    import yaml
+
+    from seqpar.train.config import config_from_dict
+
+    cfg = yaml.safe_load(out.split("# seqpar train config (launch 8 processes):\n", 1)[1])
+    assert config_from_dict(cfg).dataset.max_length == 65536  # the YAML is a valid seqpar train config
+
+
+def test_predicted_memory_matches_memtracker():
+    """The fast subset of `seqpar plan --validate`: every row within 5% of the exact meter."""
+    from seqpar.planner.validate import FAST_GRID, TOLERANCE, format_rows, run_validation
+
+    rows = run_validation(FAST_GRID, timeout=600)
+    assert all(abs(r["rel_err"]) <= TOLERANCE for r in rows), format_rows(rows)
