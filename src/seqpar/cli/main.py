@@ -5,6 +5,7 @@
     seqpar train cfg.yaml --nproc-per-node 4       # re-launches itself under torch.distributed.run
     seqpar verify cfg.yaml --steps 20 --nproc-per-node 4
     seqpar check cfg.yaml --nproc-per-node 4       # validate only
+    seqpar export runs/x/checkpoint-20 out/ [--merge-lora]   # a checkpoint as an HF model / PEFT adapter
 
 `--set key.sub=value` overrides config keys (value parsed as YAML). Config errors exit with code 2
 and a message naming the fix, before any process is spawned or any process group is created.
@@ -20,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import SeqParError
+from ..errors import SeqParError, TrainingDiverged
 
 __all__ = ["main", "build_parser"]
 
@@ -65,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="validate the config (and dataset) without training")
     common(c)
+
+    e = sub.add_parser("export", help="write a checkpoint-N folder as a Hugging Face model / PEFT adapter")
+    e.add_argument("checkpoint", help="<output_dir>/checkpoint-<step> of a `seqpar train` run")
+    e.add_argument("out", help="folder to write (replaced if it exists)")
+    e.add_argument("--merge-lora", action="store_true", help="LoRA runs: also write OUT/merged (adapter merged)")
     return p
 
 
@@ -148,15 +154,30 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        raise SeqParError("run `seqpar export` as one plain process (not under torchrun)")
+    from ..train.export import export_checkpoint
+
+    path = export_checkpoint(args.checkpoint, args.out, merge_lora=args.merge_lora)
+    print(f"[seqpar export] exported {args.checkpoint} to {path}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _cmd_train, "verify": _cmd_verify, "check": _cmd_check}[args.command](args)
+        return {"train": _cmd_train, "verify": _cmd_verify, "check": _cmd_check,
+                "export": _cmd_export}[args.command](args)
     except SeqParError as e:
         rank = os.environ.get("RANK", "0")
         if rank == "0" or not _under_torchrun():
             print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingDiverged as e:
+        if os.environ.get("RANK", "0") == "0" or not _under_torchrun():
+            print(f"seqpar: stopped: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

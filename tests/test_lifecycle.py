@@ -1,0 +1,185 @@
+"""The run lifecycle: HF exports (loaded in a FRESH process, logits vs the trained weights at 1e-6),
+`seqpar export`, the output_dir lock, resume rules, the non-finite-loss guard.
+
+Reference for an export: the trained weights as `checkpoint.save_final` wrote them (final_state.pt,
+a plain state dict) loaded into a plain HF tiny model (+ a plain PEFT wrapper for LoRA) in this
+process; the export is loaded by transformers / peft alone in a separate Python process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from seqpar.testing import run_distributed
+
+TOL = 1e-6
+LORA = {"method": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "o_proj"]}
+ROWS = [("alpha beta", "gamma delta epsilon"), ("zeta", "eta theta iota kappa"), ("mu nu xi", "omicron pi alpha"),
+        ("beta", "delta delta gamma"), ("pi rho", "sigma tau"), ("kappa", "lambda mu nu xi")]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lifecycle")
+    with open(d / "sft.jsonl", "w") as f:
+        for i, r in ROWS:
+            f.write(json.dumps({"instruction": i, "response": r}) + "\n")
+    return d
+
+
+def _cfg(data, out, **over):
+    cfg = {
+        "model": {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 2}},
+        "dataset": {"path": str(data / "sft.jsonl"), "max_length": 64},
+        "micro_batch_size": 2,
+        "max_steps": 2,
+        "optimizer": {"lr": 1e-2},
+        "checkpoint": {"save_final": True, "every": 1},
+        "output_dir": str(out),
+        "progress": False,
+    }
+    cfg.update(over)
+    return cfg
+
+
+def _train(cfg: dict):
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.trainer import train
+
+    return train(config_from_dict(cfg))
+
+
+def _train_many(cases):
+    return [_train(c).export_path for c in cases]
+
+
+IDS = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(0))
+
+LOADER = textwrap.dedent("""
+    import json, sys, torch
+    from transformers import AutoModelForCausalLM
+    jobs, ids_path, out_path = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+    ids = torch.load(ids_path)
+    out = {}
+    for name, kind, path in jobs:
+        if kind == "lora":
+            from peft import PeftModel
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path + "/base"), path)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            out[name] = model.eval()(input_ids=ids).logits
+        out[name + ":attn"] = model.config._attn_implementation
+    torch.save(out, out_path)
+""")
+
+
+def _fresh_logits(tmp_path, jobs):
+    """Load each export with transformers/peft in a new Python process; its logits on IDS."""
+    torch.save(IDS, tmp_path / "ids.pt")
+    r = subprocess.run([sys.executable, "-c", LOADER, json.dumps(jobs), str(tmp_path / "ids.pt"),
+                        str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(tmp_path / "logits.pt")
+
+
+def _reference_logits(state_path, lora: bool):
+    """Plain HF tiny model (+ plain PEFT) with the saved trained weights."""
+    from seqpar.hf import tiny_model
+
+    model = tiny_model("llama", 4, 2, num_layers=2, vocab_size=259, seed=0)
+    state = torch.load(state_path)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA["targets"], bias="none"))
+        res = model.load_state_dict(state, strict=False)
+        assert not res.unexpected_keys and all("lora_" not in k for k in res.missing_keys)
+        assert state and all("lora_" in k for k in state)
+    else:
+        model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        return model.eval()(input_ids=IDS).logits
+
+
+def _max_err(a, b):
+    return float((a - b).abs().max())
+
+
+def _check_export_dir(path, lora: bool):
+    cfg_text = open(os.path.join(path, "adapter_config.json" if lora else "config.json")).read()
+    assert "seqpar" not in cfg_text
+    if lora:
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(path, "adapter_model.safetensors"), "pt") as f:
+            keys = list(f.keys())
+        assert keys and all("lora_" in k for k in keys), keys  # the adapter only
+        assert "seqpar" not in open(os.path.join(path, "base", "config.json")).read()
+    info = json.loads(open(os.path.join(path, "seqpar_export.json")).read())
+    assert info["method"] == ("lora" if lora else "full")
+    from seqpar.train.datasets import ByteTokenizer
+    from seqpar.train.export import load_exported_tokenizer
+
+    assert isinstance(load_exported_tokenizer(path), ByteTokenizer)
+
+
+def _seqpar(*args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "seqpar", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def test_export_lora_full_and_checkpoint(data, tmp_path):
+    """One process: LoRA (+ merged) and full exports and `seqpar export checkpoint-1` load in a fresh
+    process and give the trained model's logits (max |dlogit| <= 1e-6)."""
+    full = _train(_cfg(data, tmp_path / "full"))
+    lora = _train(_cfg(data, tmp_path / "lora", finetuning=LORA, export={"final": True, "merged_lora": True}))
+    lora1 = _train(_cfg(data, tmp_path / "lora1", finetuning=LORA, max_steps=1))  # reference for checkpoint-1
+    r = _seqpar("export", str(tmp_path / "lora" / "checkpoint-1"), str(tmp_path / "lora_ck1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exported" in r.stdout
+    _check_export_dir(full.export_path, lora=False)
+    _check_export_dir(lora.export_path, lora=True)
+    got = _fresh_logits(tmp_path, [("full", "full", full.export_path), ("lora", "lora", lora.export_path),
+                                   ("merged", "full", lora.export_path + "/merged"),
+                                   ("ck1", "lora", str(tmp_path / "lora_ck1"))])
+    errs = {
+        "full": _max_err(got["full"], _reference_logits(full.final_state_path, lora=False)),
+        "lora": _max_err(got["lora"], _reference_logits(lora.final_state_path, lora=True)),
+        "merged": _max_err(got["merged"], _reference_logits(lora.final_state_path, lora=True)),
+        "ck1": _max_err(got["ck1"], _reference_logits(lora1.final_state_path, lora=True)),
+    }
+    print("export max |dlogit|:", errs)
+    assert got["full:attn"] == "sdpa" and got["lora:attn"] == "sdpa"
+    # Merged: W + scale * B @ A is rounded once into W, so it is the same function only to fp32 rounding.
+    assert errs["merged"] <= 1e-5, errs
+    assert max(v for k, v in errs.items() if k != "merged") <= TOL, errs
+    # The LoRA adapter actually trained: its logits differ from the base model's.
+    base = _fresh_logits(tmp_path, [("base", "full", lora.export_path + "/base")])["base"]
+    assert _max_err(base, got["lora"]) > 1e-3
+
+
+def test_export_fsdp_two_ranks(data, tmp_path):
+    """FSDP2 + SP=2 on 2 ranks: the final export (full state gathered to rank 0) and `seqpar export` of the
+    sharded checkpoint-1 load in a fresh process with the trained logits (<= 1e-6)."""
+    over = {"fsdp": True, "sequence_parallel": {"size": 2}}
+    cases = [_cfg(data, tmp_path / "fsdp", **over), _cfg(data, tmp_path / "fsdp1", max_steps=1, **over)]
+    paths = run_distributed(_train_many, 2, cases, timeout=600)[0]
+    assert paths[0] == str(tmp_path / "fsdp" / "final")
+    r = _seqpar("export", str(tmp_path / "fsdp" / "checkpoint-1"), str(tmp_path / "fsdp_ck1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_export_dir(paths[0], lora=False)
+    got = _fresh_logits(tmp_path, [("final", "full", paths[0]), ("ck1", "full", str(tmp_path / "fsdp_ck1"))])
+    errs = {"final": _max_err(got["final"], _reference_logits(tmp_path / "fsdp" / "final_state.pt", lora=False)),
+            "ck1": _max_err(got["ck1"], _reference_logits(tmp_path / "fsdp1" / "final_state.pt", lora=False))}
+    print("fsdp export max |dlogit|:", errs)
+    assert max(errs.values()) <= TOL, errs
