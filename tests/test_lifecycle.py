@@ -183,3 +183,45 @@ def test_export_fsdp_two_ranks(data, tmp_path):
             "ck1": _max_err(got["ck1"], _reference_logits(tmp_path / "fsdp1" / "final_state.pt", lora=False))}
     print("fsdp export max |dlogit|:", errs)
     assert max(errs.values()) <= TOL, errs
+
+
+def test_hf_trainer_drops_unsupervised_rows(tmp_path, capsys):
+    """SequenceParallelTrainer drops (and reports) rows with no supervised token, like `seqpar train`: its
+    logged losses equal the stock Trainer's on the supervised rows only (1e-5), none is a 0-loss step."""
+    import datasets
+    from transformers import Trainer, TrainingArguments
+
+    from seqpar.hf import tiny_model
+    from seqpar.hf.trainer import SequenceParallelTrainer
+
+    g = torch.Generator().manual_seed(0)
+    good = []
+    for _ in range(4):
+        ids = torch.randint(3, 64, (20,), generator=g).tolist()
+        good.append({"input_ids": ids, "labels": [-100] * 5 + ids[5:]})
+    ids = torch.randint(3, 64, (20,), generator=g).tolist()
+    bad = [{"input_ids": ids, "labels": [-100] * 20},                     # nothing supervised
+           {"input_ids": ids, "labels": [-100] * 18 + ids[18:]}]          # supervised only beyond max_length=16
+
+    def pad_collate(batch):
+        return {"input_ids": torch.tensor([r["input_ids"][:16] for r in batch]),
+                "labels": torch.tensor([r["labels"][:16] for r in batch])}
+
+    def args(sub):
+        return TrainingArguments(output_dir=str(tmp_path / sub), per_device_train_batch_size=2, max_steps=2,
+                                 learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+                                 train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True)
+
+    sp = SequenceParallelTrainer(model=tiny_model("llama", 4, 2, vocab_size=64, seed=0), args=args("sp"),
+                                 train_dataset=datasets.Dataset.from_list(bad[:1] + good[:2] + bad[1:] + good[2:]),
+                                 max_length=16)
+    sp.train()
+    assert "dropped 2 rows with no supervised token" in capsys.readouterr().out
+    plain = Trainer(model=tiny_model("llama", 4, 2, vocab_size=64, seed=0), args=args("plain"),
+                    train_dataset=datasets.Dataset.from_list(good), data_collator=pad_collate)
+    plain.train()
+    a = [h["loss"] for h in sp.state.log_history if "loss" in h]
+    b = [h["loss"] for h in plain.state.log_history if "loss" in h]
+    print("hf trainer losses", a, b)
+    assert len(a) == len(b) == 2 and min(a) > 1.0
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5

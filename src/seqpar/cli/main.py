@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -88,15 +87,6 @@ def _world_for_checks(args: argparse.Namespace, cfg) -> int:
     return args.nproc_per_node or 1
 
 
-def _static_checks(cfg, world: int) -> None:
-    """Cheap launch checks (head counts from the config only; no weights) before spawning anything."""
-    from ..train.config import validate_for_launch
-    from ..train.trainer import model_heads
-
-    nh, nkv = model_heads(cfg)
-    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
-
-
 def _cmd_train(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     if args.max_steps is not None:
@@ -106,16 +96,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args, extra)
     nproc = args.nproc_per_node
     if nproc and nproc > 1 and not _under_torchrun():
-        _static_checks(cfg, nproc)
-        from ..train.verify import torchrun_command
+        from ..train.launch import launch, prelaunch_checks
 
+        prelaunch_checks(cfg, nproc)  # dataset, model, resume: exit code 2 before any rank starts
         passthrough = ["train", args.config] + [f"--set={s}" for s in args.set]
         if args.max_steps is not None:
             passthrough += ["--max-steps", str(args.max_steps)]
         if args.output_dir is not None:
             passthrough += ["--output-dir", args.output_dir]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        return subprocess.run(torchrun_command(nproc, passthrough, args.max_restarts), env=env).returncode
+        return launch(cfg, nproc, passthrough, args.max_restarts)
     from ..train.trainer import train
 
     res = train(cfg, emulate_dp=args.emulate_dp)
@@ -131,7 +120,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise SeqParError("run `seqpar verify` directly (not under torchrun): it launches the SP run itself")
     cfg = _load(args)
     nproc = args.nproc_per_node or cfg.sequence_parallel.size
-    _static_checks(cfg, nproc)
+    from ..train.launch import prelaunch_checks
+
+    # verify's own runs never resume: check everything else before launching them.
+    prelaunch_checks(cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": False})}),
+                     nproc)
     from ..train.verify import verify
 
     out = args.output_dir or os.path.join(cfg.output_dir, "verify")
@@ -145,11 +138,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     cfg = _load(args)
     world = _world_for_checks(args, cfg)
-    _static_checks(cfg, world)
-    from ..train.trainer import prepare_examples
+    from ..train.launch import prelaunch_checks
 
-    examples, stats = prepare_examples(cfg)
-    print(f"[seqpar check] OK: {len(examples)} training examples from {stats['rows']} rows "
+    stats = prelaunch_checks(cfg, world)  # exactly what `train` checks before it starts
+    print(f"[seqpar check] OK: {stats['examples']} training examples from {stats['rows']} rows "
           f"({stats['truncated']} truncated, {stats['dropped_unsupervised']} dropped), world={world}")
     return 0
 
@@ -164,11 +156,29 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupted() -> int:
+    """Ctrl-C in a single process or under plain torchrun: one line (rank 0), no traceback."""
+    from ..train.launch import INTERRUPTED
+
+    if os.environ.get("RANK", "0") == "0":
+        print("seqpar: interrupted (see <output_dir>/latest for the last checkpoint)", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if _under_torchrun() and os.environ.get("SEQPAR_ERROR_DIR"):
+        # A rank under `seqpar train --nproc-per-node`: errors go to the launcher, which prints the first once.
+        from ..train.launch import report_rank_error
+
+        try:
+            return _dispatch(args)
+        except BaseException as e:  # noqa: BLE001 -- every failure is reported, none printed N times
+            return report_rank_error(e)
     try:
-        return {"train": _cmd_train, "verify": _cmd_verify, "check": _cmd_check,
-                "export": _cmd_export}[args.command](args)
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        return _interrupted()
     except SeqParError as e:
         rank = os.environ.get("RANK", "0")
         if rank == "0" or not _under_torchrun():
@@ -179,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seqpar: stopped: {e}", file=sys.stderr, flush=True)
         return 1
 
+
+def _dispatch(args: argparse.Namespace) -> int:
+    return {"train": _cmd_train, "verify": _cmd_verify, "check": _cmd_check,
+            "export": _cmd_export}[args.command](args)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -33,6 +33,7 @@ from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, sa
 from .config import TrainConfig, validate_for_launch
 from .datasets import ByteTokenizer, HFTokenizer, build_examples, load_rows
 from .lock import OutputDirLock
+from .model_checks import check_model
 from .resume import find_resume, run_meta
 from .steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
 
@@ -266,6 +267,7 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
     tok = load_tokenizer(cfg)
     examples, data_stats = prepare_examples(cfg, tok)
+    check_model(cfg, examples)
     find_resume(cfg, world)  # refuses a checkpoint of a different run (reads files only: same on every rank)
     torch.manual_seed(cfg.seed)
     model = load_model(cfg)
