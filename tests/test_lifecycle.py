@@ -225,3 +225,176 @@ def test_hf_trainer_drops_unsupervised_rows(tmp_path, capsys):
     print("hf trainer losses", a, b)
     assert len(a) == len(b) == 2 and min(a) > 1.0
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- lock, resume, guard, CLI
+def test_output_dir_lock(tmp_path):
+    """Refuses a live owner, replaces a stale one, shares with its own run, releases (also on error)."""
+    from seqpar.errors import SeqParError
+    from seqpar.train.lock import LOCK_NAME, OutputDirLock
+
+    path = tmp_path / LOCK_NAME
+    with OutputDirLock(tmp_path, run_id="a", pid=os.getpid()):
+        info = json.loads(path.read_text())
+        assert info["pid"] == os.getpid() and info["run_id"] == "a" and info["host"] and info["started"]
+        with pytest.raises(SeqParError, match="in use by another seqpar run.*pid"):
+            OutputDirLock(tmp_path, run_id="b").acquire()
+        same = OutputDirLock(tmp_path, run_id="a")
+        same.acquire()  # the launcher's lock, seen by its rank 0
+        same.release()
+        assert path.exists()  # only the owner removes it
+    assert not path.exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    OutputDirLock(tmp_path, run_id="old", pid=int(dead.stdout)).acquire()  # its process has exited: stale
+    with pytest.raises(RuntimeError):
+        with OutputDirLock(tmp_path, run_id="new", pid=os.getpid()):
+            assert json.loads(path.read_text())["run_id"] == "new"
+            raise RuntimeError("boom")
+    assert not path.exists()
+    (tmp_path / "ro").mkdir(mode=0o500)
+    if os.geteuid() != 0:  # root writes anywhere
+        with pytest.raises(SeqParError, match="not writable"):
+            OutputDirLock(tmp_path / "ro").acquire()
+
+
+def test_nonfinite_steps_skipped_then_stop(data, tmp_path):
+    """lr 1e4: non-finite steps update nothing (same rows -> bit-identical loss), are counted in
+    metrics.jsonl, and max_consecutive_nonfinite of them stop the run with TrainingDiverged."""
+    from seqpar.errors import TrainingDiverged
+    from seqpar.train.lock import LOCK_NAME
+
+    same = tmp_path / "same.jsonl"
+    same.write_text("".join(json.dumps({"instruction": "alpha beta", "response": "gamma delta"}) + "\n"
+                            for _ in range(4)))
+    cfg = _cfg(data, tmp_path / "nan", max_steps=20, optimizer={"lr": 1e4}, max_consecutive_nonfinite=3,
+               checkpoint={"every": 0}, dataset={"path": str(same), "max_length": 64})
+    with pytest.raises(TrainingDiverged, match="3 consecutive steps"):
+        _train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    flags = [r["nonfinite"] for r in rows]
+    assert flags[0] == 0 and flags[-3:] == [1, 1, 1] and len(rows) < 20, flags
+    skipped = [r for r in rows if r["nonfinite"]]
+    # No update after a skipped step: the next step (same rows) sees the same parameters.
+    assert len({r["loss"] for r in skipped[1:]}) == 1
+    assert not (tmp_path / "nan" / LOCK_NAME).exists()  # released on the error
+    assert not (tmp_path / "nan" / "final").exists()
+
+
+def _write_yaml(tmp_path, name, cfg):
+    import yaml
+
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return str(p)
+
+
+def _one_error(r, pattern):
+    err = r.stderr
+    assert "Traceback" not in err and "torch.distributed.elastic" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("seqpar: ")]
+    assert len(lines) == 1 and pattern in err, err[-3000:]
+
+
+def test_cli_errors_before_launch(data, tmp_path):
+    """`seqpar train --nproc-per-node 2` refuses bad data / model limits / a held lock in the launcher:
+    exit 2, one message, no rank started; `seqpar check` refuses what train refuses (a non-causal model)."""
+    from transformers import BertConfig
+
+    from seqpar.train.lock import OutputDirLock
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "ok"}\n{"text": \n')
+    big_ids = tmp_path / "ids.jsonl"
+    big_ids.write_text(json.dumps({"input_ids": [1, 2, 999, 4]}) + "\n")
+    held = tmp_path / "held"
+    OutputDirLock(held, run_id="other", pid=os.getppid()).acquire()  # a live process "owns" it
+    bert = tmp_path / "bert"
+    BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=64).save_pretrained(bert)
+    cases = [
+        ("broken", {"dataset": {"path": str(broken), "max_length": 64}}, "dataset.path"),
+        ("vocab", {"dataset": {"path": str(big_ids), "max_length": 64}}, "token id 999"),
+        ("positions", {"model": {"name": "tiny:llama", "kwargs": {"max_position_embeddings": 32}}},
+         "max_position_embeddings=32"),
+        ("held", {"output_dir": str(held)}, "in use by another seqpar run"),
+    ]
+    for name, over, pattern in cases:
+        cfg = _cfg(data, tmp_path / name, sequence_parallel={"size": 2})
+        cfg.update({k: v for k, v in over.items() if k != "output_dir"})
+        cfg["output_dir"] = over.get("output_dir", str(tmp_path / name))
+        r = _seqpar("train", _write_yaml(tmp_path, name, cfg), "--nproc-per-node", "2")
+        assert r.returncode == 2, (name, r.stderr[-2000:])
+        _one_error(r, pattern)
+        assert not (tmp_path / name / "metrics.jsonl").exists()
+    cfg = _cfg(data, tmp_path / "bert_out", model={"name": str(bert)})
+    r = _seqpar("check", _write_yaml(tmp_path, "bert", cfg))
+    assert r.returncode == 2, r.stderr[-2000:]
+    _one_error(r, "non-causal")
+
+
+def test_cli_resume_rules(data, tmp_path):
+    """A resume announces itself; a changed lr / world size is refused before launch naming the key;
+    more max_steps continue."""
+    cfg = _cfg(data, tmp_path / "run", sequence_parallel={"size": 2}, max_steps=3,
+               export={"final": False}, checkpoint={"every": 1})
+    y = _write_yaml(tmp_path, "run", cfg)
+    r = _seqpar("train", y, "--nproc-per-node", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _seqpar("train", y, "--nproc-per-node", "2", "--set", "optimizer.lr=0.02")
+    assert r.returncode == 2
+    _one_error(r, "optimizer.lr: 0.01 -> 0.02")
+    assert "checkpoint.resume: false" in r.stderr
+    r = _seqpar("train", y, "--set", "sequence_parallel.size=1")
+    assert r.returncode == 2
+    _one_error(r, "world size (processes): 2 -> 1")
+    r = _seqpar("train", y, "--nproc-per-node", "2", "--max-steps", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"[seqpar] resuming from step 2: {tmp_path / 'run' / 'checkpoint-2'}" in r.stdout
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_cli_ctrl_c_one_line(data, tmp_path):
+    """SIGINT to `seqpar train --nproc-per-node 2` after the first checkpoint: every rank stops, exit 130,
+    one line naming the last checkpoint, no traceback; the lock is released."""
+    import signal
+    import time
+
+    from seqpar.train.lock import LOCK_NAME
+
+    out = tmp_path / "int"
+    cfg = _cfg(data, out, sequence_parallel={"size": 2}, max_steps=100000, checkpoint={"every": 1})
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "seqpar", "train", _write_yaml(tmp_path, "int", cfg),
+                             "--nproc-per-node", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    deadline = time.time() + 300
+    while not (out / "latest").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    # Everything but progress bars (datasets' "Generating train split", DCP's "Writing model shards").
+    lines = [ln for ln in (stdout + stderr).splitlines() if ln.strip() and "it/s]" not in ln and "s/s]" not in ln]
+    assert len(lines) == 1 and lines[0].startswith("seqpar: interrupted; last checkpoint: "), lines
+    assert (out / lines[0].rsplit(": ", 1)[1].split("/")[-1]).is_dir()
+    assert not (out / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_cli_rank_failure_reported_once(data, tmp_path):
+    """After launch: a diverged run (lr 1e4) prints one 'stopped' line and exits 1; a rank that dies
+    without a Python error (test fault hook) is named once with its exit code."""
+    cfg = _cfg(data, tmp_path / "nan", sequence_parallel={"size": 2}, max_steps=20, optimizer={"lr": 1e4},
+               checkpoint={"every": 0})
+    r = _seqpar("train", _write_yaml(tmp_path, "nan", cfg), "--nproc-per-node", "2")
+    assert r.returncode == 1, r.stderr[-3000:]
+    _one_error(r, "consecutive steps")
+    cfg = _cfg(data, tmp_path / "fault", sequence_parallel={"size": 2}, max_steps=4, checkpoint={"every": 0})
+    env = dict(os.environ, OMP_NUM_THREADS="1", SEQPAR_FAULT_AFTER_STEP="2", SEQPAR_FAULT_RANK="1")
+    r = subprocess.run([sys.executable, "-m", "seqpar", "train", _write_yaml(tmp_path, "fault", cfg),
+                        "--nproc-per-node", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("rank 1: exit code 13") == 1, r.stderr[-3000:]

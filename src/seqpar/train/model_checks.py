@@ -12,7 +12,7 @@ import torch
 from ..errors import SeqParError
 from .config import TrainConfig
 
-__all__ = ["model_config", "check_model", "max_token_id"]
+__all__ = ["model_config", "check_model", "refuse_unsupported_model", "max_token_id"]
 
 # SmolLM2-135M-Instruct (bundled GGUF): read its config from the constants instead of the 100 MB file.
 SMOLLM2_LIMITS = {"vocab_size": 49152, "max_position_embeddings": 8192}
@@ -71,12 +71,19 @@ def _refuse_non_causal(c: Any, name: str) -> None:
                           f"seqpar supports causal LMs only (for BERT-like configs: is_decoder=True)")
 
 
-def check_model(cfg: TrainConfig, examples: list) -> None:
+def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
+    """What the SP model would refuse, from the config alone; returns the config (None: smollm2)."""
     c = model_config(cfg)
-    limits = SMOLLM2_LIMITS if c is None else {
-        "vocab_size": int(c.vocab_size), "max_position_embeddings": getattr(c, "max_position_embeddings", None)}
     if c is not None:
         _refuse_non_causal(c, cfg.model.name)
+    return c
+
+
+def check_model(cfg: TrainConfig, examples: list) -> None:
+    """The model is a supported causal LM, and the examples fit its vocabulary and positions."""
+    c = refuse_unsupported_model(cfg)
+    limits = SMOLLM2_LIMITS if c is None else {
+        "vocab_size": int(c.vocab_size), "max_position_embeddings": getattr(c, "max_position_embeddings", None)}
     top = max_token_id(examples)
     if top >= limits["vocab_size"]:
         raise SeqParError(f"the dataset has token id {top} but the model's vocabulary has {limits['vocab_size']} "
