@@ -304,8 +304,6 @@ def test_cli_errors_before_launch(data, tmp_path):
 
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "ok"}\n{"text": \n')
-    big_ids = tmp_path / "ids.jsonl"
-    big_ids.write_text(json.dumps({"input_ids": [1, 2, 999, 4]}) + "\n")
     held = tmp_path / "held"
     OutputDirLock(held, run_id="other", pid=os.getppid()).acquire()  # a live process "owns" it
     bert = tmp_path / "bert"
@@ -313,9 +311,6 @@ def test_cli_errors_before_launch(data, tmp_path):
                intermediate_size=64).save_pretrained(bert)
     cases = [
         ("broken", {"dataset": {"path": str(broken), "max_length": 64}}, "dataset.path"),
-        ("vocab", {"dataset": {"path": str(big_ids), "max_length": 64}}, "token id 999"),
-        ("positions", {"model": {"name": "tiny:llama", "kwargs": {"max_position_embeddings": 32}}},
-         "max_position_embeddings=32"),
         ("held", {"output_dir": str(held)}, "in use by another seqpar run"),
     ]
     for name, over, pattern in cases:
@@ -332,6 +327,56 @@ def test_cli_errors_before_launch(data, tmp_path):
     _one_error(r, "non-causal")
 
 
+def test_model_checks(data, tmp_path):
+    """What `check` / the launcher / `train` refuse from the model's config: token ids >= vocab,
+    max_length > max_position_embeddings, non-causal attention."""
+    from transformers import BertConfig
+
+    from seqpar.errors import SeqParError
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.model_checks import check_model
+
+    ok = [{"input_ids": [1, 2, 258], "labels": [1, 2, 258]}]
+    check_model(config_from_dict(_cfg(data, tmp_path)), ok)
+    with pytest.raises(SeqParError, match="token id 999 .* 259 ids"):
+        check_model(config_from_dict(_cfg(data, tmp_path)), [[{"input_ids": [1, 999]}]])  # a pack
+    small = _cfg(data, tmp_path, model={"name": "tiny:llama", "kwargs": {"max_position_embeddings": 32}})
+    with pytest.raises(SeqParError, match="max_length=64 exceeds the model's max_position_embeddings=32"):
+        check_model(config_from_dict(small), ok)
+    BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=64).save_pretrained(tmp_path / "bert")
+    with pytest.raises(SeqParError, match="non-causal attention"):
+        check_model(config_from_dict(_cfg(data, tmp_path, model={"name": str(tmp_path / "bert")})), ok)
+
+
+def test_resume_rules(data, tmp_path):
+    """find_resume: same run -> (checkpoint, step); a changed key or world size -> SeqParError naming it;
+    more max_steps or other checkpoint settings are fine; resume: false -> fresh."""
+    from seqpar.errors import SeqParError
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.resume import find_resume, run_meta
+
+    base = _cfg(data, tmp_path, sequence_parallel={"size": 2})
+    ck = tmp_path / "checkpoint-4"
+    ck.mkdir()
+    (ck / "run.json").write_text(json.dumps(run_meta(config_from_dict(base), 2)))
+    (tmp_path / "latest").write_text("checkpoint-4")
+    assert find_resume(config_from_dict(base), 2) == (ck, 4)
+    assert find_resume(config_from_dict(dict(base, max_steps=9, checkpoint={"every": 3})), 2) == (ck, 4)
+    assert find_resume(config_from_dict(dict(base, checkpoint={"resume": False})), 2) is None
+    changed = [({"optimizer": {"lr": 0.5}}, 2, "optimizer.lr: 0.01 -> 0.5"),
+               ({"finetuning": LORA}, 2, "finetuning.method: 'full' -> 'lora'"),
+               ({"grad_accum": 2}, 2, "grad_accum: 1 -> 2"),
+               ({"seed": 1}, 2, "seed: 0 -> 1"),
+               ({"dataset": {"path": str(data / "sft.jsonl"), "max_length": 32}}, 2, "dataset.max_length: 64 -> 32"),
+               ({}, 4, "world size (processes): 2 -> 4")]
+    for over, world, msg in changed:
+        with pytest.raises(SeqParError, match="cannot resume from .*checkpoint-4 .step 4.") as e:
+            find_resume(config_from_dict(dict(base, **over)), world)
+        assert msg in str(e.value) and "checkpoint.resume: false" in str(e.value), str(e.value)
+
+
+@pytest.mark.slow
 def test_cli_resume_rules(data, tmp_path):
     """A resume announces itself; a changed lr / world size is refused before launch naming the key;
     more max_steps continue."""

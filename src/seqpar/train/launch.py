@@ -136,8 +136,13 @@ def _report_failure(e: Any, errors: Path) -> int:
     reported = {r["rank"] for r in recs}
     silent = sorted(r for r in e.failures if r not in reported)
     if silent:
+        # A killed rank (OOM killer, signal, os._exit) leaves no error; the others then fail in a collective.
         codes = ", ".join(f"rank {r}: exit code {e.failures[r].exitcode}" for r in silent)
-        print(f"seqpar: died without a Python error (killed or crashed): {codes}", file=sys.stderr)
+        first_type = min(recs, key=lambda r: r["time"])["type"] if recs else ""
+        after = f"; then {len(recs)} rank(s) failed, first with {first_type}" if recs else ""
+        print(f"seqpar: error: died without a Python error (killed, out of memory, or crashed): {codes}{after}",
+              file=sys.stderr, flush=True)
+        return 1
     if not recs:
         print("seqpar: error: the run failed (see the output above)", file=sys.stderr, flush=True)
         return 1
