@@ -1,4 +1,5 @@
-"""The one exception type seqpar raises for bad input. Messages say what to change."""
+"""seqpar's exceptions: SeqParError for bad input (messages say what to change), TrainingDiverged for a
+run stopped by its NaN guard."""
 
 
 class SeqParError(ValueError):
@@ -6,3 +7,7 @@ class SeqParError(ValueError):
 
     Raised before any collective is issued, so a bad input never leaves ranks hanging.
     """
+
+
+class TrainingDiverged(RuntimeError):
+    """The run stopped because its loss / gradient norm stayed non-finite (`seqpar train` exits with 1)."""

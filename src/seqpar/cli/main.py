@@ -6,6 +6,7 @@
     seqpar verify cfg.yaml --steps 20 --nproc-per-node 4
     seqpar check cfg.yaml --nproc-per-node 4       # validate only
     seqpar plan --model llama-3.1-8b --gpus 8 --seq-len 131072   # predict memory/time, recommend a mesh
+    seqpar export runs/x/checkpoint-20 out/ [--merge-lora]   # a checkpoint as an HF model / PEFT adapter
 
 `--set key.sub=value` overrides config keys (value parsed as YAML). Config errors exit with code 2
 and a message naming the fix, before any process is spawned or any process group is created.
@@ -15,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from typing import Any
 
 import yaml
 
-from ..errors import SeqParError
+from ..errors import SeqParError, TrainingDiverged
 
 __all__ = ["main", "build_parser"]
 
@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ..planner.cli import add_plan_parser
 
     add_plan_parser(sub)
+
+    e = sub.add_parser("export", help="write a checkpoint-N folder as a Hugging Face model / PEFT adapter")
+    e.add_argument("checkpoint", help="<output_dir>/checkpoint-<step> of a `seqpar train` run")
+    e.add_argument("out", help="folder to write (replaced if it exists)")
+    e.add_argument("--merge-lora", action="store_true", help="LoRA runs: also write OUT/merged (adapter merged)")
     return p
 
 
@@ -86,15 +91,6 @@ def _world_for_checks(args: argparse.Namespace, cfg) -> int:
     return args.nproc_per_node or 1
 
 
-def _static_checks(cfg, world: int) -> None:
-    """Cheap launch checks (head counts from the config only; no weights) before spawning anything."""
-    from ..train.config import validate_for_launch
-    from ..train.trainer import model_heads
-
-    nh, nkv = model_heads(cfg)
-    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
-
-
 def _cmd_train(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     if args.max_steps is not None:
@@ -104,16 +100,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args, extra)
     nproc = args.nproc_per_node
     if nproc and nproc > 1 and not _under_torchrun():
-        _static_checks(cfg, nproc)
-        from ..train.verify import torchrun_command
+        from ..train.launch import launch, prelaunch_checks
 
+        prelaunch_checks(cfg, nproc)  # dataset, model, resume: exit code 2 before any rank starts
         passthrough = ["train", args.config] + [f"--set={s}" for s in args.set]
         if args.max_steps is not None:
             passthrough += ["--max-steps", str(args.max_steps)]
         if args.output_dir is not None:
             passthrough += ["--output-dir", args.output_dir]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        return subprocess.run(torchrun_command(nproc, passthrough, args.max_restarts), env=env).returncode
+        return launch(cfg, nproc, passthrough, args.max_restarts)
     from ..train.trainer import train
 
     res = train(cfg, emulate_dp=args.emulate_dp)
@@ -129,7 +124,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise SeqParError("run `seqpar verify` directly (not under torchrun): it launches the SP run itself")
     cfg = _load(args)
     nproc = args.nproc_per_node or cfg.sequence_parallel.size
-    _static_checks(cfg, nproc)
+    from ..train.launch import prelaunch_checks
+
+    # verify's own runs never resume: check everything else before launching them.
+    prelaunch_checks(cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": False})}),
+                     nproc)
     from ..train.verify import verify
 
     out = args.output_dir or os.path.join(cfg.output_dir, "verify")
@@ -146,38 +145,64 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     cfg = _load(args)
     world = _world_for_checks(args, cfg)
-    _static_checks(cfg, world)
-    from ..train.config import with_total_steps
-    from ..train.datasets import describe_stats
-    from ..train.trainer import prepare_examples
+    from ..train.launch import prelaunch_checks
 
-    examples, stats = prepare_examples(cfg)
-    dropped = stats["dropped_unsupervised"] + stats["dropped_long_prompt"]
-    steps = with_total_steps(cfg, len(examples), max(1, world // cfg.sequence_parallel.size)).max_steps
-    print(f"[seqpar check] OK: {len(examples)} training examples from {stats['rows']} rows "
-          f"({stats['truncated']} truncated, {dropped} dropped), world={world}, {steps} steps")
-    lines = describe_stats(stats, cfg.dataset.max_length)
-    if cfg.eval_dataset is not None:
-        ev, ev_stats = prepare_examples(cfg, spec=cfg.eval_dataset)
-        print(f"[seqpar check] eval: {len(ev)} examples from {ev_stats['rows']} rows")
-        lines += describe_stats(ev_stats, cfg.eval_dataset.max_length, "eval_dataset")
-    for line in lines:
-        print(f"[seqpar check] {line}")
+    stats = prelaunch_checks(cfg, world)  # exactly what `train` checks before it starts
+    from ..train.config import with_total_steps
+
+    steps = with_total_steps(cfg, stats["examples"], max(1, world // cfg.sequence_parallel.size)).max_steps
+    print(f"[seqpar check] OK: {stats['examples']} training examples from {stats['rows']} rows "
+          f"({stats['truncated']} truncated, {stats['dropped_unsupervised']} dropped), world={world}, {steps} steps")
     return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        raise SeqParError("run `seqpar export` as one plain process (not under torchrun)")
+    from ..train.export import export_checkpoint
+
+    path = export_checkpoint(args.checkpoint, args.out, merge_lora=args.merge_lora)
+    print(f"[seqpar export] exported {args.checkpoint} to {path}", flush=True)
+    return 0
+
+
+def _interrupted() -> int:
+    """Ctrl-C in a single process or under plain torchrun: one line (rank 0), no traceback."""
+    from ..train.launch import INTERRUPTED
+
+    if os.environ.get("RANK", "0") == "0":
+        print("seqpar: interrupted (see <output_dir>/latest for the last checkpoint)", file=sys.stderr, flush=True)
+    return INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if _under_torchrun() and os.environ.get("SEQPAR_ERROR_DIR"):
+        # A rank under `seqpar train --nproc-per-node`: errors go to the launcher, which prints the first once.
+        from ..train.launch import report_rank_error
+
+        try:
+            return _dispatch(args)
+        except BaseException as e:  # noqa: BLE001 -- every failure is reported, none printed N times
+            return report_rank_error(e)
     try:
-        if args.command == "plan":
-            return args.func(args)
-        return {"train": _cmd_train, "verify": _cmd_verify, "check": _cmd_check}[args.command](args)
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        return _interrupted()
     except SeqParError as e:
         rank = os.environ.get("RANK", "0")
         if rank == "0" or not _under_torchrun():
             print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingDiverged as e:
+        if os.environ.get("RANK", "0") == "0" or not _under_torchrun():
+            print(f"seqpar: stopped: {e}", file=sys.stderr, flush=True)
+        return 1
 
+
+def _dispatch(args: argparse.Namespace) -> int:
+    return {"train": _cmd_train, "verify": _cmd_verify, "check": _cmd_check,
+            "export": _cmd_export}[args.command](args)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -156,7 +156,22 @@ class SequenceParallelTrainer(Trainer):
 
     def get_train_dataloader(self) -> DataLoader:
         shuffle = self.args.train_sampling_strategy != "sequential"
-        return self._sp_loader(self.train_dataset, self._train_batch_size, shuffle)
+        return self._sp_loader(self._supervised_only(self.train_dataset), self._train_batch_size, shuffle)
+
+    def _supervised_only(self, dataset: Any) -> Any:
+        """SFT rows with no supervised target within max_length are dropped and counted, as `seqpar train`
+        does: a micro-batch of them would be a step of loss 0 / 0, not a training step."""
+        if self._sp_spec.stage != "sft" or dataset is None:
+            return dataset
+        keep = [i for i in range(len(dataset)) if _has_target(dataset[i], getattr(self.data_collator, "max_length",
+                                                                                   None))]
+        dropped = len(dataset) - len(keep)
+        if not keep:
+            raise SeqParError("no training row has a supervised token (labels != -100 after the first position, "
+                              "within max_length): check the labels or raise max_length")
+        if dropped and self.args.process_index == 0:
+            print(f"[seqpar] dropped {dropped} rows with no supervised token (within max_length)", flush=True)
+        return dataset if not dropped else torch.utils.data.Subset(dataset, keep)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """This dp rank's eval rows (dp_rank, dp_rank + dp, ...) in order, each exactly once (no wrap-around)."""
@@ -387,6 +402,14 @@ def _use_cpu_when_no_accelerator(args: Any) -> None:
     # args.device may have been read already: drop the cached device setup so the next read redoes it
     # (TrainingArguments._setup_devices resets accelerate's state itself).
     args.__dict__.pop("_setup_devices", None)
+
+
+def _has_target(row: Any, max_length: int | None) -> bool:
+    """A target exists where labels[t] != -100 for some t >= 1 (the collator shifts on the full row)."""
+    labels = row.get("labels") if isinstance(row, dict) else None
+    labels = row["input_ids"] if labels is None else labels
+    labels = [int(x) for x in (labels.tolist() if hasattr(labels, "tolist") else labels)]
+    return any(lab != -100 for lab in labels[1:max_length])
 
 
 def _pad_id(model: torch.nn.Module, tok: Any) -> int:

@@ -1,13 +1,15 @@
 """Checkpoint save / resume: model + optimizer (torch.distributed.checkpoint, FSDP-aware), plus
 per-rank trainer state (step, scheduler, sampler position, RNG).
 
-Layout: <output_dir>/checkpoint-<step>/{model+optim DCP files, trainer_state_rank<r>.pt}; the file
+Layout: <output_dir>/checkpoint-<step>/{model+optim DCP files, trainer_state_rank<r>.pt, run.json (the
+config + world size that wrote it)}; the file
 <output_dir>/latest names the newest COMPLETE checkpoint (written last, atomically, after a
 barrier), so a rank killed mid-save never leaves a half checkpoint that resume would pick up.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -60,7 +62,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], trainable_only: bool, keep_last: int) -> Path:
+                    trainer_state: dict[str, Any], trainable_only: bool, keep_last: int,
+                    run_meta: dict[str, Any] | None = None) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -73,6 +76,9 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
     state = dict(trainer_state, rng=rng_state())
     torch.save(state, path / f"trainer_state_rank{_rank()}.pt")
+    if _rank() == 0 and run_meta is not None:
+        # What produced this checkpoint (config + world size): resume compares it, `seqpar export` rebuilds from it.
+        (path / "run.json").write_text(json.dumps(run_meta, indent=2))
     _barrier()
     if _rank() == 0:
         tmp = out / "latest.tmp"

@@ -31,6 +31,7 @@ __all__ = [
     "SequenceParallelSpec",
     "MemorySpec",
     "FSDPSpec",
+    "ExportSpec",
     "load_config",
     "config_from_dict",
     "validate_for_launch",
@@ -166,6 +167,18 @@ class CheckpointSpec(_Strict):
     keep_last: int = Field(default=2, ge=1)
 
 
+class ExportSpec(_Strict):
+    """What `seqpar train` writes to <output_dir>/final/ at the end (docs/training.md, "Outputs").
+
+    final: the trained model in Hugging Face format (full fine-tuning: save_pretrained safetensors +
+      config; LoRA: a PEFT adapter directory) plus the tokenizer.
+    merged_lora: LoRA only: also <output_dir>/final/merged/, the base with the adapter merged in.
+    """
+
+    final: bool = True
+    merged_lora: bool = False
+
+
 class MemorySpec(_Strict):
     """Long-context memory features (docs/memory.md). Each keeps the loss and gradients exact.
 
@@ -239,6 +252,9 @@ class TrainConfig(_Strict):
     eval_every: int = Field(default=0, ge=0)  # steps between evals; 0 = only after the last step
     report_to: list[Literal["tensorboard"]] = Field(default_factory=list)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    export: ExportSpec = Field(default_factory=ExportSpec)
+    # A step whose global loss or gradient norm is NaN/inf updates nothing; this many in a row stop the run.
+    max_consecutive_nonfinite: int = Field(default=3, ge=1)
     output_dir: str = "runs/seqpar"  # relative: to the config file when loaded from one, else to the cwd
     seed: int = 0
     progress: bool = True

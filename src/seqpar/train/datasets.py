@@ -129,7 +129,15 @@ def load_rows(path: str) -> list[dict[str, Any]]:
     builders = {kinds[e] for e in exts}
     if len(builders) != 1:
         raise SeqParError(f"dataset.path={path!r} mixes JSON and Parquet files: keep one kind per directory")
-    ds = datasets.load_dataset(builders.pop(), data_files=files, split="train")
+    unreadable = [f for f in files if not os.access(f, os.R_OK)]
+    if unreadable:
+        raise SeqParError(f"dataset.path={path!r}: cannot read {unreadable[0]}: fix its permissions")
+    try:
+        ds = datasets.load_dataset(builders.pop(), data_files=files, split="train")
+    except Exception as e:  # datasets wraps parser errors; the cause names the bad line
+        cause = e.__cause__ or e
+        raise SeqParError(f"dataset.path={path!r} could not be parsed ({type(cause).__name__}: "
+                          f"{str(cause).splitlines()[0][:200] if str(cause) else ''}): fix the file") from None
     rows = ds.to_list()
     if not rows:
         raise SeqParError(f"dataset.path={path!r} has no rows: add some")

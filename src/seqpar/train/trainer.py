@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .. import comm
 from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
-from ..errors import SeqParError
+from ..errors import SeqParError, TrainingDiverged
 from ..memory.fused_loss import install_fused_head
 from ..memory.meter import PeakMemoryMeter
 from ..mesh import init_mesh
@@ -36,7 +36,10 @@ from .config import DatasetSpec, TrainConfig, validate_for_launch, with_total_st
 from .datasets import ByteTokenizer, HFTokenizer, build_examples, describe_stats, load_chat_template, load_rows
 from .evaluation import evaluate
 from .grads import fault_grad_scale, maybe_dump_grads
+from .lock import OutputDirLock
+from .model_checks import check_model
 from .precision import MasterWeights
+from .resume import find_resume, run_meta
 from .steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
 
 __all__ = ["train", "TrainResult", "load_model", "load_tokenizer", "load_model_and_tokenizer", "model_heads",
@@ -57,6 +60,7 @@ class TrainResult:
     metrics_path: str | None = None
     final_state_path: str | None = None
     plot_path: str | None = None
+    export_path: str | None = None
     world_size: int = 1
     mesh: str = ""
     peak_alloc: list[dict] = field(default_factory=list)  # this rank's memory meter reading per step
@@ -280,6 +284,8 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     examples, data_stats = prepare_examples(cfg, tok)
     eval_data = prepare_examples(cfg, tok, cfg.eval_dataset) if cfg.eval_dataset is not None else None
     cfg = with_total_steps(cfg, len(examples), emulate_dp if emulate_dp > 1 else world // cfg.sequence_parallel.size)
+    check_model(cfg, examples)
+    find_resume(cfg, world)  # refuses a checkpoint of a different run (reads files only: same on every rank)
     torch.manual_seed(cfg.seed)
     model = load_model(cfg)
     if _heads(model) != (nh, nkv):
@@ -300,11 +306,32 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    lock = _take_lock(cfg, world, rank)
     try:
         return _run(cfg, model, tok, examples, data_stats, world, rank, device, u, r, emulate_dp, eval_data)
     finally:
+        if lock is not None:
+            lock.release()
         if created_pg:
             dist.destroy_process_group()
+
+
+def _take_lock(cfg: TrainConfig, world: int, rank: int) -> OutputDirLock | None:
+    """Rank 0 locks output_dir; its outcome is the first collective, so every rank stops alike."""
+    lock = OutputDirLock(cfg.output_dir) if rank == 0 else None
+    err = None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except SeqParError as e:
+            err = str(e)
+    if world > 1:
+        box = [err]
+        dist.broadcast_object_list(box, src=0)
+        err = box[0]
+    if err is not None:
+        raise SeqParError(err)
+    return lock
 
 
 @dataclass
@@ -332,6 +359,7 @@ class _Loop:
     eval_examples: list | None = None
     eval_collator: Any = None
     tensorboard: Any = None
+    nonfinite_streak: int = 0  # consecutive skipped (non-finite) steps
 
 
 def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
@@ -481,7 +509,7 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
         dist.barrier()
     metrics_path = out / "metrics.jsonl"
     start_step, resumed_from = 0, None
-    ckpt = latest_checkpoint(out) if cfg.checkpoint.resume else None
+    ckpt = _resume_point(cfg, world, rank, out)
     if ckpt is not None:
         state = load_checkpoint(ckpt, state_model, optimizer, trainable_only=lora)
         if prec:
@@ -519,14 +547,16 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                             mem=f"{row['peak_mem_mb']:.0f}MB")
+        _stop_if_diverged(loop, step)
         every = cfg.checkpoint.every
         if every and step % every == 0 and step < cfg.max_steps:
             state = {"step": step, "scheduler": scheduler.state_dict(), "data": [s.state_dict() for s in streams]}
             save_checkpoint(out, step, state_model, optimizer, state, trainable_only=lora,
-                            keep_last=cfg.checkpoint.keep_last)
+                            keep_last=cfg.checkpoint.keep_last, run_meta=run_meta(cfg, world))
         _maybe_eval(loop, result, metrics_path, step)
         _maybe_fault(step, rank, world)
     bar.close()
+    _export_final(loop, tok, result, step)
     _finish(loop, result, metrics_path)
     return result
 
@@ -578,6 +608,18 @@ def _maybe_eval(loop: _Loop, result: TrainResult, metrics_path: Path, step: int)
                                       "eval_s": time.perf_counter() - t0})
 
 
+def _resume_point(cfg: TrainConfig, world: int, rank: int, out: Path) -> Path | None:
+    """The checkpoint to resume from (announced), or None; a fresh start forgets older checkpoints' marker."""
+    found = find_resume(cfg, world)
+    if found is None:
+        if rank == 0 and latest_checkpoint(out) is not None:
+            (out / "latest").unlink()  # checkpoint.resume: false: a later resume must not pick the old run's
+        return None
+    if rank == 0:
+        print(f"[seqpar] resuming from step {found[1]}: {found[0]}", flush=True)
+    return found[0]
+
+
 def _next_micro_batches(loop: _Loop) -> list[dict[str, torch.Tensor]]:
     cfg = loop.cfg
     rows_per_micro = 1 if cfg.dataset.packing else cfg.micro_batch_size
@@ -616,13 +658,8 @@ def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
     max_norm = o.max_grad_norm if o.max_grad_norm is not None else float("inf")
     gnorm = torch.nn.utils.clip_grad_norm_(loop.params, max_norm)
     gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
-    loop.optimizer.step()
-    if loop.prec:
-        loop.prec.masters_to_model()
-    loop.scheduler.step()
-    loop.optimizer.zero_grad(set_to_none=True)
-
     loss_val = float(L.global_loss(share_sum, mesh))
+    finite = _apply_update(loop, loss_val, float(gnorm))
     tokens = int(L.global_token_count(sum(int(b["num_input_tokens"]) for b in micro), mesh))
     stats = [_peak_memory_mb(loop.device)]
     if loop.world > 1:
@@ -634,7 +671,44 @@ def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
     dt = time.perf_counter() - t0
     return {"step": step + 1, "loss": loss_val, "lr": loop.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
             "tokens": tokens, "supervised": int(num_items), "tokens_per_s": tokens / dt, "step_s": dt,
-            "peak_mem_mb": float(stats[0]), **dpo_metrics}
+            "peak_mem_mb": float(stats[0]), "nonfinite": int(not finite), **dpo_metrics}
+
+
+def _apply_update(loop: _Loop, loss: float, grad_norm: float) -> bool:
+    """Optimizer + scheduler step, unless the loss or gradient norm is NaN/inf: then the gradients are
+    dropped and the parameters stay as they are (the scheduler still advances: lr stays a function of
+    the step number). Both values are global, so every rank decides alike. Returns whether it updated."""
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if finite:
+        loop.optimizer.step()
+        if loop.prec:
+            loop.prec.masters_to_model()
+    loop.scheduler.step()
+    loop.optimizer.zero_grad(set_to_none=True)
+    loop.nonfinite_streak = 0 if finite else loop.nonfinite_streak + 1
+    return finite
+
+
+def _stop_if_diverged(loop: _Loop, step: int) -> None:
+    """After max_consecutive_nonfinite skipped steps in a row, stop (exit code 1 from the CLI)."""
+    n = loop.cfg.max_consecutive_nonfinite
+    if loop.nonfinite_streak >= n:
+        where = latest_checkpoint(loop.out)
+        raise TrainingDiverged(
+            f"{n} consecutive steps (up to step {step}) had a non-finite loss or gradient norm and were skipped: "
+            f"lower optimizer.lr, set optimizer.max_grad_norm, or check the data; last checkpoint: "
+            f"{where if where is not None else 'none'}"
+        )
+
+
+def _export_final(loop: _Loop, tok: Any, result: TrainResult, step: int) -> None:
+    """<output_dir>/final/: the model in HF format + tokenizer (export.final); a collective under FSDP."""
+    cfg = loop.cfg
+    if cfg.export.final:
+        from .export import export_trained
+
+        path = export_trained(loop.model, cfg, tok, loop.out / "final", merge_lora=cfg.export.merged_lora, step=step)
+        result.export_path = str(path) if path is not None else None
 
 
 def _measured_step(loop: _Loop, step: int) -> dict[str, Any]:

@@ -1,0 +1,160 @@
+"""`seqpar train|verify --nproc-per-node N`: checks before launch, the launch, and one clear outcome.
+
+Before any rank starts, the launching process runs every check that can fail on input (`prelaunch_checks`:
+config x world size, model refusals, dataset, token ids vs vocab, max_length vs positions, resume rules)
+and takes the output_dir lock; a failure exits with code 2 and one message.
+
+The ranks run under torch.distributed's elastic agent IN this process (`torch.distributed.launcher.api.
+elastic_launch`, configured as `torchrun --standalone` would be), so this process sees the outcome as
+Python exceptions instead of torchrun's logs. Each rank reports an uncaught error into a file
+(SEQPAR_ERROR_DIR, see `report_rank_error`) instead of printing a traceback; when the run fails, the
+FIRST error is printed once here. Ctrl-C (SIGINT) stops every rank and prints one line with the last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..errors import SeqParError, TrainingDiverged
+from .config import TrainConfig, validate_for_launch
+
+__all__ = ["prelaunch_checks", "launch", "report_rank_error", "ERROR_DIR_ENV", "exit_code"]
+
+ERROR_DIR_ENV = "SEQPAR_ERROR_DIR"
+INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
+
+
+def prelaunch_checks(cfg: TrainConfig, world: int) -> dict[str, int]:
+    """Every input check of `seqpar train`, without weights or processes; returns the dataset stats."""
+    from .model_checks import check_model, refuse_unsupported_model
+    from .resume import find_resume
+    from .trainer import load_tokenizer, model_heads, prepare_examples
+
+    nh, nkv = model_heads(cfg)
+    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
+    refuse_unsupported_model(cfg)  # before the tokenizer: "not a causal LM" is the message that helps
+    tok = load_tokenizer(cfg)
+    examples, stats = prepare_examples(cfg, tok)
+    check_model(cfg, examples)
+    find_resume(cfg, world)
+    return {**stats, "examples": len(examples)}
+
+
+def exit_code(e: BaseException) -> int:
+    if isinstance(e, SeqParError):
+        return 2
+    if isinstance(e, KeyboardInterrupt):
+        return INTERRUPTED
+    return 1
+
+
+def report_rank_error(e: BaseException) -> int:
+    """Under `launch`: write this rank's error for the launcher (no traceback on the console); the exit code."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    code = exit_code(e)
+    if folder:
+        rank = int(os.environ.get("RANK", "0"))
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        rec = {"rank": rank, "attempt": attempt, "time": time.time(), "type": type(e).__name__, "message": str(e),
+               "code": code, "traceback": "".join(traceback.format_exception(e))}
+        path = Path(folder) / f"attempt{attempt}_rank{rank}.json"
+        path.write_text(json.dumps(rec))
+    return code
+
+
+def _errors(folder: Path) -> list[dict[str, Any]]:
+    """The error records of the last attempt (torchrun restarts start new attempts)."""
+    recs = [json.loads(p.read_text()) for p in folder.glob("attempt*_rank*.json")]
+    last = max((r["attempt"] for r in recs), default=0)
+    return [r for r in recs if r["attempt"] == last]
+
+
+def _quiet_elastic() -> None:
+    # The agent logs every worker failure with tracebacks; the outcome is reported once, below.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _elastic_config(nproc: int, max_restarts: int, run_id: str) -> tuple[Any, Any, list[str]]:
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    args = get_args_parser().parse_args(
+        [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
+         "--rdzv-endpoint=localhost:0", f"--rdzv-id={run_id}", "-m", "seqpar"]
+    )
+    return config_from_args(args)
+
+
+def launch(cfg: TrainConfig, nproc: int, seqpar_args: list[str], max_restarts: int = 0) -> int:
+    """Run `python -m seqpar <seqpar_args>` on nproc local ranks; returns the exit code to use."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from .checkpoint import latest_checkpoint
+    from .lock import RUN_ID_ENV, OutputDirLock
+
+    run_id = uuid.uuid4().hex
+    lock = OutputDirLock(cfg.output_dir, run_id=run_id, pid=os.getpid())
+    lock.acquire()
+    errors = Path(tempfile.mkdtemp(prefix="seqpar_errors_"))
+    env_before = dict(os.environ)
+    os.environ.update({RUN_ID_ENV: run_id, "SEQPAR_LAUNCHER_PID": str(os.getpid()), ERROR_DIR_ENV: str(errors),
+                       "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    try:
+        config, cmd, cmd_args = _elastic_config(nproc, max_restarts, run_id)
+        _quiet_elastic()  # after the imports above created the loggers
+        elastic_launch(config, cmd)(*cmd_args, *seqpar_args)
+        shutil.rmtree(errors, ignore_errors=True)
+        return 0
+    except (SignalException, KeyboardInterrupt):
+        ckpt = latest_checkpoint(cfg.output_dir)
+        print(f"seqpar: interrupted; last checkpoint: {ckpt if ckpt is not None else 'none (nothing saved yet)'}",
+              file=sys.stderr, flush=True)
+        return INTERRUPTED
+    except ChildFailedError as e:
+        return _report_failure(e, errors)
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+        lock.release()
+
+
+def _report_failure(e: Any, errors: Path) -> int:
+    recs = _errors(errors)
+    reported = {r["rank"] for r in recs}
+    silent = sorted(r for r in e.failures if r not in reported)
+    if silent:
+        # A killed rank (OOM killer, signal, os._exit) leaves no error; the others then fail in a collective.
+        codes = ", ".join(f"rank {r}: exit code {e.failures[r].exitcode}" for r in silent)
+        first_type = min(recs, key=lambda r: r["time"])["type"] if recs else ""
+        after = f"; then {len(recs)} rank(s) failed, first with {first_type}" if recs else ""
+        print(f"seqpar: error: died without a Python error (killed, out of memory, or crashed): {codes}{after}",
+              file=sys.stderr, flush=True)
+        return 1
+    if not recs:
+        print("seqpar: error: the run failed (see the output above)", file=sys.stderr, flush=True)
+        return 1
+    # A KeyboardInterrupt or a peer's "connection closed" follows the root cause: the earliest error wins.
+    first = min(recs, key=lambda r: r["time"])
+    if first["code"] == 2:
+        print(f"seqpar: error: {first['message']}", file=sys.stderr, flush=True)
+    elif first["type"] == TrainingDiverged.__name__:
+        print(f"seqpar: stopped: {first['message']}", file=sys.stderr, flush=True)
+    else:
+        tb = errors / f"rank{first['rank']}_traceback.txt"
+        tb.write_text(first["traceback"])
+        print(f"seqpar: error on rank {first['rank']}: {first['type']}: {first['message']}\n"
+              f"seqpar: its traceback: {tb}", file=sys.stderr, flush=True)
+    return int(first["code"])

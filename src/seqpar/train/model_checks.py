@@ -1,0 +1,94 @@
+"""Checks of the model against the run, from its config alone (no weights): what `seqpar train` would
+refuse later -- non-causal attention, token ids outside the vocabulary, max_length beyond the model's
+positions -- refused by `seqpar check` and before launch (and at the start of `train`), on every rank alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import SeqParError
+from .config import TrainConfig
+
+__all__ = ["model_config", "check_model", "refuse_unsupported_model", "max_token_id"]
+
+# SmolLM2-135M-Instruct (bundled GGUF): read its config from the constants instead of the 100 MB file.
+SMOLLM2_LIMITS = {"vocab_size": 49152, "max_position_embeddings": 8192}
+
+
+def model_config(cfg: TrainConfig) -> Any | None:
+    """The HF config of cfg.model (None for the bundled smollm2: a known causal Llama)."""
+    from .trainer import _model_kind, _tiny_kwargs, _unknown_model
+
+    kind = _model_kind(cfg)
+    if kind == "smollm2":
+        return None
+    if kind == "tiny":
+        from ..hf import tiny_config
+
+        kw = {k: v for k, v in _tiny_kwargs(cfg).items() if k not in ("seed", "dtype", "attn_implementation")}
+        return tiny_config(cfg.model.name.split(":", 1)[1], **kw)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.model.name)
+    except (OSError, ValueError) as e:
+        raise _unknown_model(cfg.model.name, e) from None
+
+
+def max_token_id(examples: list) -> int:
+    """Largest token id in tokenized examples (rows, packs of rows, DPO pairs)."""
+    best = -1
+    stack = list(examples)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(v for k, v in x.items() if k != "labels")
+        elif isinstance(x, list) and x and isinstance(x[0], int):
+            best = max(best, max(x))
+        elif isinstance(x, list):
+            stack.extend(x)
+    return best
+
+
+def _refuse_non_causal(c: Any, name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from ..hf.attention import _check_config
+
+    _check_config(c)
+    try:
+        with torch.device("meta"):  # structure only: no memory, no weights
+            model = AutoModelForCausalLM.from_config(c)
+    except ValueError as e:
+        raise SeqParError(f"model.name={name!r} is not a causal LM ({str(e).splitlines()[0][:120]}): seqpar trains "
+                          f"causal LMs (AutoModelForCausalLM) only") from None
+    bad = sorted({type(m).__name__ for m in model.modules() if getattr(m, "is_causal", True) is False})
+    if bad:
+        raise SeqParError(f"model.name={name!r} has non-causal attention ({', '.join(bad)}: is_causal=False): "
+                          f"seqpar supports causal LMs only (for BERT-like configs: is_decoder=True)")
+
+
+def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
+    """What the SP model would refuse, from the config alone; returns the config (None: smollm2)."""
+    c = model_config(cfg)
+    if c is not None:
+        _refuse_non_causal(c, cfg.model.name)
+    return c
+
+
+def check_model(cfg: TrainConfig, examples: list) -> None:
+    """The model is a supported causal LM, and the examples fit its vocabulary and positions."""
+    c = refuse_unsupported_model(cfg)
+    limits = SMOLLM2_LIMITS if c is None else {
+        "vocab_size": int(c.vocab_size), "max_position_embeddings": getattr(c, "max_position_embeddings", None)}
+    top = max_token_id(examples)
+    if top >= limits["vocab_size"]:
+        raise SeqParError(f"the dataset has token id {top} but the model's vocabulary has {limits['vocab_size']} "
+                          f"ids: tokenize with the model's tokenizer (or fix the tokenized rows)")
+    n_pos = limits["max_position_embeddings"]
+    if n_pos is not None and cfg.dataset.max_length > int(n_pos):
+        raise SeqParError(f"dataset.max_length={cfg.dataset.max_length} exceeds the model's max_position_embeddings="
+                          f"{n_pos}: use max_length <= {n_pos}")
