@@ -32,6 +32,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_",
     "all_gather",
+    "broadcast_object",
     "all_reduce_values",
     "RingComm",
     "STRICT_DEVICE_ENV",
@@ -186,6 +187,14 @@ def all_reduce_values(
     mesh's communication device `device`, returned as a float64 CPU tensor (ready for .tolist())."""
     t = torch.as_tensor(values, dtype=torch.float64).detach().to(device)
     return all_reduce_(t, group, op, device=device).cpu()
+
+
+def broadcast_object(obj: Any, src: int, device: torch.device, group: Any = None) -> Any:
+    """A small picklable object from global rank `src` to every rank of `group` (default: the world),
+    serialised through `device` (the communication device: NCCL refuses CPU tensors)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
+    return box[0]
 
 
 def all_gather(

@@ -326,9 +326,8 @@ def _take_lock(cfg: TrainConfig, world: int, rank: int) -> OutputDirLock | None:
         except SeqParError as e:
             err = str(e)
     if world > 1:
-        box = [err]
-        dist.broadcast_object_list(box, src=0)
-        err = box[0]
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        err = comm.broadcast_object(err, 0, device)
     if err is not None:
         raise SeqParError(err)
     return lock
@@ -717,9 +716,9 @@ def _measured_step(loop: _Loop, step: int) -> dict[str, Any]:
         return _train_step(loop, step)
     with loop.meter.measure():
         row = _train_step(loop, step)
-    peak = torch.tensor([float(loop.meter.last["peak_bytes"])], dtype=torch.float64)
+    peak = [float(loop.meter.last["peak_bytes"])]
     if loop.world > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+        peak = comm.all_reduce_values(peak, dist.group.WORLD, loop.mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
     row["peak_alloc_mb"] = float(peak[0]) / 2**20
     return row
 
