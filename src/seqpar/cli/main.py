@@ -201,8 +201,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "plan":
+        return args.func(args)
     return {"train": _cmd_train, "verify": _cmd_verify, "check": _cmd_check,
             "export": _cmd_export}[args.command](args)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

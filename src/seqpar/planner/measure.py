@@ -69,7 +69,8 @@ def case_config(case: Case) -> Any:
         "finetuning": {"method": case.finetuning},
         "sequence_parallel": {"size": sp, "ulysses_degree": case.ulysses, "ring_degree": case.ring},
         "fsdp": case.fsdp,
-        "memory": dict(case.memory),
+        # No key = feature off (fused_loss defaults to on in TrainConfig; the planner names it explicitly).
+        "memory": {"fused_loss": False, **case.memory},
         "precision": case.precision,
         "micro_batch_size": case.micro_batch_size,
         "max_steps": 2,
@@ -148,13 +149,14 @@ def measure_case(case_d: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = T.load_model(cfg)
     mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=case.ulysses, ring_degree=case.ring)
-    model, reference = T._build_model(cfg, model, mesh, device, world)
-    params = [p for p in model.parameters() if p.requires_grad]
+    model, reference, prec = T._build_model(cfg, model, mesh, device, world)
+    params = prec.masters if prec else [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = T._build_optimizer(cfg, params)
     streams, collator = T._build_data(cfg, mesh, tok, len(examples), 1)
     loop = T._Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples,
-                   StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma), reference, device, world,
-                   rank, out=None, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0)
+                   StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma, cfg.memory.fused_loss,
+                            cfg.memory.loss_chunk_tokens), reference, device, world,
+                   rank, out=None, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0, prec=prec)
     T._train_step(loop, 0)  # warm-up: the optimizer state exists from here on
     mt = _step_tracker()
     ref_model = getattr(reference, "ref_model", None)
