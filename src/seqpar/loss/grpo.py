@@ -152,7 +152,8 @@ def _check_loss_inputs(logps, advantages, shift_labels, denominators, old_logps,
 def _reduce(t: torch.Tensor, group, mesh: SequenceParallelMesh | None, op=None) -> torch.Tensor:
     if mesh is None:
         return t
-    out = comm.all_reduce_(t.to(mesh.comm_device), group, op, device=mesh.comm_device)
+    # clone: the in-place all-reduce must not write into the caller's tensor (or one sharing its storage)
+    out = comm.all_reduce_(t.detach().clone().to(mesh.comm_device), group, op, device=mesh.comm_device)
     return out.to(t.device)
 
 
