@@ -75,13 +75,36 @@ def _ref_row(model, row, temperature):
     return logp.gather(1, tgt.clamp(min=0)[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1), keep
 
 
+# ----------------------------------------------------------------------------- models
+def _make(case, seed):
+    model = tiny_model(case["arch"], case["hq"], case["hkv"], seed=seed)
+    if case["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed + 7)  # identical random A and B in every copy (B != 0: real gradients)
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = get_peft_model(model, cfg)
+    return model
+
+
+class _AdapterOff:
+    """The reference model of a LoRA policy in the plain reference: the same PEFT model, adapter disabled."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kw):
+        with self.model.disable_adapter():
+            return self.model(**kw)
+
+
 # ----------------------------------------------------------------------------- independent reference
 def _reference_step(rows, case, olds):
     """Loss, parameter gradients and per-micro-batch metrics of the step on the plain fp32 model."""
     loss_type, beta, temperature, eps_low, eps_high = case["loss_type"], case["beta"], case["T"], 0.2, case["eps_high"]
     eps_high = eps_low if eps_high is None else eps_high
-    policy = tiny_model(case["arch"], case["hq"], case["hkv"], seed=0).train()
-    ref_model = tiny_model(case["arch"], case["hq"], case["hkv"], seed=1).eval()
+    policy = _make(case, 0).train()
+    ref_model = _AdapterOff(policy) if case["lora"] else tiny_model(case["arch"], case["hq"], case["hkv"], seed=1)
     seq_terms, tok_sum, tok_count, n_seq = [], 0.0, 0, 0
     metrics = []
     for m in range(2):
@@ -152,12 +175,15 @@ def _full(values: list[torch.Tensor], keep_rows: list[torch.Tensor], shape) -> t
 def run_case(mesh, case):
     rows = _rows(11, mesh.dp_size)
     with torch.no_grad():
-        probe = tiny_model(case["arch"], case["hq"], case["hkv"], seed=0)
+        probe = _make(case, 0)
         olds = _olds(rows, probe, case["T"])
     want_loss, want_grads, want_metrics, want_counts, _, ref_plain = _reference_step(rows, case, olds)
-    policy = apply_sequence_parallel(tiny_model(case["arch"], case["hq"], case["hkv"], seed=0), mesh).train()
+    policy = apply_sequence_parallel(_make(case, 0), mesh).train()
     reference = None
-    if case["ref"] == "model":
+    if case["lora"] and case["ref"] == "model":  # the policy with its adapter disabled
+        reference = ReferenceTokenLogps(policy=policy, fused_loss=case["fused"], loss_chunk_tokens=CHUNK,
+                                        temperature=case["T"])
+    elif case["ref"] == "model":
         ref_sp = apply_sequence_parallel(tiny_model(case["arch"], case["hq"], case["hkv"], seed=1), mesh).eval()
         reference = ReferenceTokenLogps(ref_model=ref_sp.requires_grad_(False), fused_loss=case["fused"],
                                         loss_chunk_tokens=CHUNK, temperature=case["T"])
@@ -189,7 +215,7 @@ def run_case(mesh, case):
         total += float(L.global_loss(share, mesh))
         metrics.append({k: float(v) for k, v in met.items()})
     L.sum_gradients(policy.parameters(), mesh)
-    got = {n: p.grad.double() for n, p in policy.named_parameters()}
+    got = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).double() for n, p in policy.named_parameters()}
     res["loss"] = abs(total - want_loss)
     res["finite"] = int(not math.isfinite(total))
     res["grad"] = max(float((got[n] - want_grads[n]).abs().max()) for n in got)
@@ -220,9 +246,10 @@ def world_cases(cases):
     return out
 
 
-def _case(mode, loss_type, beta, ref="", old=True, fused=True, T=1.0, eps_high=None, arch="llama", hq=4, hkv=2):
+def _case(mode, loss_type, beta, ref="", old=True, fused=True, T=1.0, eps_high=None, arch="llama", hq=4, hkv=2,
+          lora=False):
     return dict(mode=mode, loss_type=loss_type, beta=beta, ref=ref, old=old, fused=fused, T=T, eps_high=eps_high,
-                arch=arch, hq=hq, hkv=hkv)
+                arch=arch, hq=hq, hkv=hkv, lora=lora)
 
 
 def _assert(per_rank):
@@ -247,6 +274,7 @@ FAST_W4 = [
     _case("ulysses2", "bnpo", 0.04, ref="model", T=0.8, eps_high=0.28),
     _case("ring2", "dr_grpo", 0.04, ref="batch", arch="qwen2"),
     _case("ring2", "grpo", 0.04, ref="model", fused=False, T=0.8),
+    _case("ring2", "bnpo", 0.04, ref="model", T=0.8, lora=True),
     _case("usp2x2", "bnpo", 0.0, eps_high=0.28, arch="qwen3"),
     _case("usp2x2", "dr_grpo", 0.0, old=False),
     _case("usp2x2", "grpo", 0.04, ref="batch", T=0.8, hq=6, hkv=2),
