@@ -8,7 +8,8 @@ never exponentiate), reference log-probs from a second model (through ReferenceT
 precomputed per token in the batch).
 
 SP side: the shared step (`seqpar.train.steps.count_items` + `global_token_count` -> `micro_batch_loss`
-with StepSpec(stage="grpo")), as both trainers run it; gradients SUMMED over dp x sp.
+with StepSpec(stage="grpo")), as both trainers run it, or (direct=True) token_logps + grpo_denominators +
+grpo_loss as an RL loop calls them (docs/rl.md); gradients SUMMED over dp x sp.
 Reference: the plain (unpatched) fp32 HF model on every row alone, unpadded; log_softmax(logits / T)
 at the targets; TRL's per-token formulas written out in plain torch over the full sequences; the
 step's global normalisation (grpo: mean of per-sequence means over all sequences of the step; bnpo:
@@ -210,7 +211,13 @@ def run_case(mesh, case):
                                                                        != list(want_counts))}
     total, metrics = 0.0, []
     for b in micro:
-        share, met = micro_batch_loss(policy, b, num_items, mesh, spec, reference)
+        if case["direct"]:  # the RL-loop API of docs/rl.md, without the train step
+            out = seqpar.token_logps(policy, b, mesh, entropy=True, temperature=case["T"], chunk_tokens=CHUNK)
+            share, met = L.grpo_loss(out.logps, b["advantages"], out.shift_labels, den, old_logps=b.get("old_logps"),
+                                     ref_logps=b.get("ref_logps"), beta=case["beta"], epsilon_high=case["eps_high"],
+                                     loss_type=case["loss_type"], mesh=mesh, entropy=out.entropy)
+        else:
+            share, met = micro_batch_loss(policy, b, num_items, mesh, spec, reference)
         share.backward()
         total += float(L.global_loss(share, mesh))
         metrics.append({k: float(v) for k, v in met.items()})
@@ -247,9 +254,9 @@ def world_cases(cases):
 
 
 def _case(mode, loss_type, beta, ref="", old=True, fused=True, T=1.0, eps_high=None, arch="llama", hq=4, hkv=2,
-          lora=False):
+          lora=False, direct=False):
     return dict(mode=mode, loss_type=loss_type, beta=beta, ref=ref, old=old, fused=fused, T=T, eps_high=eps_high,
-                arch=arch, hq=hq, hkv=hkv, lora=lora)
+                arch=arch, hq=hq, hkv=hkv, lora=lora, direct=direct)
 
 
 def _assert(per_rank):
@@ -278,6 +285,7 @@ FAST_W4 = [
     _case("usp2x2", "bnpo", 0.0, eps_high=0.28, arch="qwen3"),
     _case("usp2x2", "dr_grpo", 0.0, old=False),
     _case("usp2x2", "grpo", 0.04, ref="batch", T=0.8, hq=6, hkv=2),
+    _case("ulysses2", "dr_grpo", 0.04, ref="batch", T=0.8, direct=True),
 ]
 
 
