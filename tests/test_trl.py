@@ -159,3 +159,44 @@ def test_trl_sp2_matches_stock_trl(tmp_path):
 @pytest.mark.slow
 def test_trl_sp4_matches_stock_trl(tmp_path):
     _run_cases(SLOW, 4, tmp_path)
+
+
+def _refusal_cases():
+    from trl import DPOConfig, SFTConfig
+
+    base = dict(output_dir="unused", report_to=[], use_cpu=True, bf16=False)
+    sft = [
+        (SFTConfig(**base, loss_type="dft"), {}, "loss_type='dft'"),
+        (SFTConfig(**base, use_liger_kernel=True), {}, "use_liger_kernel"),
+        (SFTConfig(**base, activation_offloading=True), {}, "activation_offloading"),
+        (SFTConfig(**base), {"data_collator": lambda rows: rows}, "data_collator"),
+        (SFTConfig(**base), {"compute_loss_func": lambda *a, **k: 0}, "compute_loss_func"),
+    ]
+    dpo = [
+        (DPOConfig(**base, loss_type=["hinge"]), {}, "loss_type=['hinge']"),
+        (DPOConfig(**base, loss_type=["sigmoid", "ipo"]), {}, "one at a time"),
+        (DPOConfig(**base, loss_type=["sigmoid"], loss_weights=[0.5]), {}, "loss_weights=[0.5]"),
+        (DPOConfig(**base, precompute_ref_log_probs=True), {}, "precompute_ref_log_probs"),
+        (DPOConfig(**base, f_divergence_type="js_divergence"), {}, "f_divergence_type"),
+        (DPOConfig(**base, use_weighting=True), {}, "use_weighting"),
+        (DPOConfig(**base, ld_alpha=0.5), {}, "ld_alpha"),
+        (DPOConfig(**base, sync_ref_model=True), {}, "sync_ref_model"),
+    ]
+    return sft, dpo
+
+
+def test_trl_refusals_name_the_alternative():
+    """TRL options seqpar cannot run exactly raise SeqParError in the constructor, before any mesh/collective."""
+    import seqpar.trl as strl
+    from seqpar.errors import SeqParError
+
+    tok = _tok()
+    sft, dpo = _refusal_cases()
+    for cls, cases, data in ((strl.SequenceParallelSFTTrainer, sft, "prompt_completion"),
+                             (strl.SequenceParallelDPOTrainer, dpo, "pairs")):
+        for args, kw, needle in cases:
+            with pytest.raises(SeqParError, match="not supported under sequence parallelism") as e:
+                cls(model=_model("llama", len(tok)), args=args, train_dataset=_dataset(data), processing_class=tok,
+                    **kw)
+            assert needle in str(e.value), (needle, str(e.value))
+            assert str(e.value).split("): ", 1)[1].strip()  # an alternative follows the reason
