@@ -5,7 +5,8 @@ the same rows. SP run: seqpar.trl's classes in a spawned gloo world (SP = world 
 matched by train_sampling_strategy="sequential" (stock: SequentialSampler; seqpar: SP sampler with
 shuffle off, dp = 1) with the same per-device batch (2) and grad accumulation (2); TRL's own
 shuffle_dataset stays off. Optimiser: SGD lr 0.1, no clipping (a gradient-scale error shows in the
-parameters). Compared per logged step loss and the final trainable parameters, fp32, at 1e-5 absolute.
+parameters). Compared per logged step loss and the final trainable parameters, fp32, at 1e-5 absolute; one case also
+compares the SP evaluate() with an independent global token-mean NLL of the stock run's final model.
 Tokenizer: the cached SmolLM2 tokenizer (chat template); model: a random tiny 2-layer Llama / Qwen2.
 """
 
@@ -64,7 +65,7 @@ def _config(case: dict, out: str):
 
     common = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
                   logging_steps=1, report_to=[], save_strategy="no", train_sampling_strategy="sequential",
-                  use_cpu=True, seed=0, disable_tqdm=True, bf16=False, optim="sgd", learning_rate=0.1, max_grad_norm=0.0)
+                  use_cpu=True, seed=0, disable_tqdm=True, bf16=case.get("bf16", False), optim="sgd", learning_rate=0.1, max_grad_norm=0.0)
     if case["stage"] == "dpo":
         return DPOConfig(**common, max_length=case.get("max_length", 1024), loss_type=[case.get("loss", "sigmoid")],
                          beta=0.5)
@@ -97,10 +98,26 @@ def _train(case: dict, out: str, sp: int | None) -> tuple[list[float], dict[str,
         cls = trl.SFTTrainer if sp is None else strl.SequenceParallelSFTTrainer
     trainer = cls(model=model, args=_config(case, out), train_dataset=_dataset(case["data"]),
                   processing_class=tok, **kw)
+    if case.get("packing"):  # the case must really put several documents in one row
+        assert any(len(n) > 1 for n in trainer.train_dataset["seq_lengths"])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     params = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    if case.get("eval"):  # SP evaluate() vs an independent global token-mean NLL of the stock final model
+        losses.append(_token_mean_nll(trainer.model, trainer.train_dataset) if sp is None
+                      else trainer.evaluate(trainer.train_dataset)["eval_loss"])
     return losses, params
+
+
+@torch.no_grad()
+def _token_mean_nll(model: torch.nn.Module, rows) -> float:
+    tot, cnt = 0.0, 0
+    for r in rows:
+        logits = model(input_ids=torch.tensor([r["input_ids"]])).logits[0, :-1].float()
+        lab = torch.tensor(r["labels"][1:])
+        tot += float(torch.nn.functional.cross_entropy(logits, lab, ignore_index=-100, reduction="sum"))
+        cnt += int((lab != -100).sum())
+    return tot / cnt
 
 
 def _sp_world(cases: list[dict], refs: str, out: str) -> list[dict]:
@@ -114,7 +131,7 @@ def _sp_world(cases: list[dict], refs: str, out: str) -> list[dict]:
         dparam = max(float((params[k.replace("module.", "")] - v).abs().max()) for k, v in ref_params.items())
         res.append({"name": case["name"], "losses": losses, "ref_losses": ref_losses,
                     "dloss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "dparam": dparam,
-                    "nparams": len(params) == len(ref_params)})
+                    "nparams": len(params) == len(ref_params), "tol": case.get("tol", (TOL, TOL))})
     return res
 
 
@@ -123,10 +140,10 @@ def _check(results: list[list[dict]]) -> None:
         assert [r["losses"] for r in rank_res] == [r["losses"] for r in results[0]]
     for r in results[0]:
         print(f"{r['name']}: max |dloss| {r['dloss']:.2e}  max |dparam| {r['dparam']:.2e}")
-        assert len(r["losses"]) == len(r["ref_losses"]) == 3, r
+        assert len(r["losses"]) == len(r["ref_losses"]) == 3 + ("eval" in r["name"]), r
         assert r["nparams"], r
-        assert r["dloss"] <= TOL, r
-        assert r["dparam"] <= TOL, r
+        assert r["dloss"] <= r["tol"][0], r
+        assert r["dparam"] <= r["tol"][1], r
 
 
 def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
@@ -137,11 +154,15 @@ def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
 
 
 FAST = [
-    {"name": "sft prompt/completion completion_only_loss", "stage": "sft", "arch": "llama",
-     "data": "prompt_completion", "completion_only_loss": True},
+    {"name": "sft prompt/completion completion_only_loss (+ SP evaluate)", "stage": "sft", "arch": "llama",
+     "data": "prompt_completion", "completion_only_loss": True, "eval": True},
     {"name": "sft messages (conversational prompt/completion)", "stage": "sft", "arch": "qwen2", "data": "messages"},
     {"name": "sft packing bfd", "stage": "sft", "arch": "llama", "data": "text", "packing": True, "max_length": 40},
     {"name": "dpo sigmoid, max_length cut", "stage": "dpo", "arch": "qwen2", "data": "pairs", "max_length": 24},
+    # TRL's default bf16=True (autocast over fp32 weights): bf16 attention on both sides, so bf16-level
+    # tolerances (measured: 1.9e-3 loss at ~10.8, 3.8e-4 parameters); step 1 agrees to fp32 precision.
+    {"name": "sft bf16 autocast (TRL's default)", "stage": "sft", "arch": "llama", "data": "prompt_completion",
+     "bf16": True, "tol": (1e-2, 2e-3)},
 ]
 SLOW = [
     {"name": "sft prompt/completion", "stage": "sft", "arch": "llama", "data": "prompt_completion"},
