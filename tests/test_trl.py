@@ -65,7 +65,8 @@ def _config(case: dict, out: str):
 
     common = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
                   logging_steps=1, report_to=[], save_strategy="no", train_sampling_strategy="sequential",
-                  use_cpu=True, seed=0, disable_tqdm=True, bf16=case.get("bf16", False), optim="sgd", learning_rate=0.1, max_grad_norm=0.0)
+                  use_cpu=True, seed=0, disable_tqdm=True, bf16=case.get("bf16", False), optim="sgd", learning_rate=0.1,
+                  max_grad_norm=0.0)
     if case["stage"] == "dpo":
         return DPOConfig(**common, max_length=case.get("max_length", 1024), loss_type=[case.get("loss", "sigmoid")],
                          beta=0.5)

@@ -202,7 +202,7 @@ def _dpo_loss_type(name: str, args: Any) -> str:
     if len(types) != 1 or types[0] not in TRL_DPO_LOSS_TYPES or weights != [1.0]:
         raise _refuse(name, f"loss_type={args.loss_type!r} (loss_weights={args.loss_weights!r})",
                       f"seqpar computes TRL's {' / '.join(TRL_DPO_LOSS_TYPES)} losses only, one at a time, weight 1",
-                      f"use loss_type=['sigmoid'] or ['ipo'] (SimPO: seqpar.hf.SequenceParallelDPOTrainer "
+                      "use loss_type=['sigmoid'] or ['ipo'] (SimPO: seqpar.hf.SequenceParallelDPOTrainer "
                       "loss_type='simpo')")
     checks = [
         (args.f_divergence_type != "reverse_kl", f"f_divergence_type={args.f_divergence_type!r}",
