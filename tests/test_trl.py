@@ -71,6 +71,7 @@ def _config(case: dict, out: str):
         return DPOConfig(**common, max_length=case.get("max_length", 1024), loss_type=[case.get("loss", "sigmoid")],
                          beta=0.5)
     return SFTConfig(**common, max_length=case.get("max_length", 1024), packing=case.get("packing", False),
+                     packing_strategy=case.get("packing_strategy", "bfd"), padding_free=case.get("padding_free", False),
                      completion_only_loss=case.get("completion_only_loss"))
 
 
@@ -99,7 +100,7 @@ def _train(case: dict, out: str, sp: int | None) -> tuple[list[float], dict[str,
         cls = trl.SFTTrainer if sp is None else strl.SequenceParallelSFTTrainer
     trainer = cls(model=model, args=_config(case, out), train_dataset=_dataset(case["data"]),
                   processing_class=tok, **kw)
-    if case.get("packing"):  # the case must really put several documents in one row
+    if case.get("packing") and case.get("packing_strategy", "bfd") == "bfd":  # several documents in one row
         assert any(len(n) > 1 for n in trainer.train_dataset["seq_lengths"])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -168,6 +169,12 @@ FAST = [
 SLOW = [
     {"name": "sft prompt/completion", "stage": "sft", "arch": "llama", "data": "prompt_completion"},
     {"name": "sft lora", "stage": "sft", "arch": "llama", "data": "messages", "lora": True},
+    # padding_free: stock TRL flattens the batch into one row (transformers derives the document mask from
+    # position_ids on CPU); seqpar's packing path does the same with cu_seqlens.
+    {"name": "sft padding_free", "stage": "sft", "arch": "qwen2", "data": "prompt_completion", "padding_free": True,
+     "max_length": None},
+    {"name": "sft packing wrapped", "stage": "sft", "arch": "llama", "data": "text", "packing": True,
+     "packing_strategy": "wrapped", "max_length": 32},
     {"name": "dpo ipo", "stage": "dpo", "arch": "llama", "data": "pairs", "loss": "ipo"},
     {"name": "dpo lora (adapter disabled = reference)", "stage": "dpo", "arch": "llama", "data": "pairs",
      "lora": True},
@@ -222,3 +229,16 @@ def test_trl_refusals_name_the_alternative():
                     **kw)
             assert needle in str(e.value), (needle, str(e.value))
             assert str(e.value).split("): ", 1)[1].strip()  # an alternative follows the reason
+
+
+def test_trl_missing_says_how_to_install():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['trl'] = None\n"
+            "from seqpar.errors import SeqParError\n"
+            "try:\n    import seqpar.trl\nexcept SeqParError as e:\n    print('REFUSED', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert "REFUSED" in out.stdout and "pip install 'seqpar[trl]'" in out.stdout, out.stdout + out.stderr
