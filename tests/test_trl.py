@@ -3,7 +3,8 @@
 Reference: the STOCK trl.SFTTrainer / trl.DPOTrainer, one process, no SP, run in the test process on
 the same rows. SP run: seqpar.trl's classes in a spawned gloo world (SP = world size). Data order is
 matched by train_sampling_strategy="sequential" (stock: SequentialSampler; seqpar: SP sampler with
-shuffle off, dp = 1) with the same per-device batch (2) and grad accumulation (2); TRL's own
+shuffle off) with the same per-device batch (2; for dp = 2 the stock batch is 4, the rows of both dp
+ranks, which seqpar's sampler strides over dp) and grad accumulation (2); TRL's own
 shuffle_dataset stays off. Optimiser: SGD lr 0.1, no clipping (a gradient-scale error shows in the
 parameters). Compared per logged step loss and the final trainable parameters, fp32, at 1e-5 absolute; one case also
 compares the SP evaluate() with an independent global token-mean NLL of the stock run's final model.
@@ -60,10 +61,10 @@ def _model(arch: str, vocab: int):
     return tiny_model(arch, heads, kv, vocab_size=vocab, seed=0)
 
 
-def _config(case: dict, out: str):
+def _config(case: dict, out: str, batch: int = 2):
     from trl import DPOConfig, SFTConfig
 
-    common = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+    common = dict(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=2, max_steps=3,
                   logging_steps=1, report_to=[], save_strategy="no", train_sampling_strategy="sequential",
                   use_cpu=True, seed=0, disable_tqdm=True, bf16=case.get("bf16", False), optim="sgd", learning_rate=0.1,
                   max_grad_norm=0.0)
@@ -98,7 +99,9 @@ def _train(case: dict, out: str, sp: int | None) -> tuple[list[float], dict[str,
             kw["ref_model"] = _model(case["arch"], len(tok))  # stock TRL would reload it from the hub by name
     else:
         cls = trl.SFTTrainer if sp is None else strl.SequenceParallelSFTTrainer
-    trainer = cls(model=model, args=_config(case, out), train_dataset=_dataset(case["data"]),
+    # dp x sp: the stock run's batch holds the rows of all dp ranks (seqpar's sampler strides rows over dp).
+    batch = 2 * case.get("dp", 1) if sp is None else 2
+    trainer = cls(model=model, args=_config(case, out, batch), train_dataset=_dataset(case["data"]),
                   processing_class=tok, **kw)
     if case.get("packing") and case.get("packing_strategy", "bfd") == "bfd":  # several documents in one row
         assert any(len(n) > 1 for n in trainer.train_dataset["seq_lengths"])
@@ -128,7 +131,7 @@ def _sp_world(cases: list[dict], refs: str, out: str) -> list[dict]:
     ref = torch.load(refs)
     res = []
     for i, case in enumerate(cases):
-        losses, params = _train(case, f"{out}/{i}", world)
+        losses, params = _train(case, f"{out}/{i}", world // case.get("dp", 1))
         ref_losses, ref_params = ref[i]
         dparam = max(float((params[k.replace("module.", "")] - v).abs().max()) for k, v in ref_params.items())
         res.append({"name": case["name"], "losses": losses, "ref_losses": ref_losses,
@@ -175,6 +178,7 @@ SLOW = [
      "max_length": None},
     {"name": "sft packing wrapped", "stage": "sft", "arch": "llama", "data": "text", "packing": True,
      "packing_strategy": "wrapped", "max_length": 32},
+    {"name": "sft dp=2 x sp=2", "stage": "sft", "arch": "llama", "data": "prompt_completion", "dp": 2},
     {"name": "dpo ipo", "stage": "dpo", "arch": "llama", "data": "pairs", "loss": "ipo"},
     {"name": "dpo lora (adapter disabled = reference)", "stage": "dpo", "arch": "llama", "data": "pairs",
      "lora": True},
