@@ -216,3 +216,34 @@ def test_config_ok_and_needs_section():
     assert c.grpo.scale_rewards == "none" and c.grpo.num_iterations == 1
     with pytest.raises(SeqParError, match="needs a grpo: section"):
         config_from_dict({"model": "tiny:llama", "dataset": {"path": "x", "max_length": 64}, "stage": "grpo"})
+
+
+def test_rollout_rows_empty_completion_counted(tmp_path):
+    """EOS-first completions: one supervised token (the EOS), counted in completions_empty; prompts
+    longer than max_prompt_length keep their end (counted)."""
+    from seqpar import init_mesh
+    from seqpar.data import SequenceParallelCollator
+    from seqpar.train.datasets import ByteTokenizer
+    from seqpar.train.grpo import GRPORollout, PromptRow, load_prompts
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "abcdefghijklmnopqrstuvwxyz0123456789", "answer": "x"}\n'
+                                      '{"prompt": "hi", "answer": "y"}\n')
+    cfg = _cfg(dataset={"path": str(tmp_path / "p.jsonl"), "max_length": 64}, micro_batch_size=2, grad_accum=1,
+               **{"grpo.num_generations": 2})
+    tok = ByteTokenizer()
+    prompts, stats = load_prompts(cfg, tok)
+    assert stats == {"rows": 2, "prompt_truncated": 1}
+    assert prompts[0].prompt_ids == list(b"abcdefghijklmnopqrstuvwxyz0123456789"[-32:])
+    assert prompts[1].columns == {"answer": "y"}
+    mesh = init_mesh(1)
+    ro = GRPORollout(cfg, mesh, tok, prompts, SequenceParallelCollator(mesh, tok.pad_token_id, max_length=64))
+    rows = [PromptRow("hi", [104, 105])]
+    comps = [[EOS], [1, 2, EOS]]
+    per, total = score(["seqpar:length"], None, ["hi"] * 2, ["", ""], comps, {})
+    adv = group_advantages(total, 2)
+    (b,) = ro.micro_batches(rows, comps, adv)
+    assert b["shift_labels"][0].tolist()[:3] == [-100, EOS, -100]  # only the EOS is supervised
+    assert int(b["num_supervised_tokens"]) == 4 and b["advantages"].shape == (2,)
+    m = ro.metrics(comps, (per, total))
+    assert m["completions_empty"] == 1 and m["completion_length_min"] == 1 and m["completion_length_max"] == 3
+    assert all(not math.isnan(v) for v in m.values())
