@@ -71,7 +71,8 @@ def load_prompts(cfg: TrainConfig, tok: Any) -> tuple[list[PromptRow], dict[str,
         if len(ids) > keep:
             ids, cut = ids[-keep:], cut + 1
         out.append(PromptRow(row["prompt"], ids, {k: v for k, v in row.items() if k != "prompt"}))
-    return out, {"rows": len(out), "prompt_truncated": cut}
+    # truncated / dropped_unsupervised: the SFT/DPO keys `seqpar check` prints (nothing is cut or dropped here)
+    return out, {"rows": len(out), "prompt_truncated": cut, "truncated": 0, "dropped_unsupervised": 0}
 
 
 def describe_prompt_stats(stats: dict[str, int], max_prompt_length: int) -> list[str]:

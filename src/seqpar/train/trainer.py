@@ -173,6 +173,8 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
 def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None = None) -> tuple[list, dict[str, int]]:
     """Tokenized (and packed) examples of `spec` (default: cfg.dataset) + stats; every dataset check runs here."""
     tok = tok if tok is not None else load_tokenizer(cfg)
+    if cfg.stage == "grpo" and spec is None:
+        return load_prompts(cfg, tok)  # prompt rows (train/grpo.py)
     d = spec if spec is not None else cfg.dataset
     rows = load_rows(d.path)
     return build_examples(rows, d.format, cfg.stage, tok, d.max_length, d.packing, train_on_prompt=d.train_on_prompt,
@@ -284,10 +286,10 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     tok = load_tokenizer(cfg)
     if cfg.stage == "grpo" and emulate_dp > 1:
         raise SeqParError("stage: grpo has no emulated-dp reference (seqpar verify): compare runs with dp=1 instead")
-    examples, data_stats = load_prompts(cfg, tok) if cfg.stage == "grpo" else prepare_examples(cfg, tok)
+    examples, data_stats = prepare_examples(cfg, tok)
     eval_data = prepare_examples(cfg, tok, cfg.eval_dataset) if cfg.eval_dataset is not None else None
     cfg = with_total_steps(cfg, len(examples), emulate_dp if emulate_dp > 1 else world // cfg.sequence_parallel.size)
-    check_model(cfg, [{"input_ids": e.prompt_ids} for e in examples] if cfg.stage == "grpo" else examples)
+    check_model(cfg, examples)
     find_resume(cfg, world)  # refuses a checkpoint of a different run (reads files only: same on every rank)
     torch.manual_seed(cfg.seed)
     model = load_model(cfg)
@@ -641,15 +643,12 @@ def _next_micro_batches(loop: _Loop) -> list[dict[str, torch.Tensor]]:
     return micro
 
 
-def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
-    """One optimizer step (all micro-batches of every dp slot this process plays); returns its metrics row."""
+def _train_step(loop: _Loop, step: int, prepared: tuple[list, dict] | None = None) -> dict[str, Any]:
+    """One optimizer step (all micro-batches of every dp slot this process plays); returns its metrics row.
+    prepared: (micro-batches, extra metrics) built beforehand (stage: grpo, see _measured_step)."""
     cfg, mesh = loop.cfg, loop.mesh
     t0 = time.perf_counter()
-    rollout_metrics: dict[str, Any] = {}
-    if loop.rollout is not None:  # stage: grpo: generate, score, collate (train/grpo.py)
-        micro, rollout_metrics = loop.rollout.step_batches(loop.model, loop.streams[0], step)
-    else:
-        micro = _next_micro_batches(loop)
+    micro, rollout_metrics = prepared if prepared is not None else (_next_micro_batches(loop), {})
     # Global denominator first: all micro-batches of the step, then over dp (pitfalls 4 and 5).
     num_items = L.global_token_count(count_items(micro, cfg.stage), mesh)
     share_sum = torch.zeros((), dtype=torch.float32)
@@ -726,11 +725,17 @@ def _export_final(loop: _Loop, tok: Any, result: TrainResult, step: int) -> None
 
 
 def _measured_step(loop: _Loop, step: int) -> dict[str, Any]:
-    """_train_step inside the memory meter (memory.measure): adds peak_alloc_mb, the max over ranks."""
+    """_train_step inside the memory meter (memory.measure): adds peak_alloc_mb, the max over ranks.
+    stage: grpo: generation and rewards run first, outside the meter (its module hooks are for training)."""
+    prepared = None
+    if loop.rollout is not None:
+        t0 = time.perf_counter()
+        prepared = loop.rollout.step_batches(loop.model, loop.streams[0], step)
+        prepared[1]["rollout_s"] = time.perf_counter() - t0
     if loop.meter is None:
-        return _train_step(loop, step)
+        return _train_step(loop, step, prepared)
     with loop.meter.measure():
-        row = _train_step(loop, step)
+        row = _train_step(loop, step, prepared)
     peak = [float(loop.meter.last["peak_bytes"])]
     if loop.world > 1:
         peak = comm.all_reduce_values(peak, dist.group.WORLD, loop.mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
