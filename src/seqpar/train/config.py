@@ -135,6 +135,8 @@ class GRPOSpec(_Strict):
     loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "grpo"
     scale_rewards: Literal["group", "none"] = "group"
     num_iterations: int = Field(default=1, ge=1)
+    # k3 KL x the differentiable importance ratio (TRL's use_bias_correction_kl; same value on-policy)
+    kl_ratio_correction: bool = False
 
     @field_validator("scale_rewards", mode="before")
     @classmethod

@@ -90,6 +90,7 @@ def grpo_step_spec(cfg: TrainConfig) -> Any:
     return StepSpec(stage="grpo", beta=g.beta, loss_type=g.loss_type, fused_loss=cfg.memory.fused_loss,
                     loss_chunk_tokens=cfg.memory.loss_chunk_tokens, epsilon_low=g.epsilon,
                     epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
+                    kl_ratio_correction=g.kl_ratio_correction,
                     temperature=g.temperature)
 
 

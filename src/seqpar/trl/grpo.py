@@ -218,7 +218,8 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         a = self._grpo_args
         return StepSpec("grpo", beta=a.beta, loss_type=a.loss_type, fused_loss=self._sp_fused[0],
                         loss_chunk_tokens=self._sp_fused[1], epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
-                        max_completion_length=a.max_completion_length, temperature=a.temperature)
+                        max_completion_length=a.max_completion_length, temperature=a.temperature,
+                        kl_ratio_correction=bool(getattr(a, "use_bias_correction_kl", False)))
 
     def _grpo_reference(self) -> ReferenceTokenLogps | None:
         """TRL's reference (None for beta 0), run under SP: its ref_model with seqpar attention, or the PEFT
