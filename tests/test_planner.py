@@ -31,6 +31,11 @@ def test_param_counts_match_hf_and_published():
         assert tiny(arch).num_params() == sum(p.numel() for p in model.parameters()), arch
     assert load_model_facts("llama-3.1-8b").num_params() == 8_030_261_248  # published count
     assert load_model_facts("smollm2").num_params() == 134_515_008
+    # The sizes the model cards publish (billions, rounded as they are printed there).
+    published = {"llama-3.1-70b": 70.6, "qwen2.5-7b": 7.61, "qwen2.5-14b": 14.7, "qwen2.5-72b": 72.7,
+                 "qwen3-4b": 4.02, "qwen3-32b": 32.8}
+    for name, billions in published.items():
+        assert abs(load_model_facts(name).num_params() / 1e9 - billions) / billions < 0.005, name
     q3 = load_model_facts("Qwen/Qwen3-4B")
     assert (q3.tied, q3.qk_norm, q3.heads, q3.kv_heads, q3.head_dim) == (True, True, 32, 8, 128)
 

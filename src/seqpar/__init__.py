@@ -4,18 +4,22 @@ from .attention import attention
 from .errors import SeqParError
 from .layout import local_positions, padded_length, required_multiple, shard, unshard
 from .mesh import SequenceParallelMesh, auto_degrees, init_mesh
+from .rl import TokenLogps, gather_tokens, token_logps
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SeqParError",
     "SequenceParallelMesh",
+    "TokenLogps",
     "attention",
     "auto_degrees",
+    "gather_tokens",
     "init_mesh",
     "local_positions",
     "padded_length",
     "required_multiple",
     "shard",
+    "token_logps",
     "unshard",
 ]

@@ -13,8 +13,8 @@ It does not depend on machine load. Parts of the JSON document (see `run`):
 4. activation_ratio: activation bytes (peak minus parameters, buffers, gradients, optimizer state)
    at SP=4 over SP=1 at one full length present in both grids (ideal: 1/4).
 5. time_ratio: step time per feature set over no features, from separate runs WITHOUT the meter
-   (2 steps, the second timed) at the largest S_local, all in the same benchmark run. Wall times on
-   a shared machine are noisy: compare only numbers from one run.
+   (TIME_STEPS steps; the fastest step after the first is kept) at the largest S_local, all in the same
+   benchmark run. Wall times on a shared machine are noisy: compare only numbers from one run.
 
 Feature sets are cumulative: none (fused_loss off too), checkpointing, + fused loss, + tiled MLP; they
 are `memory.*` config keys, so the numbers show whatever those features do in the installed seqpar.
@@ -45,6 +45,13 @@ FEATURE_SETS: dict[str, dict[str, Any]] = {
 }
 SP_SIZES = (1, 2, 4)
 GIB = 2**30
+# Fused-loss chunk for every run. The default chunk bounds one chunk's fp32 logits to 256 MB (1365 tokens
+# for SmolLM2's 49,152 vocab): at the short lengths measured here a single chunk would then hold ALL local
+# logits, and the fit would charge them to b. Chunks smaller than the shortest S_local make the measured
+# line the asymptotic one; the default chunk adds a constant (about 3 x 256 MB) once S_local exceeds it.
+LOSS_CHUNK_TOKENS = 64
+# Timing runs: the first step warms up; the fastest of the others is kept (least disturbed by other load).
+TIME_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -67,10 +74,12 @@ def model_cases(quick: bool) -> list[ModelCase]:
         return [ModelCase("tiny", {"name": "tiny:llama", "kwargs": tiny_kw}, {"method": "lora", "r": 4, "alpha": 8},
                           (4, 2), (64, 128), confirm_cap=512, sp_sizes=(1, 2),
                           description="tiny llama (2 layers, hidden 64), LoRA r=4, fp32 (quick: SP 1 and 2 only)")]
-    tiny_kw = {**tiny_kw, "num_layers": 4}
+    # the confirmation step runs past the builder's default 4096 positions
+    tiny_kw = {**tiny_kw, "num_layers": 4, "max_position_embeddings": 32768}
     return [
-        ModelCase("tiny", {"name": "tiny:llama", "kwargs": tiny_kw}, {"method": "full"}, (4, 2), (256, 512, 1024),
-                  confirm_cap=16384, description="tiny llama (4 layers, hidden 64), full fine-tuning, fp32"),
+        # long enough that activations, not AdamW state, set the peak (else the peak switches moments: not a line)
+        ModelCase("tiny", {"name": "tiny:llama", "kwargs": tiny_kw}, {"method": "full"}, (4, 2), (1024, 2048, 4096),
+                  confirm_cap=32768, description="tiny llama (4 layers, hidden 64), full fine-tuning, fp32"),
         ModelCase("smollm2", {"name": "smollm2"}, {"method": "lora", "r": 8, "alpha": 16}, (9, 3), (128, 256, 512),
                   confirm_cap=8192, description="SmolLM2-135M-Instruct, LoRA r=8 (q,k,v,o), fp32"),
     ]
@@ -103,7 +112,8 @@ def _cfg(mc: ModelCase, sp: int, full_len: int, fs: str, data: Path, out: Path, 
         "model": mc.model, "finetuning": mc.finetuning,
         "dataset": {"path": str(data), "format": "tokenized", "max_length": full_len, "shuffle": False},
         "sequence_parallel": {"size": sp}, "precision": "fp32", "micro_batch_size": 1, "grad_accum": 1,
-        "max_steps": steps, "memory": {**FEATURE_SETS[fs], "measure": measure}, "output_dir": str(out),
+        "max_steps": steps, "output_dir": str(out),
+        "memory": {**FEATURE_SETS[fs], "loss_chunk_tokens": LOSS_CHUNK_TOKENS, "measure": measure},
         "checkpoint": {"resume": False}, "progress": False, "seed": 0,
     }
 
@@ -118,7 +128,8 @@ def _rank_runs(jobs: list[tuple[str, dict]]) -> dict[str, dict[str, Any]]:
     for key, cfg in jobs:
         res = train(config_from_dict(cfg))
         rows = read_metrics(Path(cfg["output_dir"]) / "metrics.jsonl")
-        out[key] = {"reading": res.peak_alloc[-1] if res.peak_alloc else None, "step_s": rows[-1]["step_s"],
+        out[key] = {"reading": res.peak_alloc[-1] if res.peak_alloc else None,
+                    "step_s": min(r["step_s"] for r in rows[1:] or rows),
                     "peak_alloc_mb": rows[-1].get("peak_alloc_mb"), "mesh": res.mesh}
     return out
 
@@ -149,7 +160,8 @@ def _measure_grid(mc: ModelCase, sp: int, root: Path, timeout: float) -> tuple[l
     s_time = max(mc.s_locals)
     for fs in FEATURE_SETS:
         data = _write_data(root, s_time * sp)
-        jobs.append((f"time/{fs}", _cfg(mc, sp, s_time * sp, fs, data, root / f"{mc.name}_sp{sp}_{fs}_t", 2, False)))
+        out = root / f"{mc.name}_sp{sp}_{fs}_t"
+        jobs.append((f"time/{fs}", _cfg(mc, sp, s_time * sp, fs, data, out, TIME_STEPS, False)))
     ranks = run_distributed(_rank_runs, sp, jobs, timeout=timeout)
     points = [_point(mc, sp, fs, s, [r[f"mem/{fs}/{s}"] for r in ranks]) for fs in FEATURE_SETS for s in mc.s_locals]
     times = {fs: max(r[f"time/{fs}"]["step_s"] for r in ranks) for fs in FEATURE_SETS}
@@ -241,7 +253,8 @@ def run(quick: bool = False, budget_gib: float = 4.0, timeout: float = 1800.0,
                                     "s_local": max(mc.s_locals)}
             res = _analyse(mc, points, budget)
             sp = max(mc.sp_sizes)
-            best = max(FEATURE_SETS, key=lambda fs: res["max_length"][f"sp{sp}/{fs}"]["max_full_length"] or 0)
+            # on ties the set with more features on (the later one): it is the one users would run
+            best = max(reversed(FEATURE_SETS), key=lambda fs: res["max_length"][f"sp{sp}/{fs}"]["max_full_length"] or 0)
             key = f"sp{sp}/{best}"
             conf = (_confirm(mc, sp, best, res["max_length"][key], res["fits"][key], root, timeout)
                     if res["max_length"][key]["fits_at_all"] else None)

@@ -182,6 +182,11 @@ def _make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
         q = query.transpose(1, 2)
         k_ = key.transpose(1, 2)
         v = value.transpose(1, 2)
+        if torch.is_autocast_enabled(q.device.type):
+            # Under autocast (Trainer bf16=True / fp16=True; TRL's default) RoPE promotes q/k to fp32 while v
+            # stays in the autocast dtype; SDPA casts all three to that dtype, and so do we.
+            dt = torch.get_autocast_dtype(q.device.type)
+            q, k_, v = q.to(dt), k_.to(dt), v.to(dt)
         if not plan.packed:
             out = sp_attention(q, k_, v, mesh, causal=True, softmax_scale=scaling)
         else:

@@ -4,6 +4,10 @@
         out = model(input_ids=..., position_ids=...)
     nll = req.result(out)          # [B, S_local] fp32, 0 where not supervised
 
+RL (seqpar.rl): `fused_targets(..., temperature=T, entropy=True)` also scales the logits by 1/T and
+fills `req.entropy_result(out)`, the per-token entropy; the same chunked algorithm
+(`seqpar.loss.chunked_token_stats`) computes both.
+
 How: the model's output-embedding module (`get_output_embeddings()`, usually `lm_head`) gets an
 instance-level `forward` override, installed once per model (no module is replaced, so state_dict
 keys, FSDP2 sharding and PEFT adapters are untouched). Without a pending request it calls the
@@ -40,12 +44,16 @@ _CHUNK_BYTES = 256 * 2**20  # one chunk's fp32 logits
 
 @dataclass
 class FusedRequest:
-    """One forward's targets; the head fills `nll` ([B, S_local] fp32) during model(**inputs)."""
+    """One forward's targets; the head fills `nll` ([B, S_local] fp32) during model(**inputs), and
+    `entropy` when `want_entropy` (both of the softmax of logits / temperature)."""
 
     shift_labels: torch.Tensor
     chunk_tokens: int
     ignore_index: int = L.IGNORE_INDEX
     nll: torch.Tensor | None = None
+    temperature: float = 1.0
+    want_entropy: bool = False
+    entropy: torch.Tensor | None = None
 
     def result(self, output: Any) -> torch.Tensor:
         """The NLL, tied to the model's (empty) logits output so wrappers' output hooks see the loss."""
@@ -58,6 +66,19 @@ class FusedRequest:
         # Sum of an empty tensor: an exact 0 that puts the returned logits (and the hooks wrappers put on
         # the model's outputs, e.g. FSDP2's pre-backward) on the loss's autograd path.
         return self.nll + logits.sum().to(self.nll.dtype)
+
+    def entropy_result(self, output: Any) -> torch.Tensor:
+        """The per-token entropy [B, S_local] (request made with entropy=True), tied to the output like `result`."""
+        self.result(output)  # the same checks
+        if self.entropy is None:
+            raise SeqParError("fused_targets(..., entropy=True) is needed to read the per-token entropy")
+        return self.entropy + _output_logits_sum(output, self.entropy.dtype)
+
+
+def _output_logits_sum(output: Any, dtype: torch.dtype) -> torch.Tensor:
+    """Sum of the model's (empty) logits output: an exact 0 on the autograd path of its output hooks."""
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    return logits.sum().to(dtype)
 
 
 class _FusedHead:
@@ -84,7 +105,10 @@ def _fused_forward(self: torch.nn.Module, hidden: torch.Tensor, *args: Any, **kw
     def head(h: torch.Tensor) -> torch.Tensor:
         return state.orig_forward(h, *args, **kwargs)
 
-    req.nll = L.chunked_token_nll(hidden, req.shift_labels, head, req.chunk_tokens, req.ignore_index, state.transform)
+    req.nll, req.entropy = L.chunked_token_stats(
+        hidden, req.shift_labels, head, req.chunk_tokens, req.ignore_index, state.transform,
+        temperature=req.temperature, entropy=req.want_entropy,
+    )
     # Empty, but computed FROM the NLL: wrappers that walk the autograd graph of the model's outputs
     # (DDP find_unused_parameters=True, the HF Trainer's default) then see lm_head's parameters as used.
     # clone(): not a view (FSDP2 warns on view outputs).
@@ -179,10 +203,12 @@ def default_chunk_tokens(model: torch.nn.Module) -> int:
 
 @contextmanager
 def fused_targets(model: torch.nn.Module, shift_labels: torch.Tensor, chunk_tokens: int | None = None,
-                  ignore_index: int = L.IGNORE_INDEX) -> Iterator[FusedRequest]:
+                  ignore_index: int = L.IGNORE_INDEX, *, temperature: float = 1.0,
+                  entropy: bool = False) -> Iterator[FusedRequest]:
     """Within the block, the model's forward computes the per-token NLL of `shift_labels` [B, S_local]
     (chunks of `chunk_tokens` supervised tokens; None: `default_chunk_tokens`) instead of logits;
-    read it with `request.result(output)`."""
+    read it with `request.result(output)`. temperature: the NLL (and entropy) of softmax(logits / T);
+    entropy=True: also the per-token entropy, read with `request.entropy_result(output)`."""
     if chunk_tokens is not None and chunk_tokens < 1:
         raise SeqParError(f"loss_chunk_tokens must be >= 1, got {chunk_tokens}")
     if shift_labels.dim() != 2 or shift_labels.dtype.is_floating_point:
@@ -191,7 +217,10 @@ def fused_targets(model: torch.nn.Module, shift_labels: torch.Tensor, chunk_toke
     state = install_fused_head(model)
     if state.request is not None:
         raise SeqParError("fused_targets is already active for this model (nested forwards are not supported)")
-    req = FusedRequest(shift_labels, chunk_tokens or default_chunk_tokens(model), ignore_index)
+    if not temperature > 0:
+        raise SeqParError(f"temperature must be > 0, got {temperature}")
+    req = FusedRequest(shift_labels, chunk_tokens or default_chunk_tokens(model), ignore_index,
+                       temperature=float(temperature), want_entropy=bool(entropy))
     state.request = req
     try:
         yield req

@@ -1,4 +1,5 @@
-"""Losses for sequence-parallel training: token-normalised SFT cross-entropy and DPO/IPO/SimPO.
+"""Losses for sequence-parallel training: token-normalised SFT cross-entropy, DPO/IPO/SimPO, and the
+GRPO family (`seqpar.loss.grpo`, re-exported here).
 
 Gradient convention (every function here follows it)
 ----------------------------------------------------
@@ -29,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import comm
-from .errors import SeqParError
-from .mesh import SequenceParallelMesh
+from .. import comm
+from ..errors import SeqParError
+from ..mesh import SequenceParallelMesh
+from .grpo import GRPO_LOSS_TYPES, GRPODenominators, grpo_denominators, grpo_local_counts, grpo_loss
 
 __all__ = [
     "IGNORE_INDEX",
@@ -41,12 +43,19 @@ __all__ = [
     "sft_loss_from_nll",
     "sequence_logps_from_nll",
     "chunked_token_nll",
+    "chunked_token_stats",
     "token_nll",
+    "token_logprob_stats",
     "dpo_loss",
     "gradient_reduction_factor",
     "sum_gradients",
     "global_loss",
     "DPO_LOSS_TYPES",
+    "GRPO_LOSS_TYPES",
+    "GRPODenominators",
+    "grpo_denominators",
+    "grpo_local_counts",
+    "grpo_loss",
 ]
 
 IGNORE_INDEX = -100
@@ -142,11 +151,69 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _chunk_nll(h: torch.Tensor, y: torch.Tensor, lm_head: Callable, transform: Callable | None) -> torch.Tensor:
+def _chunk_stats(
+    h: torch.Tensor, y: torch.Tensor, lm_head: Callable, transform: Callable | None, temperature: float, entropy: bool
+) -> torch.Tensor:
+    """[n, 1] NLL of the targets, or [n, 2] NLL and entropy, of one chunk's (temperature-scaled) softmax."""
     logits = lm_head(h)
     if transform is not None:  # e.g. Gemma's final-logit softcap, in the head's dtype as the model does it
         logits = transform(logits)
-    return F.cross_entropy(_upcast(logits), y, reduction="none")
+    logits = _upcast(logits)
+    if temperature != 1.0:  # after the model's own transform, in fp32 (as RL samplers scale logits)
+        logits = logits / temperature
+    if not entropy:
+        return F.cross_entropy(logits, y, reduction="none")[:, None]
+    logp = torch.log_softmax(logits, dim=-1)
+    nll = -logp.gather(1, y[:, None])
+    return torch.cat([nll, -(logp.exp() * logp).sum(-1, keepdim=True)], dim=1)
+
+
+def chunked_token_stats(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    chunk_size: int,
+    ignore_index: int = IGNORE_INDEX,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(per-token NLL [B, S_local], per-token entropy [B, S_local] or None) from hidden states [B, S_local, H],
+    never holding more than one chunk's logits.
+
+    Only supervised tokens get logits, `chunk_size` of them at a time; under autograd each chunk is
+    checkpointed, so at most one chunk's [chunk_size, V] logits are alive, in forward and in backward.
+    transform: applied to each chunk's lm_head output (post-lm_head logit processing such as
+    softcapping); then the fp32 logits are divided by `temperature`. entropy=True also returns the
+    entropy of that distribution (differentiable). fp32 results (fp64 for fp64 inputs); 0 where not
+    supervised.
+    """
+    if chunk_size < 1:
+        raise SeqParError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not temperature > 0:
+        raise SeqParError(f"temperature must be > 0, got {temperature}")
+    labels = labels.to(hidden.device).long()
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    idx = torch.nonzero(y != ignore_index).reshape(-1)
+    if idx.numel() == 0:
+        zero = _upcast(lm_head(h[:1])).sum() * 0.0  # keeps every parameter in the graph
+        out = zero + torch.zeros(labels.shape, dtype=zero.dtype, device=h.device)
+        return out, (out.clone() if entropy else None)
+    hs, ys = h.index_select(0, idx), y.index_select(0, idx)
+    grad = torch.is_grad_enabled()
+    args = (lm_head, transform, temperature, entropy)
+    parts = [
+        checkpoint(_chunk_stats, hs[i : i + chunk_size], ys[i : i + chunk_size], *args, use_reentrant=False)
+        if grad
+        else _chunk_stats(hs[i : i + chunk_size], ys[i : i + chunk_size], *args)
+        for i in range(0, idx.numel(), chunk_size)
+    ]
+    stats = torch.cat(parts)
+    out = torch.zeros(y.numel(), stats.shape[1], dtype=stats.dtype, device=stats.device).index_add(0, idx, stats)
+    nll = out[:, 0].reshape(labels.shape)
+    return nll, (out[:, 1].reshape(labels.shape) if entropy else None)
 
 
 def chunked_token_nll(
@@ -157,33 +224,8 @@ def chunked_token_nll(
     ignore_index: int = IGNORE_INDEX,
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Per-token NLL [B, S_local] from hidden states [B, S_local, H], never holding more than one chunk's logits.
-
-    Only supervised tokens get logits, `chunk_size` of them at a time; under autograd each chunk is
-    checkpointed, so at most one chunk's [chunk_size, V] logits are alive, in forward and in backward.
-    transform: applied to each chunk's lm_head output before the fp32 cross-entropy (post-lm_head
-    logit processing such as softcapping). fp32 result (fp64 for fp64 inputs); 0 where not supervised.
-    """
-    if chunk_size < 1:
-        raise SeqParError(f"chunk_size must be >= 1, got {chunk_size}")
-    labels = labels.to(hidden.device).long()
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    idx = torch.nonzero(y != ignore_index).reshape(-1)
-    if idx.numel() == 0:
-        zero = _upcast(lm_head(h[:1])).sum() * 0.0  # keeps every parameter in the graph
-        return zero + torch.zeros(labels.shape, dtype=zero.dtype, device=h.device)
-    hs, ys = h.index_select(0, idx), y.index_select(0, idx)
-    grad = torch.is_grad_enabled()
-    parts = [
-        checkpoint(_chunk_nll, hs[i : i + chunk_size], ys[i : i + chunk_size], lm_head, transform, use_reentrant=False)
-        if grad
-        else _chunk_nll(hs[i : i + chunk_size], ys[i : i + chunk_size], lm_head, transform)
-        for i in range(0, idx.numel(), chunk_size)
-    ]
-    nll = torch.cat(parts)
-    out = torch.zeros(y.numel(), dtype=nll.dtype, device=nll.device).index_add(0, idx, nll)
-    return out.view_as(labels)
+    """Per-token NLL [B, S_local] from hidden states [B, S_local, H] (`chunked_token_stats` without entropy)."""
+    return chunked_token_stats(hidden, labels, lm_head, chunk_size, ignore_index, transform)[0]
 
 
 def _token_nll(
@@ -211,6 +253,30 @@ def token_nll(logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: in
     """Per-token NLL [B, S_local] (fp32) from full logits [B, S_local, V]; 0 where not supervised."""
     _check_inputs(logits, None, None, shift_labels)
     return _token_nll(logits, shift_labels, None, None, 1, ignore_index)
+
+
+def token_logprob_stats(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Full-logits counterpart of `chunked_token_stats`: (NLL, entropy or None) [B, S_local] of
+    softmax(logits / temperature) from logits [B, S_local, V]; 0 where not supervised."""
+    _check_inputs(logits, None, None, shift_labels)
+    if not temperature > 0:
+        raise SeqParError(f"temperature must be > 0, got {temperature}")
+    labels = shift_labels.to(logits.device).long()
+    keep = labels != ignore_index
+    logp = torch.log_softmax(_upcast(logits) / temperature, dim=-1)
+    tok = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    nll = torch.where(keep, -tok, torch.zeros_like(tok))
+    if not entropy:
+        return nll, None
+    ent = -(logp.exp() * logp).sum(-1)
+    return nll, torch.where(keep, ent, torch.zeros_like(ent))
 
 
 # ----------------------------------------------------------------------------- SFT

@@ -1,0 +1,25 @@
+"""TRL drop-ins under sequence parallelism (extra: `pip install 'seqpar[trl]'`).
+
+    from seqpar.trl import SequenceParallelSFTTrainer          # was: from trl import SFTTrainer
+    trainer = SequenceParallelSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds,
+                                         processing_class=tok, sequence_parallel_size=2)
+
+TRL prepares the dataset (tokenisation, chat templates, completion/assistant masks, truncation,
+packing); seqpar takes over from the tokenised rows (see seqpar.trl.trainer). `import trl` happens
+here, so `import seqpar` never needs TRL.
+"""
+
+from __future__ import annotations
+
+from ..errors import SeqParError
+
+try:
+    import trl as _trl  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise SeqParError(
+        f"seqpar.trl needs TRL (import failed: {e}): pip install 'seqpar[trl]'"
+    ) from e
+
+from .trainer import SequenceParallelDPOTrainer, SequenceParallelSFTTrainer
+
+__all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer"]

@@ -1,0 +1,60 @@
+"""TRL's prepared rows -> seqpar SP batches (the seqpar collators do the work; this only renames).
+
+SFT rows from `trl.SFTTrainer._prepare_dataset`: "input_ids", "labels" (-100 = not trained: TRL built
+them from completion_mask / assistant_masks) and, for packed rows, "seq_lengths" (document lengths),
+which become per-document position_ids so seqpar's packing path gets cu_seqlens and never attends or
+predicts across a document boundary. DPO rows from `trl.DPOTrainer._prepare_dataset`: "prompt_ids",
+"chosen_ids", "rejected_ids" (+ optional "ref_chosen_logps"/"ref_rejected_logps").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..data import SequenceParallelCollator, SequenceParallelDPOCollator
+from ..errors import SeqParError
+
+__all__ = ["TRLSFTCollator", "TRLDPOCollator"]
+
+
+def _sft_row(row: Mapping[str, Any], i: int) -> dict[str, Any]:
+    if not isinstance(row, Mapping) or "input_ids" not in row:
+        raise SeqParError(f"row {i} has no 'input_ids': let TRL prepare the dataset (no skip_prepare_dataset "
+                          "without tokenised rows)")
+    out: dict[str, Any] = {"input_ids": row["input_ids"]}
+    if row.get("labels") is not None:
+        out["labels"] = row["labels"]
+    if row.get("seq_lengths") is not None:
+        out["position_ids"] = torch.cat([torch.arange(int(n)) for n in row["seq_lengths"]])
+    return out
+
+
+class TRLSFTCollator(SequenceParallelCollator):
+    """SequenceParallelCollator over TRL SFT rows (packed rows: seq_lengths -> position_ids resets)."""
+
+    def collate_full(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        return super().collate_full([_sft_row(r, i) for i, r in enumerate(rows)])
+
+
+_DPO_KEYS = {"prompt_ids": "prompt_input_ids", "chosen_ids": "chosen_input_ids", "rejected_ids": "rejected_input_ids"}
+
+
+def _dpo_row(row: Mapping[str, Any], i: int) -> dict[str, Any]:
+    missing = [k for k in _DPO_KEYS if not isinstance(row, Mapping) or k not in row]
+    if missing:
+        raise SeqParError(f"pair {i} lacks {missing}: let trl.DPOTrainer prepare the dataset (prompt/chosen/rejected)")
+    out = {new: row[old] for old, new in _DPO_KEYS.items()}
+    for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        if row.get(key) is not None:
+            out[key] = row[key]
+    return out
+
+
+class TRLDPOCollator(SequenceParallelDPOCollator):
+    """SequenceParallelDPOCollator over TRL DPO rows ([chosen..., rejected...], prompt unsupervised)."""
+
+    def collate_full(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        return super().collate_full([_dpo_row(r, i) for i, r in enumerate(rows)])

@@ -1,0 +1,222 @@
+"""`trl.SFTTrainer` / `trl.DPOTrainer` drop-ins that train under exact sequence parallelism.
+
+    trainer = SequenceParallelSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds,
+                                         processing_class=tok, sequence_parallel_size=2)  # was: SFTTrainer(...)
+
+Division of labour: TRL prepares the dataset as usual (tokenisation, chat templates, prompt/completion
+and messages formats, completion_only_loss / assistant_only_loss labels, max_length truncation,
+packing with seq_lengths, DPO prompt/chosen/rejected ids). From the tokenised rows on, each class is
+seqpar's HF Trainer drop-in (seqpar.hf.trainer: the same mesh set-up, SP sampler, collators,
+global-token loss normalisation, gradient factor, SP evaluate, memory features): the classes inherit
+from BOTH, seqpar's first, so seqpar's compute_loss / dataloaders / evaluate win and TRL's __init__
+(dataset preparation, reference model bookkeeping) and log run underneath.
+
+TRL options that would silently do something else under SP are refused at construction with a
+SeqParError naming the alternative (identically on every rank, before any collective):
+- both: use_liger_kernel, activation_offloading, compute_loss_func, a custom data_collator, vision data;
+- SFT: loss_type="dft", label_smoothing_factor > 0. padding_free=True (flash-attn in TRL) is mapped
+  to seqpar's packing path (documents separated by position_ids / cu_seqlens), as is packing;
+- DPO: loss_type other than one of "sigmoid" / "ipo" (with weight 1), f_divergence_type other than
+  "reverse_kl", ld_alpha, use_weighting, sync_ref_model, precompute_ref_log_probs (TRL's precompute
+  runs the un-sharded model), truncation_mode="keep_end".
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import trl
+
+from ..errors import SeqParError
+from ..hf.attention import is_sequence_parallel
+from ..hf.trainer import SequenceParallelDPOTrainer as _HFDPOTrainer
+from ..hf.trainer import SequenceParallelTrainer
+from ..mesh import SequenceParallelMesh
+from .collators import TRLDPOCollator, TRLSFTCollator
+
+__all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer"]
+
+TRL_DPO_LOSS_TYPES = ("sigmoid", "ipo")  # TRL's definitions that seqpar.loss.dpo_loss computes identically
+
+
+def _coerce_args(args: Any, config_cls: type, model: Any, suffix: str) -> Any:
+    """The TRL config the stock trainer would build (a TrainingArguments is converted as TRL does)."""
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+        return config_cls(f"{name.split('/')[-1]}-{suffix}")
+    if not isinstance(args, config_cls):
+        from transformers import TrainingArguments
+
+        if not isinstance(args, TrainingArguments):
+            raise SeqParError(f"args must be a {config_cls.__name__} (or TrainingArguments), got {type(args).__name__}")
+        d = args.to_dict()
+        d["hub_token"] = args.hub_token
+        args = config_cls(**d)
+    return args
+
+
+def _refuse(name: str, what: str, why: str, instead: str) -> SeqParError:
+    return SeqParError(f"{name}: {what} is not supported under sequence parallelism ({why}): {instead}")
+
+
+def _refuse_common(name: str, args: Any, data_collator: Any, kwargs: dict[str, Any], train_dataset: Any) -> None:
+    if data_collator is not None:
+        raise _refuse(name, "data_collator=", "the collator must shard TRL's prepared rows over the SP ranks",
+                      "drop it; seqpar builds it from TRL's rows (packing= / max_length= / masks in the SFTConfig)")
+    if getattr(args, "use_liger_kernel", False):
+        raise _refuse(name, "use_liger_kernel=True", "Liger's fused loss sees one shard and normalises locally",
+                      "drop it; seqpar's fused chunked loss is on by default (fused_loss=True)")
+    if getattr(args, "activation_offloading", False):
+        raise _refuse(name, "activation_offloading=True", "untested with the SP attention collectives",
+                      "use gradient_checkpointing=True with gradient_checkpointing_kwargs={'offload': True} (GPU)")
+    if kwargs.get("compute_loss_func") is not None:
+        raise _refuse(name, "compute_loss_func=", "it would see sharded logits",
+                      "drop it; the SFT loss is seqpar's global token-mean NLL")
+    if train_dataset is not None and hasattr(train_dataset, "column_names"):
+        if {"image", "images"} & set(train_dataset.column_names or []):
+            raise _refuse(name, "a vision dataset", "image tokens cannot be sharded by seqpar's collators",
+                          "use the stock TRL trainer for vision-language models")
+
+
+def _instantiate(model: Any, args: Any, peft_config: Any) -> torch.nn.Module:
+    """Load a model given by name (as TRL would) and wrap it with PEFT BEFORE seqpar patches it."""
+    if isinstance(model, str):
+        from trl.trainer.utils import create_model_from_path
+
+        model = create_model_from_path(model, **dict(args.model_init_kwargs or {}))
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        if hasattr(model, "peft_config"):
+            raise SeqParError("a PeftModel was passed together with peft_config=: pass one of them")
+        from transformers import set_seed
+
+        set_seed(args.seed)  # TRL seeds before get_peft_model: the same adapter init as the stock trainer
+        model = get_peft_model(model, peft_config)
+        if args.gradient_checkpointing:
+            model.enable_input_require_grads()  # as TRL does for PEFT + checkpointing
+    return model
+
+
+def _sp_kwargs(sequence_parallel_size: int | None, ulysses_degree: int | None, ring_degree: int | None,
+               layout: str, mesh: SequenceParallelMesh | None, fused_loss: bool, loss_chunk_tokens: int | None,
+               tiled_mlp: bool | int) -> dict[str, Any]:
+    return {"sequence_parallel_size": sequence_parallel_size, "ulysses_degree": ulysses_degree,
+            "ring_degree": ring_degree, "layout": layout, "mesh": mesh, "fused_loss": fused_loss,
+            "loss_chunk_tokens": loss_chunk_tokens, "tiled_mlp": tiled_mlp}
+
+
+def _refuse_moe_aux(trainer: Any) -> None:
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise _refuse(type(trainer).__name__, "the MoE router auxiliary loss", "seqpar's loss does not add it",
+                      "set router_aux_loss_coef=0.0 in the config")
+
+
+class SequenceParallelSFTTrainer(SequenceParallelTrainer, trl.SFTTrainer):
+    """`trl.SFTTrainer` with exact sequence parallelism (see the module docstring).
+
+    Extra keyword arguments as seqpar.hf.SequenceParallelTrainer: sequence_parallel_size (default:
+    world size), ulysses_degree, ring_degree, layout, mesh, fused_loss, loss_chunk_tokens, tiled_mlp.
+    Packing, max_length and the masks come from the SFTConfig.
+    """
+
+    def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, *, sequence_parallel_size: int | None = None,
+                 ulysses_degree: int | None = None, ring_degree: int | None = None, layout: str = "zigzag",
+                 mesh: SequenceParallelMesh | None = None, fused_loss: bool = True,
+                 loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False, peft_config: Any = None,
+                 **kwargs: Any) -> None:
+        name = type(self).__name__
+        args = _coerce_args(args, trl.SFTConfig, model, "SFT")
+        _refuse_common(name, args, data_collator, kwargs, train_dataset)
+        if args.loss_type != "nll":
+            raise _refuse(name, f"loss_type={args.loss_type!r}", "seqpar computes the token-mean NLL only",
+                          "use loss_type='nll'")
+        if args.label_smoothing_factor > 0:
+            raise _refuse(name, "label_smoothing_factor > 0", "seqpar computes the plain NLL",
+                          "set label_smoothing_factor=0.0")
+        model = _instantiate(model, args, peft_config)
+        SequenceParallelTrainer.__init__(
+            self, model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **_sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
+                         loss_chunk_tokens, tiled_mlp), **kwargs)
+        _refuse_moe_aux(self)
+        # TRL's padding_free (flash-attn varlen) and packing both mean "several documents in one row":
+        # seqpar's packing path separates them by position_ids / cu_seqlens in its own attention.
+        packing = bool(args.packing or args.padding_free)
+        self.data_collator = TRLSFTCollator(self.sp_mesh, self._tokenizer.pad_token_id, packing=packing)
+
+    def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
+        return None  # TRL builds its own during __init__; ours (over TRL's rows) replaces it right after
+
+
+class SequenceParallelDPOTrainer(_HFDPOTrainer, trl.DPOTrainer):
+    """`trl.DPOTrainer` with exact sequence parallelism (loss_type "sigmoid" or "ipo").
+
+    ref_model: as TRL (default for a PEFT policy: the adapter disabled; otherwise a frozen copy of the
+    policy taken before training, where TRL would reload it from the hub by name). Extra keyword
+    arguments as SequenceParallelSFTTrainer.
+    """
+
+    def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None, *,
+                 sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
+                 ring_degree: int | None = None, layout: str = "zigzag", mesh: SequenceParallelMesh | None = None,
+                 fused_loss: bool = True, loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False,
+                 peft_config: Any = None, **kwargs: Any) -> None:
+        name = type(self).__name__
+        args = _coerce_args(args, trl.DPOConfig, model, "DPO")
+        _refuse_common(name, args, data_collator, kwargs, train_dataset)
+        loss_type = _dpo_loss_type(name, args)
+        model = _instantiate(model, args, peft_config)
+        if isinstance(ref_model, str):
+            ref_model = _instantiate(ref_model, args, None)
+        if ref_model is None and not hasattr(model, "disable_adapter"):
+            if is_sequence_parallel(model):
+                raise SeqParError(f"{name}: the policy already has SP applied, so it cannot be copied as the "
+                                  "reference: pass ref_model=")
+            ref_model = copy.deepcopy(model)
+        self._dpo = (args.beta, loss_type, 0.5, ref_model)
+        SequenceParallelTrainer.__init__(
+            self, model, args, ref_model=ref_model, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **_sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
+                         loss_chunk_tokens, tiled_mlp), **kwargs)
+        _refuse_moe_aux(self)
+        pad = self.processing_class.pad_token_id if self.processing_class is not None else None
+        if pad is None:
+            pad = getattr(getattr(self.processing_class, "tokenizer", None), "pad_token_id", None)
+        self.data_collator = TRLDPOCollator(self.sp_mesh, pad, max_length=args.max_length)
+
+    def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
+        return None  # TRL builds its own during __init__; ours (over TRL's rows) replaces it right after
+
+
+def _dpo_loss_type(name: str, args: Any) -> str:
+    """The one TRL loss_type seqpar computes exactly, or a SeqParError naming what to change."""
+    types = list(args.loss_type) if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
+    weights = list(args.loss_weights) if args.loss_weights is not None else [1.0] * len(types)
+    if len(types) != 1 or types[0] not in TRL_DPO_LOSS_TYPES or weights != [1.0]:
+        raise _refuse(name, f"loss_type={args.loss_type!r} (loss_weights={args.loss_weights!r})",
+                      f"seqpar computes TRL's {' / '.join(TRL_DPO_LOSS_TYPES)} losses only, one at a time, weight 1",
+                      "use loss_type=['sigmoid'] or ['ipo'] (SimPO: seqpar.hf.SequenceParallelDPOTrainer "
+                      "loss_type='simpo')")
+    checks = [
+        (args.f_divergence_type != "reverse_kl", f"f_divergence_type={args.f_divergence_type!r}",
+         "use f_divergence_type='reverse_kl'"),
+        (args.ld_alpha is not None, "ld_alpha=", "drop ld_alpha"),
+        (args.use_weighting, "use_weighting=True", "set use_weighting=False"),
+        (args.sync_ref_model, "sync_ref_model=True", "set sync_ref_model=False"),
+        (args.precompute_ref_log_probs, "precompute_ref_log_probs=True",
+         "drop it (the reference forward then runs under SP), or add ref_chosen_logps / ref_rejected_logps "
+         "columns to the dataset yourself: seqpar uses them from the rows"),
+        (args.truncation_mode != "keep_start", f"truncation_mode={args.truncation_mode!r}",
+         "use truncation_mode='keep_start' or raise max_length"),
+    ]
+    for bad, what, instead in checks:
+        if bad:
+            raise _refuse(name, what, "seqpar's DPO step does not implement it", instead)
+    return types[0]

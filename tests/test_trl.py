@@ -1,0 +1,248 @@
+"""TRL drop-ins under SP: a stock TRL script gains SP by changing the class name.
+
+Reference: the STOCK trl.SFTTrainer / trl.DPOTrainer, one process, no SP, run in the test process on
+the same rows. SP run: seqpar.trl's classes in a spawned gloo world (SP = world size). Data order is
+matched by train_sampling_strategy="sequential" (stock: SequentialSampler; seqpar: SP sampler with
+shuffle off) with the same per-device batch (2; for dp = 2 the stock batch is 4, the rows of both dp
+ranks, which seqpar's sampler strides over dp) and grad accumulation (2); TRL's own
+shuffle_dataset stays off. Optimiser: SGD lr 0.1, no clipping (a gradient-scale error shows in the
+parameters). Compared per logged step loss and the final trainable parameters, fp32, at 1e-5 absolute; one case also
+compares the SP evaluate() with an independent global token-mean NLL of the stock run's final model.
+Tokenizer: the cached SmolLM2 tokenizer (chat template); model: a random tiny 2-layer Llama / Qwen2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from seqpar.testing import run_distributed  # noqa: E402
+
+TOL = 1e-5
+WORDS = "the cat sat on a mat while dogs ran far and birds sang songs of long summer days".split()
+
+
+def _tok():
+    from seqpar.hf import load_smollm2_tokenizer
+
+    return load_smollm2_tokenizer()
+
+
+def _text(g: torch.Generator, lo: int, hi: int) -> str:
+    n = int(torch.randint(lo, hi, (1,), generator=g))
+    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))
+
+
+def _dataset(kind: str):
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(12):
+        p, c, r = _text(g, 3, 12), _text(g, 2, 15), _text(g, 2, 15)
+        if kind == "prompt_completion":
+            rows.append({"prompt": p, "completion": " " + c})
+        elif kind == "messages":  # conversational prompt/completion: completion_only_loss applies
+            rows.append({"prompt": [{"role": "user", "content": p}],
+                         "completion": [{"role": "assistant", "content": c}]})
+        elif kind == "text":
+            rows.append({"text": p + " " + c})
+        else:  # preference pairs
+            rows.append({"prompt": p, "chosen": " " + c, "rejected": " " + r})
+    return datasets.Dataset.from_list(rows)
+
+
+def _model(arch: str, vocab: int):
+    from seqpar.hf import tiny_model
+
+    heads, kv = (4, 2) if arch == "llama" else (3, 1)
+    return tiny_model(arch, heads, kv, vocab_size=vocab, seed=0)
+
+
+def _config(case: dict, out: str, batch: int = 2):
+    from trl import DPOConfig, SFTConfig
+
+    common = dict(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=2, max_steps=3,
+                  logging_steps=1, report_to=[], save_strategy="no", train_sampling_strategy="sequential",
+                  use_cpu=True, seed=0, disable_tqdm=True, bf16=case.get("bf16", False), optim="sgd", learning_rate=0.1,
+                  max_grad_norm=0.0)
+    if case["stage"] == "dpo":
+        return DPOConfig(**common, max_length=case.get("max_length", 1024), loss_type=[case.get("loss", "sigmoid")],
+                         beta=0.5)
+    return SFTConfig(**common, max_length=case.get("max_length", 1024), packing=case.get("packing", False),
+                     packing_strategy=case.get("packing_strategy", "bfd"), padding_free=case.get("padding_free", False),
+                     completion_only_loss=case.get("completion_only_loss"))
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def _train(case: dict, out: str, sp: int | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Stock TRL when sp is None, else seqpar.trl with sequence_parallel_size=sp: the only difference."""
+    import trl
+
+    import seqpar.trl as strl
+
+    tok = _tok()
+    model = _model(case["arch"], len(tok))
+    kw = {"peft_config": _lora()} if case.get("lora") else {}
+    if sp is not None:
+        kw["sequence_parallel_size"] = sp
+    if case["stage"] == "dpo":
+        cls = trl.DPOTrainer if sp is None else strl.SequenceParallelDPOTrainer
+        if sp is None and not case.get("lora"):
+            kw["ref_model"] = _model(case["arch"], len(tok))  # stock TRL would reload it from the hub by name
+    else:
+        cls = trl.SFTTrainer if sp is None else strl.SequenceParallelSFTTrainer
+    # dp x sp: the stock run's batch holds the rows of all dp ranks (seqpar's sampler strides rows over dp).
+    batch = 2 * case.get("dp", 1) if sp is None else 2
+    trainer = cls(model=model, args=_config(case, out, batch), train_dataset=_dataset(case["data"]),
+                  processing_class=tok, **kw)
+    if case.get("packing") and case.get("packing_strategy", "bfd") == "bfd":  # several documents in one row
+        assert any(len(n) > 1 for n in trainer.train_dataset["seq_lengths"])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    if case.get("eval"):  # SP evaluate() vs an independent global token-mean NLL of the stock final model
+        losses.append(_token_mean_nll(trainer.model, trainer.train_dataset) if sp is None
+                      else trainer.evaluate(trainer.train_dataset)["eval_loss"])
+    return losses, params
+
+
+@torch.no_grad()
+def _token_mean_nll(model: torch.nn.Module, rows) -> float:
+    tot, cnt = 0.0, 0
+    for r in rows:
+        logits = model(input_ids=torch.tensor([r["input_ids"]])).logits[0, :-1].float()
+        lab = torch.tensor(r["labels"][1:])
+        tot += float(torch.nn.functional.cross_entropy(logits, lab, ignore_index=-100, reduction="sum"))
+        cnt += int((lab != -100).sum())
+    return tot / cnt
+
+
+def _sp_world(cases: list[dict], refs: str, out: str) -> list[dict]:
+    """Each case under SP = world size; compared here with the stock references (losses, parameters)."""
+    world = torch.distributed.get_world_size()
+    ref = torch.load(refs)
+    res = []
+    for i, case in enumerate(cases):
+        losses, params = _train(case, f"{out}/{i}", world // case.get("dp", 1))
+        ref_losses, ref_params = ref[i]
+        dparam = max(float((params[k.replace("module.", "")] - v).abs().max()) for k, v in ref_params.items())
+        res.append({"name": case["name"], "losses": losses, "ref_losses": ref_losses,
+                    "dloss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "dparam": dparam,
+                    "nparams": len(params) == len(ref_params), "tol": case.get("tol", (TOL, TOL))})
+    return res
+
+
+def _check(results: list[list[dict]]) -> None:
+    for rank_res in results[1:]:
+        assert [r["losses"] for r in rank_res] == [r["losses"] for r in results[0]]
+    for r in results[0]:
+        print(f"{r['name']}: max |dloss| {r['dloss']:.2e}  max |dparam| {r['dparam']:.2e}")
+        assert len(r["losses"]) == len(r["ref_losses"]) == 3 + ("eval" in r["name"]), r
+        assert r["nparams"], r
+        assert r["dloss"] <= r["tol"][0], r
+        assert r["dparam"] <= r["tol"][1], r
+
+
+def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
+    refs = [_train(c, str(tmp_path / f"ref{i}"), None) for i, c in enumerate(cases)]
+    torch.save(refs, tmp_path / "refs.pt")
+    _check(run_distributed(_sp_world, world, cases, str(tmp_path / "refs.pt"), str(tmp_path / "sp"),
+                           timeout=900))
+
+
+FAST = [
+    {"name": "sft prompt/completion completion_only_loss (+ SP evaluate)", "stage": "sft", "arch": "llama",
+     "data": "prompt_completion", "completion_only_loss": True, "eval": True},
+    {"name": "sft messages (conversational prompt/completion)", "stage": "sft", "arch": "qwen2", "data": "messages"},
+    {"name": "sft packing bfd", "stage": "sft", "arch": "llama", "data": "text", "packing": True, "max_length": 40},
+    {"name": "dpo sigmoid, max_length cut", "stage": "dpo", "arch": "qwen2", "data": "pairs", "max_length": 24},
+    # TRL's default bf16=True (autocast over fp32 weights): bf16 attention on both sides, so bf16-level
+    # tolerances (measured: 1.9e-3 loss at ~10.8, 3.8e-4 parameters); step 1 agrees to fp32 precision.
+    {"name": "sft bf16 autocast (TRL's default)", "stage": "sft", "arch": "llama", "data": "prompt_completion",
+     "bf16": True, "tol": (1e-2, 2e-3)},
+]
+SLOW = [
+    {"name": "sft prompt/completion", "stage": "sft", "arch": "llama", "data": "prompt_completion"},
+    {"name": "sft lora", "stage": "sft", "arch": "llama", "data": "messages", "lora": True},
+    # padding_free: stock TRL flattens the batch into one row (transformers derives the document mask from
+    # position_ids on CPU); seqpar's packing path does the same with cu_seqlens.
+    {"name": "sft padding_free", "stage": "sft", "arch": "qwen2", "data": "prompt_completion", "padding_free": True,
+     "max_length": None},
+    {"name": "sft packing wrapped", "stage": "sft", "arch": "llama", "data": "text", "packing": True,
+     "packing_strategy": "wrapped", "max_length": 32},
+    {"name": "sft dp=2 x sp=2", "stage": "sft", "arch": "llama", "data": "prompt_completion", "dp": 2},
+    {"name": "dpo ipo", "stage": "dpo", "arch": "llama", "data": "pairs", "loss": "ipo"},
+    {"name": "dpo lora (adapter disabled = reference)", "stage": "dpo", "arch": "llama", "data": "pairs",
+     "lora": True},
+]
+
+
+def test_trl_sp2_matches_stock_trl(tmp_path):
+    _run_cases(FAST, 2, tmp_path)
+
+
+@pytest.mark.slow
+def test_trl_sp4_matches_stock_trl(tmp_path):
+    _run_cases(SLOW, 4, tmp_path)
+
+
+def _refusal_cases():
+    from trl import DPOConfig, SFTConfig
+
+    base = dict(output_dir="unused", report_to=[], use_cpu=True, bf16=False)
+    sft = [
+        (SFTConfig(**base, loss_type="dft"), {}, "loss_type='dft'"),
+        (SFTConfig(**base, use_liger_kernel=True), {}, "use_liger_kernel"),
+        (SFTConfig(**base, activation_offloading=True), {}, "activation_offloading"),
+        (SFTConfig(**base), {"data_collator": lambda rows: rows}, "data_collator"),
+        (SFTConfig(**base), {"compute_loss_func": lambda *a, **k: 0}, "compute_loss_func"),
+    ]
+    dpo = [
+        (DPOConfig(**base, loss_type=["hinge"]), {}, "loss_type=['hinge']"),
+        (DPOConfig(**base, loss_type=["sigmoid", "ipo"]), {}, "one at a time"),
+        (DPOConfig(**base, loss_type=["sigmoid"], loss_weights=[0.5]), {}, "loss_weights=[0.5]"),
+        (DPOConfig(**base, precompute_ref_log_probs=True), {}, "precompute_ref_log_probs"),
+        (DPOConfig(**base, f_divergence_type="js_divergence"), {}, "f_divergence_type"),
+        (DPOConfig(**base, use_weighting=True), {}, "use_weighting"),
+        (DPOConfig(**base, ld_alpha=0.5), {}, "ld_alpha"),
+        (DPOConfig(**base, sync_ref_model=True), {}, "sync_ref_model"),
+    ]
+    return sft, dpo
+
+
+def test_trl_refusals_name_the_alternative():
+    """TRL options seqpar cannot run exactly raise SeqParError in the constructor, before any mesh/collective."""
+    import seqpar.trl as strl
+    from seqpar.errors import SeqParError
+
+    tok = _tok()
+    sft, dpo = _refusal_cases()
+    for cls, cases, data in ((strl.SequenceParallelSFTTrainer, sft, "prompt_completion"),
+                             (strl.SequenceParallelDPOTrainer, dpo, "pairs")):
+        for args, kw, needle in cases:
+            with pytest.raises(SeqParError, match="not supported under sequence parallelism") as e:
+                cls(model=_model("llama", len(tok)), args=args, train_dataset=_dataset(data), processing_class=tok,
+                    **kw)
+            assert needle in str(e.value), (needle, str(e.value))
+            assert str(e.value).split("): ", 1)[1].strip()  # an alternative follows the reason
+
+
+def test_trl_missing_says_how_to_install():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['trl'] = None\n"
+            "from seqpar.errors import SeqParError\n"
+            "try:\n    import seqpar.trl\nexcept SeqParError as e:\n    print('REFUSED', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert "REFUSED" in out.stdout and "pip install 'seqpar[trl]'" in out.stdout, out.stdout + out.stderr
