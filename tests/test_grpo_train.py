@@ -4,11 +4,12 @@ The reference is plain PyTorch on the unsharded HF model: the same prompts (the 
 order), `model.generate` seeded with seqpar.hf.generation.sampling_seed(seed, step, dp rank),
 rewards and advantages written out here ((r - mean) / (std + 1e-4) per prompt), and the "grpo"
 loss by hand: mean over ALL sequences of the step (every dp rank) of the per-sequence mean of
--A * exp(logp - logp.detach()) + beta * k3(ref, logp), logp = log_softmax(logits / T); one SGD step.
+-A * exp(logp - logp.detach()) + beta * k3(ref, logp), logp = log_softmax(logits / T); SGD steps.
 Tolerance: parameters and loss within 1e-5 absolute (fp32).
 
-fast: dp2 x sp2 (ulysses 2) one step, metrics logged. slow: ring 2 (zigzag, world 2) vs the same
-reference, and the SP=2 run vs the trainer's own SP=1 run (same seed: identical completions).
+fast: dp2 x sp2 (ulysses 2), two steps (the second samples from the updated policy, KL > 0),
+metrics logged. slow: ring 2 (zigzag, world 2), one step, vs the same reference, and the SP=2 run
+vs the trainer's own SP=1 run (same seed: identical completions).
 """
 
 from __future__ import annotations
@@ -60,28 +61,38 @@ def data(tmp_path_factory) -> Path:
     return d / "prompts.jsonl"
 
 
-def _reference(cfg_dict: dict, dp: int) -> tuple[float, dict[str, torch.Tensor]]:
-    """Independent reference of one GRPO step with `dp` dp ranks (see the module docstring)."""
+def _reference(cfg_dict: dict, dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Independent reference of max_steps GRPO steps with `dp` dp ranks (see the module docstring):
+    (loss per step, parameters after the last)."""
     import copy
 
     from seqpar.data import SequenceParallelSampler
-    from seqpar.hf.generation import sampling_seed
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import load_model
+    from seqpar.train.trainer import DataStream, load_model
 
     cfg = config_from_dict(cfg_dict)
-    g = cfg.grpo
-    eos, pad = 257, 258
     torch.manual_seed(cfg.seed)
     model = load_model(cfg)
-    ref = copy.deepcopy(model).eval()
+    ref = copy.deepcopy(model).eval()  # the frozen initial policy (KL reference)
+    # Data order only (not under test): the trainer's stream of sampler indices per dp rank.
+    streams = [DataStream(SequenceParallelSampler(len(PROMPTS), dp, d, shuffle=True, seed=cfg.seed)) for d in range(dp)]
+    losses = []
+    for step in range(cfg.max_steps):
+        losses.append(_reference_step(cfg, model, ref, streams, step))
+    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def _reference_step(cfg, model, ref, streams, step: int) -> float:
+    from seqpar.hf.generation import sampling_seed
+
+    g = cfg.grpo
+    eos, pad = 257, 258
     per_dp = cfg.micro_batch_size * cfg.grad_accum // g.num_generations
     rows = []  # (prompt ids, completion ids, advantage)
-    for d in range(dp):
-        it = iter(SequenceParallelSampler(len(PROMPTS), dp, d, shuffle=True, seed=cfg.seed))
-        picked = [PROMPTS[next(it)] for _ in range(per_dp)]
+    for d, stream in enumerate(streams):
+        picked = [PROMPTS[i] for i in stream.take(per_dp)]
         model.eval()
-        torch.manual_seed(sampling_seed(cfg.seed, 0, d))
+        torch.manual_seed(sampling_seed(cfg.seed, step, d))
         for p in picked:
             ids = list(p["prompt"].encode())
             x = torch.tensor([ids])
@@ -109,15 +120,18 @@ def _reference(cfg_dict: dict, dp: int) -> tuple[float, dict[str, torch.Tensor]]
         per_tok = -a * torch.exp(lp - lp.detach()) + g.beta * k3
         total = total + per_tok.mean()
     loss = total / len(rows)
+    model.zero_grad()
     loss.backward()
     with torch.no_grad():
-        params = {k: (p - cfg.optimizer.lr * p.grad).clone() for k, p in model.named_parameters()}
-    return float(loss.detach()), params
+        for p in model.parameters():
+            p -= cfg.optimizer.lr * p.grad
+    return float(loss.detach())
 
 
-def _compare(losses, state_path, ref_loss, ref_params):
+def _compare(losses, state_path, ref_losses, ref_params):
     state = torch.load(state_path)
-    assert abs(losses[0] - ref_loss) <= TOL
+    assert len(losses) == len(ref_losses)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
     worst = max(float((state[k].float() - v).abs().max()) for k, v in ref_params.items())
     moved = max(float((state[k].float() - v).abs().max()) for k, v in _init_params().items())
     assert worst <= TOL, worst
@@ -133,27 +147,31 @@ def _init_params():
 
 
 def test_grpo_dp2_sp2_matches_reference_and_logs_metrics(data, tmp_path):
-    cfg = _cfg_dict(data, tmp_path / "run", {"size": 2, "ulysses_degree": 2})
+    """Two steps: step 2 samples from the updated policy and has a non-zero KL to the frozen copy."""
+    cfg = {**_cfg_dict(data, tmp_path / "run", {"size": 2, "ulysses_degree": 2}), "max_steps": 2}
     res = run_distributed(_train_world, 4, cfg, timeout=600)
-    ref_loss, ref_params = _reference(cfg, dp=2)
-    worst = _compare(res[0]["losses"], res[0]["state"], ref_loss, ref_params)
-    print(f"dp2 x sp2 vs reference: |loss diff| = {abs(res[0]['losses'][0] - ref_loss):.2e}, "
-          f"max |param diff| = {worst:.2e}")
-    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    ref_losses, ref_params = _reference(cfg, dp=2)
+    worst = _compare(res[0]["losses"], res[0]["state"], ref_losses, ref_params)
+    gap = max(abs(a - b) for a, b in zip(res[0]["losses"], ref_losses))
+    print(f"dp2 x sp2, 2 steps vs reference: losses {res[0]['losses']} vs {ref_losses}, max |loss diff| = "
+          f"{gap:.2e}, max |param diff| = {worst:.2e}")
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    row = rows[0]
     for key in ("loss", "reward", "reward_std", "rewards/seqpar:length", "rewards/seqpar:contains", "kl",
                 "clip_ratio/region_mean", "completion_length", "completion_length_min", "completion_length_max",
                 "completions_empty", "completions_clipped", "grad_norm"):
         assert key in row, key
     assert 1 <= row["completion_length_min"] <= row["completion_length"] <= row["completion_length_max"] <= 12
     assert abs(row["kl"]) <= 1e-6  # step 1: the reference is the policy
+    assert rows[1]["kl"] > 1e-6  # step 2: the policy moved away from the frozen copy
 
 
 @pytest.mark.slow
 def test_grpo_ring2_and_sp1_same_step(data, tmp_path):
     cfg2 = _cfg_dict(data, tmp_path / "sp2", {"size": 2, "ring_degree": 2})
     res = run_distributed(_train_world, 2, cfg2, timeout=600)
-    ref_loss, ref_params = _reference(cfg2, dp=1)
-    worst = _compare(res[0]["losses"], res[0]["state"], ref_loss, ref_params)
+    ref_losses, ref_params = _reference(cfg2, dp=1)
+    worst = _compare(res[0]["losses"], res[0]["state"], ref_losses, ref_params)
     print(f"ring 2 vs reference: max |param diff| = {worst:.2e}")
     one = _train_world(_cfg_dict(data, tmp_path / "sp1", {"size": 1}))
     assert abs(one["losses"][0] - res[0]["losses"][0]) <= TOL
