@@ -303,7 +303,7 @@ def test_grpo_step_more_meshes(world):
 
 
 # ----------------------------------------------------------------------------- vs TRL's own code, in process
-def _trl_loss(loss_type, beta, eps_low, eps_high, logps, entropies, inputs, max_completion_length):
+def _trl_loss(loss_type, beta, eps_low, eps_high, logps, entropies, inputs, max_completion_length, kl_corr=False):
     """TRL's GRPOTrainer._compute_loss on a stand-in trainer whose forward returns the given log-probs."""
     from collections import defaultdict
 
@@ -314,7 +314,7 @@ def _trl_loss(loss_type, beta, eps_low, eps_high, logps, entropies, inputs, max_
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropies, None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
         beta=beta, loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False,
-        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None), aux_loss_enabled=False,
+        args=types.SimpleNamespace(use_bias_correction_kl=kl_corr, delta=None), aux_loss_enabled=False,
         model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
         _entropy_bonus_enabled=False, _metrics=metrics, max_completion_length=max_completion_length,
         accelerator=types.SimpleNamespace(gather=lambda x: x, reduce=lambda x, reduction="sum": x),
@@ -324,8 +324,8 @@ def _trl_loss(loss_type, beta, eps_low, eps_high, logps, entropies, inputs, max_
 
 
 @pytest.mark.parametrize("loss_type", L.GRPO_LOSS_TYPES)
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_grpo_loss_matches_trl_compute_loss(loss_type, beta):
+@pytest.mark.parametrize(("beta", "kl_corr"), [(0.0, False), (0.04, False), (0.04, True)])
+def test_grpo_loss_matches_trl_compute_loss(loss_type, beta, kl_corr):
     """One micro-batch, no SP, GA 1: seqpar.loss.grpo_loss == TRL's _compute_loss (loss, d loss / d logps,
     every metric TRL logs for these loss types) at 1e-6 (fp32), incl. a row with no completion token."""
     pytest.importorskip("trl")
@@ -343,12 +343,13 @@ def test_grpo_loss_matches_trl_compute_loss(loss_type, beta):
     inputs = {"prompt_ids": torch.zeros(b, 2, dtype=torch.long), "prompt_mask": torch.ones(b, 2, dtype=torch.long),
               "completion_ids": torch.zeros(b, c, dtype=torch.long), "completion_mask": mask, "advantages": adv,
               "old_per_token_logps": old, "ref_per_token_logps": ref}
-    want, want_m = _trl_loss(loss_type, beta, 0.2, 0.28, logps, ent, inputs, c)
+    want, want_m = _trl_loss(loss_type, beta, 0.2, 0.28, logps, ent, inputs, c, kl_corr)
     (want_g,) = torch.autograd.grad(want, logps)
     labels = torch.where(mask.bool(), torch.ones_like(mask), torch.full_like(mask, -100))
     den = L.GRPODenominators(torch.tensor(b), mask.sum(), c)
     share, got_m = L.grpo_loss(logps, adv, labels, den, old_logps=old, ref_logps=ref if beta else None, beta=beta,
-                               epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, entropy=ent)
+                               epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, entropy=ent,
+                               kl_ratio_correction=kl_corr)
     (got_g,) = torch.autograd.grad(share, logps)
     assert abs(float(share.detach()) - float(want.detach())) < 1e-6
     assert float((got_g - want_g).abs().max()) < 1e-6

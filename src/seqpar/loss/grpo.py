@@ -193,8 +193,12 @@ def grpo_loss(
     loss_type: str = "bnpo",
     mesh: SequenceParallelMesh | None = None,
     entropy: torch.Tensor | None = None,
+    kl_ratio_correction: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the step's GRPO loss, and detached metrics (formulas: module docstring).
+
+    kl_ratio_correction: multiply the per-token k3 KL by the (differentiable) importance ratio, TRL's
+    `use_bias_correction_kl` (its default since 1.x): the same value on-policy, a different gradient.
 
     logps / old_logps / ref_logps / entropy: this rank's per-token [B, S_local] (values where not
     supervised are ignored). advantages: [B], the same on every SP rank. Gradient flows through
@@ -219,6 +223,8 @@ def grpo_loss(
     if beta != 0:
         d = torch.where(mask, ref_logps.detach().to(lp) - lp, zero)
         kl = torch.exp(d) - d - 1
+        if kl_ratio_correction:
+            kl = kl * ratio
         per_tok = per_tok + beta * kl
     per_tok = torch.where(mask, per_tok, zero)
     r = ratio.detach()

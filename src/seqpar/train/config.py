@@ -117,6 +117,48 @@ class DPOSpec(_Strict):
     gamma: float = 0.5  # SimPO margin
 
 
+class GRPOSpec(_Strict):
+    """`stage: grpo` (docs/grpo.md). reward_funcs: "module:function" import paths (seqpar:<name> for the
+    built-ins of seqpar.train.rewards); beta: KL coefficient (0: no reference model); epsilon /
+    epsilon_high: the PPO clip range [1 - epsilon, 1 + epsilon_high] (epsilon_high None: epsilon)."""
+
+    reward_funcs: list[str] = Field(min_length=1)
+    reward_weights: list[float] | None = None
+    num_generations: int = Field(default=4, ge=2)
+    max_prompt_length: int = Field(default=256, ge=1)
+    max_completion_length: int = Field(default=64, ge=1)
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    beta: float = Field(default=0.0, ge=0)
+    epsilon: float = Field(default=0.2, gt=0, lt=1)
+    epsilon_high: float | None = Field(default=None, gt=0)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "grpo"
+    scale_rewards: Literal["group", "none"] = "group"
+    num_iterations: int = Field(default=1, ge=1)
+    # k3 KL x the differentiable importance ratio (TRL's use_bias_correction_kl; same value on-policy)
+    kl_ratio_correction: bool = False
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_bool(cls, v: Any) -> Any:
+        return {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else v  # TRL's old bool form
+
+    @model_validator(mode="after")
+    def _checks(self) -> GRPOSpec:
+        if self.num_iterations != 1:
+            raise ValueError(
+                f"num_iterations={self.num_iterations}: only 1 is supported (one gradient step per generation, so "
+                "the old policy is the current one): set num_iterations: 1"
+            )
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} "
+                             "reward_funcs: give one weight per function, or drop reward_weights")
+        for p in self.reward_funcs:
+            if p.count(":") != 1 or not all(p.split(":")):
+                raise ValueError(f"reward_funcs entry {p!r}: write it as 'package.module:function' or seqpar:<name>")
+        return self
+
+
 class FinetuningSpec(_Strict):
     method: Literal["full", "lora"] = "full"
     r: int = Field(default=8, ge=1)
@@ -234,8 +276,9 @@ class FSDPSpec(_Strict):
 class TrainConfig(_Strict):
     model: ModelSpec
     dataset: DatasetSpec
-    stage: Literal["sft", "dpo"] = "sft"
+    stage: Literal["sft", "dpo", "grpo"] = "sft"
     dpo: DPOSpec = Field(default_factory=DPOSpec)
+    grpo: GRPOSpec | None = None  # required with stage: grpo
     finetuning: FinetuningSpec = Field(default_factory=FinetuningSpec)
     sequence_parallel: SequenceParallelSpec = Field(default_factory=SequenceParallelSpec)
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec)
@@ -308,12 +351,44 @@ class TrainConfig(_Strict):
             raise ValueError(
                 "dataset.packing is not supported with stage: dpo (pairs are padded rows): set packing: false"
             )
+        if self.stage == "grpo" or self.grpo is not None:
+            _check_grpo(self)
         if self.dataset.packing and self.micro_batch_size != 1:
             raise ValueError(
                 "with dataset.packing, a micro-batch is one packed row of up to max_length tokens: "
                 "set micro_batch_size: 1 (raise max_length or grad_accum for more tokens per step)"
             )
         return self
+
+
+def _check_grpo(cfg: TrainConfig) -> None:
+    """stage: grpo rules that involve more than the grpo: section (docs/grpo.md, "Refusals")."""
+    g = cfg.grpo
+    if cfg.stage != "grpo":
+        raise ValueError(f"a grpo: section is only read with stage: grpo (stage is {cfg.stage!r}): remove it")
+    if g is None:
+        raise ValueError("stage: grpo needs a grpo: section with at least reward_funcs: [...] (docs/grpo.md)")
+    rows = cfg.micro_batch_size * cfg.grad_accum
+    if rows % g.num_generations:
+        raise ValueError(
+            f"grpo.num_generations={g.num_generations} must divide micro_batch_size x grad_accum = {rows} (the "
+            f"completion rows per dp rank and step; a prompt's completions never split over dp ranks): e.g. set "
+            f"grad_accum: {g.num_generations // math.gcd(g.num_generations, cfg.micro_batch_size)}"
+        )
+    if cfg.dataset.packing:
+        raise ValueError("dataset.packing is not supported with stage: grpo (one advantage per row): "
+                         "set packing: false")
+    if cfg.fsdp:
+        raise ValueError("fsdp is not supported with stage: grpo (generation runs on one rank per SP group, an "
+                         "FSDP-sharded forward needs every rank): set fsdp: false")
+    need = g.max_prompt_length + g.max_completion_length
+    if cfg.dataset.max_length < need:
+        raise ValueError(f"dataset.max_length={cfg.dataset.max_length} < grpo.max_prompt_length + "
+                         f"max_completion_length = {need}: set max_length: {need} or more")
+    if cfg.eval_dataset is not None:
+        raise ValueError("eval_dataset is not supported with stage: grpo: remove it")
+    if cfg.num_epochs is not None:
+        raise ValueError("num_epochs is not supported with stage: grpo (steps are counted in prompts): set max_steps")
 
 
 def config_from_dict(data: dict[str, Any], source: str = "config") -> TrainConfig:

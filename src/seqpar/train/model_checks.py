@@ -39,7 +39,7 @@ def model_config(cfg: TrainConfig) -> Any | None:
 
 
 def max_token_id(examples: list) -> int:
-    """Largest token id in tokenized examples (rows, packs of rows, DPO pairs)."""
+    """Largest token id in tokenized examples (rows, packs of rows, DPO pairs, GRPO prompts)."""
     best = -1
     stack = list(examples)
     while stack:
@@ -50,6 +50,8 @@ def max_token_id(examples: list) -> int:
             best = max(best, max(x))
         elif isinstance(x, list):
             stack.extend(x)
+        elif hasattr(x, "prompt_ids"):  # GRPO prompt rows (train/grpo.py)
+            stack.append(x.prompt_ids)
     return best
 
 

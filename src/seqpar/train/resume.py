@@ -20,7 +20,7 @@ from .config import TrainConfig
 
 __all__ = ["run_meta", "MUST_MATCH", "find_resume", "config_differences"]
 
-MUST_MATCH = ("model", "dataset", "stage", "dpo", "finetuning", "sequence_parallel", "precision", "optimizer",
+MUST_MATCH = ("model", "dataset", "stage", "dpo", "grpo", "finetuning", "sequence_parallel", "precision", "optimizer",
               "schedule", "micro_batch_size", "grad_accum", "seed")
 
 

@@ -39,6 +39,7 @@ class StepSpec:
     epsilon_high: float | None = None  # None: epsilon_low
     max_completion_length: int | None = None
     temperature: float = 1.0
+    kl_ratio_correction: bool = False  # GRPO: k3 KL x importance ratio (TRL's use_bias_correction_kl)
 
 
 def count_items(micro_batches: Sequence[dict[str, torch.Tensor]], stage: str) -> torch.Tensor:
@@ -166,6 +167,7 @@ def _grpo_loss(
         -nll, batch["advantages"], labels, den, old_logps=None if old is None else old.to(nll.device),
         ref_logps=None if spec.beta == 0 else ref.to(nll.device), beta=spec.beta, epsilon_low=spec.epsilon_low,
         epsilon_high=spec.epsilon_high, loss_type=spec.loss_type, mesh=mesh, entropy=ent,
+        kl_ratio_correction=spec.kl_ratio_correction,
     )
 
 

@@ -36,6 +36,7 @@ from .config import DatasetSpec, TrainConfig, validate_for_launch, with_total_st
 from .datasets import ByteTokenizer, HFTokenizer, build_examples, describe_stats, load_chat_template, load_rows
 from .evaluation import evaluate
 from .grads import fault_grad_scale, maybe_dump_grads
+from .grpo import GRPORollout, describe_prompt_stats, grpo_reference, grpo_step_spec, load_prompts
 from .lock import OutputDirLock
 from .model_checks import check_model
 from .precision import MasterWeights
@@ -172,6 +173,8 @@ def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
 def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None = None) -> tuple[list, dict[str, int]]:
     """Tokenized (and packed) examples of `spec` (default: cfg.dataset) + stats; every dataset check runs here."""
     tok = tok if tok is not None else load_tokenizer(cfg)
+    if cfg.stage == "grpo" and spec is None:
+        return load_prompts(cfg, tok)  # prompt rows (train/grpo.py)
     d = spec if spec is not None else cfg.dataset
     rows = load_rows(d.path)
     return build_examples(rows, d.format, cfg.stage, tok, d.max_length, d.packing, train_on_prompt=d.train_on_prompt,
@@ -281,6 +284,8 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     nh, nkv = model_heads(cfg)
     u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
     tok = load_tokenizer(cfg)
+    if cfg.stage == "grpo" and emulate_dp > 1:
+        raise SeqParError("stage: grpo has no emulated-dp reference (seqpar verify): compare runs with dp=1 instead")
     examples, data_stats = prepare_examples(cfg, tok)
     eval_data = prepare_examples(cfg, tok, cfg.eval_dataset) if cfg.eval_dataset is not None else None
     cfg = with_total_steps(cfg, len(examples), emulate_dp if emulate_dp > 1 else world // cfg.sequence_parallel.size)
@@ -359,6 +364,7 @@ class _Loop:
     eval_collator: Any = None
     tensorboard: Any = None
     nonfinite_streak: int = 0  # consecutive skipped (non-finite) steps
+    rollout: GRPORollout | None = None  # stage: grpo: builds each step's micro-batches (train/grpo.py)
 
 
 def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
@@ -368,7 +374,7 @@ def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: to
     from ..hf import apply_sequence_parallel
 
     lora = cfg.finetuning.method == "lora"
-    needs_ref = cfg.stage == "dpo" and cfg.dpo.loss_type != "simpo"
+    needs_ref = (cfg.stage == "dpo" and cfg.dpo.loss_type != "simpo") or (cfg.stage == "grpo" and cfg.grpo.beta > 0)
     bf16 = cfg.precision != "fp32"
     # bf16: fp32 master weights + bf16 compute: with FSDP2 its MixedPrecisionPolicy (fp32 gradient
     # reduction), without FSDP MasterWeights (train/precision.py: taken from the fp32 weights, then the
@@ -406,8 +412,11 @@ def _build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: to
     if needs_ref:
         # Full fine-tuning: the frozen copy; LoRA: the policy itself with the adapter disabled.
         fused = dict(fused_loss=cfg.memory.fused_loss, loss_chunk_tokens=cfg.memory.loss_chunk_tokens)
-        reference = (ReferenceLogps(mesh, ref_model=ref_model, **fused) if ref_model is not None
-                     else ReferenceLogps(mesh, policy=model, **fused))
+        if cfg.stage == "grpo":
+            reference = grpo_reference(cfg, ref_model, model)
+        else:
+            reference = (ReferenceLogps(mesh, ref_model=ref_model, **fused) if ref_model is not None
+                         else ReferenceLogps(mesh, policy=model, **fused))
     return model, reference, prec
 
 
@@ -517,6 +526,8 @@ def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, dat
         scheduler.load_state_dict(state["scheduler"])
         for s, st in zip(streams, state["data"]):
             s.load_state_dict(st)
+    if cfg.stage == "grpo":
+        loop.spec, loop.rollout = grpo_step_spec(cfg), GRPORollout(cfg, mesh, tok, examples, collator)
     if rank == 0:
         _trim_metrics(metrics_path, start_step)
         if start_step == 0:
@@ -564,7 +575,8 @@ def _report_data_stats(cfg: TrainConfig, rank: int, stats: dict, eval_stats: dic
     """Rank 0 prints what the data pipeline truncated or dropped (rows are never changed silently)."""
     if rank != 0:
         return
-    lines = describe_stats(stats, cfg.dataset.max_length)
+    lines = (describe_prompt_stats(stats, cfg.grpo.max_prompt_length) if cfg.stage == "grpo"
+             else describe_stats(stats, cfg.dataset.max_length))
     if eval_stats is not None:
         lines += describe_stats(eval_stats, cfg.eval_dataset.max_length, "eval_dataset")
     for line in lines:
@@ -631,11 +643,12 @@ def _next_micro_batches(loop: _Loop) -> list[dict[str, torch.Tensor]]:
     return micro
 
 
-def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
-    """One optimizer step (all micro-batches of every dp slot this process plays); returns its metrics row."""
+def _train_step(loop: _Loop, step: int, prepared: tuple[list, dict] | None = None) -> dict[str, Any]:
+    """One optimizer step (all micro-batches of every dp slot this process plays); returns its metrics row.
+    prepared: (micro-batches, extra metrics) built beforehand (stage: grpo, see _measured_step)."""
     cfg, mesh = loop.cfg, loop.mesh
     t0 = time.perf_counter()
-    micro = _next_micro_batches(loop)
+    micro, rollout_metrics = prepared if prepared is not None else (_next_micro_batches(loop), {})
     # Global denominator first: all micro-batches of the step, then over dp (pitfalls 4 and 5).
     num_items = L.global_token_count(count_items(micro, cfg.stage), mesh)
     share_sum = torch.zeros((), dtype=torch.float32)
@@ -669,8 +682,9 @@ def _train_step(loop: _Loop, step: int) -> dict[str, Any]:
             dpo_metrics = dict(zip(dpo_metrics, (mt / mesh.dp_size).tolist()))
     dt = time.perf_counter() - t0
     return {"step": step + 1, "loss": loss_val, "lr": loop.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
-            "tokens": tokens, "supervised": int(num_items), "tokens_per_s": tokens / dt, "step_s": dt,
-            "peak_mem_mb": float(stats[0]), "nonfinite": int(not finite), **dpo_metrics}
+            "tokens": tokens, "supervised": int(num_items.reshape(-1)[-1]), "tokens_per_s": tokens / dt,
+            "step_s": dt, "peak_mem_mb": float(stats[0]), "nonfinite": int(not finite), **dpo_metrics,
+            **rollout_metrics}
 
 
 def _apply_update(loop: _Loop, loss: float, grad_norm: float) -> bool:
@@ -711,11 +725,17 @@ def _export_final(loop: _Loop, tok: Any, result: TrainResult, step: int) -> None
 
 
 def _measured_step(loop: _Loop, step: int) -> dict[str, Any]:
-    """_train_step inside the memory meter (memory.measure): adds peak_alloc_mb, the max over ranks."""
+    """_train_step inside the memory meter (memory.measure): adds peak_alloc_mb, the max over ranks.
+    stage: grpo: generation and rewards run first, outside the meter (its module hooks are for training)."""
+    prepared = None
+    if loop.rollout is not None:
+        t0 = time.perf_counter()
+        prepared = loop.rollout.step_batches(loop.model, loop.streams[0], step)
+        prepared[1]["rollout_s"] = time.perf_counter() - t0
     if loop.meter is None:
-        return _train_step(loop, step)
+        return _train_step(loop, step, prepared)
     with loop.meter.measure():
-        row = _train_step(loop, step)
+        row = _train_step(loop, step, prepared)
     peak = [float(loop.meter.last["peak_bytes"])]
     if loop.world > 1:
         peak = comm.all_reduce_values(peak, dist.group.WORLD, loop.mesh.comm_device, op=dist.ReduceOp.MAX).tolist()

@@ -20,6 +20,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         f"seqpar.trl needs TRL (import failed: {e}): pip install 'seqpar[trl]'"
     ) from e
 
+from .grpo import SequenceParallelGRPOTrainer
 from .trainer import SequenceParallelDPOTrainer, SequenceParallelSFTTrainer
 
-__all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer"]
+__all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer", "SequenceParallelGRPOTrainer"]

@@ -1,0 +1,218 @@
+"""`stage: grpo` for the plain loop: prompts -> completions -> rewards -> SP micro-batches.
+
+Per optimizer step and dp rank: micro_batch_size x grad_accum completion rows = that many /
+num_generations prompts (a prompt's completions never split over dp ranks). Each SP group
+generates once on its first rank (seqpar.hf.generation), scores there (seqpar.train.rewards) and
+broadcasts, so every rank of a group builds the same rows; any failure (generation or a reward
+function) is agreed over dp and raised as the same SeqParError on every rank before the step's
+first training collective. Rows are prompt + completion with only completion tokens supervised,
+collated by seqpar.data.SequenceParallelCollator (the same padding, sharding and position_ids as
+SFT), each micro-batch carrying "advantages" [B] for `micro_batch_loss` stage "grpo".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..data import SequenceParallelCollator
+from ..errors import SeqParError
+from ..hf.generation import generate_for_group, group_source_rank
+from ..mesh import SequenceParallelMesh
+from .config import TrainConfig
+from .datasets import ByteTokenizer, load_rows
+from .formats import normalize_messages
+from .rewards import group_advantages, score
+
+__all__ = ["PromptRow", "load_prompts", "GRPORollout", "grpo_step_spec", "grpo_reference", "describe_prompt_stats"]
+
+_IGNORE = -100
+
+
+@dataclass
+class PromptRow:
+    prompt: Any  # the dataset's value: text, or a list of chat messages
+    prompt_ids: list[int]
+    columns: dict[str, Any] = field(default_factory=dict)  # every other column, for the reward functions
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.prompt, list)
+
+
+def _tokenize_prompt(prompt: Any, tok: Any, i: int) -> list[int]:
+    if isinstance(prompt, str):
+        return tok.encode(prompt)  # plain text: no chat template (TRL's "standard" prompts)
+    if isinstance(prompt, list):
+        if not (isinstance(tok, ByteTokenizer) or getattr(tok, "has_chat_template", False)):
+            raise SeqParError(f"row {i}: a chat-message prompt needs a chat template: set dataset.chat_template")
+        return tok.chat(normalize_messages(prompt, i), add_generation_prompt=True)
+    raise SeqParError(f"row {i}: 'prompt' must be text or a list of chat messages, got {type(prompt).__name__}")
+
+
+def load_prompts(cfg: TrainConfig, tok: Any) -> tuple[list[PromptRow], dict[str, int]]:
+    """Prompt rows of cfg.dataset; prompts over grpo.max_prompt_length keep their END (truncated left,
+    as TRL), counted in stats["prompt_truncated"]. Empty prompts are refused."""
+    rows = load_rows(cfg.dataset.path)
+    keep = cfg.grpo.max_prompt_length
+    out, cut = [], 0
+    for i, row in enumerate(rows):
+        if "prompt" not in row:
+            raise SeqParError(f"{cfg.dataset.path}: row {i} has no 'prompt' column: stage: grpo reads prompt rows "
+                              f"(text or chat messages, plus any columns the reward functions read)")
+        ids = _tokenize_prompt(row["prompt"], tok, i)
+        if not ids:
+            raise SeqParError(f"row {i}: the prompt is empty: remove the row")
+        if len(ids) > keep:
+            ids, cut = ids[-keep:], cut + 1
+        out.append(PromptRow(row["prompt"], ids, {k: v for k, v in row.items() if k != "prompt"}))
+    # truncated / dropped_unsupervised: the SFT/DPO keys `seqpar check` prints (nothing is cut or dropped here)
+    return out, {"rows": len(out), "prompt_truncated": cut, "truncated": 0, "dropped_unsupervised": 0}
+
+
+def describe_prompt_stats(stats: dict[str, int], max_prompt_length: int) -> list[str]:
+    if not stats.get("prompt_truncated"):
+        return []
+    return [f"dataset: {stats['prompt_truncated']} of {stats['rows']} prompts cut to their last "
+            f"grpo.max_prompt_length={max_prompt_length} tokens"]
+
+
+def grpo_step_spec(cfg: TrainConfig) -> Any:
+    """The StepSpec of stage "grpo" (seqpar.train.steps; its GRPO fields come with the GRPO loss core)."""
+    from .steps import StepSpec
+
+    g = cfg.grpo
+    return StepSpec(stage="grpo", beta=g.beta, loss_type=g.loss_type, fused_loss=cfg.memory.fused_loss,
+                    loss_chunk_tokens=cfg.memory.loss_chunk_tokens, epsilon_low=g.epsilon,
+                    epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
+                    kl_ratio_correction=g.kl_ratio_correction,
+                    temperature=g.temperature)
+
+
+def grpo_reference(cfg: TrainConfig, ref_model: torch.nn.Module | None, policy: torch.nn.Module) -> Any:
+    """Per-token reference log-probs for the KL term (beta > 0): the frozen copy, or (LoRA) the policy
+    with its adapter disabled, at the sampling temperature (the GRPO loss core's ReferenceTokenLogps)."""
+    from .steps import ReferenceTokenLogps
+
+    kw = dict(fused_loss=cfg.memory.fused_loss, loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+              temperature=cfg.grpo.temperature)
+    return (ReferenceTokenLogps(ref_model=ref_model, **kw) if ref_model is not None
+            else ReferenceTokenLogps(policy=policy, **kw))
+
+
+def _texts(tok: Any, rows: list[PromptRow], completions: list[list[int]], g: int) -> tuple[list, list]:
+    """TRL's reward inputs: prompts as given; completions as text, or [{"role": "assistant", ...}]
+    for chat prompts. Ids only (no decode) for a tokenizer without decode."""
+    prompts = [r.prompt for r in rows for _ in range(g)]
+    if not hasattr(tok, "decode"):
+        return prompts, completions
+    eos = tok.eos_token_id
+    texts = [tok.decode([t for t in c if t != eos]) for c in completions]
+    conv = [r.conversational for r in rows for _ in range(g)]
+    return prompts, [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, conv)]
+
+
+class GRPORollout:
+    """Builds one step's GRPO micro-batches for this rank (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, mesh: SequenceParallelMesh, tok: Any, prompts: list[PromptRow],
+                 collator: SequenceParallelCollator) -> None:
+        self.cfg, self.mesh, self.tok, self.prompts, self.collator = cfg, mesh, tok, prompts, collator
+        self.g = cfg.grpo
+
+    def _score(self, rows: list[PromptRow], completions: list[list[int]]) -> Any:
+        """(per_func [n, F], total [n]) or the SeqParError, computed on the group's first rank."""
+        if self.mesh.sp_rank != 0:
+            return None
+        try:
+            prompts, texts = _texts(self.tok, rows, completions, self.g.num_generations)
+            names = {k for r in rows for k in r.columns}
+            cols = {k: [r.columns.get(k) for r in rows for _ in range(self.g.num_generations)] for k in names}
+            return score(self.g.reward_funcs, self.g.reward_weights, prompts, texts, completions, cols)
+        except SeqParError as e:
+            return e
+
+    def _agree(self, err: Exception | None) -> None:
+        """Every rank raises the same error when any SP group failed (first failing dp rank's message)."""
+        m = self.mesh
+        if m.dp_size > 1:
+            first = comm.all_reduce_values([m.dp_rank if err is not None else m.dp_size], m.dp_group,
+                                           m.comm_device, op=dist.ReduceOp.MIN).tolist()[0]
+            if int(first) < m.dp_size:
+                err = comm.broadcast_object(err, int(first) * m.sp_size, m.comm_device)
+        if err is not None:
+            raise SeqParError(str(err))
+
+    def rollout(self, model: torch.nn.Module, rows: list[PromptRow], step: int) -> tuple[list, torch.Tensor, Any]:
+        """(completions, advantages [n], per-function rewards [n, F]) for `rows`, identical on the SP group."""
+        g, err, completions, scored = self.g, None, None, None
+        try:
+            completions = generate_for_group(
+                model, self.mesh, [r.prompt_ids for r in rows], num_generations=g.num_generations,
+                max_new_tokens=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
+                seed=self.cfg.seed, step=step, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
+        except SeqParError as e:
+            err = e
+        if err is None:
+            scored = self._score(rows, completions)
+            if self.mesh.sp_size > 1:
+                scored = comm.broadcast_object(scored, group_source_rank(self.mesh), self.mesh.comm_device,
+                                               group=self.mesh.sp_group)
+            err = scored if isinstance(scored, Exception) else None
+        self._agree(err)
+        per_func, total = scored
+        return completions, group_advantages(total, g.num_generations, g.scale_rewards), (per_func, total)
+
+    def micro_batches(self, rows: list[PromptRow], completions: list[list[int]],
+                      advantages: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """SP micro-batches of micro_batch_size rows each: prompt + completion, completion supervised."""
+        n_gen, mbs = self.g.num_generations, self.cfg.micro_batch_size
+        full = []
+        for j, c in enumerate(completions):
+            p = rows[j // n_gen].prompt_ids
+            full.append({"input_ids": p + c, "labels": [_IGNORE] * len(p) + c})
+        out = []
+        for s in range(0, len(full), mbs):
+            b = self.collator(full[s:s + mbs])
+            b["advantages"] = advantages[s:s + mbs].to(torch.float32)
+            out.append(b)
+        return out
+
+    def metrics(self, completions: list[list[int]], scored: Any) -> dict[str, float]:
+        """Rewards and completion lengths over the whole step (all dp ranks; SP ranks hold the same)."""
+        per_func, total = scored
+        eos = self.tok.eos_token_id
+        lens = [len(c) for c in completions]
+        sums = [float(total.sum()), float((total ** 2).sum()), float(total.numel()), float(sum(lens)),
+                float(sum(1 for c in completions if c[:1] == [eos])),
+                float(sum(1 for c in completions if eos not in c))]
+        for f in range(per_func.shape[1]):
+            col = per_func[:, f]
+            ok = ~torch.isnan(col)
+            sums += [float(col[ok].sum()), float(ok.sum())]
+        ext = [float(max(lens)), -float(min(lens))]
+        m = self.mesh
+        if m.dp_size > 1:
+            sums = comm.all_reduce_values(sums, m.dp_group, m.comm_device).tolist()
+            ext = comm.all_reduce_values(ext, m.dp_group, m.comm_device, op=dist.ReduceOp.MAX).tolist()
+        n = sums[2]
+        mean = sums[0] / n
+        out = {"reward": mean, "reward_std": math.sqrt(max(0.0, sums[1] / n - mean * mean) * n / max(1.0, n - 1)),
+               "completion_length": sums[3] / n, "completion_length_max": ext[0], "completion_length_min": -ext[1],
+               "completions_empty": int(sums[4]), "completions_clipped": int(sums[5])}
+        for f, name in enumerate(self.g.reward_funcs):
+            s, c = sums[6 + 2 * f], sums[7 + 2 * f]
+            out[f"rewards/{name}"] = s / c if c else math.nan
+        return out
+
+    def step_batches(self, model: torch.nn.Module, stream: Any, step: int) -> tuple[list, dict[str, float]]:
+        """One optimizer step: this dp rank's prompts from `stream`, rolled out, collated; plus metrics."""
+        rows = [self.prompts[i] for i in stream.take(self.cfg.micro_batch_size * self.cfg.grad_accum
+                                                     // self.g.num_generations)]
+        completions, advantages, scored = self.rollout(model, rows, step)
+        return self.micro_batches(rows, completions, advantages), self.metrics(completions, scored)

@@ -1,0 +1,333 @@
+"""`trl.GRPOTrainer` drop-in that trains under exact sequence parallelism.
+
+    trainer = SequenceParallelGRPOTrainer(model=model, reward_funcs=f, args=GRPOConfig(...), train_dataset=ds,
+                                          processing_class=tok, sequence_parallel_size=2)  # was: GRPOTrainer(...)
+
+Division of labour. TRL keeps: dataset handling (RepeatSampler order, prompt tokenisation, chat
+templates), generation (its transformers path, its GenerationConfig), reward functions and reward
+models, group advantages (scale_rewards, multi_objective_aggregation), metrics and logs. seqpar
+changes, under SP:
+- prompts go to DP ranks only: the sampler's batches are sharded over dp (accelerate's
+  BatchSamplerShard with dp rank / size), so every rank of an SP group holds the same prompts;
+- generation runs once per SP group, on its first rank, with SP paused, and the completion ids
+  (and that rank's RNG state afterwards, so TRL's later row shuffle agrees) are broadcast to the
+  group: every SP rank scores and trains identical completions;
+- TRL's gathers while scoring (`accelerator.gather`, `gather`, `gather_object`) and its
+  `process_index` / `num_processes` see the dp ranks only: a gather over all ranks keeps the SP
+  group's first rank's copy, so rewards and advantages are the SP group's first rank's values;
+- TRL's un-sharded reference forward is skipped; the policy and (beta != 0) reference per-token
+  log-probs and the loss run under SP in seqpar's shared step (`micro_batch_loss` stage "grpo") on
+  SP-collated prompt + completion rows, completion tokens supervised.
+Normalisation: seqpar's (seqpar.loss.grpo): denominators are the optimizer step's global counts
+(sequences for "grpo" / "dr_grpo", completion tokens for "bnpo") over all micro-batches and dp ranks.
+TRL normalises each micro-batch alone and averages; the two agree for "grpo" / "dr_grpo" (every
+micro-batch has per_device_train_batch_size rows) and for "bnpo" when micro-batches hold equal
+completion-token counts (always with one micro-batch per step and dp = 1).
+Everything else is refused at construction (identically on every rank, before any collective).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import trl
+from accelerate.data_loader import BatchSamplerShard
+from accelerate.utils import gather as _accelerate_gather
+from torch.utils.data import BatchSampler, DataLoader
+from trl.trainer import grpo_trainer as _trl_grpo
+
+from .. import comm
+from .. import loss as L
+from ..data import SequenceParallelCollator
+from ..errors import SeqParError
+from ..hf.generation import group_source_rank, sequence_parallel_paused
+from ..hf.trainer import SequenceParallelTrainer, _pad_id
+from ..mesh import SequenceParallelMesh
+from ..train.steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
+from .trainer import _coerce_args, _instantiate, _refuse, _refuse_common, _refuse_moe_aux, _sp_kwargs
+
+__all__ = ["SequenceParallelGRPOTrainer"]
+
+_IGNORE = -100
+
+
+class _GRPOBase(trl.GRPOTrainer):
+    """trl.GRPOTrainer taking (and dropping) the data_collator seqpar's HF drop-in always passes: TRL's
+    GRPO collator is the identity, and seqpar collates in compute_loss."""
+
+    def __init__(self, *args: Any, data_collator: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+
+
+def _refuse_grpo(name: str, args: Any, kwargs: dict[str, Any], train_dataset: Any, eval_dataset: Any) -> None:
+    """TRL GRPO options seqpar cannot run exactly under SP (SeqParError naming the alternative)."""
+    checks = [
+        (args.use_vllm, "use_vllm=True", "vLLM generates outside the SP process groups",
+         "drop use_vllm (generation runs once per SP group with the transformers backend)"),
+        (args.use_transformers_continuous_batching, "use_transformers_continuous_batching=True",
+         "only the transformers generate() path is paused and broadcast", "drop it"),
+        (args.loss_type not in L.GRPO_LOSS_TYPES, f"loss_type={args.loss_type!r}",
+         "seqpar's GRPO step implements TRL's grpo / bnpo / dr_grpo only", "use loss_type='grpo' or 'bnpo'"),
+        (args.num_iterations != 1, f"num_iterations={args.num_iterations}",
+         "old log-probs would come from an un-sharded forward", "use num_iterations=1"),
+        (args.steps_per_generation != args.gradient_accumulation_steps,
+         f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps="
+         f"{args.gradient_accumulation_steps}", "seqpar normalises over the whole step's generation batch",
+         "leave steps_per_generation / generation_batch_size unset"),
+        (args.top_entropy_quantile < 1.0, f"top_entropy_quantile={args.top_entropy_quantile}",
+         "the entropy quantile would need a gather over the sequence shards", "use top_entropy_quantile=1.0"),
+        (args.importance_sampling_level != "token", f"importance_sampling_level={args.importance_sampling_level!r}",
+         "seqpar's GRPO loss is token-level", "use importance_sampling_level='token'"),
+        (args.off_policy_mask_threshold is not None, "off_policy_mask_threshold=", "not implemented", "drop it"),
+        (args.entropy_coef != 0.0 or args.use_adaptive_entropy, "an entropy bonus (entropy_coef / "
+         "use_adaptive_entropy)", "not implemented in seqpar's GRPO loss", "set entropy_coef=0.0"),
+        (args.sync_ref_model, "sync_ref_model=True", "not implemented", "set sync_ref_model=False"),
+        (args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True", "seqpar's fused head casts itself", "drop it"),
+        (args.delta is not None, "delta= (two-sided clipping)", "not implemented", "drop delta"),
+        (args.eval_strategy != "no" or eval_dataset is not None, "evaluation (eval_dataset / eval_strategy)",
+         "GRPO evaluation generates and scores, which the SP drop-in does not run", "drop eval_dataset and "
+         "evaluate with the stock trl.GRPOTrainer on one process"),
+    ]
+    for bad, what, why, instead in checks:
+        if bad:
+            raise _refuse(name, what, why, instead)
+    for key, what in (("tools", "tools="), ("rollout_func", "rollout_func="), ("environment_factory",
+                                                                               "environment_factory=")):
+        if kwargs.get(key):
+            raise _refuse(name, what, "multi-turn rollouts are not broadcast over the SP group",
+                          "use single-turn generation")
+    if train_dataset is not None and not hasattr(train_dataset, "__getitem__"):
+        raise _refuse(name, "an IterableDataset", "the SP sampler indexes the dataset", "use a map-style Dataset")
+
+
+class _DPView:
+    """The accelerator as TRL's scoring code must see it under SP: dp ranks only (see module docstring)."""
+
+    def __init__(self, accelerator: Any, mesh: SequenceParallelMesh) -> None:
+        self._acc, self._mesh = accelerator, mesh
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._acc, name)
+
+    @property
+    def process_index(self) -> int:
+        return self._mesh.dp_rank
+
+    @property
+    def num_processes(self) -> int:
+        return self._mesh.dp_size
+
+    def gather(self, t: Any) -> Any:
+        return _dp_gather(t, self._mesh)
+
+
+def _dp_gather(t: Any, mesh: SequenceParallelMesh) -> Any:
+    """accelerate's all-process gather, keeping each SP group's first rank's part (ranks are dp-major)."""
+    g = _accelerate_gather(t)
+    if mesh.sp_size == 1:
+        return g
+    if isinstance(t, torch.Tensor):
+        parts = g.chunk(mesh.world_size) if t.dim() else list(g)
+        parts = parts[::mesh.sp_size]
+        return torch.cat(parts) if t.dim() else torch.stack(parts)
+    raise SeqParError(f"cannot gather a {type(t).__name__} over dp")
+
+
+def _dp_gather_object(obj: list) -> list:
+    """TRL's gather_object over dp: each SP group's first rank's list (rank order dp-major)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return list(obj)
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, obj)
+    sp = _CURRENT_SP[0]
+    return [x for p in parts[::sp] for x in p]
+
+
+_CURRENT_SP = [1]  # SP size for _dp_gather_object while TRL scores (set only inside _dp_scoring)
+
+
+def _rng_states(device: torch.device) -> tuple[torch.Tensor, Any]:
+    dev = None if device.type == "cpu" else torch.get_device_module(device.type).get_rng_state()
+    return torch.get_rng_state(), dev
+
+
+def _set_rng_states(states: tuple[torch.Tensor, Any], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:  # GPU path: untested on CPU CI
+        torch.get_device_module(device.type).set_rng_state(states[1])
+
+
+def _rows(inputs: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
+    """TRL's padded prompt / completion tensors -> unpadded rows, only completion tokens supervised."""
+    out = []
+    for p, pm, c, cm in zip(inputs["prompt_ids"].tolist(), inputs["prompt_mask"].tolist(),
+                            inputs["completion_ids"].tolist(), inputs["completion_mask"].tolist()):
+        prompt = [t for t, m in zip(p, pm) if m]
+        comp = [t for t, m in zip(c, cm) if m]
+        out.append({"input_ids": prompt + comp, "labels": [_IGNORE] * len(prompt) + comp})
+    return out
+
+
+class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
+    """`trl.GRPOTrainer` with exact sequence parallelism (loss_type "grpo", "bnpo" or "dr_grpo").
+
+    Arguments as trl.GRPOTrainer, plus seqpar's: sequence_parallel_size (default: world size),
+    ulysses_degree, ring_degree, layout, mesh, fused_loss, loss_chunk_tokens, tiled_mlp.
+    Reference (beta != 0): TRL's (reloaded by model name; a PEFT policy with its adapter disabled),
+    run under SP.
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, *,
+                 sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
+                 ring_degree: int | None = None, layout: str = "zigzag", mesh: SequenceParallelMesh | None = None,
+                 fused_loss: bool = True, loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False,
+                 peft_config: Any = None, **kwargs: Any) -> None:
+        name = type(self).__name__
+        args = _coerce_args(args, trl.GRPOConfig, model, "GRPO")
+        _refuse_common(name, args, kwargs.pop("data_collator", None), kwargs, train_dataset)
+        _refuse_grpo(name, args, kwargs, train_dataset, eval_dataset)
+        model = _instantiate(model, args, peft_config)
+        if args.beta != 0 and hasattr(model, "peft_config") and "ref" in model.peft_config:
+            raise _refuse(name, "a PEFT model with a 'ref' adapter", "seqpar's reference disables the adapter",
+                          "pass a model without a 'ref' adapter")
+        self._sp_den: L.GRPODenominators | None = None
+        self._grpo_args = args  # _make_spec runs before the Trainer stores self.args
+        SequenceParallelTrainer.__init__(
+            self, model, args, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=None,
+            processing_class=processing_class,
+            **_sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
+                         loss_chunk_tokens, tiled_mlp), **kwargs)
+        _refuse_moe_aux(self)
+        # TRL sized the generation batch with the world size; under SP only dp ranks take prompts.
+        per_step = self._train_batch_size * args.steps_per_generation * self.sp_mesh.dp_size
+        if per_step % args.num_generations:
+            raise SeqParError(f"{name}: per_device_train_batch_size x steps_per_generation x dp ({per_step}) must be "
+                              f"divisible by num_generations={args.num_generations} (dp = world / SP size)")
+        args.generation_batch_size = per_step
+        self._sp_reference = self._grpo_reference()
+        self._sp_collator = SequenceParallelCollator(self.sp_mesh, _pad_id(self.model, self._tokenizer))
+
+    # ------------------------------------------------------------------ set-up
+    def _make_spec(self) -> StepSpec:
+        a = self._grpo_args
+        return StepSpec("grpo", beta=a.beta, loss_type=a.loss_type, fused_loss=self._sp_fused[0],
+                        loss_chunk_tokens=self._sp_fused[1], epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
+                        max_completion_length=a.max_completion_length, temperature=a.temperature,
+                        kl_ratio_correction=bool(getattr(a, "use_bias_correction_kl", False)))
+
+    def _grpo_reference(self) -> ReferenceTokenLogps | None:
+        """TRL's reference (None for beta 0), run under SP: its ref_model with seqpar attention, or the PEFT
+        policy with the adapter disabled."""
+        if self.beta == 0:
+            return None
+        kw = dict(fused_loss=self._sp_fused[0], loss_chunk_tokens=self._sp_fused[1], temperature=self.temperature)
+        if self.ref_model is None:
+            return ReferenceTokenLogps(policy=self.model, **kw)
+        from ..hf.attention import apply_sequence_parallel, is_sequence_parallel
+
+        ref = self.accelerator.unwrap_model(self.ref_model)
+        ref.eval().requires_grad_(False)
+        if not is_sequence_parallel(ref):
+            apply_sequence_parallel(ref, self.sp_mesh)
+        return ReferenceTokenLogps(ref_model=ref, **kw)
+
+    # ------------------------------------------------------------------ data: prompts over dp only
+    def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
+        return None  # TRL's GRPO collator is the identity; rows are SP-collated in compute_loss
+
+    def get_train_dataloader(self) -> DataLoader:
+        """TRL's RepeatSampler order, its generation batches sharded over dp ranks (not over all ranks)."""
+        ds = self.train_dataset
+        if ds is None:
+            raise SeqParError("no dataset given: pass train_dataset=")
+        if self.args.remove_unused_columns:
+            ds = self._remove_unused_columns(ds, description="training")
+        per_gen = self._train_batch_size * self.args.steps_per_generation
+        batches = BatchSamplerShard(BatchSampler(self._get_train_sampler(ds), per_gen, self.args.dataloader_drop_last),
+                                    num_processes=self.sp_mesh.dp_size, process_index=self.sp_mesh.dp_rank,
+                                    split_batches=False, even_batches=True)
+        return DataLoader(ds, batch_sampler=batches, collate_fn=self.data_collator,
+                          num_workers=self.args.dataloader_num_workers)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> None:
+        return None  # raw prompts here; the step's counts come with its generation batch (_sp_den)
+
+    # ------------------------------------------------------------------ generation and scoring
+    @contextlib.contextmanager
+    def _dp_scoring(self) -> Iterator[None]:
+        """TRL's scoring sees dp ranks only and skips its un-sharded reference forward (beta read as 0)."""
+        acc, beta = self.accelerator, self.beta
+        _CURRENT_SP[0] = self.sp_mesh.sp_size
+        saved = {k: getattr(_trl_grpo, k) for k in ("gather", "gather_object")}
+        try:
+            self.accelerator, self.beta = _DPView(acc, self.sp_mesh), 0.0
+            _trl_grpo.gather = lambda t: _dp_gather(t, self.sp_mesh)
+            _trl_grpo.gather_object = _dp_gather_object
+            yield
+        finally:
+            self.accelerator, self.beta = acc, beta
+            for k, v in saved.items():
+                setattr(_trl_grpo, k, v)
+            _CURRENT_SP[0] = 1
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        with self._dp_scoring():
+            out = super()._generate_and_score_completions(inputs)
+        # One generation batch = one optimizer step (steps_per_generation == grad accum, num_iterations 1):
+        # its global counts are the step's GRPO denominators.
+        local = torch.stack([torch.tensor(out["completion_mask"].shape[0]), out["completion_mask"].sum().cpu()])
+        self._sp_den = L.GRPODenominators.from_counts(L.global_token_count(local, self.sp_mesh).cpu(),
+                                                      self.args.max_completion_length)
+        return out
+
+    def _generate_single_turn(self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: int,
+                              has_tool_images: bool = False) -> Any:
+        """TRL's generation on the SP group's first rank, SP paused; ids and RNG state broadcast to the group."""
+        mesh = self.sp_mesh
+        if mesh.sp_size == 1:
+            with sequence_parallel_paused(self.model):
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
+        device = self.accelerator.device
+        result: Any = None
+        if mesh.sp_rank == 0:
+            try:
+                with sequence_parallel_paused(self.model):
+                    ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                                  num_generations, has_tool_images)
+                result = (ids, logprobs, _rng_states(device))
+            except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
+                result = SeqParError(f"generation failed on rank {group_source_rank(mesh)}: {type(e).__name__}: {e}")
+        result = comm.broadcast_object(result, group_source_rank(mesh), mesh.comm_device, group=mesh.sp_group)
+        if isinstance(result, Exception):
+            raise result
+        ids, logprobs, rng = result
+        _set_rng_states(rng, device)  # TRL shuffles the rows next: the same permutation on every SP rank
+        return ids, logprobs
+
+    # ------------------------------------------------------------------ loss under SP
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if return_outputs:
+            raise SeqParError(f"{type(self).__name__}.compute_loss(return_outputs=True) is not supported "
+                              "(logits are sharded over the sequence)")
+        batch = self._sp_collator(_rows(inputs))
+        batch["advantages"] = inputs["advantages"].detach().float().cpu()
+        den = self._sp_den
+        if den is None:
+            raise SeqParError("GRPO compute_loss ran before a generation batch was scored")
+        share, metrics = micro_batch_loss(model, batch, den, self.sp_mesh, self._sp_spec, self._sp_reference)
+        mode = "train" if model.training else "eval"
+        for k, v in metrics.items():
+            self._metrics[mode][k].append(float(v))
+        return share * self._grad_factor(model)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict:
+        raise SeqParError(f"{type(self).__name__}.evaluate() is not supported (GRPO evaluation generates and "
+                          "scores): evaluate with the stock trl.GRPOTrainer on one process")

@@ -1,0 +1,242 @@
+"""seqpar.trl.SequenceParallelGRPOTrainer: a TRL GRPO script gains SP by changing the class name.
+
+Reference: the STOCK trl.GRPOTrainer, one process, no SP, in the test process. SP run: the seqpar
+class in a spawned gloo world. Matching: the same tiny 2-layer Llama (saved to a folder and loaded by
+path in both runs, so TRL's reference model for beta > 0 reloads it), the same prompts and seed (TRL's
+RepeatSampler gives the same global prompt order; seqpar shards its generation batches over dp), and
+the SAME completions: `trl.GRPOTrainer._generate_single_turn` is replaced in both runs by a
+deterministic function of the prompt ids (the seqpar class still runs it on the SP group's first
+rank with SP paused and broadcasts), so rewards and advantages agree too. One micro-batch per step
+(grad accumulation 1; the stock batch holds the rows of all dp ranks), so TRL's per-micro-batch
+normalisation equals seqpar's step normalisation. SGD lr 0.1, no clipping, 2 steps; logged losses
+and updated parameters compared at fp32 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from seqpar.testing import run_distributed  # noqa: E402
+
+TOL = 1e-5
+WORDS = "the cat sat on a mat while dogs ran far and birds sang songs of long summer days".split()
+NUM_GEN = 2
+
+
+def _tok():
+    from seqpar.hf import load_smollm2_tokenizer
+
+    return load_smollm2_tokenizer()
+
+
+def _dataset():
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(8):
+        n = int(torch.randint(3, 10, (1,), generator=g))
+        rows.append({"prompt": " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))})
+    return datasets.Dataset.from_list(rows)
+
+
+def reward_chars(completions, **kwargs):
+    """Toy reward: varies with the completion text (TRL names the metric after the function)."""
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+def _fake_generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """Deterministic completions: the k-th copy of a prompt in this call gets its own ids and length."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for ids in prompt_ids:
+        k = seen[tuple(ids)] = seen.get(tuple(ids), -1) + 1
+        n = 3 + (sum(ids) + 3 * k) % 6  # 3..8 tokens (<= max_completion_length)
+        out.append([100 + (sum(ids) * 31 + 17 * k + 7 * t) % 5000 for t in range(n)])
+    return out, None
+
+
+def _config(case: dict, out: str, batch: int):
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=1, max_steps=2,
+                      num_generations=NUM_GEN, max_completion_length=8, logging_steps=1, report_to=[],
+                      save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, bf16=False, optim="sgd",
+                      learning_rate=0.1, max_grad_norm=0.0, beta=case["beta"], loss_type=case["loss"],
+                      gradient_checkpointing=False, **case.get("extra", {}))
+
+
+def _train(case: dict, model_dir: str, out: str, sp: int | None):
+    """Stock TRL when sp is None, else the seqpar class with sequence_parallel_size=sp: the only difference."""
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    import seqpar.trl as strl
+
+    trl.GRPOTrainer._generate_single_turn = _fake_generate  # this process only (spawned ranks: their own copy)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    dp = case.get("dp", 1)
+    kw = {} if sp is None else {"sequence_parallel_size": sp}
+    cls = trl.GRPOTrainer if sp is None else strl.SequenceParallelGRPOTrainer
+    batch = 4 * dp if sp is None else 4
+    trainer = cls(model=model, reward_funcs=reward_chars, args=_config(case, out, batch), train_dataset=_dataset(),
+                  processing_class=_tok(), **kw)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    params = {k.replace("module.", ""): v.detach().clone() for k, v in trainer.model.named_parameters()}
+    return losses, params
+
+
+CASES = [
+    {"name": "grpo beta0", "loss": "grpo", "beta": 0.0},
+    {"name": "bnpo beta0", "loss": "bnpo", "beta": 0.0},
+]
+# beta > 0: the KL gradient only shows from step 2 (at step 1 policy == reference). TRL's default
+# use_bias_correction_kl=True multiplies the k3 KL by the importance ratio (a different gradient, the same
+# value on-policy): seqpar follows the flag; both settings are compared.
+BETA_CASES = [
+    {"name": "grpo beta0.2", "loss": "grpo", "beta": 0.2},
+    {"name": "bnpo beta0.2", "loss": "bnpo", "beta": 0.2},
+    {"name": "bnpo beta0.2 no kl correction", "loss": "bnpo", "beta": 0.2,
+     "extra": {"use_bias_correction_kl": False}},
+]
+SLOW_CASES = [{"name": "dp2 x sp2 bnpo beta0", "loss": "bnpo", "beta": 0.0, "dp": 2}]
+
+
+def _sp_world(cases: list[dict], model_dir: str, refs: str, out: str) -> list[dict]:
+    world = torch.distributed.get_world_size()
+    ref = torch.load(refs)
+    res = []
+    for i, case in enumerate(cases):
+        losses, params = _train(case, model_dir, f"{out}/{i}", world // case.get("dp", 1))
+        ref_losses, ref_params = ref[i]
+        res.append({"name": case["name"], "losses": losses, "ref_losses": ref_losses,
+                    "dloss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                    "dparam": max(float((params[k] - v).abs().max()) for k, v in ref_params.items()),
+                    "moved": max(float((params[k] - v).abs().max()) for k, v in ref[-1].items())})
+    return res
+
+
+def _run(cases: list[dict], world: int, tmp_path) -> None:
+    from seqpar.hf import tiny_model
+
+    model_dir = str(tmp_path / "tiny")
+    tiny_model("llama", 4, 2, vocab_size=len(_tok()), seed=0).save_pretrained(model_dir)
+    from transformers import AutoModelForCausalLM
+
+    init = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    refs = [_train(c, model_dir, str(tmp_path / f"ref{i}"), None) for i, c in enumerate(cases)]
+    torch.save([*refs, {k: v.detach() for k, v in init.items()}], tmp_path / "refs.pt")
+    results = run_distributed(_sp_world, world, cases, model_dir, str(tmp_path / "refs.pt"), str(tmp_path / "sp"),
+                              timeout=600)
+    for rank_res in results[1:]:
+        assert [r["losses"] for r in rank_res] == [r["losses"] for r in results[0]]
+    for r in results[0]:  # all printed first, then checked
+        print(f"{r['name']}: max |dloss| {r['dloss']:.2e}  max |dparam| {r['dparam']:.2e}  (moved {r['moved']:.2e})")
+    for r in results[0]:
+        print(f"{r['name']}: max |dloss| {r['dloss']:.2e}  max |dparam| {r['dparam']:.2e}  (moved {r['moved']:.2e})")
+        assert len(r["losses"]) == len(r["ref_losses"]) == 2, r
+        assert r["moved"] > 1e-3, r  # the step changed the parameters: the comparison is not vacuous
+        assert r["dloss"] <= TOL and r["dparam"] <= TOL, r
+
+
+def test_grpo_sp2_matches_stock_trl(tmp_path):
+    _run(CASES, 2, tmp_path)
+
+
+@pytest.mark.slow
+def test_grpo_sp2_beta_matches_stock_trl(tmp_path):
+    _run(BETA_CASES, 2, tmp_path)
+
+
+@pytest.mark.slow
+def test_grpo_dp2_matches_stock_trl(tmp_path):
+    _run(SLOW_CASES, 4, tmp_path)
+
+
+# ---------------------------------------------------------------------------- (a) completions per SP group
+def _generation_world(model_dir: str, out: str) -> dict:
+    """Real sampling (TRL's generate path) with a DIFFERENT torch seed per rank: the SP group must still get
+    rank 0's completions, and the same RNG state afterwards."""
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    import seqpar.trl as strl
+
+    rank = torch.distributed.get_rank()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = _config({"beta": 0.0, "loss": "grpo"}, out, 4)
+    args.temperature = 1.0
+    trainer = strl.SequenceParallelGRPOTrainer(model=model, reward_funcs=reward_chars, args=args,
+                                               train_dataset=_dataset(), processing_class=_tok(),
+                                               sequence_parallel_size=2)
+    assert trl.GRPOTrainer._generate_single_turn is not _fake_generate
+    tok = _tok()
+    prompts = [tok.encode(r["prompt"]) for r in _dataset()][:2]
+    prompts = [p for p in prompts for _ in range(NUM_GEN)]
+    torch.manual_seed(1000 + rank)
+    ids, _ = trainer._generate_single_turn(prompts, None, {}, NUM_GEN)
+    return {"ids": ids, "after": torch.rand(3).tolist()}
+
+
+def test_completions_identical_over_sp_group(tmp_path):
+    from seqpar.hf import tiny_model
+
+    model_dir = str(tmp_path / "tiny")
+    tiny_model("llama", 4, 2, vocab_size=len(_tok()), seed=0).save_pretrained(model_dir)
+    res = run_distributed(_generation_world, 2, model_dir, str(tmp_path / "gen"), timeout=600)
+    assert res[0]["ids"] == res[1]["ids"]
+    assert res[0]["after"] == res[1]["after"]
+    assert len(res[0]["ids"]) == 2 * NUM_GEN and all(1 <= len(c) <= 8 for c in res[0]["ids"])
+    assert len({tuple(c) for c in res[0]["ids"]}) > 1  # sampled, not a constant
+
+
+# ---------------------------------------------------------------------------- (c) refusals
+@pytest.mark.parametrize("extra, match", [
+    ({"loss_type": "dapo"}, "loss_type='dapo'"),
+    ({"num_iterations": 2}, "num_iterations=2"),
+    ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
+    ({"use_vllm": True}, "use_vllm"),
+    ({"use_liger_kernel": True}, "use_liger_kernel"),
+    ({"steps_per_generation": 2}, "steps_per_generation"),
+    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+    ({"entropy_coef": 0.1}, "entropy"),
+])
+def test_refusals(tmp_path, extra, match):
+    from trl import GRPOConfig
+
+    from seqpar.errors import SeqParError
+    from seqpar.hf import tiny_model
+    from seqpar.trl import SequenceParallelGRPOTrainer
+
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, report_to=[],
+                use_cpu=True, max_completion_length=8)
+    loss = extra.pop("loss_type", "grpo")
+    try:
+        args = GRPOConfig(**base, loss_type=loss, **extra)
+    except ValueError:
+        pytest.skip(f"TRL itself rejects {extra}")
+    with pytest.raises(SeqParError, match=match):
+        SequenceParallelGRPOTrainer(model=tiny_model("llama", 4, 2, vocab_size=64, seed=0), reward_funcs=reward_chars,
+                                    args=args, train_dataset=_dataset(), sequence_parallel_size=1)
+
+
+def test_refuses_tools_and_eval(tmp_path):
+    from trl import GRPOConfig
+
+    from seqpar.errors import SeqParError
+    from seqpar.hf import tiny_model
+    from seqpar.trl import SequenceParallelGRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, report_to=[],
+                      use_cpu=True, loss_type="grpo")
+    model = tiny_model("llama", 4, 2, vocab_size=64, seed=0)
+    with pytest.raises(SeqParError, match="tools="):
+        SequenceParallelGRPOTrainer(model=model, reward_funcs=reward_chars, args=args, train_dataset=_dataset(),
+                                    tools=[reward_chars])
+    with pytest.raises(SeqParError, match="evaluation"):
+        SequenceParallelGRPOTrainer(model=model, reward_funcs=reward_chars, args=args, train_dataset=_dataset(),
+                                    eval_dataset=_dataset())
