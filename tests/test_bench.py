@@ -218,6 +218,8 @@ def test_memory_quick_sp_splits_activations_and_times(memory_result):
     # No features: SP=2 holds half the tokens per rank, so about half the activation bytes (plus small
     # per-rank constants). With the features, fixed-size buffers (tiles, chunks) weigh more at these lengths.
     assert 0.45 < m["activation_ratio"]["none"]["ratio"] < 0.65
+    far = m["activation_ratio"]["none"]["at_max_length"]  # from the fits, at the SP=1 max trainable length
+    assert far["full_length"] == m["max_length"]["sp1/none"]["max_full_length"] and 0.45 < far["ratio"] < 0.65
     for t in m["time"].values():
         assert set(t["ratio_vs_none"]) == set(FEATURE_SETS) and t["ratio_vs_none"]["none"] == 1.0
         assert all(v > 0 for v in t["step_s"].values())
