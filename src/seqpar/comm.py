@@ -33,6 +33,7 @@ __all__ = [
     "all_reduce_",
     "all_gather",
     "broadcast_object",
+    "all_gather_object",
     "all_reduce_values",
     "RingComm",
     "STRICT_DEVICE_ENV",
@@ -195,6 +196,14 @@ def broadcast_object(obj: Any, src: int, device: torch.device, group: Any = None
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group, device=device)
     return box[0]
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """One small picklable object per rank of `group` (default: the world), in rank order. torch
+    serialises through the backend's device (the current CUDA device under NCCL)."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)
+    return parts
 
 
 def all_gather(

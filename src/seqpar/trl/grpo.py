@@ -142,8 +142,7 @@ def _dp_gather_object(obj: list) -> list:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return list(obj)
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, obj)
+    parts = comm.all_gather_object(obj)
     sp = _CURRENT_SP[0]
     return [x for p in parts[::sp] for x in p]
 
