@@ -27,3 +27,14 @@ def reference_attention(q, k, v, causal: bool, cu_seqlens=None, scale=None) -> t
     allowed = allowed & (ids[:, None] == ids[None, :])
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+class AdapterOff:
+    """The reference model of a LoRA policy: the same PEFT model called with its adapter disabled."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kw):
+        with self.model.disable_adapter():
+            return self.model(**kw)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import AdapterOff
 from test_hf_equivalence import MODES, _grads, _max_grad_diff, _ref_dpo, _ref_sft, _rows
 from test_hf_smollm2 import _smollm2_available
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,17 +41,6 @@ PATH_TOL = 1e-6  # fp32: fused vs full-logits path of the same SP run (loss, abs
 PATH_GRAD_TOL = 2e-6  # ... gradients, relative to max(1, largest |gradient|); see the module docstring
 BF16_PATH_LOSS, BF16_PATH_GRAD, BF16_REF_LOSS = 1e-3, 1e-2, 1e-2
 CHUNK = 7  # supervised tokens per chunk: several chunks per rank
-
-
-class _AdapterOff:
-    """The single-process reference model of a LoRA policy: the same PEFT model, adapter disabled."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, **kw):
-        with self.model.disable_adapter():
-            return self.model(**kw)
 
 
 def _make(arch, hq, hkv, seed, opts):
@@ -73,7 +63,7 @@ def _reference(arch, hq, hkv, kind, loss_type, rows, opts):
     """(loss, grads) of the plain single-process model; beta/gamma as in _sp_run."""
     policy = _make(arch, hq, hkv, 0, opts).train()
     if kind == "dpo":
-        ref = _AdapterOff(policy) if opts.get("lora") else _make(arch, hq, hkv, 1, opts).eval()
+        ref = AdapterOff(policy) if opts.get("lora") else _make(arch, hq, hkv, 1, opts).eval()
         want = _ref_dpo(policy, ref, rows, loss_type, 0.5, 0.3)
     else:
         want, _, _ = _ref_sft(policy, rows)

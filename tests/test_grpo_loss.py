@@ -26,6 +26,7 @@ import types
 
 import pytest
 import torch
+from reference import AdapterOff
 
 import seqpar
 from seqpar import loss as L
@@ -88,24 +89,13 @@ def _make(case, seed):
     return model
 
 
-class _AdapterOff:
-    """The reference model of a LoRA policy in the plain reference: the same PEFT model, adapter disabled."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, **kw):
-        with self.model.disable_adapter():
-            return self.model(**kw)
-
-
 # ----------------------------------------------------------------------------- independent reference
 def _reference_step(rows, case, olds):
     """Loss, parameter gradients and per-micro-batch metrics of the step on the plain fp32 model."""
     loss_type, beta, temperature, eps_low, eps_high = case["loss_type"], case["beta"], case["T"], 0.2, case["eps_high"]
     eps_high = eps_low if eps_high is None else eps_high
     policy = _make(case, 0).train()
-    ref_model = _AdapterOff(policy) if case["lora"] else tiny_model(case["arch"], case["hq"], case["hkv"], seed=1)
+    ref_model = AdapterOff(policy) if case["lora"] else tiny_model(case["arch"], case["hq"], case["hkv"], seed=1)
     seq_terms, tok_sum, tok_count, n_seq = [], 0.0, 0, 0
     metrics = []
     for m in range(2):
