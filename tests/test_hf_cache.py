@@ -28,7 +28,8 @@ def _ask(root: str, calls: str) -> str:
     return str(converted_dir("entry-1", write))
 
 
-def test_concurrent_first_use_converts_once(tmp_path):
+def test_concurrent_first_use_converts_once(tmp_path, monkeypatch):
+    monkeypatch.delenv("SEQPAR_CACHE", raising=False)  # restored after the test: _ask below sets it here too
     calls = tmp_path / "calls.txt"
     paths = run_distributed(_ask, 3, str(tmp_path / "cache"), str(calls), timeout=300)
     assert len(set(paths)) == 1 and paths[0] == str(tmp_path / "cache" / "entry-1")

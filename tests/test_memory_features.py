@@ -19,11 +19,12 @@ or backward (and does see one without it).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from procs import run_script
 from test_hf_equivalence import _ref_dpo, _ref_sft
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -511,7 +512,7 @@ args = TrainingArguments(output_dir=f"{out}/o", per_device_train_batch_size=2, g
                          gradient_checkpointing=(mode == "sp"))
 model = tiny_model("llama", 3, 1, vocab_size=64, seed=0)
 if mode == "sp":
-    t = SequenceParallelTrainer(model=model, args=args, train_dataset=ds, data_collator=pad_collate, tiled_mlp=True)
+    t = SequenceParallelTrainer(model=model, args=args, train_dataset=ds, tiled_mlp=True)  # seqpar collates
 else:
     t = Trainer(model=model, args=args, train_dataset=ds, data_collator=pad_collate)
 t.train()
@@ -528,16 +529,12 @@ if t.is_world_process_zero():
 def test_hf_trainer_dropin_gradient_checkpointing(tmp_path):
     """SequenceParallelTrainer(gradient_checkpointing=True, tiled_mlp=True) on a ring of 2 vs the stock Trainer
     without either: per-step losses within 1e-5; the layers were checkpointed non-reentrantly, whole layers."""
-    import os
-
     script = tmp_path / "s.py"
     script.write_text(HF_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     for cmd in ([sys.executable, str(script), "plain", str(tmp_path / "plain")],
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
                  "sp", str(tmp_path / "sp")]):
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=500, cwd=tmp_path)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
+        run_script(cmd, tmp_path, result=Path(cmd[-1]) / "result.json", timeout=500)
     plain = json.loads((tmp_path / "plain" / "result.json").read_text())
     sp = json.loads((tmp_path / "sp" / "result.json").read_text())
     assert sp["ckpt"] and not plain["ckpt"]

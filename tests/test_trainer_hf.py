@@ -12,11 +12,11 @@ independent one-process global token-mean CE of the plain run's final model with
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from procs import run_script
 
 SCRIPT = r'''
 import json, sys
@@ -88,9 +88,8 @@ if trainer.is_world_process_zero():
 
 
 def _run(cmd, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
+    script = next(i for i, a in enumerate(cmd) if a.endswith(".py"))
+    run_script(cmd, tmp_path, result=Path(cmd[script + 2]) / "result.json")  # args: script mode out ...
 
 
 def _param_err(tmp_path):
