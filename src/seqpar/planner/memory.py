@@ -18,7 +18,7 @@ loss 12*V bytes at the start of backward (fp32 log-softmax kept + its gradient +
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..attention.ulysses import head_plan
 from .model import ModelFacts
@@ -53,6 +53,9 @@ class Workload:
     micro_batch_size: int = 1
     lora_r: int = 8
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # positions per row without a label (prompt tokens, a row's last position): the fused loss computes
+    # logits only for supervised positions. 0 = every position supervised (the upper bound).
+    unsupervised_tokens: int = 0
 
     @property
     def elt(self) -> int:
@@ -65,6 +68,10 @@ class Workload:
     @property
     def lora(self) -> bool:
         return self.finetuning == "lora"
+
+    def supervised(self, local_tokens: int) -> int:
+        """Supervised positions on the busiest rank: all its tokens, at most the rows' supervised total."""
+        return max(1, min(local_tokens, self.rows * (self.seq_len - self.unsupervised_tokens)))
 
     def trains(self, module: str) -> bool:
         """Whether a Linear keeps its input for a weight gradient (trained, or a LoRA target)."""
@@ -150,6 +157,13 @@ def layer_bytes_per_token(m: ModelFacts, wl: Workload, u: int, tiled_mlp: bool =
             + _mlp(m, wl, tiled_mlp) + _lora(m, wl))
 
 
+def mlp_tiles(m: ModelFacts, wl: Workload, lay: Layout) -> int:
+    """memory.tiled_mlp's automatic tile count (seqpar.memory.tiled_mlp.auto_tile_count) for one row of
+    this rank's shard; 1 tile runs the plain MLP (nothing is checkpointed)."""
+    local = max(1, wl.seq_len // lay.sp)
+    return max(1, min(local, -(-local // m.hidden)))
+
+
 def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features) -> int:
     """Bytes alive per local token at the end of forward (loss working set excluded)."""
     e, full = wl.elt, not wl.lora
@@ -157,11 +171,11 @@ def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Featu
     once += _norm(m, e, True, full, full and not feats.fused_loss)  # final norm (lm_head keeps its output)
     if feats.fused_loss:
         once += e * m.hidden  # the supervised hidden states the loss chunks keep
-    if wl.lora:
-        once -= 4 * m.hidden + 4  # a frozen embedding: layer 0's norm input needs no gradient
     if feats.activation_checkpointing:
         kept = 2 if feats.offload_activations else m.layers  # offload: ~current + prefetched layer input on GPU
-        return once + kept * e * m.hidden
+        return once + kept * e * m.hidden  # (layer 0's input is kept even when the embedding is frozen)
+    if wl.lora:
+        once -= 4 * m.hidden + 4  # a frozen embedding: layer 0's norm input needs no gradient
     return once + m.layers * layer_bytes_per_token(m, wl, u, feats.tiled_mlp)
 
 
@@ -184,20 +198,57 @@ def _param_bytes(m: ModelFacts, wl: Workload, feats: Features, world: int) -> tu
 
 
 def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> int:
+    """At log_softmax's backward: the fp32 log-softmax (saved), its gradient and the logits' gradient,
+    12 V bytes per token with logits. Without the fused loss every token has logits; with it only one
+    checkpointed chunk of supervised tokens, recomputed in backward (its e-byte logits are upcast, or in
+    fp32 are the same tensor, and not saved)."""
     if not feats.fused_loss:
-        return 12 * m.vocab * tokens  # fp32 log-softmax kept + its gradient + the logits gradient
+        return 12 * m.vocab * tokens
     chunk = feats.loss_chunk_tokens or max(1, DEFAULT_LOSS_CHUNK_BYTES // (4 * m.vocab))
-    return min(chunk, tokens) * m.vocab * (wl.elt + 12)
+    return 12 * m.vocab * min(chunk, wl.supervised(tokens))
 
 
-def _layer_backward_bytes(m: ModelFacts, wl: Workload, u: int, feats: Features) -> int:
-    """Transient per token while one layer runs backward: recomputed activations + activation gradients."""
-    e = wl.elt
-    grads = e * (3 * m.hidden + 2 * m.intermediate) + 4 * (m.q_dim + 2 * m.kv_dim)
-    if feats.tiled_mlp:
-        grads -= 2 * e * m.intermediate
-    recompute = layer_bytes_per_token(m, wl, u, feats.tiled_mlp) if feats.activation_checkpointing else 0
-    return grads + recompute
+def _layer_backward_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int) -> int:
+    """Activations, gradients and temporaries alive at the MLP product's backward in a decoder layer.
+
+    The moment: backward has reached a layer's MLP, down_proj's backward is done, and the gradients of
+    silu(gate) and up are being formed. Alive then, per local token: RoPE cos/sin and the index tensors;
+    the saved tensors of the layers still ahead (without checkpointing), or their inputs (with it); this
+    layer's saved tensors (with checkpointing: its recompute, where the fp32 input of input_layernorm is
+    the kept input itself in fp32, a new fp32 copy in bf16) less down_proj's input, already consumed;
+    the residual-stream gradient e h, down_proj's input gradient e I and the two product gradients 2 e I
+    (with tiled MLP the [*, I] terms are one tile's). Parameter gradients: the head's, the layers done,
+    this layer's down_proj. Checked at the first and the last layer backward runs through (activations
+    fall and parameter gradients grow from one to the next, so one of the two is the largest).
+    """
+    e, h, i = wl.elt, m.hidden, m.intermediate
+    lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
+    down_in = e * i if wl.trains("down_proj") else 0
+    if feats.tiled_mlp:  # one tile's MLP tensors, recomputed for its backward
+        per_row = max(1, wl.seq_len // lay.sp)
+        tile = wl.rows * -(-per_row // mlp_tiles(m, wl, lay))
+        mlp = (_mlp(m, wl, False) - down_in + 3 * e * i) * tile
+    else:
+        lb -= down_in
+        mlp = 3 * e * i * tokens
+    if feats.activation_checkpointing:
+        current, ahead = lb - (4 * h if e == 4 else 0), e * h  # recompute; the kept input of each layer ahead
+    else:
+        current, ahead = lb, lb + down_in
+    base = (2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN + current + e * h) * tokens + mlp
+    if wl.lora and not feats.activation_checkpointing:
+        base -= (4 * h + 4) * tokens  # layer 0 keeps no norm input (frozen embedding)
+    if wl.lora:
+        head, per_layer, down = 0, m.lora_params(wl.lora_r, wl.lora_targets) // m.layers * e, 0
+    else:
+        head = (m.lm_head_params() or m.embed_params()) * e + h * e
+        per_layer, down = m.layer_params() * e, h * i * e
+    if feats.fsdp:
+        head, per_layer = head // lay.world, per_layer // lay.world
+    last = m.layers - 1
+    first = base + ahead * last * tokens + head + down
+    final = base + (ahead * tokens if feats.activation_checkpointing else 0) + head + last * per_layer + down
+    return max(first, final)
 
 
 def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_params: int) -> int:
@@ -230,19 +281,20 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
         params, grads, opt, opt_temp = params - (m.num_params() * 4 // lay.world), 0, 0, 0
     ref = m.num_params() * wl.elt if wl.stage == "dpo" and not wl.lora else 0  # frozen reference copy
     params += ref
+    if feats.tiled_mlp and mlp_tiles(m, wl, lay) == 1:
+        feats = replace(feats, tiled_mlp=False)  # one tile: the plain MLP runs, nothing is recomputed
     acts = activation_bytes_per_token(m, wl, lay.ulysses, feats) * tokens
     loss = _loss_bytes(m, wl, feats, tokens)
     comm = _comm_bytes(m, wl, lay, tokens, layer)
-    layer_bwd = _layer_backward_bytes(m, wl, lay.ulysses, feats) * tokens
-    lm_grad = 0 if wl.lora else (m.embed_params() + m.lm_head_params()) * wl.elt // (lay.world if feats.fsdp else 1)
+    layer_bwd = _layer_backward_bytes(m, wl, lay, feats, tokens)
     phases = {
         "loss_backward": params + opt + acts + loss,
-        "layer_backward": params + opt + lm_grad + acts + layer_bwd + comm,
+        "layer_backward": params + opt + layer_bwd + comm,
         "optimizer": params + grads + opt + opt_temp,
     }
     phase = max(phases, key=phases.get)
     if phase == "loss_backward":
         return MemoryBreakdown(params, 0, opt, acts, loss, 0, 0, phase, phases)
     if phase == "layer_backward":
-        return MemoryBreakdown(params, lm_grad, opt, acts, 0, comm, layer_bwd, phase, phases)
+        return MemoryBreakdown(params, 0, opt, 0, 0, comm, layer_bwd, phase, phases)
     return MemoryBreakdown(params, grads, opt, 0, 0, 0, opt_temp, phase, phases)

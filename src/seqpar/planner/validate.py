@@ -8,10 +8,11 @@ are the same cases with `memory` keys flipped (FEATURE_SETS): once a feature is 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, replace
 from typing import Any
 
-from .measure import Case, measure_case
+from .measure import Case, measure_case, unsupervised_tokens
 from .memory import Features, Layout, Workload, estimate_memory
 from .model import load_model_facts
 
@@ -51,12 +52,20 @@ def _features(case: Case) -> Features:
                     loss_chunk_tokens=mem.get("loss_chunk_tokens"))
 
 
+@functools.cache
+def _unsupervised(case: Case) -> int:
+    """Only the fused loss depends on it (logits for supervised positions only); reading it needs the
+    tokenizer, so other cases skip it."""
+    return unsupervised_tokens(case) if _features(case).fused_loss else 0
+
+
 def predict_case(case: Case) -> int:
     """The planner's peak bytes per rank for a validation case (CPU: AdamW without foreach)."""
     m = load_model_facts(f"tiny:{case.arch}", {
         "num_heads": case.num_heads, "num_kv_heads": case.num_kv_heads, "head_dim": case.head_dim,
         "num_layers": case.num_layers, "intermediate_size": case.intermediate_size, "vocab_size": case.vocab_size})
-    wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision, case.micro_batch_size)
+    wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision, case.micro_batch_size,
+                  unsupervised_tokens=_unsupervised(case))
     lay = Layout(case.ulysses, case.ring, case.dp)
     return estimate_memory(m, wl, lay, _features(case), foreach=False).total
 
