@@ -186,9 +186,10 @@ def _param_bytes(m: ModelFacts, wl: Workload, feats: Features, world: int) -> tu
     if wl.lora:
         t = m.lora_params(wl.lora_r, wl.lora_targets)
         base = n * e + t * e
-        if feats.fsdp:
+        if feats.fsdp:  # the adapters are sharded like every other parameter, and so are their moments
             base = base // world + (m.embed_params() + m.lm_head_params() + m.hidden) * e
-        return base, t * e, 2 * t * e, t * e, layer if feats.fsdp else 0
+            return base, t * e // world, 2 * t * e // world, t * e // world, layer + t // m.layers * e
+        return base, t * e, 2 * t * e, t * e, 0
     if not feats.fsdp:
         # pure bf16 (or fp32) weights, AdamW moments in the weights' dtype, one foreach temp of that size
         return n * e, n * e, 2 * n * e, n * e, 0
@@ -208,7 +209,8 @@ def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> in
     return 12 * m.vocab * min(chunk, wl.supervised(tokens))
 
 
-def _layer_backward_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int) -> int:
+def _layer_backward_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int,
+                          gathered: int = 0) -> tuple[int, int]:
     """Activations, gradients and temporaries alive at the MLP product's backward in a decoder layer.
 
     The moment: backward has reached a layer's MLP, down_proj's backward is done, and the gradients of
@@ -220,6 +222,7 @@ def _layer_backward_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Featu
     (with tiled MLP the [*, I] terms are one tile's). Parameter gradients: the head's, the layers done,
     this layer's down_proj. Checked at the first and the last layer backward runs through (activations
     fall and parameter gradients grow from one to the next, so one of the two is the largest).
+    Returns (those bytes, the part that is MLP-only: gone when backward reaches the attention).
     """
     e, h, i = wl.elt, m.hidden, m.intermediate
     lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
@@ -243,12 +246,21 @@ def _layer_backward_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Featu
     else:
         head = (m.lm_head_params() or m.embed_params()) * e + h * e
         per_layer, down = m.layer_params() * e, h * i * e
-    if feats.fsdp:
-        head, per_layer = head // lay.world, per_layer // lay.world
+    in_flight = prefetch = 0
+    if feats.fsdp:  # FSDP2: the next layer is already gathered (backward prefetch); each finished layer's
+        # gradients are reduce-scattered to shards, the previous one's still in flight (unsharded); the
+        # root's (head) only at the end of backward
+        in_flight, prefetch, per_layer = per_layer, gathered, per_layer // lay.world
     last = m.layers - 1
-    first = base + ahead * last * tokens + head + down
-    final = base + (ahead * tokens if feats.activation_checkpointing else 0) + head + last * per_layer + down
-    return max(first, final)
+    kept = ahead if feats.activation_checkpointing else 0  # this layer's own input (checkpointing)
+
+    def at(k: int) -> int:  # k layers already done; linear in k between the FSDP steps, so 4 points suffice
+        return (base + (ahead * (last - k) + kept) * tokens + head + k * per_layer + down
+                + (prefetch if k < last else 0) + (in_flight if k > 0 else 0))
+
+    total = max(at(k) for k in {0, min(1, last), max(0, last - 1), last})
+    mlp_only = mlp + (0 if feats.tiled_mlp else (_mlp(m, wl, False) - down_in) * tokens) + down
+    return total, mlp_only
 
 
 def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_params: int) -> int:
@@ -286,15 +298,21 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
     acts = activation_bytes_per_token(m, wl, lay.ulysses, feats) * tokens
     loss = _loss_bytes(m, wl, feats, tokens)
     comm = _comm_bytes(m, wl, lay, tokens, layer)
-    layer_bwd = _layer_backward_bytes(m, wl, lay, feats, tokens)
+    layer_bwd, mlp_only = _layer_backward_bytes(m, wl, lay, feats, tokens, layer)
+    # attention's backward: the layer's MLP tensors are gone; dq, dk, dv and the collectives' buffers exist
+    attn_bwd = layer_bwd - mlp_only + wl.elt * (m.q_dim + 2 * m.kv_dim) * tokens + comm
+    if feats.fused_loss and feats.fsdp:
+        loss += layer  # FSDP2's pre-backward hook on the outputs gathers the last layer before the chunks run
     phases = {
         "loss_backward": params + opt + acts + loss,
-        "layer_backward": params + opt + layer_bwd + comm,
+        "layer_backward": params + opt + max(layer_bwd + layer, attn_bwd),  # FSDP: the running layer gathered
         "optimizer": params + grads + opt + opt_temp,
     }
     phase = max(phases, key=phases.get)
     if phase == "loss_backward":
         return MemoryBreakdown(params, 0, opt, acts, loss, 0, 0, phase, phases)
     if phase == "layer_backward":
-        return MemoryBreakdown(params, 0, opt, 0, 0, comm, layer_bwd, phase, phases)
+        if layer_bwd + layer >= attn_bwd:
+            return MemoryBreakdown(params, 0, opt, 0, 0, layer, layer_bwd, phase, phases)
+        return MemoryBreakdown(params, 0, opt, 0, 0, comm, attn_bwd - comm, phase, phases)
     return MemoryBreakdown(params, grads, opt, 0, 0, 0, opt_temp, phase, phases)
