@@ -209,20 +209,38 @@ def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> in
     return 12 * m.vocab * min(chunk, wl.supervised(tokens))
 
 
-def _layer_backward_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int,
-                          gathered: int = 0) -> tuple[int, int]:
-    """Activations, gradients and temporaries alive at the MLP product's backward in a decoder layer.
+@dataclass(frozen=True)
+class _Moment:
+    """Bytes beside parameters and optimizer state at one moment of a layer's backward."""
 
-    The moment: backward has reached a layer's MLP, down_proj's backward is done, and the gradients of
+    activations: int
+    gradients: int
+    temp: int
+    comm: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.gradients + self.temp + self.comm
+
+
+def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int,
+                    gathered: int, comm: int) -> tuple[_Moment, _Moment]:
+    """(the MLP moment, the attention moment) of the busiest layer backward.
+
+    MLP moment: backward has reached a layer's MLP, down_proj's backward is done, and the gradients of
     silu(gate) and up are being formed. Alive then, per local token: RoPE cos/sin and the index tensors;
     the saved tensors of the layers still ahead (without checkpointing), or their inputs (with it); this
     layer's saved tensors (with checkpointing: its recompute, where the fp32 input of input_layernorm is
     the kept input itself in fp32, a new fp32 copy in bf16) less down_proj's input, already consumed;
-    the residual-stream gradient e h, down_proj's input gradient e I and the two product gradients 2 e I
-    (with tiled MLP the [*, I] terms are one tile's). Parameter gradients: the head's, the layers done,
-    this layer's down_proj. Checked at the first and the last layer backward runs through (activations
-    fall and parameter gradients grow from one to the next, so one of the two is the largest).
-    Returns (those bytes, the part that is MLP-only: gone when backward reaches the attention).
+    temporaries: the residual-stream gradient e h, down_proj's input gradient e I and the two product
+    gradients 2 e I (with tiled MLP the [*, I] terms, recompute included, are one tile's). Parameter
+    gradients: the head's, the layers done, this layer's down_proj. FSDP2: this layer gathered, the
+    next one prefetched, the previous layer's unsharded gradients in their reduce-scatter; finished
+    layers' gradients are shards, the root's (head) stay whole until the end of backward. Activations
+    fall and gradients grow from one layer to the next (linearly between the FSDP steps), so the
+    first, second, second-to-last and last layer cover the maximum.
+    Attention moment: the same, but the layer's MLP tensors are gone, dq, dk, dv (e (q + 2 kv)) and
+    the collectives' buffers (all-to-all, ring K/V, FSDP's two gathered layers) are alive.
     """
     e, h, i = wl.elt, m.hidden, m.intermediate
     lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
@@ -230,37 +248,41 @@ def _layer_backward_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Featu
     if feats.tiled_mlp:  # one tile's MLP tensors, recomputed for its backward
         per_row = max(1, wl.seq_len // lay.sp)
         tile = wl.rows * -(-per_row // mlp_tiles(m, wl, lay))
-        mlp = (_mlp(m, wl, False) - down_in + 3 * e * i) * tile
+        mlp_acts, mlp_temp = (_mlp(m, wl, False) - down_in) * tile, 3 * e * i * tile
     else:
-        lb -= down_in
-        mlp = 3 * e * i * tokens
+        lb -= _mlp(m, wl, False)
+        mlp_acts, mlp_temp = (_mlp(m, wl, False) - down_in) * tokens, 3 * e * i * tokens
     if feats.activation_checkpointing:
         current, ahead = lb - (4 * h if e == 4 else 0), e * h  # recompute; the kept input of each layer ahead
+        ahead_full = ahead
     else:
-        current, ahead = lb, lb + down_in
-    base = (2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN + current + e * h) * tokens + mlp
+        current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
+        ahead_full = 0
+    acts = (2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN + current) * tokens
     if wl.lora and not feats.activation_checkpointing:
-        base -= (4 * h + 4) * tokens  # layer 0 keeps no norm input (frozen embedding)
+        acts -= (4 * h + 4) * tokens  # layer 0 keeps no norm input (frozen embedding)
     if wl.lora:
         head, per_layer, down = 0, m.lora_params(wl.lora_r, wl.lora_targets) // m.layers * e, 0
     else:
         head = (m.lm_head_params() or m.embed_params()) * e + h * e
         per_layer, down = m.layer_params() * e, h * i * e
     in_flight = prefetch = 0
-    if feats.fsdp:  # FSDP2: the next layer is already gathered (backward prefetch); each finished layer's
-        # gradients are reduce-scattered to shards, the previous one's still in flight (unsharded); the
-        # root's (head) only at the end of backward
+    if feats.fsdp:
         in_flight, prefetch, per_layer = per_layer, gathered, per_layer // lay.world
     last = m.layers - 1
-    kept = ahead if feats.activation_checkpointing else 0  # this layer's own input (checkpointing)
 
-    def at(k: int) -> int:  # k layers already done; linear in k between the FSDP steps, so 4 points suffice
-        return (base + (ahead * (last - k) + kept) * tokens + head + k * per_layer + down
-                + (prefetch if k < last else 0) + (in_flight if k > 0 else 0))
+    def at(k: int, attention: bool) -> _Moment:  # k layers already done
+        a = acts + (ahead * (last - k) + ahead_full) * tokens
+        rs = in_flight if k > 0 else 0
+        if attention:
+            return _Moment(a, head + k * per_layer, e * (h + m.q_dim + 2 * m.kv_dim) * tokens, comm + rs)
+        return _Moment(a + mlp_acts, head + k * per_layer + down, e * h * tokens + mlp_temp,
+                       gathered + (prefetch if k < last else 0) + rs)
 
-    total = max(at(k) for k in {0, min(1, last), max(0, last - 1), last})
-    mlp_only = mlp + (0 if feats.tiled_mlp else (_mlp(m, wl, False) - down_in) * tokens) + down
-    return total, mlp_only
+    ks = {0, min(1, last), max(0, last - 1), last}
+    mlp_moment = max((at(k, False) for k in ks), key=lambda x: x.total)
+    attn = max((at(k, True) for k in ks), key=lambda x: x.total)
+    return mlp_moment, attn
 
 
 def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_params: int) -> int:
@@ -298,21 +320,18 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
     acts = activation_bytes_per_token(m, wl, lay.ulysses, feats) * tokens
     loss = _loss_bytes(m, wl, feats, tokens)
     comm = _comm_bytes(m, wl, lay, tokens, layer)
-    layer_bwd, mlp_only = _layer_backward_bytes(m, wl, lay, feats, tokens, layer)
-    # attention's backward: the layer's MLP tensors are gone; dq, dk, dv and the collectives' buffers exist
-    attn_bwd = layer_bwd - mlp_only + wl.elt * (m.q_dim + 2 * m.kv_dim) * tokens + comm
+    mlp_bwd, attn_bwd = _layer_backward(m, wl, lay, feats, tokens, layer, comm)
+    bwd = mlp_bwd if mlp_bwd.total >= attn_bwd.total else attn_bwd
     if feats.fused_loss and feats.fsdp:
         loss += layer  # FSDP2's pre-backward hook on the outputs gathers the last layer before the chunks run
     phases = {
         "loss_backward": params + opt + acts + loss,
-        "layer_backward": params + opt + max(layer_bwd + layer, attn_bwd),  # FSDP: the running layer gathered
+        "layer_backward": params + opt + bwd.total,
         "optimizer": params + grads + opt + opt_temp,
     }
     phase = max(phases, key=phases.get)
     if phase == "loss_backward":
         return MemoryBreakdown(params, 0, opt, acts, loss, 0, 0, phase, phases)
     if phase == "layer_backward":
-        if layer_bwd + layer >= attn_bwd:
-            return MemoryBreakdown(params, 0, opt, 0, 0, layer, layer_bwd, phase, phases)
-        return MemoryBreakdown(params, 0, opt, 0, 0, comm, attn_bwd - comm, phase, phases)
+        return MemoryBreakdown(params, bwd.gradients, opt, bwd.activations, 0, bwd.comm, bwd.temp, phase, phases)
     return MemoryBreakdown(params, grads, opt, 0, 0, 0, opt_temp, phase, phases)
