@@ -2,7 +2,8 @@
 
 Not a curve fit: every term is a tensor that autograd keeps (or a step allocates), per token of this
 rank's shard, in its dtype (e = 2 for bf16, 4 for fp32; softmax statistics and norm internals are fp32).
-Checked against torch's MemTracker by `seqpar plan --validate` (planner.validate).
+Checked against torch's MemTracker by `seqpar plan --validate` (planner.validate), with and without
+the memory features.
 
 Saved per decoder layer and token (no memory features, full fine-tuning):
 - each RMSNorm: its fp32 input (the residual itself in fp32, an fp32 copy in bf16) 4h, rsqrt 4,
@@ -12,8 +13,25 @@ Saved per decoder layer and token (no memory features, full fine-tuning):
   copies in head space (dummy heads / replicated kv included, from the ulysses head plan) replace
   q, k, v, plus the head-space output and the sequence-space output;
 - MLP: gate, silu(gate), up, silu*up: 4e*I (silu*up only when down_proj trains).
-Per token once: RoPE cos/sin 2e*D, int64 positions/labels 24 B, the final norm, and without the fused
-loss 12*V bytes at the start of backward (fp32 log-softmax kept + its gradient + the logits gradient).
+Per token once: RoPE cos/sin 2e*D, int64 positions/labels 24 B, the final norm.
+
+The peak is the largest of these moments (`estimate_memory`'s `phases`):
+- loss_backward, at log_softmax's backward: every activation above, plus 12*V bytes per position
+  with logits (the fp32 log-softmax kept, its gradient, the logits' gradient). Without the fused loss
+  every position has logits. With it only supervised positions do (`Workload.unsupervised_tokens`:
+  prompt positions, a row's last one), one checkpointed chunk of them at a time, recomputed in
+  backward (its e-byte logits are upcast, or in fp32 the same tensor, and not saved); the loss keeps
+  the supervised hidden states (e*h). Under FSDP2 the root's pre-backward hook has gathered the last
+  layer before the fused chunks run backward (they are inside the model's forward).
+- layer_backward, the larger of two moments of one layer's backward (`_layer_backward`): the MLP
+  product's backward (this layer's saved tensors or, with checkpointing, its recompute, less
+  down_proj's consumed input; the layers ahead, or only their inputs with checkpointing; the
+  residual-stream gradient e*h and three [*, I] gradients 3e*I; parameter gradients so far; FSDP2's
+  gathered + prefetched layers and the previous layer's reduce-scatter), and attention's backward
+  (the MLP's tensors gone; dq, dk, dv; the all-to-all / ring / FSDP buffers). With tiled MLP the
+  [*, I] terms are one tile's (recomputed); one tile (S_local <= hidden) runs the plain MLP.
+- optimizer: parameters + gradients + AdamW moments + the step's temporary.
+Activation checkpointing keeps one layer input (e*h) per layer instead of its saved tensors.
 """
 
 from __future__ import annotations
