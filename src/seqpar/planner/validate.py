@@ -2,7 +2,9 @@
 
 The grid covers what this build can measure: no memory features, full vs LoRA, SFT vs DPO, FSDP on/off,
 SP 1/2/4 in ulysses, ring and USP modes, two architectures (Llama; Qwen3 with q/k norms). Feature rows
-are the same cases with `memory` keys flipped (FEATURE_SETS): once a feature is built, its rows measure it.
+are the same cases with `memory` keys flipped (FEATURE_SETS: activation checkpointing, fused loss, tiled
+MLP, all three). The prediction knows each case's unsupervised positions per row (the fused loss computes
+logits only for supervised ones): a SFT row's last position, a DPO row's prompt.
 `--validate-time` compares the ORDER of predicted step times with measured CPU step times.
 """
 
@@ -23,7 +25,7 @@ TOLERANCE = 0.05
 NO_FEATURES: dict[str, Any] = {"fused_loss": False}
 FEATURE_SETS: dict[str, dict[str, Any]] = {
     "none": NO_FEATURES,
-    # Rows for the memory features: measured once the features exist (`--features all`).
+    # Rows for the memory features (`--features ckpt,fused,tiled,all`; `all` alone = every set).
     "ckpt": {"fused_loss": False, "activation_checkpointing": True},
     "fused": {"fused_loss": True},
     "tiled": {"fused_loss": False, "tiled_mlp": True},
