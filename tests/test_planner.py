@@ -74,6 +74,44 @@ def test_feature_terms():
     assert fused.phases["loss_backward"] < loss["loss_backward"]
 
 
+def test_fused_loss_chunk_counts_supervised_positions():
+    # At log_softmax's backward one recomputed chunk holds its fp32 log-softmax, that gradient and the
+    # logits' gradient: 12 V bytes per supervised position, whatever the weights' dtype. DPO's micro-batch
+    # has 2 rows (chosen, rejected); the prompt positions get no logits.
+    m, lay = tiny(), Layout()
+    for prec in ("fp32", "bf16"):
+        dpo = Workload(256, stage="dpo", precision=prec, unsupervised_tokens=85)
+        whole = estimate_memory(m, dpo, lay, Features(fused_loss=True))
+        assert whole.phase == "loss_backward" and whole.loss_chunk == 12 * 512 * 2 * (256 - 85)
+        chunked = estimate_memory(m, dpo, lay, Features(fused_loss=True, loss_chunk_tokens=32)).phases
+        assert whole.phases["loss_backward"] - chunked["loss_backward"] == 12 * 512 * (2 * (256 - 85) - 32)
+    # without the fused loss every position has logits, supervised or not
+    dpo = Workload(256, stage="dpo", precision="fp32", unsupervised_tokens=85)
+    assert estimate_memory(m, dpo, lay, Features()).loss_chunk == 12 * 512 * 2 * 256
+
+
+def test_tiled_mlp_with_one_tile_is_the_plain_mlp():
+    # auto tiles = ceil(S_local / hidden): 64 local tokens per row at h=64 is one tile, which runs unchanged
+    m, wl = tiny(), Workload(256, stage="dpo", precision="fp32")
+    one = estimate_memory(m, wl, Layout(2, 2, 1), Features(tiled_mlp=True))
+    assert one.total == estimate_memory(m, wl, Layout(2, 2, 1), Features()).total
+    two = estimate_memory(m, wl, Layout(2, 1, 1), Features(tiled_mlp=True))
+    assert two.phases["loss_backward"] < estimate_memory(m, wl, Layout(2, 1, 1), Features()).phases["loss_backward"]
+
+
+def test_layer_backward_moment_against_memtracker_readings():
+    # MemTracker's live bytes at the MLP product's backward (seqpar train's step, tiny model, fp32, S=256,
+    # second step; read with a per-op probe on this build). Checkpointing, no FSDP: layer 0's backward
+    # (the lm_head and layer 1 gradients exist, layer 1's input is freed). FSDP2 ring 2: also the
+    # gathered layer and the previous layer's unsharded gradients in their reduce-scatter.
+    m, wl = tiny(), Workload(256, precision="fp32")
+    ckpt = estimate_memory(m, wl, Layout(), Features(activation_checkpointing=True), foreach=False)
+    assert ckpt.phases["layer_backward"] == pytest.approx(3474116, rel=1e-3)
+    fsdp = estimate_memory(m, wl, Layout(1, 2, 1), Features(activation_checkpointing=True, fsdp=True), foreach=False)
+    assert fsdp.phases["layer_backward"] == pytest.approx(2377540, rel=1e-3)
+    assert fsdp.phase == "layer_backward" and fsdp.activations > 0 and fsdp.gradients > 0 and fsdp.comm_buffers > 0
+
+
 def test_comm_and_flops_reuse_theory():
     m = tiny()
     wl = Workload(1024, precision="bf16")

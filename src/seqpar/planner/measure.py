@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Case", "measure_case", "case_config"]
+__all__ = ["Case", "measure_case", "case_config", "unsupervised_tokens"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,17 @@ def _synthetic_examples(case: Case, tok: Any, n: int) -> list[Any]:
     p = case.seq_len // 4
     rows = [{"prompt": text(p), "chosen": text(case.seq_len), "rejected": text(case.seq_len)} for _ in range(n)]
     return build_examples(rows, "dpo", "dpo", tok, case.seq_len, False)[0]
+
+
+def unsupervised_tokens(case: Case) -> int:
+    """Positions per row without a label in the case's synthetic rows (the fewest over rows): SFT rows
+    are fully supervised but their last position (no next token); DPO rows also leave the prompt out."""
+    from ..train.trainer import load_tokenizer
+
+    if case.stage == "sft":
+        return 1
+    examples = _synthetic_examples(case, load_tokenizer(case_config(case)), 2)
+    return min(min(len(e["prompt_input_ids"]), case.seq_len - 1) for e in examples)
 
 
 def _step_tracker() -> Any:

@@ -2,7 +2,8 @@
 
 Not a curve fit: every term is a tensor that autograd keeps (or a step allocates), per token of this
 rank's shard, in its dtype (e = 2 for bf16, 4 for fp32; softmax statistics and norm internals are fp32).
-Checked against torch's MemTracker by `seqpar plan --validate` (planner.validate).
+Checked against torch's MemTracker by `seqpar plan --validate` (planner.validate), with and without
+the memory features.
 
 Saved per decoder layer and token (no memory features, full fine-tuning):
 - each RMSNorm: its fp32 input (the residual itself in fp32, an fp32 copy in bf16) 4h, rsqrt 4,
@@ -12,13 +13,30 @@ Saved per decoder layer and token (no memory features, full fine-tuning):
   copies in head space (dummy heads / replicated kv included, from the ulysses head plan) replace
   q, k, v, plus the head-space output and the sequence-space output;
 - MLP: gate, silu(gate), up, silu*up: 4e*I (silu*up only when down_proj trains).
-Per token once: RoPE cos/sin 2e*D, int64 positions/labels 24 B, the final norm, and without the fused
-loss 12*V bytes at the start of backward (fp32 log-softmax kept + its gradient + the logits gradient).
+Per token once: RoPE cos/sin 2e*D, int64 positions/labels 24 B, the final norm.
+
+The peak is the largest of these moments (`estimate_memory`'s `phases`):
+- loss_backward, at log_softmax's backward: every activation above, plus 12*V bytes per position
+  with logits (the fp32 log-softmax kept, its gradient, the logits' gradient). Without the fused loss
+  every position has logits. With it only supervised positions do (`Workload.unsupervised_tokens`:
+  prompt positions, a row's last one), one checkpointed chunk of them at a time, recomputed in
+  backward (its e-byte logits are upcast, or in fp32 the same tensor, and not saved); the loss keeps
+  the supervised hidden states (e*h). Under FSDP2 the root's pre-backward hook has gathered the last
+  layer before the fused chunks run backward (they are inside the model's forward).
+- layer_backward, the larger of two moments of one layer's backward (`_layer_backward`): the MLP
+  product's backward (this layer's saved tensors or, with checkpointing, its recompute, less
+  down_proj's consumed input; the layers ahead, or only their inputs with checkpointing; the
+  residual-stream gradient e*h and three [*, I] gradients 3e*I; parameter gradients so far; FSDP2's
+  gathered + prefetched layers and the previous layer's reduce-scatter), and attention's backward
+  (the MLP's tensors gone; dq, dk, dv; the all-to-all / ring / FSDP buffers). With tiled MLP the
+  [*, I] terms are one tile's (recomputed); one tile (S_local <= hidden) runs the plain MLP.
+- optimizer: parameters + gradients + AdamW moments + the step's temporary.
+Activation checkpointing keeps one layer input (e*h) per layer instead of its saved tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..attention.ulysses import head_plan
 from .model import ModelFacts
@@ -53,6 +71,9 @@ class Workload:
     micro_batch_size: int = 1
     lora_r: int = 8
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # positions per row without a label (prompt tokens, a row's last position): the fused loss computes
+    # logits only for supervised positions. 0 = every position supervised (the upper bound).
+    unsupervised_tokens: int = 0
 
     @property
     def elt(self) -> int:
@@ -65,6 +86,10 @@ class Workload:
     @property
     def lora(self) -> bool:
         return self.finetuning == "lora"
+
+    def supervised(self, local_tokens: int) -> int:
+        """Supervised positions on the busiest rank: all its tokens, at most the rows' supervised total."""
+        return max(1, min(local_tokens, self.rows * (self.seq_len - self.unsupervised_tokens)))
 
     def trains(self, module: str) -> bool:
         """Whether a Linear keeps its input for a weight gradient (trained, or a LoRA target)."""
@@ -150,6 +175,13 @@ def layer_bytes_per_token(m: ModelFacts, wl: Workload, u: int, tiled_mlp: bool =
             + _mlp(m, wl, tiled_mlp) + _lora(m, wl))
 
 
+def mlp_tiles(m: ModelFacts, wl: Workload, lay: Layout) -> int:
+    """memory.tiled_mlp's automatic tile count (seqpar.memory.tiled_mlp.auto_tile_count) for one row of
+    this rank's shard; 1 tile runs the plain MLP (nothing is checkpointed)."""
+    local = max(1, wl.seq_len // lay.sp)
+    return max(1, min(local, -(-local // m.hidden)))
+
+
 def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features) -> int:
     """Bytes alive per local token at the end of forward (loss working set excluded)."""
     e, full = wl.elt, not wl.lora
@@ -157,11 +189,11 @@ def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Featu
     once += _norm(m, e, True, full, full and not feats.fused_loss)  # final norm (lm_head keeps its output)
     if feats.fused_loss:
         once += e * m.hidden  # the supervised hidden states the loss chunks keep
-    if wl.lora:
-        once -= 4 * m.hidden + 4  # a frozen embedding: layer 0's norm input needs no gradient
     if feats.activation_checkpointing:
         kept = 2 if feats.offload_activations else m.layers  # offload: ~current + prefetched layer input on GPU
-        return once + kept * e * m.hidden
+        return once + kept * e * m.hidden  # (layer 0's input is kept even when the embedding is frozen)
+    if wl.lora:
+        once -= 4 * m.hidden + 4  # a frozen embedding: layer 0's norm input needs no gradient
     return once + m.layers * layer_bytes_per_token(m, wl, u, feats.tiled_mlp)
 
 
@@ -172,9 +204,10 @@ def _param_bytes(m: ModelFacts, wl: Workload, feats: Features, world: int) -> tu
     if wl.lora:
         t = m.lora_params(wl.lora_r, wl.lora_targets)
         base = n * e + t * e
-        if feats.fsdp:
+        if feats.fsdp:  # the adapters are sharded like every other parameter, and so are their moments
             base = base // world + (m.embed_params() + m.lm_head_params() + m.hidden) * e
-        return base, t * e, 2 * t * e, t * e, layer if feats.fsdp else 0
+            return base, t * e // world, 2 * t * e // world, t * e // world, layer + t // m.layers * e
+        return base, t * e, 2 * t * e, t * e, 0
     if not feats.fsdp:
         # pure bf16 (or fp32) weights, AdamW moments in the weights' dtype, one foreach temp of that size
         return n * e, n * e, 2 * n * e, n * e, 0
@@ -184,20 +217,90 @@ def _param_bytes(m: ModelFacts, wl: Workload, feats: Features, world: int) -> tu
 
 
 def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> int:
+    """At log_softmax's backward: the fp32 log-softmax (saved), its gradient and the logits' gradient,
+    12 V bytes per token with logits. Without the fused loss every token has logits; with it only one
+    checkpointed chunk of supervised tokens, recomputed in backward (its e-byte logits are upcast, or in
+    fp32 are the same tensor, and not saved)."""
     if not feats.fused_loss:
-        return 12 * m.vocab * tokens  # fp32 log-softmax kept + its gradient + the logits gradient
+        return 12 * m.vocab * tokens
     chunk = feats.loss_chunk_tokens or max(1, DEFAULT_LOSS_CHUNK_BYTES // (4 * m.vocab))
-    return min(chunk, tokens) * m.vocab * (wl.elt + 12)
+    return 12 * m.vocab * min(chunk, wl.supervised(tokens))
 
 
-def _layer_backward_bytes(m: ModelFacts, wl: Workload, u: int, feats: Features) -> int:
-    """Transient per token while one layer runs backward: recomputed activations + activation gradients."""
-    e = wl.elt
-    grads = e * (3 * m.hidden + 2 * m.intermediate) + 4 * (m.q_dim + 2 * m.kv_dim)
-    if feats.tiled_mlp:
-        grads -= 2 * e * m.intermediate
-    recompute = layer_bytes_per_token(m, wl, u, feats.tiled_mlp) if feats.activation_checkpointing else 0
-    return grads + recompute
+@dataclass(frozen=True)
+class _Moment:
+    """Bytes beside parameters and optimizer state at one moment of a layer's backward."""
+
+    activations: int
+    gradients: int
+    temp: int
+    comm: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.gradients + self.temp + self.comm
+
+
+def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int,
+                    gathered: int, comm: int) -> tuple[_Moment, _Moment]:
+    """(the MLP moment, the attention moment) of the busiest layer backward.
+
+    MLP moment: backward has reached a layer's MLP, down_proj's backward is done, and the gradients of
+    silu(gate) and up are being formed. Alive then, per local token: RoPE cos/sin and the index tensors;
+    the saved tensors of the layers still ahead (without checkpointing), or their inputs (with it); this
+    layer's saved tensors (with checkpointing: its recompute, where the fp32 input of input_layernorm is
+    the kept input itself in fp32, a new fp32 copy in bf16) less down_proj's input, already consumed;
+    temporaries: the residual-stream gradient e h, down_proj's input gradient e I and the two product
+    gradients 2 e I (with tiled MLP the [*, I] terms, recompute included, are one tile's). Parameter
+    gradients: the head's, the layers done, this layer's down_proj. FSDP2: this layer gathered, the
+    next one prefetched, the previous layer's unsharded gradients in their reduce-scatter; finished
+    layers' gradients are shards, the root's (head) stay whole until the end of backward. Activations
+    fall and gradients grow from one layer to the next (linearly between the FSDP steps), so the
+    first, second, second-to-last and last layer cover the maximum.
+    Attention moment: the same, but the layer's MLP tensors are gone, dq, dk, dv (e (q + 2 kv)) and
+    the collectives' buffers (all-to-all, ring K/V, FSDP's two gathered layers) are alive.
+    """
+    e, h, i = wl.elt, m.hidden, m.intermediate
+    lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
+    down_in = e * i if wl.trains("down_proj") else 0
+    if feats.tiled_mlp:  # one tile's MLP tensors, recomputed for its backward
+        per_row = max(1, wl.seq_len // lay.sp)
+        tile = wl.rows * -(-per_row // mlp_tiles(m, wl, lay))
+        mlp_acts, mlp_temp = (_mlp(m, wl, False) - down_in) * tile, 3 * e * i * tile
+    else:
+        lb -= _mlp(m, wl, False)
+        mlp_acts, mlp_temp = (_mlp(m, wl, False) - down_in) * tokens, 3 * e * i * tokens
+    if feats.activation_checkpointing:
+        current, ahead = lb - (4 * h if e == 4 else 0), e * h  # recompute; the kept input of each layer ahead
+        ahead_full = ahead
+    else:
+        current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
+        ahead_full = 0
+    acts = (2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN + current) * tokens
+    if wl.lora and not feats.activation_checkpointing:
+        acts -= (4 * h + 4) * tokens  # layer 0 keeps no norm input (frozen embedding)
+    if wl.lora:
+        head, per_layer, down = 0, m.lora_params(wl.lora_r, wl.lora_targets) // m.layers * e, 0
+    else:
+        head = (m.lm_head_params() or m.embed_params()) * e + h * e
+        per_layer, down = m.layer_params() * e, h * i * e
+    in_flight = prefetch = 0
+    if feats.fsdp:
+        in_flight, prefetch, per_layer = per_layer, gathered, per_layer // lay.world
+    last = m.layers - 1
+
+    def at(k: int, attention: bool) -> _Moment:  # k layers already done
+        a = acts + (ahead * (last - k) + ahead_full) * tokens
+        rs = in_flight if k > 0 else 0
+        if attention:
+            return _Moment(a, head + k * per_layer, e * (h + m.q_dim + 2 * m.kv_dim) * tokens, comm + rs)
+        return _Moment(a + mlp_acts, head + k * per_layer + down, e * h * tokens + mlp_temp,
+                       gathered + (prefetch if k < last else 0) + rs)
+
+    ks = {0, min(1, last), max(0, last - 1), last}
+    mlp_moment = max((at(k, False) for k in ks), key=lambda x: x.total)
+    attn = max((at(k, True) for k in ks), key=lambda x: x.total)
+    return mlp_moment, attn
 
 
 def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_params: int) -> int:
@@ -230,19 +333,23 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
         params, grads, opt, opt_temp = params - (m.num_params() * 4 // lay.world), 0, 0, 0
     ref = m.num_params() * wl.elt if wl.stage == "dpo" and not wl.lora else 0  # frozen reference copy
     params += ref
+    if feats.tiled_mlp and mlp_tiles(m, wl, lay) == 1:
+        feats = replace(feats, tiled_mlp=False)  # one tile: the plain MLP runs, nothing is recomputed
     acts = activation_bytes_per_token(m, wl, lay.ulysses, feats) * tokens
     loss = _loss_bytes(m, wl, feats, tokens)
     comm = _comm_bytes(m, wl, lay, tokens, layer)
-    layer_bwd = _layer_backward_bytes(m, wl, lay.ulysses, feats) * tokens
-    lm_grad = 0 if wl.lora else (m.embed_params() + m.lm_head_params()) * wl.elt // (lay.world if feats.fsdp else 1)
+    mlp_bwd, attn_bwd = _layer_backward(m, wl, lay, feats, tokens, layer, comm)
+    bwd = mlp_bwd if mlp_bwd.total >= attn_bwd.total else attn_bwd
+    if feats.fused_loss and feats.fsdp:
+        loss += layer  # FSDP2's pre-backward hook on the outputs gathers the last layer before the chunks run
     phases = {
         "loss_backward": params + opt + acts + loss,
-        "layer_backward": params + opt + lm_grad + acts + layer_bwd + comm,
+        "layer_backward": params + opt + bwd.total,
         "optimizer": params + grads + opt + opt_temp,
     }
     phase = max(phases, key=phases.get)
     if phase == "loss_backward":
         return MemoryBreakdown(params, 0, opt, acts, loss, 0, 0, phase, phases)
     if phase == "layer_backward":
-        return MemoryBreakdown(params, lm_grad, opt, acts, 0, comm, layer_bwd, phase, phases)
+        return MemoryBreakdown(params, bwd.gradients, opt, bwd.activations, 0, bwd.comm, bwd.temp, phase, phases)
     return MemoryBreakdown(params, grads, opt, 0, 0, 0, opt_temp, phase, phases)

@@ -2,16 +2,19 @@
 
 The grid covers what this build can measure: no memory features, full vs LoRA, SFT vs DPO, FSDP on/off,
 SP 1/2/4 in ulysses, ring and USP modes, two architectures (Llama; Qwen3 with q/k norms). Feature rows
-are the same cases with `memory` keys flipped (FEATURE_SETS): once a feature is built, its rows measure it.
+are the same cases with `memory` keys flipped (FEATURE_SETS: activation checkpointing, fused loss, tiled
+MLP, all three). The prediction knows each case's unsupervised positions per row (the fused loss computes
+logits only for supervised ones): a SFT row's last position, a DPO row's prompt.
 `--validate-time` compares the ORDER of predicted step times with measured CPU step times.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, replace
 from typing import Any
 
-from .measure import Case, measure_case
+from .measure import Case, measure_case, unsupervised_tokens
 from .memory import Features, Layout, Workload, estimate_memory
 from .model import load_model_facts
 
@@ -22,7 +25,7 @@ TOLERANCE = 0.05
 NO_FEATURES: dict[str, Any] = {"fused_loss": False}
 FEATURE_SETS: dict[str, dict[str, Any]] = {
     "none": NO_FEATURES,
-    # Rows for the memory features: measured once the features exist (`--features all`).
+    # Rows for the memory features (`--features ckpt,fused,tiled,all`; `all` alone = every set).
     "ckpt": {"fused_loss": False, "activation_checkpointing": True},
     "fused": {"fused_loss": True},
     "tiled": {"fused_loss": False, "tiled_mlp": True},
@@ -51,12 +54,20 @@ def _features(case: Case) -> Features:
                     loss_chunk_tokens=mem.get("loss_chunk_tokens"))
 
 
+@functools.cache
+def _unsupervised(case: Case) -> int:
+    """Only the fused loss depends on it (logits for supervised positions only); reading it needs the
+    tokenizer, so other cases skip it."""
+    return unsupervised_tokens(case) if _features(case).fused_loss else 0
+
+
 def predict_case(case: Case) -> int:
     """The planner's peak bytes per rank for a validation case (CPU: AdamW without foreach)."""
     m = load_model_facts(f"tiny:{case.arch}", {
         "num_heads": case.num_heads, "num_kv_heads": case.num_kv_heads, "head_dim": case.head_dim,
         "num_layers": case.num_layers, "intermediate_size": case.intermediate_size, "vocab_size": case.vocab_size})
-    wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision, case.micro_batch_size)
+    wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision, case.micro_batch_size,
+                  unsupervised_tokens=_unsupervised(case))
     lay = Layout(case.ulysses, case.ring, case.dp)
     return estimate_memory(m, wl, lay, _features(case), foreach=False).total
 
