@@ -250,8 +250,10 @@ def test_sp1_in_process_and_remove():
 
 
 @pytest.mark.slow
-def test_cli_verify_tiny_qwen3_next(tmp_path):
-    """`seqpar verify` (train SP=2 Ulysses vs the SP=1 reference, 3 steps, packed rows) on tiny:qwen3_next."""
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_cli_verify_tiny_qwen3_next(tmp_path, fsdp):
+    """`seqpar verify` (train SP=2 Ulysses vs the SP=1 reference, 3 steps, packed rows) on tiny:qwen3_next;
+    with FSDP the Gated DeltaNet forward slices the gathered conv1d / A_log / dt_bias parameters."""
     import json
     import os
     import subprocess
@@ -269,7 +271,8 @@ def test_cli_verify_tiny_qwen3_next(tmp_path):
     data.write_text("".join(json.dumps({"instruction": phrase(4), "response": phrase(8)}) + "\n" for _ in range(16)))
     cfg = {"model": {"name": "tiny:qwen3_next"}, "dataset": {"path": str(data), "max_length": 128, "packing": True},
            "sequence_parallel": {"size": 2, "ring_degree": 1}, "micro_batch_size": 1, "grad_accum": 2,
-           "max_steps": 3, "optimizer": {"lr": 1e-2}, "output_dir": str(tmp_path / "run"), "progress": False}
+           "max_steps": 3, "optimizer": {"lr": 1e-2}, "output_dir": str(tmp_path / "run"), "progress": False,
+           "fsdp": fsdp}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp_path / "verify"
     r = subprocess.run([sys.executable, "-m", "seqpar", "verify", str(tmp_path / "cfg.yaml"), "--steps", "3",
