@@ -170,15 +170,8 @@ _SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
               num_key_value_heads=2)
 _MAMBA2_MIX = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4)
 # (family, config class, model class, tiny config kwargs, what the refusal must name)
+# (Qwen3-Next / Qwen3.5 Gated DeltaNet are supported under Ulysses: tests/test_hf_hybrid.py.)
 NON_ATTENTION_MODELS = [
-    ("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
-     dict(_SMALL, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-          linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-          shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"]),
-     "Qwen3NextGatedDeltaNet"),
-    ("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
-     dict(_SMALL, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-          linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"]), "Qwen3_5GatedDeltaNet"),
     ("mamba", "MambaConfig", "MambaForCausalLM",
      dict(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4), "MambaMixer"),
     ("mamba2", "Mamba2Config", "Mamba2ForCausalLM",

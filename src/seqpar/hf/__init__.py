@@ -3,6 +3,7 @@
 from .attention import ForwardPlan, apply_sequence_parallel, is_sequence_parallel, remove_sequence_parallel
 from .models import (
     ARCHS,
+    HYBRID_ARCHS,
     load_smollm2,
     load_smollm2_tokenizer,
     smollm2_cache_dir,
@@ -13,6 +14,7 @@ from .models import (
 
 __all__ = [
     "ARCHS",
+    "HYBRID_ARCHS",
     "ForwardPlan",
     "apply_sequence_parallel",
     "is_sequence_parallel",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from ..data import document_starts
 from ..errors import SeqParError
 from ..layout import check_length, local_positions, unshard
 from ..mesh import SequenceParallelMesh
+from .linear_attention import check_linear_attention, find_linear_attention, sp_gated_delta_forward
 from .mixers import check_softmax_attention_only
 
 __all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "is_sequence_parallel", "ForwardPlan"]
@@ -107,6 +109,13 @@ def _check_config(cfg: Any) -> None:
     sinks = getattr(cfg, "use_sinks", None)
     if sinks:
         raise SeqParError("attention sinks are not supported by seqpar")
+    if getattr(cfg, "output_router_logits", False):
+        # HF adds the load-balancing loss only with labels= (refused under SP), and per shard it would differ.
+        raise SeqParError(
+            "config.output_router_logits=True: the MoE router load-balancing (aux) loss is not supported under SP "
+            "(it is a product of whole-sequence means, which a shard cannot compute; seqpar's losses never add "
+            "it): set config.output_router_logits = False"
+        )
 
 
 def _module_is_causal(module: Any) -> bool:
@@ -209,6 +218,32 @@ def _make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
         return out, None
 
     return seqpar_attention_forward
+
+
+def _make_linear_forward(state_ref: weakref.ReferenceType) -> Any:
+    """Replacement forward for a Gated DeltaNet layer (bound to the instance; same signature as upstream's)."""
+
+    def forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache_params: Any = None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        state: _SPState | None = state_ref()
+        if state is None:
+            raise SeqParError("the model this seqpar layer belonged to is gone; call apply_sequence_parallel again")
+        plan: ForwardPlan | None = kwargs.get(_PLAN_KWARG) or state.plan
+        if plan is None:
+            raise SeqParError(
+                "a sequence-parallel linear-attention layer was called without a forward plan: call the model "
+                "itself (model(input_ids=..., position_ids=...)), not a layer on its own"
+            )
+        b, s_loc = int(hidden_states.shape[0]), int(hidden_states.shape[1])
+        if s_loc * state.mesh.sp_size != plan.full_len or b != len(plan.row_bounds):
+            raise SeqParError(
+                f"{type(self).__name__} got B={b}, full length {s_loc * state.mesh.sp_size} but the forward plan "
+                f"says B={len(plan.row_bounds)}, length {plan.full_len}"
+            )
+        # cache_params: never filled under SP (use_cache is forced off; filled caches are refused by the plan).
+        return sp_gated_delta_forward(self, hidden_states, attention_mask, plan.row_bounds, state.mesh)
+
+    return forward
 
 
 # ----------------------------------------------------------------------------- per-forward plan
@@ -359,8 +394,10 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
     and with PEFT wrappers (apply before or after get_peft_model). Only this model is affected: it
     gets its own config copy pointing at an attention function registered under a unique name.
     Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, attention
-    sinks, nested/encoder-decoder configs, any sequence mixing outside softmax attention (linear
-    attention, Mamba/SSM, convolutions, recurrences, chunked attention: see seqpar.hf.mixers)
+    sinks, nested/encoder-decoder configs, MoE router aux losses (output_router_logits), any sequence
+    mixing outside softmax attention (linear attention, Mamba/SSM, convolutions, recurrences, chunked
+    attention: see seqpar.hf.mixers) except the Gated DeltaNet layers of Qwen3-Next / Qwen3.5, which
+    run under pure Ulysses (ring_degree=1, k heads divisible by the degree: seqpar.hf.linear_attention)
     (here); attention dropout in train mode, non-causal attention, sliding windows shorter than
     the sequence (per forward, on every rank alike).
     """
@@ -380,7 +417,10 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
             "model.language_model with its own lm_head)"
         )
     _check_config(cfg)
-    check_softmax_attention_only(base, cfg)  # linear attention, SSMs, convolutions, chunked attention
+    linear = find_linear_attention(base)  # Gated DeltaNet (Qwen3-Next, Qwen3.5): run by seqpar under Ulysses
+    check_linear_attention(linear, mesh)
+    allowed = frozenset({"linear_attention"}) if linear else frozenset()
+    check_softmax_attention_only(base, cfg, tuple(linear), allowed)  # other linear attention, SSMs, convs, ...
     heads, kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     if heads % kv != 0:
         raise SeqParError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
@@ -401,6 +441,10 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
     if "_loss_function" in base.__dict__:
         state.restore["loss_function"] = base.__dict__["_loss_function"]
     base.loss_function = _refuse_labels_loss
+
+    for layer in linear:  # an instance attribute shadows the class's forward; removed again on remove
+        layer.forward = types.MethodType(_make_linear_forward(state_ref), layer)
+    state.restore["linear"] = [weakref.ref(m) for m in linear]
 
     backbone = _backbone(base)
     state.handles.append(backbone.register_forward_pre_hook(_make_backbone_hook(state_ref), with_kwargs=True))
@@ -428,6 +472,10 @@ def remove_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
         m = ref()
         if m is not None:
             m.config = state.restore["config"]
+    for ref in state.restore.get("linear", []):
+        m = ref()
+        if m is not None:
+            m.__dict__.pop("forward", None)
     if "loss_function" in state.restore:
         base.loss_function = state.restore["loss_function"]
     else:

