@@ -219,6 +219,23 @@ def test_bad_key_head_count_refused():
     assert "forward" not in model.model.layers[0].linear_attn.__dict__  # nothing was changed
 
 
+def test_auto_degrees_are_pure_ulysses_for_linear_attention():
+    from seqpar.hf import tiny_config
+    from seqpar.mesh import auto_degrees, needs_full_sequence
+    from seqpar.train.config import config_from_dict, validate_for_launch
+    from seqpar.train.trainer import model_needs_full_sequence
+
+    assert needs_full_sequence(tiny_config("qwen3_next")) and needs_full_sequence(tiny_config("qwen3_5"))
+    assert not needs_full_sequence(tiny_config("llama"))
+    assert auto_degrees(4, 4, 2) == (2, 2) and auto_degrees(4, 4, 2, ulysses_only=True) == (4, 1)
+    cfg = config_from_dict({"model": {"name": "tiny:qwen3_next"}, "dataset": {"path": "x.jsonl", "max_length": 128},
+                            "sequence_parallel": 4, "output_dir": "out"})
+    assert model_needs_full_sequence(cfg)
+    heads = tiny_config("qwen3_next")
+    assert validate_for_launch(cfg, 4, num_heads=heads.num_attention_heads, num_kv_heads=heads.num_key_value_heads,
+                               ulysses_only=True) == (4, 1)
+
+
 def test_router_aux_loss_refused():
     with pytest.raises(SeqParError, match="output_router_logits"):
         apply_sequence_parallel(tiny_model("qwen3_next", output_router_logits=True), _mesh(2, 1))
@@ -270,7 +287,8 @@ def test_cli_verify_tiny_qwen3_next(tmp_path, fsdp):
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"instruction": phrase(4), "response": phrase(8)}) + "\n" for _ in range(16)))
     cfg = {"model": {"name": "tiny:qwen3_next"}, "dataset": {"path": str(data), "max_length": 128, "packing": True},
-           "sequence_parallel": {"size": 2, "ring_degree": 1}, "micro_batch_size": 1, "grad_accum": 2,
+           # auto degrees (no FSDP case) must pick pure Ulysses for a model with linear attention
+           "sequence_parallel": {"size": 2, "ring_degree": 1} if fsdp else 2, "micro_batch_size": 1, "grad_accum": 2,
            "max_steps": 3, "optimizer": {"lr": 1e-2}, "output_dir": str(tmp_path / "run"), "progress": False,
            "fsdp": fsdp}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .comm import CommStats
 from .errors import SeqParError
 
-__all__ = ["SequenceParallelMesh", "init_mesh", "auto_degrees", "divisors"]
+__all__ = ["SequenceParallelMesh", "init_mesh", "auto_degrees", "divisors", "needs_full_sequence"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -24,13 +24,24 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def auto_degrees(sp_size: int, num_heads: int | None = None, num_kv_heads: int | None = None) -> tuple[int, int]:
+def needs_full_sequence(model_config: Any) -> bool:
+    """Whether the model has linear-attention layers (Qwen3-Next / Qwen3.5 Gated DeltaNet): their recurrence
+    needs the whole sequence on one rank, so SP must be pure Ulysses (seqpar.hf.linear_attention)."""
+    cfg = getattr(model_config, "text_config", None) or model_config
+    return "linear_attention" in (getattr(cfg, "layer_types", None) or ())
+
+
+def auto_degrees(sp_size: int, num_heads: int | None = None, num_kv_heads: int | None = None, *,
+                 ulysses_only: bool = False) -> tuple[int, int]:
     """Pick (ulysses_degree, ring_degree) with ulysses * ring == sp_size.
 
     With head counts: the largest ulysses degree that divides sp_size, num_heads and num_kv_heads
     (no dummy heads, no KV replication), the rest ring. Without head counts: pure ring
-    (ulysses=1), which is correct for every head count.
+    (ulysses=1), which is correct for every head count. ulysses_only (models with linear-attention
+    layers, `needs_full_sequence`): pure Ulysses; softmax heads it does not divide get dummy heads.
     """
+    if ulysses_only:
+        return sp_size, 1
     if num_heads is None:
         return 1, sp_size
     kv = num_kv_heads if num_kv_heads is not None else num_heads
@@ -154,7 +165,8 @@ def init_mesh(
             ok = ", ".join(str(d) for d in divisors(sp_size))
             raise SeqParError(f"{name}={val!r} must divide sp_size={sp_size}: use one of {ok}")
     if ulysses_degree is None and ring_degree is None:
-        ulysses_degree, ring_degree = auto_degrees(sp_size, num_heads, num_kv_heads)
+        full = model_config is not None and needs_full_sequence(model_config)
+        ulysses_degree, ring_degree = auto_degrees(sp_size, num_heads, num_kv_heads, ulysses_only=full)
     elif ulysses_degree is None:
         ulysses_degree = sp_size // ring_degree
     elif ring_degree is None:

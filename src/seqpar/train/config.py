@@ -466,11 +466,12 @@ def set_dotted(data: dict[str, Any], key: str, val: Any) -> None:
     cur[parts[-1]] = val
 
 
-def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_heads: int | None) -> tuple[int, int]:
-    """(ulysses, ring) as seqpar.init_mesh will choose them."""
+def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_heads: int | None, *,
+                       ulysses_only: bool = False) -> tuple[int, int]:
+    """(ulysses, ring) as seqpar.init_mesh will choose them (ulysses_only: models with linear attention)."""
     u, r = sp.ulysses_degree, sp.ring_degree
     if u is None and r is None:
-        return auto_degrees(sp.size, num_heads, num_kv_heads)
+        return auto_degrees(sp.size, num_heads, num_kv_heads, ulysses_only=ulysses_only)
     if u is None:
         return sp.size // r, r
     if r is None:
@@ -479,7 +480,7 @@ def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_h
 
 
 def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | None = None,
-                        num_kv_heads: int | None = None) -> tuple[int, int]:
+                        num_kv_heads: int | None = None, ulysses_only: bool = False) -> tuple[int, int]:
     """Checks that need the world size and head counts; returns (ulysses, ring). No collectives."""
     sp = cfg.sequence_parallel.size
     if world_size % sp != 0:
@@ -488,7 +489,7 @@ def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | N
             f"sequence_parallel.size={sp} does not divide the world size {world_size}: set size to one of "
             f"{ok}, or launch a multiple of {sp} processes (--nproc-per-node)"
         )
-    u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads)
+    u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads, ulysses_only=ulysses_only)
     m = required_multiple(r, u, cfg.sequence_parallel.layout if r > 1 else "contiguous")
     for name, ds in (("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset)):
         L = ds.max_length if ds is not None else m

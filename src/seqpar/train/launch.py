@@ -39,10 +39,10 @@ def prelaunch_checks(cfg: TrainConfig, world: int) -> dict[str, int]:
     """Every input check of `seqpar train`, without weights or processes; returns the dataset stats."""
     from .model_checks import check_model, refuse_unsupported_model
     from .resume import find_resume
-    from .trainer import load_tokenizer, model_heads, prepare_examples
+    from .trainer import load_tokenizer, model_heads, model_needs_full_sequence, prepare_examples
 
     nh, nkv = model_heads(cfg)
-    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
+    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=model_needs_full_sequence(cfg))
     refuse_unsupported_model(cfg)  # before the tokenizer: "not a causal LM" is the message that helps
     tok = load_tokenizer(cfg)
     examples, stats = prepare_examples(cfg, tok)

@@ -30,7 +30,7 @@ from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, Sequen
 from ..errors import SeqParError, TrainingDiverged
 from ..memory.fused_loss import install_fused_head
 from ..memory.meter import PeakMemoryMeter
-from ..mesh import init_mesh
+from ..mesh import init_mesh, needs_full_sequence
 from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import DatasetSpec, TrainConfig, validate_for_launch, with_total_steps
 from .datasets import ByteTokenizer, HFTokenizer, build_examples, describe_stats, load_chat_template, load_rows
@@ -105,25 +105,37 @@ def _tiny_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     return kwargs
 
 
-def model_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
-    """(num_heads, num_kv_heads) from the model's config alone (no weights loaded)."""
+def _model_config(cfg: TrainConfig) -> Any:
+    """The model's HF config alone (no weights loaded); None for the bundled SmolLM2."""
     kind = _model_kind(cfg)
     if kind == "tiny":
         from ..hf import tiny_config
 
         kw = {k: v for k, v in _tiny_kwargs(cfg).items() if k not in ("seed", "dtype", "attn_implementation")}
-        c = tiny_config(cfg.model.name.split(":", 1)[1], **kw)
-    elif kind == "smollm2":
-        return SMOLLM2_HEADS
-    else:
-        from transformers import AutoConfig
+        return tiny_config(cfg.model.name.split(":", 1)[1], **kw)
+    if kind == "smollm2":
+        return None
+    from transformers import AutoConfig
 
-        try:
-            c = AutoConfig.from_pretrained(cfg.model.name)
-        except (OSError, ValueError) as e:
-            raise _unknown_model(cfg.model.name, e) from None
+    try:
+        return AutoConfig.from_pretrained(cfg.model.name)
+    except (OSError, ValueError) as e:
+        raise _unknown_model(cfg.model.name, e) from None
+
+
+def model_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
+    """(num_heads, num_kv_heads) from the model's config alone (no weights loaded)."""
+    c = _model_config(cfg)
+    if c is None:
+        return SMOLLM2_HEADS
     h = int(c.num_attention_heads)
     return h, int(getattr(c, "num_key_value_heads", None) or h)
+
+
+def model_needs_full_sequence(cfg: TrainConfig) -> bool:
+    """Linear-attention layers (Qwen3-Next / Qwen3.5): automatic SP degrees are pure Ulysses."""
+    c = _model_config(cfg)
+    return c is not None and needs_full_sequence(c)
 
 
 def load_tokenizer(cfg: TrainConfig) -> Any:
@@ -283,7 +295,7 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     _quiet_non_main_ranks()
     # 1. Everything that can fail on the config, before any process group exists.
     nh, nkv = model_heads(cfg)
-    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv)
+    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=model_needs_full_sequence(cfg))
     tok = load_tokenizer(cfg)
     if cfg.stage == "grpo" and emulate_dp > 1:
         raise SeqParError("stage: grpo has no emulated-dp reference (seqpar verify): compare runs with dp=1 instead")
