@@ -24,6 +24,13 @@ TOL = 1e-5
 WORDS = "the cat sat on a mat while dogs ran far and birds sang songs of long summer days".split()
 
 
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
+    "{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def _tok():
     from seqpar.hf import load_smollm2_tokenizer
 
@@ -47,6 +54,9 @@ def _dataset(kind: str):
         elif kind == "messages":  # conversational prompt/completion: completion_only_loss applies
             rows.append({"prompt": [{"role": "user", "content": p}],
                          "completion": [{"role": "assistant", "content": c}]})
+        elif kind == "conversation":  # multi-turn: assistant_only_loss masks every non-assistant token
+            rows.append({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c},
+                                      {"role": "user", "content": r}, {"role": "assistant", "content": p}]})
         elif kind == "text":
             rows.append({"text": p + " " + c})
         else:  # preference pairs
@@ -73,7 +83,8 @@ def _config(case: dict, out: str, batch: int = 2):
                          beta=0.5)
     return SFTConfig(**common, max_length=case.get("max_length", 1024), packing=case.get("packing", False),
                      packing_strategy=case.get("packing_strategy", "bfd"), padding_free=case.get("padding_free", False),
-                     completion_only_loss=case.get("completion_only_loss"))
+                     completion_only_loss=case.get("completion_only_loss"),
+                     assistant_only_loss=case.get("assistant_only_loss", False))
 
 
 def _lora():
@@ -89,6 +100,8 @@ def _train(case: dict, out: str, sp: int | None) -> tuple[list[float], dict[str,
     import seqpar.trl as strl
 
     tok = _tok()
+    if case.get("assistant_only_loss"):  # TRL needs {% generation %} markers to build the assistant mask
+        tok.chat_template = GENERATION_TEMPLATE
     model = _model(case["arch"], len(tok))
     kw = {"peft_config": _lora()} if case.get("lora") else {}
     if sp is not None:
@@ -163,6 +176,8 @@ FAST = [
      "data": "prompt_completion", "completion_only_loss": True, "eval": True},
     {"name": "sft messages (conversational prompt/completion)", "stage": "sft", "arch": "qwen2", "data": "messages"},
     {"name": "sft packing bfd", "stage": "sft", "arch": "llama", "data": "text", "packing": True, "max_length": 40},
+    {"name": "sft multi-turn assistant_only_loss", "stage": "sft", "arch": "llama", "data": "conversation",
+     "assistant_only_loss": True},
     {"name": "dpo sigmoid, max_length cut", "stage": "dpo", "arch": "qwen2", "data": "pairs", "max_length": 24},
     # TRL's default bf16=True (autocast over fp32 weights): bf16 attention on both sides, so bf16-level
     # tolerances (measured: 1.9e-3 loss at ~10.8, 3.8e-4 parameters); step 1 agrees to fp32 precision.
