@@ -102,6 +102,12 @@ def enable_activation_checkpointing(model: torch.nn.Module, *, offload: bool = F
         raise SeqParError(
             f"{type(base).__name__} has no checkpointable decoder layers: set memory.activation_checkpointing: false"
         )
+    # transformers also makes the embedding output require grad (needed by REENTRANT checkpointing only).
+    # With a frozen embedding (LoRA) that output is a leaf, so backward would compute and keep its unused
+    # gradient, [rows, S_local, hidden], until the step ends. seqpar checkpoints non-reentrantly: drop it.
+    disable = getattr(base, "disable_input_require_grads", None)
+    if disable is not None and getattr(base, "_require_grads_hook", None) is not None:
+        disable()
 
 
 def is_activation_checkpointing(model: torch.nn.Module) -> bool:
