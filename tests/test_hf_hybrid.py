@@ -172,6 +172,7 @@ CASES_W2 = [
     ("ulysses2", "qwen3_next", "pad"),
     ("ulysses2", "qwen3_next", "packed"),
     ("ulysses2", "qwen3_5", "packed"),
+    ("ulysses2", "qwen3_5_moe", "packed"),
 ]
 CASES_W2_LORA = [("ulysses2", "lora:qwen3_next", "packed"), ("ulysses2", "lora:qwen3_5", "pad")]
 CASES_W4 = [
@@ -179,6 +180,7 @@ CASES_W4 = [
     ("ulysses4", "qwen3_next", "packed"),
     ("ulysses4", "qwen3_5", "pad"),
     ("ulysses4", "qwen3_5", "packed"),
+    ("ulysses4", "qwen3_5_moe", "pad"),
     ("dp2xulysses2", "qwen3_next", "packed"),
 ]
 

