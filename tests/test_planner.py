@@ -198,3 +198,105 @@ def test_predicted_memory_matches_memtracker():
 
     rows = run_validation(FAST_GRID + with_features([FAST_GRID[2], FAST_GRID[3]], ["all"]), timeout=600)
     assert all(abs(r["rel_err"]) <= TOLERANCE for r in rows), format_rows(rows)
+
+
+# ----------------------------------------------------------------------------- time model
+def test_collective_cost_and_attention_rate_by_hand():
+    from dataclasses import replace
+
+    cl = make_cluster(8, 8, "h100")
+    # default: latency_s per call + bytes at the intra-node bandwidth (group fits the node)
+    assert cl.collective_s("all_to_all", 4, 360e9, 8) == pytest.approx(4 * 2e-5 + 1.0)
+    assert make_cluster(16, 8, "h100").collective_s("p2p", 1, 45e9, 2, 8) == pytest.approx(2e-5 + 1.0)
+    measured = replace(cl, per_kind=(("p2p", 1e-3, 2.0),), attn_by_len=((1000, 1.0), (4000, 3.0)))
+    assert measured.collective_s("p2p", 3, 2e9, 2) == pytest.approx(3e-3 + 1.0)
+    assert measured.collective_s("all_reduce", 1, 0, 2) == pytest.approx(2e-5)  # kinds not measured: defaults
+    assert measured.attention_tflops(2000) == pytest.approx(2.0)  # log-interpolated: 2000 is half-way 1000..4000
+    assert measured.attention_tflops(10) == 1.0 and measured.attention_tflops(10**6) == 3.0
+    assert cl.attention_tflops(5000) is None
+
+
+def test_step_flops_by_hand():
+    from seqpar.planner.time import step_flops
+
+    m = tiny()
+    W = m.layers * m.layer_params() + m.hidden * m.vocab  # every matmul weight (decoder + head)
+    tokens = 1024 / 2
+    lin, attn = step_flops(m, Workload(1024, precision="fp32"), Layout(2, 1, 1), Features())
+    assert lin == 6 * tokens * W  # forward 2 + input grad 2 + weight grad 2
+    a_fwd = attention_flops(m, Workload(1024), Layout(2, 1, 1)) * m.layers
+    assert attn == pytest.approx(3.5 * a_fwd)
+    ck, ck_attn = step_flops(m, Workload(1024), Layout(2, 1, 1), Features(activation_checkpointing=True))
+    assert ck == 8 * tokens * W and ck_attn == pytest.approx(4.5 * a_fwd)  # the forward runs twice
+    lora = Workload(1024, finetuning="lora")
+    n_lora = m.lora_params(lora.lora_r, lora.lora_targets)
+    assert step_flops(m, lora, Layout(2, 1, 1), Features())[0] == tokens * (4 * W + 2 * n_lora)
+    dpo = Workload(1024, stage="dpo")  # 2 rows, plus the reference forward
+    assert step_flops(m, dpo, Layout(2, 1, 1), Features())[0] == 2 * tokens * 8 * W
+
+
+def test_time_model_overlap_rules():
+    """GPU (overlap): a ring hop hides behind attention, FSDP behind compute; a CPU cluster exposes all."""
+    from dataclasses import replace
+
+    from seqpar.planner.time import estimate_time
+
+    m = load_model_facts("llama-3.1-8b")
+    wl = Workload(131072)
+    gpu = make_cluster(8, 8, "h100")
+    ring = estimate_time(m, wl, Layout(1, 8, 1), Features(fsdp=True), gpu)
+    assert ring.parts["comm_ring"] == 0.0 and ring.parts["comm_fsdp"] == 0.0  # hidden at 128K
+    cpu = replace(gpu, overlap=False)
+    serial = estimate_time(m, wl, Layout(1, 8, 1), Features(fsdp=True), cpu)
+    assert serial.exposed_comm_s > ring.exposed_comm_s
+    assert serial.parts["comm_ring"] > 0 and serial.parts["comm_fsdp_gather"] > 0
+    assert serial.step_s == pytest.approx(serial.compute_s + serial.exposed_comm_s)
+    assert serial.compute_s == pytest.approx(sum(v for k, v in serial.parts.items() if not k.startswith("comm_")))
+
+
+COUNT_CASES = [
+    {"ulysses": 2}, {"ring": 2, "fsdp": True, "memory": {"fused_loss": False, "activation_checkpointing": True}},
+    {"ulysses": 2, "stage": "dpo", "finetuning": "lora"}, {"dp": 2}, {"ulysses": 2, "stage": "dpo", "fsdp": True},
+]
+
+
+@pytest.mark.parametrize("kw", COUNT_CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items() if k != "memory"))
+def test_collective_counts_match_profiler(kw):
+    """planner.collectives lists exactly the collective calls the trainer's step issues (torch.profiler)."""
+    _check_counts(kw, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{"ulysses": 2, "ring": 2, "fsdp": True}, {"ring": 4, "stage": "dpo"},
+                                {"ulysses": 2, "dp": 2, "memory": {"fused_loss": False, "tiled_mlp": True}}])
+def test_collective_counts_match_profiler_world4(kw):
+    _check_counts(kw, 4)
+
+
+def _check_counts(kw: dict, world: int) -> None:
+    from dataclasses import asdict
+
+    from seqpar.planner.collectives import step_collectives
+    from seqpar.planner.measure import Case, measure_case
+    from seqpar.planner.validate import _features, model_facts
+    from seqpar.testing import run_distributed
+
+    case = Case(seq_len=256, **{"memory": {"fused_loss": False}, **kw})
+    assert case.world == world
+    res = run_distributed(measure_case, world, asdict(case), meter=False, collectives=True, timeout=300)
+    wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision)
+    predicted: dict[str, int] = {}
+    for c in step_collectives(model_facts(case), wl, Layout(case.ulysses, case.ring, case.dp), _features(case)):
+        predicted[c.kind] = predicted.get(c.kind, 0) + c.calls
+    assert res[0]["collectives"] == predicted
+
+
+@pytest.mark.slow
+def test_time_ordering_on_this_machine():
+    """The fast subset of `seqpar plan --validate-time`: rows whose work differs clearly (checkpointing
+    recomputes the forward, twice the length quadruples attention) are ordered as measured."""
+    from seqpar.planner.validate import FAST_TIME_GRID, format_time_rows, run_time_validation, time_ordering
+
+    rows = run_time_validation(FAST_TIME_GRID, timed_steps=3)
+    same, total, _ = time_ordering(rows)
+    assert total >= 2 and same == total, format_time_rows(rows)

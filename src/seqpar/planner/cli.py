@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from typing import Any
 
 from ..errors import SeqParError
@@ -106,26 +105,11 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _validate_time() -> int:
-    from .gpus import make_cluster
-    from .memory import Layout, Workload
-    from .model import load_model_facts
-    from .time import estimate_time
-    from .validate import TIME_GRID, _features, run_validation, time_ordering
+    from .validate import TIME_GRID, format_time_rows, run_time_validation, time_ordering
 
-    rows = run_validation(TIME_GRID)
-    preds = []
-    for c in TIME_GRID:
-        m = load_model_facts(f"tiny:{c.arch}", {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
-                             "head_dim": c.head_dim, "num_layers": c.num_layers,
-                             "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size})
-        # a CPU "cluster": 0.05 TFLOP/s fp32 per process, 2 GB/s gloo loopback
-        cl = replace(make_cluster(c.world, c.world), fp32_tflops=0.05, peak_tflops=0.05, intra_bw=2.0, inter_bw=2.0)
-        wl = Workload(c.seq_len, c.stage, c.finetuning, c.precision)
-        preds.append(estimate_time(m, wl, Layout(c.ulysses, c.ring, c.dp), _features(c), cl).step_s)
-    for r, p in zip(rows, preds):
-        print(f"{r['case']:62s} measured {r['step_s']:8.3f} s   predicted {p:8.3f} s")
-    same, total = time_ordering(rows, preds)
-    print(f"ordering agrees on {same}/{total} pairs (absolute times are a model; only the order is checked)")
+    rows = run_time_validation(TIME_GRID)
+    print(format_time_rows(rows))
+    same, total, _ = time_ordering(rows)
     return 0 if same == total else 1
 
 

@@ -6,6 +6,7 @@ intra = NVLink/NVSwitch inside a node, inter = the GPU's share of the node's net
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..errors import SeqParError
@@ -25,19 +26,51 @@ class Cluster:
     intra_bw: float  # GB/s per GPU, inside a node
     inter_bw: float  # GB/s per GPU, across nodes
     name: str = "custom"
+    mem_bw: float = 2000.0  # GB/s of device memory: what memory-bound (elementwise, optimizer) work streams at
+    latency_s: float = 2e-5  # one collective call's fixed cost (NCCL: ~10-30 us)
+    overlap: bool = True  # communication can hide behind compute (separate streams); False: all of it is exposed
+    fsdp_param_s: float = 0.0  # FSDP2's fixed cost per parameter tensor and step (GPU: host work runs ahead, hidden)
+    host_layer_s: float = 0.0  # host cost per layer and pass (GPU: kernels are enqueued ahead, hidden)
+    loss_elem_s: float | None = None  # cross-entropy seconds per logit (fwd + bwd); None: memory-bound at mem_bw
+    attn_tflops: float | None = None  # achieved attention-kernel FLOP/s; None: the matmul rate
+    attn_by_len: tuple[tuple[int, float], ...] = ()  # measured: (kernel length, TFLOP/s), log-interpolated
+    # Measured clusters: (kind, latency s, GB/s) per collective kind, replacing latency_s / the bandwidths.
+    per_kind: tuple[tuple[str, float, float], ...] = ()
 
     def bw(self, group: int, stride: int = 1) -> float:
         """Bandwidth of a group of `group` ranks spaced `stride` apart (ranks fill nodes in order)."""
         return self.intra_bw if group * stride <= self.gpus_per_node else self.inter_bw
 
+    def attention_tflops(self, length: int) -> float | None:
+        """The attention kernel's rate at a query length (measured clusters), else `attn_tflops`."""
+        pts = sorted(self.attn_by_len)
+        if not pts:
+            return self.attn_tflops
+        if length <= pts[0][0]:
+            return pts[0][1]
+        for (n0, r0), (n1, r1) in zip(pts, pts[1:]):
+            if length <= n1:
+                w = math.log(length / n0) / math.log(n1 / n0)
+                return r0 + w * (r1 - r0)
+        return pts[-1][1]
+
+    def collective_s(self, kind: str, calls: int, nbytes: float, group: int, stride: int = 1) -> float:
+        """Seconds for `calls` collectives of one kind that send `nbytes` in all: latency + bytes / bandwidth."""
+        for k, lat, gbs in self.per_kind:
+            if k == kind:
+                return calls * lat + nbytes / (gbs * 1e9)
+        return calls * self.latency_s + nbytes / (self.bw(group, stride) * 1e9)
+
 
 # A100 SXM 80GB: 312 dense bf16 TFLOP/s, 19.5 fp32 (156 tf32), NVLink3 ~240 GB/s achieved, 200 Gb/s IB per GPU.
 # H100 SXM: 989 dense bf16, 67 fp32, NVLink4 ~360 GB/s achieved, 400 Gb/s IB per GPU (~45 GB/s).
 # H200 SXM: H100 compute with 141 GB HBM3e.
+# mem_bw: HBM peak (A100 2.0, H100 3.35, H200 4.8 TB/s); latency_s: 20 us per NCCL call (a model, inter-node
+# calls are slower). Memory-bound work is a small term at long lengths; the latency matters for small messages.
 GPU_PRESETS: dict[str, Cluster] = {
-    "a100-80g": Cluster(8, 8, 80 * GiB, 312.0, 19.5, 240.0, 22.0, "a100-80g"),
-    "h100": Cluster(8, 8, 80 * GiB, 989.0, 67.0, 360.0, 45.0, "h100"),
-    "h200": Cluster(8, 8, 141 * 10**9, 989.0, 67.0, 360.0, 45.0, "h200"),
+    "a100-80g": Cluster(8, 8, 80 * GiB, 312.0, 19.5, 240.0, 22.0, "a100-80g", mem_bw=2039.0),
+    "h100": Cluster(8, 8, 80 * GiB, 989.0, 67.0, 360.0, 45.0, "h100", mem_bw=3350.0),
+    "h200": Cluster(8, 8, 141 * 10**9, 989.0, 67.0, 360.0, 45.0, "h200", mem_bw=4800.0),
 }
 
 

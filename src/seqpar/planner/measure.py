@@ -10,6 +10,7 @@ meter's per-op overhead would distort times). Tiny models only (CPU, gloo): see 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -74,7 +75,7 @@ def case_config(case: Case) -> Any:
         "memory": {"fused_loss": False, **case.memory},
         "precision": case.precision,
         "micro_batch_size": case.micro_batch_size,
-        "max_steps": 3,
+        "max_steps": 8,
         "progress": False,
     }, source="validation case")
 
@@ -142,8 +143,11 @@ def _skip_frozen_grad_hooks(mt: Any, *modules: Any, hook_trainable: bool = True)
             mt._track_module_params_and_buffers(m, install_grad_hooks=True)
 
 
-def measure_case(case_d: dict[str, Any]) -> dict[str, Any]:
-    """Per-rank body (under run_distributed): peak bytes per MemTracker category + step seconds."""
+def measure_case(case_d: dict[str, Any], meter: bool = True, timed_steps: int = 1,
+                 collectives: bool = False) -> dict[str, Any]:
+    """Per-rank body (under run_distributed): peak bytes per MemTracker category + step seconds (the
+    median of `timed_steps` unmetered steps). meter=False skips the metered step (timing only);
+    collectives=True also counts one step's collective calls per kind (torch.profiler's c10d ops)."""
     import torch.distributed as dist
 
     from .. import loss as L
@@ -170,6 +174,41 @@ def measure_case(case_d: dict[str, Any]) -> dict[str, Any]:
                             cfg.memory.loss_chunk_tokens), reference, device, world,
                    rank, out=None, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0, prec=prec)
     T._train_step(loop, 0)  # warm-up: the optimizer state exists from here on
+    out = _metered_step(loop, model, optimizer, reference, device) if meter else {}
+    calls = _count_collectives(loop) if collectives else {}
+    # Step time WITHOUT the meter (its per-op overhead would favour configurations with fewer ops).
+    times = []
+    for i in range(timed_steps):
+        t0 = time.perf_counter()
+        T._train_step(loop, 2 + i)
+        times.append(time.perf_counter() - t0)
+    return {"case": asdict(case), "peak": out, "step_s": statistics.median(times), "rank": rank, "collectives": calls}
+
+
+# c10d ops as the dispatcher records them -> planner.collectives kinds (a functional all_reduce and
+# all_gather_into_tensor dispatch to these too, so each call is counted once).
+PROFILER_KINDS = {"c10d::alltoall_base_": "all_to_all", "c10d::send": "p2p", "c10d::allreduce_": "all_reduce",
+                  "c10d::_allgather_base_": "all_gather", "c10d::allgather_into_tensor_coalesced_": "all_gather",
+                  "c10d::_reduce_scatter_base_": "reduce_scatter"}
+
+
+def _count_collectives(loop: Any) -> dict[str, int]:
+    from torch.profiler import profile
+
+    from ..train import trainer as T
+
+    with profile() as prof:
+        T._train_step(loop, 1)
+    calls: dict[str, int] = {}
+    for e in prof.key_averages():
+        if e.key in PROFILER_KINDS:
+            calls[PROFILER_KINDS[e.key]] = calls.get(PROFILER_KINDS[e.key], 0) + e.count
+    return calls
+
+
+def _metered_step(loop: Any, model: Any, optimizer: Any, reference: Any, device: torch.device) -> dict[str, int]:
+    from ..train import trainer as T
+
     mt = _step_tracker()
     ref_model = getattr(reference, "ref_model", None)
     _skip_frozen_grad_hooks(mt, model, ref_model)
@@ -178,8 +217,4 @@ def measure_case(case_d: dict[str, Any]) -> dict[str, Any]:
         T._train_step(loop, 1)
     snap = mt.get_tracker_snapshot("peak")
     dev_snap = snap.get(device) or next(iter(snap.values()))
-    out = {str(k.value if hasattr(k, "value") else k): int(v) for k, v in dev_snap.items()}
-    # Step time WITHOUT the meter (its per-op overhead would favour configurations with fewer ops).
-    t0 = time.perf_counter()
-    T._train_step(loop, 2)
-    return {"case": asdict(case), "peak": out, "step_s": time.perf_counter() - t0, "rank": rank}
+    return {str(k.value if hasattr(k, "value") else k): int(v) for k, v in dev_snap.items()}

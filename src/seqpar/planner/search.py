@@ -64,6 +64,7 @@ class Candidate:
              "peak_phase": self.memory.phase,
              "step_time_s": self.time.step_s, "compute_s": self.time.compute_s,
              "exposed_comm_s": self.time.exposed_comm_s, "comm_bytes_per_layer": self.time.comm_bytes_per_layer,
+             "step_time_parts_s": dict(self.time.parts),
              "dummy_heads": self.dummy_heads, "kv_replication": self.kv_replication, "seq_len": self.seq_len,
              "fits": self.fits}
         if self.max_seq_len is not None:
@@ -135,9 +136,13 @@ def _longest(m: ModelFacts, cl: Cluster, wl: Workload, lay: Layout, f: Features)
     return c
 
 
-def _bucket(step_s: float) -> int:
-    """Step times within ~2% are a tie for the model (its error is larger than that)."""
-    return round(math.log(max(step_s, 1e-12)) / math.log(1.02))
+TIE = 0.02  # step times within 2% of the fastest comparable candidate are a tie (the model's error is larger)
+
+
+def _speed_key(c: Candidate, fastest: dict[Any, float], group: Any) -> float:
+    """0 for candidates tied with the fastest of their group, else the step time."""
+    t = c.time.step_s
+    return 0.0 if t <= fastest[group] * (1 + TIE) else t
 
 
 def _intra_ulysses(c: Candidate, cl: Cluster) -> int:
@@ -166,12 +171,18 @@ def plan(m: ModelFacts, cl: Cluster, req: Request) -> tuple[list[Candidate], int
     for lay in layouts:
         for f in _feature_sets(req):
             cands.append(_longest(m, cl, wl, lay, f) if req.max_seq_len else _evaluate(m, cl, wl, lay, f))
+    fastest: dict[Any, float] = {}
+    group = (lambda c: c.max_seq_len) if req.max_seq_len else (lambda c: None)  # noqa: E731
+    for c in cands:
+        if c.fits:
+            fastest[group(c)] = min(fastest.get(group(c), math.inf), c.time.step_s)
     if req.max_seq_len:
-        cands.sort(key=lambda c: (not c.fits, -(c.max_seq_len or 0), _bucket(c.time.step_s), -_intra_ulysses(c, cl)))
+        cands.sort(key=lambda c: (not c.fits, -(c.max_seq_len or 0),
+                                  _speed_key(c, fastest, group(c)) if c.fits else 0.0, -_intra_ulysses(c, cl)))
     else:
         # fitting ones by speed; the others by how far they are from fitting
-        cands.sort(key=lambda c: (not c.fits, _bucket(c.time.step_s) if c.fits else c.memory.total,
-                                  -_intra_ulysses(c, cl), c.memory.total))
+        cands.sort(key=lambda c: (not c.fits, _speed_key(c, fastest, None) if c.fits else c.memory.total,
+                                  -_intra_ulysses(c, cl), c.time.step_s, c.memory.total))
     return cands, (0 if cands and cands[0].fits else None)
 
 

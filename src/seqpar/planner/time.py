@@ -1,97 +1,143 @@
-"""Step-time model: matmul FLOPs at an assumed efficiency, plus the communication left exposed.
+"""Step-time model: matmul and attention FLOPs, memory-bound streaming, and the communication left exposed.
 
 Assumptions (stated in docs/planner.md; absolute GPU times are a model, the ORDERING is what
-`seqpar plan --validate-time` checks against measured runs):
-- matmuls run at MFU (default 0.45) of the peak (bf16 peak, or the fp32 peak for fp32);
-- linear layers: 2 FLOPs per weight per token forward, 4 backward (x3 total); activation
-  checkpointing recomputes the forward once more (x4); tiled MLP recomputes the MLP (x4 on the MLP);
-- attention: the causal FLOPs of the ring's own piece plan (bench.theory.flops_per_rank, the
-  busiest ring rank), forward x1, backward x2.5 (flash backward recomputes the scores);
-- bytes per rank from bench.theory (ulysses_theory / ring_theory) with the head plan's padded heads;
-  ulysses all-to-alls are exposed; ring K/V hops overlap the attention of the previous block, so only
-  what exceeds it is exposed; FSDP all-gathers / reduce-scatters overlap the layer compute; the dp
-  gradient all-reduce (no FSDP) is exposed. A link's bandwidth is the intra-node one while the
-  group fits in a node (ulysses innermost, then ring), else the inter-node one.
+`seqpar plan --validate-time` checks against measured CPU runs on a measured CPU "cluster"):
+- matmuls run at MFU (default 0.45) of the peak (bf16 peak, or the fp32 peak for fp32); attention at
+  `Cluster.attention_tflops(S)` when known (measured per length on a CPU), else at the matmul rate;
+- linear layers per token: 2 FLOPs per weight per forward pass (the policy's, its recomputation under
+  activation checkpointing, DPO's reference pass), 2 for the input gradient, 2 more for a trained
+  weight's gradient (LoRA: frozen weights skip it); tiled MLP recomputes the MLP forward;
+- attention: the causal FLOPs of the ring's own piece plan (bench.theory.flops_per_rank, the busiest
+  ring rank), forward x1 per forward pass, backward x2.5 (flash backward recomputes the scores);
+- memory-bound work streams at `Cluster.mem_bw`: each layer's saved activations are written once per
+  forward pass and read + their gradients written in backward (3 + recomputations), AdamW reads and
+  writes 28 bytes per trained parameter (its shard under FSDP); the cross-entropy streams 16 bytes per
+  fp32 logit, or costs `Cluster.loss_elem_s` per logit where measured (CPU: exp/log bound);
+- communication: planner.collectives lists every collective of the step (calls and bytes); each costs
+  calls x latency + bytes / bandwidth (`Cluster.collective_s`). With `Cluster.overlap` (GPUs: separate
+  streams) Ulysses all-to-alls, gradient all-reduces and book-keeping are exposed, ring K/V hops hide
+  behind the attention of the previous block (only the excess is exposed), FSDP all-gathers /
+  reduce-scatters behind the layers' compute. Without overlap (CPU / gloo: the same cores compute
+  and communicate) everything is exposed. FSDP2 adds `Cluster.fsdp_param_s` per parameter tensor per step;
+- host overhead: `Cluster.host_layer_s` per decoder layer and pass (0 on GPUs: kernels are enqueued
+  ahead of the device, a model assumption; measured on the CPU).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..attention.ulysses import head_plan
 from ..bench.theory import flops_per_rank, ring_theory, ulysses_theory
+from .collectives import heads_per_rank, passes, step_collectives
 from .gpus import Cluster
-from .memory import Features, Layout, Workload
+from .memory import Features, Layout, Workload, layer_bytes_per_token
 from .model import ModelFacts
 
-__all__ = ["TimeEstimate", "estimate_time", "comm_bytes_per_layer", "attention_flops", "DEFAULT_MFU"]
+__all__ = ["TimeEstimate", "estimate_time", "comm_bytes_per_layer", "attention_flops", "step_flops", "DEFAULT_MFU"]
 
 DEFAULT_MFU = 0.45
+ADAMW_BYTES_PER_PARAM = 28  # fp32 param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written
 
 
 @dataclass
 class TimeEstimate:
-    compute_s: float
-    exposed_comm_s: float
+    compute_s: float  # FLOPs at the achieved rate + memory-bound streaming + host overhead
+    exposed_comm_s: float  # communication not hidden behind compute, latency included (+ FSDP per-unit cost)
     comm_bytes_per_layer: int
     flops: float
+    parts: dict[str, float] = field(default_factory=dict)  # seconds: matmul, attention, memory, each comm
 
     @property
     def step_s(self) -> float:
         return self.compute_s + self.exposed_comm_s
 
 
-def _heads_per_rank(m: ModelFacts, u: int) -> tuple[int, int]:
-    if u == 1:
-        return m.heads, m.kv_heads
-    plan = head_plan(m.heads, m.kv_heads, u)
-    return plan.padded_heads, plan.expanded_kv_heads
-
-
 def attention_flops(m: ModelFacts, wl: Workload, lay: Layout) -> float:
     """Forward causal attention FLOPs of the busiest rank for one layer (ring piece plan, zigzag)."""
-    hq, _ = _heads_per_rank(m, lay.ulysses)
+    hq, _ = heads_per_rank(m, lay.ulysses)
     layout = "zigzag" if lay.ring > 1 else "contiguous"
     per_ring_rank = max(flops_per_rank(wl.seq_len, lay.ring, layout, hq, m.head_dim, wl.rows))
     return per_ring_rank / lay.ulysses  # each ulysses rank holds 1/u of the (padded) heads
 
 
 def comm_bytes_per_layer(m: ModelFacts, wl: Workload, lay: Layout) -> dict[str, int]:
-    """Bytes one rank sends per decoder layer (forward + backward), from bench.theory."""
-    hq, hkv = _heads_per_rank(m, lay.ulysses)
+    """Bytes one rank sends per decoder layer for one forward + backward, from bench.theory."""
+    hq, hkv = heads_per_rank(m, lay.ulysses)
     e, s, b = wl.elt, wl.seq_len, wl.rows
     uly = 2 * ulysses_theory(s // lay.ring, b, hq, hkv, m.head_dim, lay.ulysses, e) if lay.ulysses > 1 else 0
     ring = ring_theory(s, b, hkv, m.head_dim, lay.ring, e) if lay.ring > 1 else {"fwd": 0, "bwd": 0}
     return {"ulysses": uly, "ring": (ring["fwd"] + ring["bwd"]) // lay.ulysses}
 
 
+def step_flops(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> tuple[float, float]:
+    """(linear-layer FLOPs, attention FLOPs) of one step on the busiest rank."""
+    tokens = wl.rows * wl.seq_len / lay.sp
+    mlp_w = 3 * m.hidden * m.intermediate
+    linear_w = m.layers * m.layer_params() + m.hidden * m.vocab  # decoder + lm_head
+    trained_w = linear_w if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
+    fwd_bwd, fwd_only = passes(wl, feats)
+    linear = 2 * tokens * (linear_w * (fwd_bwd + fwd_only) + linear_w + trained_w)
+    if feats.tiled_mlp and not feats.activation_checkpointing:
+        linear += 2 * tokens * mlp_w * m.layers  # the MLP tiles run again in backward
+    a_fwd = attention_flops(m, wl, lay) * m.layers
+    return linear, a_fwd * (fwd_bwd + fwd_only + 2.5)
+
+
+def _memory_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> float:
+    tokens = wl.rows * wl.seq_len / lay.sp
+    fwd_bwd, fwd_only = passes(wl, feats)
+    acts = tokens * m.layers * layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp) * (fwd_bwd + fwd_only + 2)
+    trained = m.num_params() if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
+    shards = lay.world if feats.fsdp else 1
+    return acts + ADAMW_BYTES_PER_PARAM * trained / shards
+
+
+def _loss_s(m: ModelFacts, wl: Workload, lay: Layout, cl: Cluster) -> float:
+    """Cross-entropy over the vocabulary: forward + backward for the policy, a forward (a third) for DPO's
+    reference; 16 fp32 bytes per logit at mem_bw unless the cluster measured its rate."""
+    logits = wl.rows * wl.seq_len / lay.sp * m.vocab * (1 + (1 / 3 if wl.stage == "dpo" else 0))
+    return logits * (cl.loss_elem_s if cl.loss_elem_s is not None else 16 / (cl.mem_bw * 1e9))
+
+
+def param_tensors(m: ModelFacts) -> int:
+    """Parameter tensors (FSDP2's per-tensor costs): 7 projections + 2 norms a layer (+ q/k norms, q/k/v
+    biases), the embedding, the final norm and an untied head."""
+    per_layer = 9 + (2 if m.qk_norm else 0) + (3 if m.qkv_bias else 0)
+    return m.layers * per_layer + 2 + (0 if m.tied else 1)
+
+
+def _group(lay: Layout, group: str) -> tuple[int, int]:
+    """(size, stride) of a group: ulysses innermost, then ring, then dp (ranks fill nodes in order)."""
+    return {"ulysses": (lay.ulysses, 1), "ring": (lay.ring, lay.ulysses), "sp": (lay.sp, 1),
+            "dp": (lay.dp, lay.sp), "world": (lay.world, 1)}[group]
+
+
 def estimate_time(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, cl: Cluster,
                   mfu: float = DEFAULT_MFU) -> TimeEstimate:
-    tokens = wl.rows * wl.seq_len / lay.sp
-    peak = (cl.peak_tflops if wl.precision == "bf16" else cl.fp32_tflops) * 1e12 * mfu
-    mlp_w = 3 * m.hidden * m.intermediate
-    attn_w = m.layer_params() - mlp_w
-    fwd = 2 * tokens * (attn_w + mlp_w) * m.layers + 2 * tokens * m.hidden * m.vocab
-    redo = (2 * tokens * (attn_w + mlp_w) if feats.activation_checkpointing
-            else 2 * tokens * mlp_w if feats.tiled_mlp else 0) * m.layers
-    a_fwd = attention_flops(m, wl, lay) * m.layers
-    flops = 3 * fwd + redo + a_fwd * (1 + 2.5 + (1 if feats.activation_checkpointing else 0))
-    compute = flops / peak
+    rate = (cl.peak_tflops if wl.precision == "bf16" else cl.fp32_tflops) * 1e12 * mfu
+    # Rate of one causal kernel over the full length, under ring too: its pieces are shorter, but all but
+    # the diagonal ones are unmasked (no wasted blocks); measured CPU step times show the two balance.
+    kernel_tflops = cl.attention_tflops(wl.seq_len)
+    attn_rate = kernel_tflops * 1e12 if kernel_tflops else rate
+    linear, attn = step_flops(m, wl, lay, feats)
+    parts = {"matmul": linear / rate, "attention": attn / attn_rate,
+             "memory": _memory_bytes(m, wl, lay, feats) / (cl.mem_bw * 1e9), "loss": _loss_s(m, wl, lay, cl),
+             "host": m.layers * (sum(passes(wl, feats)) + 1) * cl.host_layer_s}
+    compute = sum(parts.values())
+    comm: dict[str, float] = {}
+    for c in step_collectives(m, wl, lay, feats):
+        comm[c.what] = comm.get(c.what, 0.0) + cl.collective_s(c.kind, c.calls, c.nbytes, *_group(lay, c.group))
+    exposed = dict(comm)
+    if cl.overlap:
+        if "ring" in exposed:
+            exposed["ring"] = max(0.0, comm["ring"] - parts["attention"])
+        fsdp = comm.get("fsdp_gather", 0.0) + comm.get("fsdp_reduce", 0.0)
+        exposed.pop("fsdp_gather", None)
+        exposed.pop("fsdp_reduce", None)
+        if fsdp:
+            exposed["fsdp"] = max(0.0, fsdp - compute)
+    if feats.fsdp and lay.world > 1:
+        exposed["fsdp_params"] = param_tensors(m) * cl.fsdp_param_s
+    parts.update({f"comm_{k}": v for k, v in exposed.items()})
     cb = comm_bytes_per_layer(m, wl, lay)
-    uly_bw = cl.bw(lay.ulysses) * 1e9
-    ring_bw = cl.bw(lay.ring, lay.ulysses) * 1e9
-    uly_s = cb["ulysses"] * m.layers / uly_bw
-    attn_s = a_fwd * 3.5 / peak
-    ring_s = max(0.0, cb["ring"] * m.layers / ring_bw - attn_s)
-    n = m.num_params() if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
-    w = lay.world
-    if feats.fsdp:
-        fsdp_bytes = 3 * m.num_params() * e_bytes(wl) * (w - 1) / w
-        grad_s = max(0.0, fsdp_bytes / (cl.bw(w) * 1e9) - compute)
-    else:
-        grad_s = 2 * n * e_bytes(wl) * (w - 1) / w / (cl.bw(w) * 1e9) if w > 1 else 0.0
-    return TimeEstimate(compute, uly_s + ring_s + grad_s, cb["ulysses"] + cb["ring"], flops)
-
-
-def e_bytes(wl: Workload) -> int:
-    return wl.elt
+    return TimeEstimate(compute, sum(exposed.values()), cb["ulysses"] + cb["ring"], linear + attn, parts)

@@ -19,7 +19,7 @@ from .memory import Features, Layout, Workload, estimate_memory
 from .model import load_model_facts
 
 __all__ = ["GRID", "FAST_GRID", "FEATURE_SETS", "predict_case", "run_validation", "format_rows", "with_features",
-           "TOLERANCE"]
+           "TOLERANCE", "TIME_GRID", "FAST_TIME_GRID", "run_time_validation", "time_ordering", "format_time_rows"]
 
 TOLERANCE = 0.05
 NO_FEATURES: dict[str, Any] = {"fused_loss": False}
@@ -63,9 +63,7 @@ def _unsupervised(case: Case) -> int:
 
 def predict_case(case: Case) -> int:
     """The planner's peak bytes per rank for a validation case (CPU: AdamW without foreach)."""
-    m = load_model_facts(f"tiny:{case.arch}", {
-        "num_heads": case.num_heads, "num_kv_heads": case.num_kv_heads, "head_dim": case.head_dim,
-        "num_layers": case.num_layers, "intermediate_size": case.intermediate_size, "vocab_size": case.vocab_size})
+    m = model_facts(case)
     wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision, case.micro_batch_size,
                   unsupervised_tokens=_unsupervised(case))
     lay = Layout(case.ulysses, case.ring, case.dp)
@@ -90,6 +88,12 @@ def run_validation(cases: list[Case], timeout: float = 600.0) -> list[dict[str, 
     return rows
 
 
+def model_facts(case: Case) -> Any:
+    return load_model_facts(f"tiny:{case.arch}", {
+        "num_heads": case.num_heads, "num_kv_heads": case.num_kv_heads, "head_dim": case.head_dim,
+        "num_layers": case.num_layers, "intermediate_size": case.intermediate_size, "vocab_size": case.vocab_size})
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'case':62s} {'measured':>11s} {'predicted':>11s} {'error':>8s}"]
     for r in rows:
@@ -100,15 +104,67 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-TIME_GRID: list[Case] = [replace(_B, seq_len=1024, ulysses=2), replace(_B, seq_len=1024, ring=2),
-                         replace(_B, seq_len=1024, ulysses=2, fsdp=True), replace(_B, seq_len=1024, ring=2, fsdp=True)]
+# Time rows: one 2-rank world each (the machine's 2 cores), a tiny model big enough that compute, not
+# python overhead, sets the step time; rows differ in work (length, recomputation, LoRA, dp vs SP) and
+# in communication (ulysses vs ring, FSDP).
+_T = Case(num_heads=8, num_kv_heads=4, head_dim=32, num_layers=4, intermediate_size=768, vocab_size=2048,
+          seq_len=2048, ulysses=2, memory=NO_FEATURES)
+TIME_GRID: list[Case] = [
+    _T, replace(_T, ulysses=1, ring=2), replace(_T, fsdp=True), replace(_T, ulysses=1, ring=2, fsdp=True),
+    replace(_T, memory=FEATURE_SETS["ckpt"]), replace(_T, seq_len=4096), replace(_T, finetuning="lora"),
+    replace(_T, ulysses=1, dp=2), replace(_T, stage="dpo", seq_len=1024),
+]
+FAST_TIME_GRID: list[Case] = [_T, replace(_T, memory=FEATURE_SETS["ckpt"]), replace(_T, seq_len=4096)]
+TIME_TIE = 0.10  # measured step times closer than this are a tie: CPU timing noise, not a preference
 
 
-def time_ordering(rows: list[dict[str, Any]], predicted: list[float]) -> tuple[int, int]:
-    """(pairs ordered the same way, pairs compared) between measured step_s and predicted times."""
-    same = total = 0
+def predict_time(case: Case, cluster: Any) -> Any:
+    """The time model's estimate for a validation case on a (measured) cluster, at its achieved rates."""
+    from .time import estimate_time
+
+    wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision, case.micro_batch_size)
+    return estimate_time(model_facts(case), wl, Layout(case.ulysses, case.ring, case.dp), _features(case),
+                         cluster, mfu=1.0)
+
+
+def run_time_validation(cases: list[Case], timed_steps: int = 5, timeout: float = 900.0) -> list[dict[str, Any]]:
+    """Measure this machine (planner.calibrate), then each case's median unmetered step time; rows carry the
+    measured and predicted seconds."""
+    from ..testing import run_distributed
+    from .calibrate import measure_cluster
+
+    cluster = measure_cluster(2)
+    rows = []
+    for case in cases:
+        res = run_distributed(measure_case, case.world, asdict(case), meter=False, timed_steps=timed_steps,
+                              timeout=timeout)
+        est = predict_time(case, cluster)
+        rows.append({"case": case.label(), "step_s": max(r["step_s"] for r in res), "predicted_s": est.step_s,
+                     "parts": est.parts})
+    return rows
+
+
+def time_ordering(rows: list[dict[str, Any]], tie: float = TIME_TIE) -> tuple[int, int, int]:
+    """(pairs ordered alike, pairs compared, measured ties skipped): pairs whose measured step times differ
+    by less than `tie` (relative) are not compared."""
+    same = total = ties = 0
     for i in range(len(rows)):
         for j in range(i + 1, len(rows)):
+            a, b = rows[i]["step_s"], rows[j]["step_s"]
+            if abs(a - b) < tie * min(a, b):
+                ties += 1
+                continue
             total += 1
-            same += (rows[i]["step_s"] < rows[j]["step_s"]) == (predicted[i] < predicted[j])
-    return same, total
+            same += (a < b) == (rows[i]["predicted_s"] < rows[j]["predicted_s"])
+    return same, total, ties
+
+
+def format_time_rows(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'case':62s} {'measured s':>10s} {'predicted s':>11s} {'ratio':>6s}"]
+    for r in rows:
+        ratio = r["predicted_s"] / r["step_s"]
+        lines.append(f"{r['case']:62s} {r['step_s']:10.3f} {r['predicted_s']:11.3f} {ratio:6.2f}")
+    same, total, ties = time_ordering(rows)
+    lines.append(f"ordering agrees on {same}/{total} pairs ({ties} pairs within {TIME_TIE:.0%} measured: ties, "
+                 "not compared); absolute GPU times are a model, only the order is checked here")
+    return "\n".join(lines)

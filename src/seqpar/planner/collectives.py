@@ -1,0 +1,109 @@
+"""Which collectives one training step issues on one rank: their kind, group, calls and bytes.
+
+The time model charges each collective `calls x latency + bytes / bandwidth`, so the counts matter as
+much as the bytes when messages are small (gloo on a CPU: ~0.2-1.6 ms a call). They follow what
+`seqpar train`'s step runs (tests/test_planner.py checks every count against torch.profiler's c10d ops):
+
+- per decoder layer and forward pass: Ulysses 4 all-to-alls (q, k, v out; the output back), ring
+  2 (r-1) sends (K and V, r-1 hops); per backward: Ulysses 4 all-to-alls, ring 2 (r-1) K/V sends plus
+  2 r dK/dV sends (the gradients follow the KV ring and take one last hop home). Forward passes: the
+  policy's, its recomputation under activation checkpointing, and DPO's reference pass (no backward);
+- one small all-gather of position ids per model call (the ForwardPlan: all SP ranks decide alike);
+- gradients: without FSDP one flat all-reduce over sp and one over dp (fp32: bf16 runs reduce the
+  fp32 master gradients); with FSDP2 (one unit per decoder layer + the root) an all-gather per unit in
+  forward and per layer in backward (the root stays gathered), a reduce-scatter per unit that has
+  trainable parameters (fp32), and the gradient-norm all-reduce;
+- book-keeping all-reduces of a few numbers: the loss (sp, dp), token counts (dp, twice), the step's
+  metrics (world); DPO adds the per-sequence log-prob sums (sp: policy forward + backward, reference)
+  and its metrics (dp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..attention.ulysses import head_plan
+from ..bench.theory import ring_theory, ulysses_theory
+from .memory import Features, Layout, Workload
+from .model import ModelFacts
+
+__all__ = ["Collective", "step_collectives", "KINDS"]
+
+KINDS = ("all_to_all", "p2p", "all_reduce", "all_gather", "reduce_scatter")
+SMALL = 8  # bytes of one book-keeping number
+
+
+@dataclass(frozen=True)
+class Collective:
+    what: str  # ulysses | ring | plan | grads | fsdp_gather | fsdp_reduce | bookkeeping
+    kind: str  # one of KINDS
+    group: str  # ulysses | ring | sp | dp | world: which ranks (and so which links) it spans
+    calls: int
+    nbytes: int  # bytes this rank sends, all calls together
+
+
+def heads_per_rank(m: ModelFacts, u: int) -> tuple[int, int]:
+    """q and kv heads an Ulysses rank group works on, padded by the head plan (dummy heads, KV replication)."""
+    if u == 1:
+        return m.heads, m.kv_heads
+    plan = head_plan(m.heads, m.kv_heads, u)
+    return plan.padded_heads, plan.expanded_kv_heads
+
+
+def passes(wl: Workload, feats: Features) -> tuple[int, int]:
+    """(forward passes with a backward, forward passes without one) through the decoder per step."""
+    return 1 + int(feats.activation_checkpointing), int(wl.stage == "dpo")
+
+
+def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
+    out: list[Collective] = []
+    hq, hkv = heads_per_rank(m, lay.ulysses)
+    fwd_bwd, fwd_only = passes(wl, feats)
+    fwds, L, r = fwd_bwd + fwd_only, m.layers, lay.ring
+    if lay.ulysses > 1:
+        one = ulysses_theory(wl.seq_len // r, wl.rows, hq, hkv, m.head_dim, lay.ulysses, wl.elt)
+        out.append(Collective("ulysses", "all_to_all", "ulysses", 4 * L * (fwds + 1), one * L * (fwds + 1)))
+    if r > 1:
+        t = ring_theory(wl.seq_len, wl.rows, hkv, m.head_dim, r, wl.elt)
+        calls = L * (2 * (r - 1) * fwds + 2 * (r - 1) + 2 * r)
+        out.append(Collective("ring", "p2p", "ring", calls, L * (t["fwd"] * fwds + t["bwd"]) // lay.ulysses))
+    return out
+
+
+def _gradients(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
+    n_train = m.num_params() if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
+    if not feats.fsdp:
+        return [Collective("grads", "all_reduce", g, 1, 2 * n_train * 4 * (k - 1) // k)
+                for g, k in (("sp", lay.sp), ("dp", lay.dp)) if k > 1]
+    w, L = lay.world, m.layers
+    if w == 1:
+        return []
+    gathered = m.num_params() * wl.elt  # FSDP2 all-gathers in the compute dtype
+    per_layer, root = m.layer_params(), m.num_params() - L * m.layer_params()
+    gather_bytes = (gathered * (w - 1) // w) + (L * per_layer * wl.elt * (w - 1) // w)  # forward + backward
+    reduce_units = L + (0 if wl.lora else 1)  # LoRA: the root (embeddings, head, norm) trains nothing
+    reduce_bytes = (n_train if wl.lora else L * per_layer + root) * 4 * (w - 1) // w
+    return [Collective("fsdp_gather", "all_gather", "world", 2 * L + 1, gather_bytes),
+            Collective("fsdp_reduce", "reduce_scatter", "world", reduce_units, reduce_bytes),
+            Collective("bookkeeping", "all_reduce", "world", 1, SMALL)]  # the sharded gradient norm
+
+
+def _bookkeeping(wl: Workload, lay: Layout) -> list[Collective]:
+    sp, dp = lay.sp > 1, lay.dp > 1
+    calls = {"sp": int(sp), "dp": 3 * int(dp), "world": int(lay.world > 1)}  # loss; tokens x2 + loss; metrics
+    if wl.stage == "dpo":
+        calls["sp"] += 3 * int(sp)  # log-prob sums: policy forward + its backward, reference
+        calls["dp"] += int(dp)  # DPO metrics
+    return [Collective("bookkeeping", "all_reduce", g, n, n * SMALL) for g, n in calls.items() if n]
+
+
+def step_collectives(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
+    """Every collective one rank issues in one optimizer step (one micro-batch)."""
+    out = _attention(m, wl, lay, feats)
+    if lay.sp > 1:
+        model_calls = 1 + int(wl.stage == "dpo")
+        tokens = wl.rows * (wl.seq_len // lay.sp)
+        out.append(Collective("plan", "all_gather", "sp", model_calls, model_calls * 8 * tokens))
+    out += _gradients(m, wl, lay, feats)
+    out += _bookkeeping(wl, lay)
+    return out
