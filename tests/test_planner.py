@@ -145,6 +145,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     (["--model", "no/such-model", "--seq-len", "1024"], "neither a bundled model"),
     (["--model", "tiny:llama", "--gpus", "0", "--seq-len", "1024"], "--gpus must be a positive"),
     (["--model", "tiny:llama"], "give --seq-len"),
+    (["--model", "tiny:llama", "--seq-len", "1024", "--prompt-len", "1024"], "--prompt-len must be"),
 ])
 def test_bad_inputs(capsys, argv, msg):
     rc, _, err = _run(capsys, *argv)
@@ -300,3 +301,26 @@ def test_time_ordering_on_this_machine():
     rows = run_time_validation(FAST_TIME_GRID, timed_steps=3)
     same, total, _ = time_ordering(rows)
     assert total >= 2 and same == total, format_time_rows(rows)
+
+
+def test_unmodelled_architectures_refused(tmp_path):
+    """Hybrid linear-attention, MoE and vision-language configs would be planned as dense decoders:
+    refused with what is missing (not silently mis-planned)."""
+    from seqpar.hf.models import tiny_config
+
+    with pytest.raises(SeqParError, match="linear-attention layers"):
+        load_model_facts("tiny:qwen3_5")
+    tiny_config("qwen3_next", 4, 2).save_pretrained(tmp_path / "q3n")
+    with pytest.raises(SeqParError, match="linear-attention layers .* mixture-of-experts"):
+        load_model_facts(str(tmp_path / "q3n"))
+    dense = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
+             "vocab_size": 512}
+    for extra, what in (({"num_local_experts": 8}, "mixture-of-experts"),
+                        ({"vision_config": {}, "text_config": dense}, "vision tower")):
+        path = tmp_path / f"{what}.json"
+        path.write_text(json.dumps({**dense, **extra}))
+        with pytest.raises(SeqParError, match=what):
+            load_model_facts(str(path))
+    ok = tmp_path / "dense.json"
+    ok.write_text(json.dumps({**dense, "layer_types": ["full_attention", "sliding_attention"]}))
+    assert load_model_facts(str(ok)).layers == 2

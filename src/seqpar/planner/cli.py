@@ -35,6 +35,9 @@ def add_plan_parser(sub: Any) -> None:
     w.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     w.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None)
     w.add_argument("--micro-batch-size", type=int, default=1)
+    w.add_argument("--prompt-len", type=int, default=0,
+                   help="tokens per row without a label (a DPO or SFT prompt): the fused loss computes logits "
+                        "only for supervised positions; default 0 = all supervised (the upper bound)")
     s = p.add_argument_group("restrict the search")
     s.add_argument("--ulysses-degree", type=int, default=None)
     s.add_argument("--ring-degree", type=int, default=None)
@@ -62,9 +65,12 @@ def _request(args: argparse.Namespace) -> Any:
         raise SeqParError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
     if not args.max_seq_len and args.seq_len is None:
         raise SeqParError("give --seq-len N or --max-seq-len")
+    if args.prompt_len < 0 or (args.seq_len is not None and args.prompt_len >= args.seq_len):
+        raise SeqParError(f"--prompt-len must be >= 0 and shorter than --seq-len, got {args.prompt_len}")
     ac = False if args.no_activation_checkpointing else (True if args.activation_checkpointing else None)
     return Request(
-        workload=Workload(args.seq_len or 0, args.stage, args.finetuning, args.precision, args.micro_batch_size),
+        workload=Workload(args.seq_len or 0, args.stage, args.finetuning, args.precision, args.micro_batch_size,
+                          unsupervised_tokens=args.prompt_len),
         ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, activation_checkpointing=ac,
         fused_loss=not args.no_fused_loss, tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations,
         offload_optimizer=args.offload_optimizer, fsdp=args.fsdp, max_seq_len=args.max_seq_len)

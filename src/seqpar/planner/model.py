@@ -77,7 +77,28 @@ def bundled_models() -> list[str]:
     return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".json"))
 
 
+def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
+    """The planner's formulas are those of a dense softmax-attention decoder: anything else would be
+    planned silently wrong, so it is refused with what is missing."""
+    what = []
+    if "vision_config" in c:
+        what.append("a vision tower (vision_config)")
+    text = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
+    if any(t != "full_attention" and "sliding" not in str(t) for t in text.get("layer_types") or []):
+        what.append("linear-attention layers (layer_types)")
+    experts = [text.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")]
+    if any(isinstance(e, int) and e > 1 for e in experts):
+        what.append("mixture-of-experts MLPs")
+    if what:
+        raise SeqParError(
+            f"model {name!r} has {' and '.join(what)}: seqpar plan models dense softmax-attention decoders only "
+            "(Llama / Qwen2 / Qwen3 / Mistral-like); its memory and time would be wrong for this model. "
+            "Measure it instead (seqpar train with `memory:` features logs peak memory per step)"
+        )
+
+
 def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
+    _refuse_unmodelled(name, c)
     c = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
     try:
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
@@ -104,10 +125,10 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
 
 
 def _tiny(name: str, kwargs: dict[str, Any] | None) -> ModelFacts:
-    from ..hf import ARCHS, tiny_config
+    from ..hf import ARCHS, HYBRID_ARCHS, tiny_config
 
     arch = name.split(":", 1)[1]
-    if arch not in ARCHS:
+    if arch not in ARCHS + HYBRID_ARCHS:  # hybrids: refused by _facts with the reason
         raise SeqParError(f"model {name!r}: unknown tiny architecture {arch!r}: use tiny:<{'|'.join(ARCHS)}>")
     kw = dict(kwargs or {})
     kw.setdefault("vocab_size", 259)  # the byte tokenizer seqpar train gives tiny models
