@@ -541,3 +541,41 @@ def test_hf_trainer_dropin_gradient_checkpointing(tmp_path):
     assert ["early_stop", False] in sp["ckpt_kwargs"] and ["use_reentrant", False] in sp["ckpt_kwargs"]
     assert len(sp["losses"]) == len(plain["losses"]) == 2
     assert max(abs(a - b) for a, b in zip(sp["losses"], plain["losses"])) <= 1e-5, (sp, plain)
+
+
+def _lora_trainer_losses(out: str, ckpt: bool, user_enable: bool) -> tuple[list[float], object]:
+    import datasets
+    from peft import LoraConfig, get_peft_model
+    from transformers import TrainingArguments
+
+    from seqpar.hf.trainer import SequenceParallelTrainer
+
+    g = torch.Generator().manual_seed(0)
+    ds = datasets.Dataset.from_list([{"input_ids": torch.randint(3, 64, (int(n),), generator=g).tolist()}
+                                     for n in torch.randint(20, 40, (8,), generator=g)])
+    torch.manual_seed(0)  # the same random LoRA init in both runs
+    model = get_peft_model(tiny_model("llama", 4, 2, vocab_size=64, seed=0),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False))
+    if user_enable:
+        model.enable_input_require_grads()  # what PEFT recipes do; the Trainer adds a second set
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2,
+                             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                             train_sampling_strategy="sequential", seed=0, gradient_checkpointing=ckpt)
+    t = SequenceParallelTrainer(model=model, args=args, train_dataset=ds, sequence_parallel_size=1)
+    t.train()
+    return [h["loss"] for h in t.state.log_history if "loss" in h], model
+
+
+def test_trainer_lora_checkpointing_drops_input_require_grads(tmp_path):
+    """HF Trainer drop-in + LoRA + gradient_checkpointing: transformers' input-require-grads hooks (also a
+    user's own, whose handles a second enable loses) are gone after train() enabled checkpointing, so the
+    frozen embedding's output needs no gradient; the losses equal the run without checkpointing."""
+    from seqpar.memory.checkpointing import is_activation_checkpointing
+
+    plain, _ = _lora_trainer_losses(str(tmp_path / "a"), False, False)
+    losses, model = _lora_trainer_losses(str(tmp_path / "b"), True, True)
+    assert is_activation_checkpointing(model)
+    emb = model.get_input_embeddings()
+    assert not [f for f in emb._forward_hooks.values() if f.__name__ == "make_inputs_require_grads"]
+    assert not emb(torch.tensor([[3, 4]])).requires_grad
+    assert len(losses) == 2 and losses == pytest.approx(plain, abs=1e-6)

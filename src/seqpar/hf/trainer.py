@@ -47,7 +47,7 @@ from .. import comm
 from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError
-from ..memory.checkpointing import checkpoint_kwargs, refuse_offload_on_cpu
+from ..memory.checkpointing import checkpoint_kwargs, drop_input_require_grads, refuse_offload_on_cpu
 from ..memory.fused_loss import install_fused_head
 from ..memory.tiled_mlp import apply_tiled_mlp, decoder_mlps
 from ..mesh import SequenceParallelMesh, init_mesh
@@ -129,6 +129,8 @@ class SequenceParallelTrainer(Trainer):
         if collator is None:
             collator = self._default_collator(model, kwargs.get("processing_class"), packing, max_length)
         super().__init__(model=model, args=args, data_collator=collator, **kwargs)
+        if getattr(args, "gradient_checkpointing", False):
+            _drop_input_grads_after_enable(self.model)
         # We normalise by the step's global count ourselves: the Trainer must not divide by grad-accum steps.
         self.loss_is_scaled_for_ga = True
         self._sp_metrics: dict[str, float] = {}
@@ -387,6 +389,21 @@ def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int)
     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
         if hasattr(args, name):
             setattr(args, name, dict(ck))
+
+
+def _drop_input_grads_after_enable(model: torch.nn.Module) -> None:
+    """Trainer.train() enables checkpointing on the model, and transformers then adds input-require-grads
+    hooks that cost a LoRA run the embedding output's gradient (memory.checkpointing.drop_input_require_grads):
+    remove them right after, as `seqpar train` does."""
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        enable = getattr(model, name, None)
+        if callable(enable):
+            def enable_then_drop(*a: Any, _enable: Any = enable, **kw: Any) -> Any:
+                out = _enable(*a, **kw)
+                drop_input_require_grads(model)
+                return out
+
+            setattr(model, name, enable_then_drop)
 
 
 def _use_cpu_when_no_accelerator(args: Any) -> None:

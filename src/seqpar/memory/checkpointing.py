@@ -32,7 +32,7 @@ import torch
 
 from ..errors import SeqParError
 
-__all__ = ["CHECKPOINT_KWARGS", "checkpoint_kwargs", "enable_activation_checkpointing",
+__all__ = ["CHECKPOINT_KWARGS", "checkpoint_kwargs", "enable_activation_checkpointing", "drop_input_require_grads",
            "is_activation_checkpointing", "refuse_offload_on_cpu"]
 
 # What every checkpointed layer call gets (torch.utils.checkpoint.checkpoint keyword arguments).
@@ -102,12 +102,28 @@ def enable_activation_checkpointing(model: torch.nn.Module, *, offload: bool = F
         raise SeqParError(
             f"{type(base).__name__} has no checkpointable decoder layers: set memory.activation_checkpointing: false"
         )
-    # transformers also makes the embedding output require grad (needed by REENTRANT checkpointing only).
-    # With a frozen embedding (LoRA) that output is a leaf, so backward would compute and keep its unused
-    # gradient, [rows, S_local, hidden], until the step ends. seqpar checkpoints non-reentrantly: drop it.
-    disable = getattr(base, "disable_input_require_grads", None)
-    if disable is not None and getattr(base, "_require_grads_hook", None) is not None:
-        disable()
+    drop_input_require_grads(model)
+
+
+def drop_input_require_grads(model: torch.nn.Module) -> None:
+    """Remove transformers' "make the embedding output require grad" forward hooks.
+
+    transformers adds them with checkpointing (and PEFT recipes call enable_input_require_grads()): reentrant
+    checkpointing needs a grad-requiring input. seqpar checkpoints non-reentrantly, and with a frozen
+    embedding (LoRA) the hook makes backward compute and keep the embedding output's unused gradient,
+    [rows, S_local, hidden], until the step ends. A second enable_input_require_grads() call loses the first
+    call's handles, so the hooks are found on the embedding modules themselves, not through the handles.
+    """
+    for module in _base_model(model).modules():
+        get = getattr(module, "get_input_embeddings", None)
+        try:
+            emb = get() if callable(get) else None
+        except NotImplementedError:
+            continue
+        hooks = getattr(emb, "_forward_hooks", None)
+        for key, fn in list((hooks or {}).items()):
+            if getattr(fn, "__name__", "") == "make_inputs_require_grads":
+                del hooks[key]
 
 
 def is_activation_checkpointing(model: torch.nn.Module) -> bool:

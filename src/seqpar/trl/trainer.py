@@ -94,9 +94,9 @@ def _instantiate(model: Any, args: Any, peft_config: Any) -> torch.nn.Module:
         from transformers import set_seed
 
         set_seed(args.seed)  # TRL seeds before get_peft_model: the same adapter init as the stock trainer
+        # (TRL also calls enable_input_require_grads() here; seqpar's non-reentrant checkpointing needs no
+        # grad-requiring embedding output, and the Trainer drop-in removes those hooks.)
         model = get_peft_model(model, peft_config)
-        if args.gradient_checkpointing:
-            model.enable_input_require_grads()  # as TRL does for PEFT + checkpointing
     return model
 
 
