@@ -4,6 +4,7 @@ from .attention import ForwardPlan, apply_sequence_parallel, is_sequence_paralle
 from .models import (
     ARCHS,
     HYBRID_ARCHS,
+    VLM_ARCHS,
     load_smollm2,
     load_smollm2_tokenizer,
     smollm2_cache_dir,
@@ -11,10 +12,12 @@ from .models import (
     tiny_config,
     tiny_model,
 )
+from .vision import sp_vlm_inputs
 
 __all__ = [
     "ARCHS",
     "HYBRID_ARCHS",
+    "VLM_ARCHS",
     "ForwardPlan",
     "apply_sequence_parallel",
     "is_sequence_parallel",
@@ -25,6 +28,7 @@ __all__ = [
     "smollm2_path",
     "tiny_config",
     "tiny_model",
+    "sp_vlm_inputs",
     "SequenceParallelTrainer",
     "SequenceParallelDPOTrainer",
 ]

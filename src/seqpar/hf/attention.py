@@ -32,6 +32,7 @@ from ..layout import check_length, local_positions, unshard
 from ..mesh import SequenceParallelMesh
 from .linear_attention import check_linear_attention, find_linear_attention, sp_gated_delta_forward
 from .mixers import check_softmax_attention_only
+from .vision import check_vlm, is_vlm, refuse_unsharded_vision, vlm_language_model
 
 __all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "is_sequence_parallel", "ForwardPlan"]
 
@@ -306,6 +307,8 @@ def _make_plan(state: _SPState, kwargs: dict) -> ForwardPlan:
         raise SeqParError("a filled KV cache (past_key_values) is not supported under SP: generate without SP")
     if pos.dim() == 1:
         pos = pos[None]
+    if pos.dim() == 3 and pos.shape[0] == 4:  # vision-language models: text positions, then multimodal RoPE ids
+        pos = pos[0]
     if pos.dim() != 2 or pos.shape[-1] != s_loc or pos.shape[0] not in (1, b):
         raise SeqParError(f"position_ids must be [B, S_local]=[{b}, {s_loc}], got {tuple(pos.shape)}")
     pos = pos.expand(b, s_loc).long()
@@ -411,7 +414,10 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
     cfg = getattr(base, "config", None)
     if cfg is None:
         raise SeqParError(f"{type(base).__name__} has no config: apply_sequence_parallel needs a transformers model")
-    if getattr(cfg, "text_config", None) is not None and cfg.text_config is not cfg:
+    vlm = is_vlm(cfg)
+    if vlm:
+        cfg = check_vlm(cfg)  # Qwen VL: SP runs the text decoder; the vision tower stays local (seqpar.hf.vision)
+    elif getattr(cfg, "text_config", None) is not None and cfg.text_config is not cfg:
         raise SeqParError(
             "multimodal / nested-config models are not supported: apply SP to the text causal LM (e.g. "
             "model.language_model with its own lm_head)"
@@ -420,7 +426,8 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
     linear = find_linear_attention(base)  # Gated DeltaNet (Qwen3-Next, Qwen3.5): run by seqpar under Ulysses
     check_linear_attention(linear, mesh)
     allowed = frozenset({"linear_attention"}) if linear else frozenset()
-    check_softmax_attention_only(base, cfg, tuple(linear), allowed)  # other linear attention, SSMs, convs, ...
+    decoder = vlm_language_model(base) if vlm else base  # a vision tower's patch convolution is no sequence mixer
+    check_softmax_attention_only(decoder, cfg, tuple(linear), allowed)  # other linear attention, SSMs, convs, ...
     heads, kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     if heads % kv != 0:
         raise SeqParError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
@@ -446,8 +453,11 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
         layer.forward = types.MethodType(_make_linear_forward(state_ref), layer)
     state.restore["linear"] = [weakref.ref(m) for m in linear]
 
-    backbone = _backbone(base)
+    backbone = vlm_language_model(base) if vlm else _backbone(base)
     state.handles.append(backbone.register_forward_pre_hook(_make_backbone_hook(state_ref), with_kwargs=True))
+    if vlm:  # images and multimodal positions must come from sp_vlm_inputs (the full sequence)
+        state.handles.append(base.model.register_forward_pre_hook(
+            lambda module, args, kwargs: refuse_unsharded_vision(kwargs), with_kwargs=True))
     base._seqpar_state = state
     # Unregister the name when the model is garbage-collected (state lives as long as the model).
     state.finalizer = weakref.finalize(base, _unregister, name)

