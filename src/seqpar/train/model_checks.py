@@ -59,7 +59,11 @@ def _refuse_non_causal(c: Any, name: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from ..hf.attention import _check_config
+    from ..hf.vision import check_vlm, is_vlm
 
+    if is_vlm(c):  # vision-language: a supported Qwen VL, its text decoder checked like any causal LM
+        _check_config(check_vlm(c))
+        return
     _check_config(c)
     try:
         with torch.device("meta"):  # structure only: no memory, no weights
@@ -84,6 +88,7 @@ def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
 def check_model(cfg: TrainConfig, examples: list) -> None:
     """The model is a supported causal LM, and the examples fit its vocabulary and positions."""
     c = refuse_unsupported_model(cfg)
+    c = c.text_config if c is not None and getattr(c, "vision_config", None) is not None else c
     limits = SMOLLM2_LIMITS if c is None else {
         "vocab_size": int(c.vocab_size), "max_position_embeddings": getattr(c, "max_position_embeddings", None)}
     top = max_token_id(examples)

@@ -53,12 +53,26 @@ def count_items(micro_batches: Sequence[dict[str, torch.Tensor]], stage: str) ->
     return torch.stack([torch.as_tensor(b[key]).long() for b in micro_batches]).sum()
 
 
-def model_inputs(batch: dict[str, torch.Tensor], device: torch.device | str | None = None) -> dict[str, Any]:
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device | str | None = None,
+                 model: torch.nn.Module | None = None) -> dict[str, Any]:
     """Keyword arguments for a model patched by seqpar.hf.apply_sequence_parallel.
 
     position_ids are GLOBAL (RoPE must not restart per shard); cu_seqlens (packing) are the FULL
-    sequence's document boundaries, passed through to the SP attention.
+    sequence's document boundaries, passed through to the SP attention. A vision-language batch
+    (train.images.VisionCollator: the full input ids and the images) goes through
+    seqpar.hf.sp_vlm_inputs, which needs the model.
     """
+    if batch.get("full_input_ids") is not None:
+        from ..hf.vision import sp_vlm_inputs
+
+        if model is None:
+            raise SeqParError("a vision-language batch needs the model: model_inputs(batch, device, model)")
+        move = (lambda t: t.to(device)) if device is not None else (lambda t: t)  # noqa: E731
+        pixels = batch.get("pixel_values")
+        kw = sp_vlm_inputs(model, None, move(batch["full_input_ids"]),
+                           pixel_values=move(pixels) if pixels is not None else None,
+                           image_grid_thw=batch.get("image_grid_thw"))
+        return {**kw, "use_cache": False}
     kw: dict[str, Any] = {
         "input_ids": batch["input_ids"].to(device) if device is not None else batch["input_ids"],
         "position_ids": batch["position_ids"].to(device) if device is not None else batch["position_ids"],
@@ -71,7 +85,7 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device | str | No
 
 def forward_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     device = next(model.parameters()).device
-    return model(**model_inputs(batch, device)).logits
+    return model(**model_inputs(batch, device, model)).logits
 
 
 def forward_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: bool = True,
@@ -90,13 +104,13 @@ def forward_token_stats(
     device = next(model.parameters()).device
     labels = batch["shift_labels"].to(device)
     if not fused:
-        logits = model(**model_inputs(batch, device)).logits
+        logits = model(**model_inputs(batch, device, model)).logits
         if temperature == 1.0 and not entropy:
             return L.token_nll(logits, labels), None, labels
         nll, ent = L.token_logprob_stats(logits, labels, temperature=temperature, entropy=entropy)
         return nll, ent, labels
     with fused_targets(model, labels, chunk_tokens, temperature=temperature, entropy=entropy) as request:
-        out = model(**model_inputs(batch, device))
+        out = model(**model_inputs(batch, device, model))
     return request.result(out), (request.entropy_result(out) if entropy else None), labels
 
 

@@ -37,6 +37,7 @@ from .datasets import ByteTokenizer, HFTokenizer, build_examples, describe_stats
 from .evaluation import evaluate
 from .grads import fault_grad_scale, maybe_dump_grads
 from .grpo import GRPORollout, describe_prompt_stats, grpo_reference, grpo_step_spec, load_prompts
+from .images import VisionCollator, VisionSpec, build_vision_examples, is_vision_config
 from .lock import OutputDirLock
 from .model_checks import check_model
 from .precision import MasterWeights
@@ -71,12 +72,12 @@ class TrainResult:
 def _model_kind(cfg: TrainConfig) -> str:
     name = cfg.model.name
     if name.startswith("tiny:"):
-        from ..hf import ARCHS, HYBRID_ARCHS
+        from ..hf import ARCHS, HYBRID_ARCHS, VLM_ARCHS
 
         arch = name.split(":", 1)[1]
-        if arch not in ARCHS + HYBRID_ARCHS:
+        if arch not in ARCHS + HYBRID_ARCHS + VLM_ARCHS:
             raise SeqParError(f"model.name={name!r}: unknown tiny architecture {arch!r}: use "
-                              f"tiny:<{'|'.join(ARCHS + HYBRID_ARCHS)}>")
+                              f"tiny:<{'|'.join(ARCHS + HYBRID_ARCHS + VLM_ARCHS)}>")
         return "tiny"
     if name.lower() in SMOLLM2_NAMES:
         return "smollm2"
@@ -128,6 +129,7 @@ def model_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
     c = _model_config(cfg)
     if c is None:
         return SMOLLM2_HEADS
+    c = c.text_config if is_vision_config(c) else c  # vision-language models: the decoder's heads
     h = int(c.num_attention_heads)
     return h, int(getattr(c, "num_key_value_heads", None) or h)
 
@@ -171,10 +173,11 @@ def load_model(cfg: TrainConfig) -> torch.nn.Module:
         from ..hf import load_smollm2
 
         return load_smollm2(**cfg.model.kwargs)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if is_vision_config(_model_config(cfg)) else AutoModelForCausalLM
     try:
-        return AutoModelForCausalLM.from_pretrained(cfg.model.name, dtype=torch.float32, **cfg.model.kwargs)
+        return auto.from_pretrained(cfg.model.name, dtype=torch.float32, **cfg.model.kwargs)
     except (OSError, ValueError) as e:
         raise _unknown_model(cfg.model.name, e) from None
 
@@ -190,13 +193,27 @@ def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None
         return load_prompts(cfg, tok)  # prompt rows (train/grpo.py)
     d = spec if spec is not None else cfg.dataset
     rows = load_rows(d.path)
+    mc = _model_config(cfg)
+    if mc is not None and is_vision_config(mc):
+        return _vision_examples(cfg, d, rows, tok, mc)
     return build_examples(rows, d.format, cfg.stage, tok, d.max_length, d.packing, train_on_prompt=d.train_on_prompt,
                           mask_history=d.mask_history, max_prompt_length=d.max_prompt_length,
                           truncation_mode=d.truncation_mode)
 
 
+def _vision_examples(cfg: TrainConfig, d: DatasetSpec, rows: list, tok: Any, mc: Any) -> tuple[list, dict[str, int]]:
+    """Chat rows with images for a vision-language model (train.images); SFT without packing only."""
+    if cfg.stage != "sft" or d.packing:
+        raise SeqParError(f"vision-language models train with stage: sft and dataset.packing: false here (got "
+                          f"stage {cfg.stage!r}, packing {d.packing}): DPO / GRPO / packed rows with images are "
+                          "not supported")
+    spec = VisionSpec.from_model_config(mc, cfg.model.name)
+    return build_vision_examples(rows, d.format, tok, spec, d.max_length, os.path.dirname(os.path.abspath(d.path)),
+                                 train_on_prompt=d.train_on_prompt, mask_history=d.mask_history)
+
+
 def _heads(model: torch.nn.Module) -> tuple[int, int]:
-    c = model.config
+    c = model.config.text_config if is_vision_config(model.config) else model.config
     h = int(c.num_attention_heads)
     return h, int(getattr(c, "num_key_value_heads", None) or h)
 
@@ -498,7 +515,9 @@ def _build_data(cfg: TrainConfig, mesh: Any, tok: Any, n_examples: int, emulate_
 def _make_collator(cfg: TrainConfig, mesh: Any, tok: Any, ds: DatasetSpec) -> Any:
     if cfg.stage == "dpo":
         return SequenceParallelDPOCollator(mesh, tok.pad_token_id, max_length=ds.max_length)
-    return SequenceParallelCollator(mesh, tok.pad_token_id, packing=ds.packing, max_length=ds.max_length)
+    mc = _model_config(cfg)
+    kind = VisionCollator if mc is not None and is_vision_config(mc) else SequenceParallelCollator
+    return kind(mesh, tok.pad_token_id, packing=ds.packing, max_length=ds.max_length)
 
 
 def _run(cfg: TrainConfig, model: torch.nn.Module, tok: Any, examples: list, data_stats: dict, world: int, rank: int,
