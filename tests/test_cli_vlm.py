@@ -86,9 +86,11 @@ def test_bad_image_rows_refused(tmp_path):
 
 
 @pytest.mark.parametrize("over,match", [({"stage": "dpo"}, "stage: sft"),
-                                        ({"dataset": {"packing": True}}, "packing: false")])
+                                        ({"dataset": {"packing": True}}, "packing: false"),
+                                        ({"fsdp": True}, "fsdp: false")])
 def test_unsupported_vlm_runs_refused(tmp_path, over, match):
     from seqpar.train.config import config_from_dict
+    from seqpar.train.model_checks import refuse_unsupported_model
     from seqpar.train.trainer import prepare_examples
 
     d = {"model": {"name": "tiny:qwen2_5_vl"}, "dataset": {"path": _dataset(tmp_path), "max_length": 128}}
@@ -97,7 +99,9 @@ def test_unsupported_vlm_runs_refused(tmp_path, over, match):
     if d.get("stage") == "dpo":
         d["dataset"]["format"] = "chat"
     with pytest.raises(SeqParError, match=match):
-        prepare_examples(config_from_dict(d, source="test"))
+        cfg = config_from_dict(d, source="test")
+        refuse_unsupported_model(cfg)  # before launch (seqpar check / train)
+        prepare_examples(cfg)
 
 
 @pytest.mark.parametrize("sp", [{"size": 2, "ulysses_degree": 2, "ring_degree": 1},

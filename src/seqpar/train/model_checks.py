@@ -82,6 +82,11 @@ def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
     c = model_config(cfg)
     if c is not None:
         _refuse_non_causal(c, cfg.model.name)
+    if c is not None and getattr(c, "vision_config", None) is not None and cfg.fsdp:
+        # FSDP2 gathers a unit's parameters collectively, but only the ranks that own an image run the vision
+        # tower (seqpar.hf.vision): the others would never join that gather.
+        raise SeqParError("fsdp: true with a vision-language model is not supported (each image is encoded on one "
+                          "SP rank only): set fsdp: false")
     return c
 
 
