@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .gpus import Cluster, make_cluster
+from ..planner.gpus import Cluster, make_cluster
 
 __all__ = ["measure_cluster", "calibration_body"]
 
