@@ -24,3 +24,20 @@ def run_script(cmd: list[str], cwd: Path, result: Path | None = None, timeout: f
         print(f"note: {cmd[-3:]} finished (wrote {result.name}) and then aborted in interpreter teardown (upstream)")
         return
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
+
+
+def run_verify(cfg: dict, tmp_path: Path, steps: int, nproc: int = 2, timeout: float = 600) -> dict:
+    """Write `cfg` as tmp_path/cfg.yaml, run `seqpar verify` on it (nproc SP processes vs the in-process
+    SP=1 reference) into tmp_path/verify; return its verify.json (fail with the output unless it exited 0)."""
+    import json
+    import sys
+
+    import yaml
+
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "verify"
+    r = subprocess.run([sys.executable, "-m", "seqpar", "verify", str(tmp_path / "cfg.yaml"), "--steps", str(steps),
+                        "--nproc-per-node", str(nproc), "--output-dir", str(out)], capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads((out / "verify.json").read_text())

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -110,20 +107,14 @@ def test_unsupported_vlm_runs_refused(tmp_path, over, match):
 def test_cli_verify_tiny_qwen2_5_vl(tmp_path, sp):
     """`seqpar verify` (train at SP=2 vs the SP=1 reference, losses and gradients) on chat rows with images:
     B=2 micro-batches, grad-accum 2, rows with one or two images of different sizes."""
-    import yaml
+    from procs import run_verify
 
     cfg = {"model": {"name": "tiny:qwen2_5_vl"}, "dataset": {"path": _dataset(tmp_path), "max_length": 128},
            "sequence_parallel": sp, "micro_batch_size": 2, "grad_accum": 2, "max_steps": 2,
            "optimizer": {"lr": 1e-2}, "output_dir": str(tmp_path / "run"), "progress": False}
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "verify"
-    r = subprocess.run([sys.executable, "-m", "seqpar", "verify", str(tmp_path / "cfg.yaml"), "--steps", "2",
-                        "--nproc-per-node", "2", "--output-dir", str(out)], capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rep = json.loads((out / "verify.json").read_text())
+    rep = run_verify(cfg, tmp_path, steps=2)
     assert rep["passed"] and rep["max_abs_dloss"] <= 1e-5 and rep["grads_passed"], rep
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(out / "sp" / "final")  # the export loads in HF
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "verify" / "sp" / "final")  # the export loads in HF
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"

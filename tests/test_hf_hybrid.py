@@ -274,11 +274,8 @@ def test_cli_verify_tiny_qwen3_next(tmp_path, fsdp):
     """`seqpar verify` (train SP=2 Ulysses vs the SP=1 reference, 3 steps, packed rows) on tiny:qwen3_next;
     with FSDP the Gated DeltaNet forward slices the gathered conv1d / A_log / dt_bias parameters."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    import yaml
+    from procs import run_verify
 
     g = torch.Generator().manual_seed(0)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
@@ -293,12 +290,6 @@ def test_cli_verify_tiny_qwen3_next(tmp_path, fsdp):
            "sequence_parallel": {"size": 2, "ring_degree": 1} if fsdp else 2, "micro_batch_size": 1, "grad_accum": 2,
            "max_steps": 3, "optimizer": {"lr": 1e-2}, "output_dir": str(tmp_path / "run"), "progress": False,
            "fsdp": fsdp}
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "verify"
-    r = subprocess.run([sys.executable, "-m", "seqpar", "verify", str(tmp_path / "cfg.yaml"), "--steps", "3",
-                        "--nproc-per-node", "2", "--output-dir", str(out)], capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rep = json.loads((out / "verify.json").read_text())
+    rep = run_verify(cfg, tmp_path, steps=3)
     assert rep["passed"] and rep["max_abs_dloss"] <= 1e-5 and len(rep["steps"]) == 3, rep
     assert rep["grads_passed"] and rep["max_abs_dgrad_step1"] <= 1e-5, rep
