@@ -216,3 +216,13 @@ def test_other_multimodal_models_refused():
 
     with pytest.raises(SeqParError, match="'llava' is not supported under SP"):
         check_vlm(SimpleNamespace(model_type="llava", text_config=object(), vision_config=object()))
+
+
+def test_remove_sequence_parallel_restores_the_plain_model():
+    from seqpar.hf import remove_sequence_parallel
+
+    _, ref_logits, _ = _reference("qwen2_5_vl", 0)
+    ids, pixels, grid, _ = _batch(0)
+    model = remove_sequence_parallel(_sp1_model("qwen2_5_vl"))
+    out = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMG).int())
+    assert float((out.logits - ref_logits).abs().max()) == 0.0  # pixel_values accepted again, same numbers
