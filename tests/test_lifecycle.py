@@ -422,7 +422,7 @@ def test_cli_ctrl_c_one_line(data, tmp_path):
     assert proc.returncode == 130, stderr[-3000:]
     # Everything but progress bars (datasets' "Generating train split", DCP's "Writing model shards").
     lines = [ln for ln in (stdout + stderr).splitlines() if ln.strip() and "it/s]" not in ln and "s/s]" not in ln]
-    assert len(lines) == 1 and lines[0].startswith("seqpar: interrupted; last checkpoint: "), lines
+    assert len(lines) == 1 and lines[0].startswith("seqpar: interrupted; last checkpoint: "), "\n".join(lines)
     assert (out / lines[0].rsplit(": ", 1)[1].split("/")[-1]).is_dir()
     assert not (out / LOCK_NAME).exists()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
@@ -179,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if _under_torchrun() and os.environ.get("SEQPAR_ERROR_DIR"):
         # A rank under `seqpar train --nproc-per-node`: errors go to the launcher, which prints the first once.
-        from ..train.launch import report_rank_error
+        from ..train.launch import INTERRUPTED, report_rank_error
 
+        # Ctrl-C: the launcher prints the one line (and stops the ranks); a rank leaves at once, so the interrupt
+        # cannot land in a weakref callback or teardown and print "Exception ignored ..." noise.
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(INTERRUPTED))
         try:
             return _dispatch(args)
         except BaseException as e:  # noqa: BLE001 -- every failure is reported, none printed N times

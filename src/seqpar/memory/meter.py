@@ -57,9 +57,16 @@ class _StepTracker(MemTracker):
     """MemTracker for one train step: global peak only, a root module may run several times, and
     frozen parameters (LoRA, a DPO reference copy) are allowed.
 
-    Three private MemTracker methods are overridden (torch/distributed/_tools/mem_tracker.py, torch
+    Four private MemTracker methods are overridden (torch/distributed/_tools/mem_tracker.py, torch
     2.13); tests/test_memory_meter.py checks exact byte counts, so a changed upstream shows there.
     """
+
+    def _delete_callback(self, winfo: Any, w_st: Any) -> None:
+        # A storage created during the step that outlives it (an interrupted step's traceback, Ctrl-C) is
+        # freed after the reading is taken, possibly at interpreter shutdown when upstream's bookkeeping
+        # fails: once the step is over, frees change nothing we report.
+        if self._depth > 0:
+            super()._delete_callback(winfo, w_st)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Upstream also walks every tracked module per aten op (per-module peaks we never read): that
