@@ -29,15 +29,11 @@ from ..errors import SeqParError
 from .datasets import IGNORE, ByteTokenizer, tokenize_sft
 from .formats import check_stage, detect_format
 
-__all__ = ["VisionSpec", "PLACEHOLDER", "build_vision_examples", "VisionCollator", "is_vision_config"]
+__all__ = ["VisionSpec", "PLACEHOLDER", "build_vision_examples", "VisionCollator"]
 
 PLACEHOLDER = "<image>"
 # Qwen VL tokenizers know these as single special tokens; a byte tokenizer renders the placeholder as bytes.
 _QWEN_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
-def is_vision_config(config: Any) -> bool:
-    return getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None
 
 
 @dataclass

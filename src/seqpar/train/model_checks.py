@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import SeqParError
+from ..hf.vision import is_vlm
 from .config import TrainConfig
 
 __all__ = ["model_config", "check_model", "refuse_unsupported_model", "max_token_id"]
@@ -59,7 +60,7 @@ def _refuse_non_causal(c: Any, name: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from ..hf.attention import _check_config
-    from ..hf.vision import check_vlm, is_vlm
+    from ..hf.vision import check_vlm
 
     if is_vlm(c):  # vision-language: a supported Qwen VL, its text decoder checked like any causal LM
         _check_config(check_vlm(c))
@@ -82,7 +83,7 @@ def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
     c = model_config(cfg)
     if c is not None:
         _refuse_non_causal(c, cfg.model.name)
-    if c is not None and getattr(c, "vision_config", None) is not None and cfg.fsdp:
+    if is_vlm(c) and cfg.fsdp:
         # FSDP2 gathers a unit's parameters collectively, but only the ranks that own an image run the vision
         # tower (seqpar.hf.vision): the others would never join that gather.
         raise SeqParError("fsdp: true with a vision-language model is not supported (each image is encoded on one "
@@ -93,7 +94,7 @@ def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
 def check_model(cfg: TrainConfig, examples: list) -> None:
     """The model is a supported causal LM, and the examples fit its vocabulary and positions."""
     c = refuse_unsupported_model(cfg)
-    c = c.text_config if c is not None and getattr(c, "vision_config", None) is not None else c
+    c = c.text_config if is_vlm(c) else c
     limits = SMOLLM2_LIMITS if c is None else {
         "vocab_size": int(c.vocab_size), "max_position_embeddings": getattr(c, "max_position_embeddings", None)}
     top = max_token_id(examples)

@@ -28,6 +28,7 @@ from .. import comm
 from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError, TrainingDiverged
+from ..hf.vision import is_vlm
 from ..memory.fused_loss import install_fused_head
 from ..memory.meter import PeakMemoryMeter
 from ..mesh import init_mesh, needs_full_sequence
@@ -37,7 +38,7 @@ from .datasets import ByteTokenizer, HFTokenizer, build_examples, describe_stats
 from .evaluation import evaluate
 from .grads import fault_grad_scale, maybe_dump_grads
 from .grpo import GRPORollout, describe_prompt_stats, grpo_reference, grpo_step_spec, load_prompts
-from .images import VisionCollator, VisionSpec, build_vision_examples, is_vision_config
+from .images import VisionCollator, VisionSpec, build_vision_examples
 from .lock import OutputDirLock
 from .model_checks import check_model
 from .precision import MasterWeights
@@ -129,7 +130,7 @@ def model_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
     c = _model_config(cfg)
     if c is None:
         return SMOLLM2_HEADS
-    c = c.text_config if is_vision_config(c) else c  # vision-language models: the decoder's heads
+    c = c.text_config if is_vlm(c) else c  # vision-language models: the decoder's heads
     h = int(c.num_attention_heads)
     return h, int(getattr(c, "num_key_value_heads", None) or h)
 
@@ -175,7 +176,7 @@ def load_model(cfg: TrainConfig) -> torch.nn.Module:
         return load_smollm2(**cfg.model.kwargs)
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    auto = AutoModelForImageTextToText if is_vision_config(_model_config(cfg)) else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if is_vlm(_model_config(cfg)) else AutoModelForCausalLM
     try:
         return auto.from_pretrained(cfg.model.name, dtype=torch.float32, **cfg.model.kwargs)
     except (OSError, ValueError) as e:
@@ -194,7 +195,7 @@ def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None
     d = spec if spec is not None else cfg.dataset
     rows = load_rows(d.path)
     mc = _model_config(cfg)
-    if mc is not None and is_vision_config(mc):
+    if is_vlm(mc):
         return _vision_examples(cfg, d, rows, tok, mc)
     return build_examples(rows, d.format, cfg.stage, tok, d.max_length, d.packing, train_on_prompt=d.train_on_prompt,
                           mask_history=d.mask_history, max_prompt_length=d.max_prompt_length,
@@ -213,7 +214,7 @@ def _vision_examples(cfg: TrainConfig, d: DatasetSpec, rows: list, tok: Any, mc:
 
 
 def _heads(model: torch.nn.Module) -> tuple[int, int]:
-    c = model.config.text_config if is_vision_config(model.config) else model.config
+    c = model.config.text_config if is_vlm(model.config) else model.config
     h = int(c.num_attention_heads)
     return h, int(getattr(c, "num_key_value_heads", None) or h)
 
@@ -516,7 +517,7 @@ def _make_collator(cfg: TrainConfig, mesh: Any, tok: Any, ds: DatasetSpec) -> An
     if cfg.stage == "dpo":
         return SequenceParallelDPOCollator(mesh, tok.pad_token_id, max_length=ds.max_length)
     mc = _model_config(cfg)
-    kind = VisionCollator if mc is not None and is_vision_config(mc) else SequenceParallelCollator
+    kind = VisionCollator if is_vlm(mc) else SequenceParallelCollator
     return kind(mesh, tok.pad_token_id, packing=ds.packing, max_length=ds.max_length)
 
 
