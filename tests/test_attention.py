@@ -12,7 +12,7 @@ import torch
 from reference import reference_attention
 
 import seqpar
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 FP32_TOL = 2e-5
 DTYPE_TOL = {torch.float32: (FP32_TOL, FP32_TOL), torch.bfloat16: (4e-2, 1e-1), torch.float16: (5e-3, 1e-2)}

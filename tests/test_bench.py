@@ -11,8 +11,8 @@ import json
 
 import pytest
 
+from seqpar.attention.costs import flops_per_rank, ring_theory, ulysses_theory
 from seqpar.bench.__main__ import main
-from seqpar.bench.theory import flops_per_rank, ring_theory, ulysses_theory
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,7 @@ def test_cli_verify_bf16(tmp_path):
 
 @pytest.mark.slow
 def test_cli_verify_bf16_master_weights_nofsdp(tmp_path):
-    """bf16 without FSDP (bf16 weights + fp32 masters, train/precision.py) SP=2 vs the SP=1 reference; bar 5e-2."""
+    """bf16 without FSDP (bf16 weights + fp32 masters, model/precision.py) SP=2 vs the SP=1 reference; bar 5e-2."""
     _verify(tmp_path, "bf16m", "sft", 2, tol=5e-2, grad_tol=(5e-2, 5e-2), precision="bf16")
 
 

@@ -9,8 +9,9 @@ import torch
 
 from seqpar.errors import SeqParError
 from seqpar.hf import tiny_config
-from seqpar.train.datasets import IGNORE, ByteTokenizer
-from seqpar.train.images import VisionCollator, VisionSpec, build_vision_examples
+from seqpar.train.dataset.images import VisionCollator, VisionSpec, build_vision_examples
+from seqpar.train.dataset.tokenize import IGNORE
+from seqpar.train.model.tokenizers import ByteTokenizer
 
 SIZES = [(16, 24), (24, 16), (16, 16), (32, 24)]  # pixels (h, w): 4-pixel patches, 2x2 merge
 
@@ -43,7 +44,7 @@ def _spec() -> VisionSpec:
 
 
 def test_placeholders_become_image_tokens(tmp_path):
-    from seqpar.train.datasets import load_rows
+    from seqpar.train.dataset.tokenize import load_rows
 
     path = _dataset(tmp_path)
     spec = _spec()
@@ -68,7 +69,7 @@ def test_placeholders_become_image_tokens(tmp_path):
 
 
 def test_bad_image_rows_refused(tmp_path):
-    from seqpar.train.datasets import load_rows
+    from seqpar.train.dataset.tokenize import load_rows
 
     rows = load_rows(_dataset(tmp_path))
     spec = _spec()
@@ -87,8 +88,8 @@ def test_bad_image_rows_refused(tmp_path):
                                         ({"fsdp": True}, "fsdp: false")])
 def test_unsupported_vlm_runs_refused(tmp_path, over, match):
     from seqpar.train.config import config_from_dict
-    from seqpar.train.model_checks import refuse_unsupported_model
-    from seqpar.train.trainer import prepare_examples
+    from seqpar.train.dataset.prepare import prepare_examples
+    from seqpar.train.model.checks import refuse_unsupported_model
 
     d = {"model": {"name": "tiny:qwen2_5_vl"}, "dataset": {"path": _dataset(tmp_path), "max_length": 128}}
     for k, v in over.items():

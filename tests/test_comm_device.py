@@ -5,14 +5,13 @@ tensors (step stats, DPO metrics), which NCCL refuses: multi-GPU training died a
 gloo CPU world that code runs fine, so a plain CPU test cannot see it. Strict mode
 (SEQPAR_STRICT_COMM_DEVICE=1) makes every seqpar.comm collective refuse a call that does not name
 the mesh's communication device, and every call refuses a tensor that is not on it; a static scan
-refuses raw torch.distributed collectives outside seqpar.comm. One spawned 2-rank world runs the
-CLI loop (DPO at dp=2, SFT and DPO under SP=2) and the HF Trainer drop-in's DPO log path at dp=2 in
-strict mode.
+(tests/test_static_layout.py) refuses raw torch.distributed collectives outside seqpar.comm. One spawned
+2-rank world runs the CLI loop (DPO at dp=2, SFT and DPO under SP=2) and the HF Trainer drop-in's DPO log
+path at dp=2 in strict mode.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import random
@@ -24,34 +23,7 @@ import torch
 
 import seqpar
 from seqpar import SeqParError, comm
-from seqpar.testing import run_distributed
-
-SRC = Path(seqpar.__file__).parent
-# torch.distributed calls that move tensors; barrier / init / queries carry none.
-COLLECTIVES = {
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
-    "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter",
-    "send", "recv", "isend", "irecv", "batch_isend_irecv",
-}
-
-
-def _raw_collective_calls(path: Path) -> list[str]:
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
-            base = ast.unparse(node.func.value)
-            if base in ("dist", "torch.distributed"):
-                found.append(f"{path.relative_to(SRC)}:{node.lineno} {base}.{node.func.attr}")
-    return found
-
-
-def test_no_raw_collectives_outside_comm():
-    """Every collective of the library goes through seqpar.comm (benchmarks and the spawn harness aside)."""
-    skip = {"comm.py", "testing.py"}
-    files = [p for p in SRC.rglob("*.py") if p.name not in skip and "bench" not in p.parts]
-    assert any(p.name == "trainer.py" for p in files)
-    bad = [c for p in files for c in _raw_collective_calls(p)]
-    assert not bad, bad
+from seqpar.spawn import run_distributed
 
 
 def test_check_device_rule(monkeypatch):
@@ -121,7 +93,7 @@ def _hf_dpo_log_path(d: str) -> list[dict]:
 def strict_world(d: str) -> dict:
     os.environ[comm.STRICT_DEVICE_ENV] = "1"
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     out: dict = {}
     mesh = seqpar.init_mesh(1)  # dp=2: the dp group is a real 2-rank group

@@ -25,7 +25,7 @@ from seqpar.data import (
 )
 from seqpar.layout import local_positions
 from seqpar.mesh import SequenceParallelMesh
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 IGN = -100
 PAD = 0

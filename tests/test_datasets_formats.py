@@ -10,17 +10,9 @@ import pytest
 
 from seqpar import SeqParError
 from seqpar.train.config import config_from_dict, load_config, steps_for_epochs
-from seqpar.train.datasets import (
-    IGNORE,
-    ByteTokenizer,
-    HFTokenizer,
-    build_examples,
-    describe_stats,
-    load_chat_template,
-    tokenize_dpo,
-    tokenize_sft,
-)
-from seqpar.train.formats import detect_format
+from seqpar.train.dataset.formats import detect_format
+from seqpar.train.dataset.tokenize import IGNORE, build_examples, describe_stats, tokenize_dpo, tokenize_sft
+from seqpar.train.model.tokenizers import ByteTokenizer, HFTokenizer, load_chat_template
 
 BT = ByteTokenizer()
 TINY = {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2}}
@@ -133,7 +125,8 @@ def test_hf_tokenizer_conversational_dpo_and_chat_template_override(smol, tmp_pa
     import copy
 
     import seqpar.hf
-    from seqpar.train.trainer import load_tokenizer, prepare_examples
+    from seqpar.train.dataset.prepare import prepare_examples
+    from seqpar.train.model.load import load_tokenizer
 
     monkeypatch.setattr(seqpar.hf, "load_smollm2_tokenizer", lambda: copy.deepcopy(smol))  # no second load
     plain = load_tokenizer(cfg)
@@ -242,7 +235,7 @@ def test_tensorboard_rows_rank0_only(tmp_path, monkeypatch):
     import sys
     import types
 
-    from seqpar.train import trainer as T
+    from seqpar.train.loop.metrics import log_row, open_tensorboard
 
     calls = []
 
@@ -259,10 +252,10 @@ def test_tensorboard_rows_rank0_only(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
     cfg = config_from_dict({"model": TINY, "dataset": {"path": "d.jsonl", "max_length": 64},
                             "report_to": "tensorboard"})
-    assert T._open_tensorboard(cfg, 1, tmp_path) is None
-    loop = types.SimpleNamespace(tensorboard=T._open_tensorboard(cfg, 0, tmp_path))
-    T._log_row(loop, tmp_path / "m.jsonl", {"step": 3, "loss": 1.5, "lr": 0.1})
-    T._log_row(loop, tmp_path / "m.jsonl", {"step": 3, "eval_loss": 1.25})
+    assert open_tensorboard(cfg, 1, tmp_path) is None
+    loop = types.SimpleNamespace(tensorboard=open_tensorboard(cfg, 0, tmp_path))
+    log_row(loop, tmp_path / "m.jsonl", {"step": 3, "loss": 1.5, "lr": 0.1})
+    log_row(loop, tmp_path / "m.jsonl", {"step": 3, "eval_loss": 1.25})
     assert calls == [("dir", str(tmp_path / "tensorboard")), ("train/loss", 1.5, 3), ("train/lr", 0.1, 3),
                      ("eval/eval_loss", 1.25, 3)]
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2

@@ -16,8 +16,8 @@ import seqpar
 from seqpar import loss as L
 from seqpar.data import SequenceParallelDPOCollator
 from seqpar.hf import apply_sequence_parallel, tiny_model
-from seqpar.testing import run_distributed
-from seqpar.train.steps import ReferenceLogps, StepSpec, micro_batch_loss
+from seqpar.spawn import run_distributed
+from seqpar.steps import ReferenceLogps, StepSpec, micro_batch_loss
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 ARCH, HQ, HKV = "llama", 4, 2

@@ -3,7 +3,7 @@
 import importlib.util
 import pathlib
 
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "custom_attention.py"
 

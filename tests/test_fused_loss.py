@@ -3,7 +3,7 @@
 Each case runs the SAME global batch through
 - an independent single-process reference: the plain HF model (no SP, full logits) on every row
   (every packed document) separately, with hand-written shift / CE / DPO (tests/test_hf_equivalence);
-- `seqpar.train.steps.micro_batch_loss` (what `seqpar train` and both HF Trainer drop-ins call) on
+- `seqpar.steps.micro_batch_loss` (what `seqpar train` and both HF Trainer drop-ins call) on
   the SP model with fused_loss on (small chunks, so several chunks per rank), and again with it off
   (full logits), gradients SUMMED over dp x sp (seqpar.loss convention; FSDP2 and DDP average, hence
   the factor). DDP runs with find_unused_parameters=True, the HF Trainer's default.
@@ -33,8 +33,8 @@ from seqpar.data import SequenceParallelCollator, SequenceParallelDPOCollator
 from seqpar.errors import SeqParError
 from seqpar.hf import ARCHS, apply_sequence_parallel, tiny_model
 from seqpar.memory.fused_loss import fused_targets, install_fused_head
-from seqpar.testing import run_distributed
-from seqpar.train.steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
+from seqpar.spawn import run_distributed
+from seqpar.steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
 
 REF_TOL = 1e-5  # fp32: fused SP vs single-process plain HF model
 PATH_TOL = 1e-6  # fp32: fused vs full-logits path of the same SP run (loss, absolute)
@@ -79,9 +79,9 @@ def _sp_run(mesh, arch, hq, hkv, kind, loss_type, rows, opts, fused):
         model.to(torch.bfloat16)
     factor = 1.0
     if fsdp:
-        from seqpar.train.trainer import _apply_fsdp
+        from seqpar.train.model.build import apply_fsdp
 
-        _apply_fsdp(model, torch.device("cpu"), mesh.world_size, bf16)
+        apply_fsdp(model, torch.device("cpu"), mesh.world_size, bf16)
         factor = L.gradient_reduction_factor(mesh)
     if opts.get("ddp"):  # as the HF Trainer wraps it: DDP over dp x sp, find_unused_parameters=True
         model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
@@ -390,9 +390,9 @@ def test_seqpar_train_config_switch(tmp_path, monkeypatch, one_thread):
     `seqpar train`; the DPO losses of both settings agree within 1e-6 (SP=1, one process)."""
     import json
 
-    import seqpar.train.steps as steps
+    import seqpar.steps.forward as steps
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     with open(tmp_path / "dpo.jsonl", "w") as f:
         for i in range(4):

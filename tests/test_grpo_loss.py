@@ -7,7 +7,7 @@ no supervised token, must stay finite), advantages of both signs, old log-probs 
 never exponentiate), reference log-probs from a second model (through ReferenceTokenLogps, or
 precomputed per token in the batch).
 
-SP side: the shared step (`seqpar.train.steps.count_items` + `global_token_count` -> `micro_batch_loss`
+SP side: the shared step (`seqpar.steps.count_items` + `global_token_count` -> `micro_batch_loss`
 with StepSpec(stage="grpo")), as both trainers run it, or (direct=True) token_logps + grpo_denominators +
 grpo_loss as an RL loop calls them (docs/rl.md); gradients SUMMED over dp x sp.
 Reference: the plain (unpatched) fp32 HF model on every row alone, unpadded; log_softmax(logits / T)
@@ -33,8 +33,8 @@ from seqpar import loss as L
 from seqpar.data import SequenceParallelCollator
 from seqpar.errors import SeqParError
 from seqpar.hf import apply_sequence_parallel, tiny_model
-from seqpar.testing import run_distributed
-from seqpar.train.steps import ReferenceTokenLogps, StepSpec, count_items, micro_batch_loss
+from seqpar.spawn import run_distributed
+from seqpar.steps import ReferenceTokenLogps, StepSpec, count_items, micro_batch_loss
 
 TOL = 1e-5
 CLIP_TOL = 1e-6

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from seqpar.errors import SeqParError
-from seqpar.testing import run_distributed
-from seqpar.train.rewards import group_advantages, resolve_reward, score
+from seqpar.spawn import run_distributed
+from seqpar.train.grpo.rewards import group_advantages, resolve_reward, score
 
 PROMPTS = [[256, 104, 105], [256, 1, 2, 3, 4, 5]]  # byte-tokenizer ids (bos + bytes)
 EOS, PAD = 257, 258
@@ -46,8 +46,9 @@ def _world_cases():
     from seqpar.hf import apply_sequence_parallel
     from seqpar.hf.generation import generate_for_group, sequence_parallel_paused
     from seqpar.train.config import config_from_dict
-    from seqpar.train.datasets import ByteTokenizer
-    from seqpar.train.grpo import GRPORollout, PromptRow
+    from seqpar.train.dataset.prompts import PromptRow
+    from seqpar.train.grpo.rollout import GRPORollout
+    from seqpar.train.model.tokenizers import ByteTokenizer
 
     mesh = init_mesh(2, ulysses_degree=2)
     model = apply_sequence_parallel(_model(), mesh)
@@ -223,8 +224,9 @@ def test_rollout_rows_empty_completion_counted(tmp_path):
     longer than max_prompt_length keep their end (counted)."""
     from seqpar import init_mesh
     from seqpar.data import SequenceParallelCollator
-    from seqpar.train.datasets import ByteTokenizer
-    from seqpar.train.grpo import GRPORollout, PromptRow, load_prompts
+    from seqpar.train.dataset.prompts import PromptRow, load_prompts
+    from seqpar.train.grpo.rollout import GRPORollout
+    from seqpar.train.model.tokenizers import ByteTokenizer
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "abcdefghijklmnopqrstuvwxyz0123456789", "answer": "x"}\n'
                                       '{"prompt": "hi", "answer": "y"}\n')

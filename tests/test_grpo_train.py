@@ -1,4 +1,4 @@
-"""`stage: grpo` through `seqpar.train.trainer.train` vs an independent single-process reference.
+"""`stage: grpo` through `seqpar.train.run.train` vs an independent single-process reference.
 
 The reference is plain PyTorch on the unsharded HF model: the same prompts (the data sampler's
 order), `model.generate` seeded with seqpar.hf.generation.sampling_seed(seed, step, dp rank),
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 # The GRPO loss core (seqpar.loss.grpo, the "grpo" branch of train/steps.py) lands on its own branch.
 pytest.importorskip("seqpar.loss.grpo", reason="needs the GRPO loss core (seqpar.loss.grpo)")
@@ -46,7 +46,7 @@ def _cfg_dict(data: Path, out: Path, sp: dict) -> dict:
 
 def _train_world(cfg_dict: dict) -> dict:
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     res = train(config_from_dict(cfg_dict))
     return {"losses": res.losses, "state": res.final_state_path}
@@ -68,7 +68,8 @@ def _reference(cfg_dict: dict, dp: int) -> tuple[list[float], dict[str, torch.Te
 
     from seqpar.data import SequenceParallelSampler
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import DataStream, load_model
+    from seqpar.train.dataset.streams import DataStream
+    from seqpar.train.model.load import load_model
 
     cfg = config_from_dict(cfg_dict)
     torch.manual_seed(cfg.seed)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import seqpar
 from seqpar import SeqParError
 from seqpar.hf import apply_sequence_parallel, is_sequence_parallel, remove_sequence_parallel, tiny_model
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 TOL = 1e-5
 LOGIT_TOL = 2e-5

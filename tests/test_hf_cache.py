@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 
 def _ask(root: str, calls: str) -> str:

@@ -24,7 +24,7 @@ import seqpar
 from seqpar import loss as L
 from seqpar.data import SequenceParallelCollator, SequenceParallelDPOCollator
 from seqpar.hf import ARCHS, apply_sequence_parallel, tiny_model
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-5

@@ -23,7 +23,7 @@ from seqpar.data import SequenceParallelCollator
 from seqpar.errors import SeqParError
 from seqpar.hf import apply_sequence_parallel, remove_sequence_parallel, tiny_model
 from seqpar.mesh import SequenceParallelMesh
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-5
@@ -225,7 +225,7 @@ def test_auto_degrees_are_pure_ulysses_for_linear_attention():
     from seqpar.hf import tiny_config
     from seqpar.mesh import auto_degrees, needs_full_sequence
     from seqpar.train.config import config_from_dict, validate_for_launch
-    from seqpar.train.trainer import model_needs_full_sequence
+    from seqpar.train.model.load import model_needs_full_sequence
 
     assert needs_full_sequence(tiny_config("qwen3_next")) and needs_full_sequence(tiny_config("qwen3_5"))
     assert not needs_full_sequence(tiny_config("llama"))

@@ -16,7 +16,7 @@ import torch
 
 import seqpar
 from seqpar import SeqParError
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 LOGIT_TOL = 2e-4
 LOSS_TOL = 1e-5

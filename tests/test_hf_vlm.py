@@ -22,7 +22,7 @@ from seqpar.errors import SeqParError
 from seqpar.hf import apply_sequence_parallel, sp_vlm_inputs, tiny_model
 from seqpar.hf.vision import assign_images
 from seqpar.layout import local_positions
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-5

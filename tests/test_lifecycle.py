@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 TOL = 1e-6
 LORA = {"method": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "o_proj"]}
@@ -51,7 +51,7 @@ def _cfg(data, out, **over):
 
 def _train(cfg: dict):
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     return train(config_from_dict(cfg))
 
@@ -126,8 +126,8 @@ def _check_export_dir(path, lora: bool):
         assert "seqpar" not in open(os.path.join(path, "base", "config.json")).read()
     info = json.loads(open(os.path.join(path, "seqpar_export.json")).read())
     assert info["method"] == ("lora" if lora else "full")
-    from seqpar.train.datasets import ByteTokenizer
-    from seqpar.train.export import load_exported_tokenizer
+    from seqpar.train.lifecycle.export import load_exported_tokenizer
+    from seqpar.train.model.tokenizers import ByteTokenizer
 
     assert isinstance(load_exported_tokenizer(path), ByteTokenizer)
 
@@ -231,7 +231,7 @@ def test_hf_trainer_drops_unsupervised_rows(tmp_path, capsys):
 def test_output_dir_lock(tmp_path):
     """Refuses a live owner, replaces a stale one, shares with its own run, releases (also on error)."""
     from seqpar.errors import SeqParError
-    from seqpar.train.lock import LOCK_NAME, OutputDirLock
+    from seqpar.train.lifecycle.lock import LOCK_NAME, OutputDirLock
 
     path = tmp_path / LOCK_NAME
     with OutputDirLock(tmp_path, run_id="a", pid=os.getpid()):
@@ -261,7 +261,7 @@ def test_nonfinite_steps_skipped_then_stop(data, tmp_path):
     """lr 1e4: non-finite steps update nothing (same rows -> bit-identical loss), are counted in
     metrics.jsonl, and max_consecutive_nonfinite of them stop the run with TrainingDiverged."""
     from seqpar.errors import TrainingDiverged
-    from seqpar.train.lock import LOCK_NAME
+    from seqpar.train.lifecycle.lock import LOCK_NAME
 
     same = tmp_path / "same.jsonl"
     same.write_text("".join(json.dumps({"instruction": "alpha beta", "response": "gamma delta"}) + "\n"
@@ -300,7 +300,7 @@ def test_cli_errors_before_launch(data, tmp_path):
     exit 2, one message, no rank started; `seqpar check` refuses what train refuses (a non-causal model)."""
     from transformers import BertConfig
 
-    from seqpar.train.lock import OutputDirLock
+    from seqpar.train.lifecycle.lock import OutputDirLock
 
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "ok"}\n{"text": \n')
@@ -334,7 +334,7 @@ def test_model_checks(data, tmp_path):
 
     from seqpar.errors import SeqParError
     from seqpar.train.config import config_from_dict
-    from seqpar.train.model_checks import check_model
+    from seqpar.train.model.checks import check_model
 
     ok = [{"input_ids": [1, 2, 258], "labels": [1, 2, 258]}]
     check_model(config_from_dict(_cfg(data, tmp_path)), ok)
@@ -354,7 +354,7 @@ def test_resume_rules(data, tmp_path):
     more max_steps or other checkpoint settings are fine; resume: false -> fresh."""
     from seqpar.errors import SeqParError
     from seqpar.train.config import config_from_dict
-    from seqpar.train.resume import find_resume, run_meta
+    from seqpar.train.lifecycle.resume import find_resume, run_meta
 
     base = _cfg(data, tmp_path, sequence_parallel={"size": 2})
     ck = tmp_path / "checkpoint-4"
@@ -406,7 +406,7 @@ def test_cli_ctrl_c_one_line(data, tmp_path):
     import signal
     import time
 
-    from seqpar.train.lock import LOCK_NAME
+    from seqpar.train.lifecycle.lock import LOCK_NAME
 
     out = tmp_path / "int"
     cfg = _cfg(data, out, sequence_parallel={"size": 2}, max_steps=100000, checkpoint={"every": 1})

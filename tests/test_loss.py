@@ -28,7 +28,7 @@ from seqpar.loss import (
     sft_loss,
     sum_gradients,
 )
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 IGN = -100
 PAD = 0

@@ -4,7 +4,7 @@ Equivalence: each case runs the same global batch
 - through an independent single-process reference: the plain HF model (no SP, no memory feature) on every
   row / packed document separately, hand-written CE or DPO formula (tests/test_hf_equivalence.py);
 - through the SP model WITHOUT the features, and through the SP model WITH them (the trainer's order: SP
-  attention -> LoRA -> checkpointing / tiled MLP -> FSDP2), via seqpar.train.steps.micro_batch_loss.
+  attention -> LoRA -> checkpointing / tiled MLP -> FSDP2), via seqpar.steps.micro_batch_loss.
   Between the featured forward and its backward, another forward of a different batch (other lengths)
   runs under no_grad, so a recompute that used the model's latest plan instead of its own would fail.
 Compared: loss and every parameter gradient (summed over dp x sp, or FSDP2's full gradients), featured SP
@@ -36,8 +36,8 @@ from seqpar.errors import SeqParError
 from seqpar.hf import ARCHS, apply_sequence_parallel, tiny_model
 from seqpar.memory.checkpointing import enable_activation_checkpointing, is_activation_checkpointing
 from seqpar.memory.tiled_mlp import TiledForward, apply_tiled_mlp, auto_tile_count, decoder_mlps, remove_tiled_mlp
-from seqpar.testing import run_distributed
-from seqpar.train.steps import ReferenceLogps, StepSpec, forward_logits, micro_batch_loss
+from seqpar.spawn import run_distributed
+from seqpar.steps import ReferenceLogps, StepSpec, forward_logits, micro_batch_loss
 
 REF_TOL = 1e-5  # featured SP vs the independent plain-HF reference
 SELF_TOL = 1e-6  # featured SP vs the same SP run without the features
@@ -110,9 +110,9 @@ def _model(arch: str, seed: int, lora: bool, mesh=None, feats: dict | None = Non
         assert apply_tiled_mlp(m, feats["tiles"]) == 2
     m.train()
     if fsdp:
-        from seqpar.train.trainer import _apply_fsdp
+        from seqpar.train.model.build import apply_fsdp
 
-        _apply_fsdp(m, torch.device("cpu"), torch.distributed.get_world_size(), bf16=False)
+        apply_fsdp(m, torch.device("cpu"), torch.distributed.get_world_size(), bf16=False)
     return m
 
 
@@ -385,7 +385,7 @@ def _train_cfg(tmp_path, **over):
     ({"fsdp": {"offload": True}}, "fsdp.offload"),
 ])
 def test_offload_refused_on_cpu_before_process_group(tmp_path, over, match):
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     with pytest.raises(SeqParError, match=match):
         train(_train_cfg(tmp_path, **over))
@@ -431,7 +431,7 @@ def test_trainer_dropin_checkpoint_kwargs_made_sp_safe(tmp_path):
 # ----------------------------------------------------------------------------- seqpar train and the Trainer drop-in
 def _train_and_reference(cases):
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     return {name: train(config_from_dict(c)).losses for name, c in cases}
 
@@ -460,7 +460,7 @@ def _train_case(path, out, sp, memory, fsdp=False, method="full"):
 
 def _check_train(tmp_path, world, sp, memory, **kw):
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     path = _sft_data(tmp_path)
     case = _train_case(path, tmp_path / "sp", sp, memory, **kw)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from seqpar.memory.meter import CATEGORIES, PeakMemoryMeter, activation_bytes
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 F32 = 4
 
@@ -145,20 +145,20 @@ def _state_bytes(model, optimizer, ref_model=None):
 
 
 def _meter_world(cases):
-    from seqpar.train import trainer
+    from seqpar.train import run
     from seqpar.train.config import config_from_dict
 
     seen = {}
-    real = trainer._finish
+    real = run.finish
 
     def spy(loop, result, metrics_path):  # the exact bytes the rank holds, read from the objects themselves
         seen["state"] = _state_bytes(loop.model, loop.optimizer, getattr(loop.reference, "ref_model", None))
         return real(loop, result, metrics_path)
 
-    trainer._finish = spy
+    run.finish = spy
     out = {}
     for key, cfg in cases:
-        res = trainer.train(config_from_dict(cfg))
+        res = run.train(config_from_dict(cfg))
         out[key] = {"losses": res.losses, "peak_alloc": res.peak_alloc, "state": seen.pop("state")}
     return out
 
@@ -174,7 +174,7 @@ def world(data, tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_train_meter_is_exact_and_changes_nothing(world, data, name):
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     ranks, tmp = world["ranks"], world["tmp"]
     on, off = ranks[0][(name, True)], ranks[0][(name, False)]

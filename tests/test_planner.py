@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from seqpar.bench.theory import ring_theory, ulysses_theory
+from seqpar.attention.costs import ring_theory, ulysses_theory
 from seqpar.cli.main import main
 from seqpar.errors import SeqParError
 from seqpar.planner import Features, Layout, Workload, estimate_memory, load_model_facts, make_cluster
@@ -280,7 +280,7 @@ def _check_counts(kw: dict, world: int) -> None:
     from seqpar.planner.collectives import step_collectives
     from seqpar.planner.measure import Case, measure_case
     from seqpar.planner.validate import _features, model_facts
-    from seqpar.testing import run_distributed
+    from seqpar.spawn import run_distributed
 
     case = Case(seq_len=256, **{"memory": {"fused_loss": False}, **kw})
     assert case.world == world

@@ -45,14 +45,14 @@ def _cfg(data, out, precision, **over):
 
 
 def _initial(cfg):
-    from seqpar.train.trainer import load_model
+    from seqpar.train.model.load import load_model
 
     torch.manual_seed(cfg.seed)
     return {k: v.detach().clone() for k, v in load_model(cfg).named_parameters()}
 
 
 def _final(cfg):
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     res = train(cfg)
     return torch.load(res.final_state_path), res.losses
@@ -81,7 +81,7 @@ def test_bf16_master_weights_move_where_pure_bf16_does_not(data, tmp_path):
 def test_bf16_resume_restores_fp32_masters(data, tmp_path):
     """Checkpoint at step 2 of 3, resume: the final fp32 masters equal the uninterrupted run's exactly
     (restoring the masters from the bf16 weights instead would lose their sub-ulp progress)."""
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     full, _ = _final(_cfg(data, tmp_path / "full", "bf16"))
     part = _cfg(data, tmp_path / "part", "bf16", max_steps=2, checkpoint={"every": 1, "save_final": False})

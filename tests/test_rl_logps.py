@@ -26,7 +26,7 @@ from seqpar import loss as L
 from seqpar.data import SequenceParallelCollator
 from seqpar.errors import SeqParError
 from seqpar.hf import apply_sequence_parallel, tiny_model
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 VAL_TOL = 1e-10  # log-probs / entropy, fp64 models (measured ~1e-15)
 GRAD_TOL = 1e-9  # measured ~1e-14

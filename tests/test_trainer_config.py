@@ -11,7 +11,8 @@ import pytest
 
 from seqpar import SeqParError
 from seqpar.train.config import config_from_dict, load_config, validate_for_launch
-from seqpar.train.datasets import IGNORE, ByteTokenizer, build_examples, load_rows, pack_rows, tokenize_sft
+from seqpar.train.dataset.tokenize import IGNORE, build_examples, load_rows, pack_rows, tokenize_sft
+from seqpar.train.model.tokenizers import ByteTokenizer
 
 TINY = {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2}}
 
@@ -70,7 +71,7 @@ def test_unknown_key_and_missing_field(sft_file):
 
 
 def test_unknown_model_fails_fast(sft_file, tmp_path):
-    from seqpar.train.trainer import model_heads
+    from seqpar.train.model.load import model_heads
 
     _err(lambda: model_heads(_cfg(sft_file, model="tiny:gpt9")), "unknown tiny architecture", "tiny:<llama")
     _err(lambda: model_heads(_cfg(sft_file, model=str(tmp_path / "no-such-model"))), "could not be loaded", "smollm2")

@@ -1,6 +1,6 @@
 """The training loop under SP vs an independent SP=1 single-process reference (same rows per step).
 
-One spawned 4-rank gloo world runs every case of a grid through `seqpar.train.trainer.train`; the
+One spawned 4-rank gloo world runs every case of a grid through `seqpar.train.run.train`; the
 reference for each case runs in the test process with SP=1, no FSDP, playing all dp slots
 (`emulate_dp`). Tolerance: max |loss_SP - loss_ref| <= 1e-5 (fp32) at every one of 5 steps, with
 lr 1e-2 so that parameter updates feed back into later steps' losses.
@@ -21,7 +21,7 @@ import random
 import pytest
 import torch
 
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 WORLD = 4
 STEPS = 5
@@ -73,15 +73,15 @@ def _train_cases(cases, env=None):
     import os
 
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
-    os.environ.update(env or {})  # test-only fault hooks (seqpar.train.grads)
+    os.environ.update(env or {})  # test-only fault hooks (seqpar.train.loop.grads)
     return {name: train(config_from_dict(c)).losses for name, c in cases}
 
 
 def _reference(case: dict, dp: int) -> list[float]:
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     ref = dict(case, sequence_parallel={"size": 1}, fsdp=False, output_dir=case["output_dir"] + "_ref")
     return train(config_from_dict(ref), emulate_dp=dp).losses
@@ -138,7 +138,8 @@ def _plain_sgd_loop(case: dict, dp: int) -> tuple[list[float], dict[str, torch.T
     token count of every micro-batch).
     """
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import load_model, prepare_examples
+    from seqpar.train.dataset.prepare import prepare_examples
+    from seqpar.train.model.load import load_model
 
     cfg = config_from_dict(case)
     examples, _ = prepare_examples(cfg)
@@ -186,7 +187,7 @@ def _check_vs_plain_loop(root, name, losses, case, tol=TOL):
 
 def _initial_params(case: dict) -> dict[str, torch.Tensor]:
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import load_model
+    from seqpar.train.model.load import load_model
 
     cfg = config_from_dict(case)
     torch.manual_seed(cfg.seed)

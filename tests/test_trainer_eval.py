@@ -1,6 +1,6 @@
 """`seqpar train` with an eval set, num_epochs, and a DPO row whose prompt alone exceeds max_length.
 
-One spawned 4-rank gloo world (sp=2 x dp=2) runs both cases through `seqpar.train.trainer.train`:
+One spawned 4-rank gloo world (sp=2 x dp=2) runs both cases through `seqpar.train.run.train`:
 - SFT + FSDP2, num_epochs=1 over 10 rows (-> ceil(1 x 5 / 2) = 3 steps), eval every 2 steps on 5 rows
   (not divisible by dp=2: one dp rank runs a filler forward to keep the collectives matched). The
   last eval_loss must equal a single-process token-mean cross-entropy of the final weights (plain HF
@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 WORLD = 4
 TOL = 1e-5
@@ -58,7 +58,7 @@ def _cases(d):
 
 def _train_all(cases):
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import train
+    from seqpar.train.run import train
 
     out = {}
     for name, c in cases:
@@ -71,10 +71,11 @@ def _reference_eval_loss(case) -> tuple[float, int]:
     """Token-mean CE of the final weights over the eval rows: one process, plain HF forward, no SP."""
     from seqpar.hf import tiny_model
     from seqpar.train.config import config_from_dict
-    from seqpar.train.trainer import _tiny_kwargs, load_tokenizer, prepare_examples
+    from seqpar.train.dataset.prepare import prepare_examples
+    from seqpar.train.model.load import load_tokenizer, tiny_kwargs
 
     cfg = config_from_dict(case)
-    model = tiny_model("llama", **_tiny_kwargs(cfg))
+    model = tiny_model("llama", **tiny_kwargs(cfg))
     model.load_state_dict(torch.load(f"{case['output_dir']}/final_state.pt"))
     model.eval()
     examples, _ = prepare_examples(cfg, load_tokenizer(cfg), cfg.eval_dataset)

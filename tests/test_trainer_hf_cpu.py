@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seqpar.testing import run_distributed
+from seqpar.spawn import run_distributed
 
 
 def _train_both(out: str) -> dict:

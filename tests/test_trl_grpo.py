@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from seqpar.testing import run_distributed  # noqa: E402
+from seqpar.spawn import run_distributed  # noqa: E402
 
 TOL = 1e-5
 WORDS = "the cat sat on a mat while dogs ran far and birds sang songs of long summer days".split()

@@ -1,4 +1,10 @@
-"""seqpar: exact sequence parallelism (Ulysses, Ring, USP) for long-context post-training."""
+"""seqpar: exact sequence parallelism (Ulysses, Ring, USP) for long-context post-training.
+
+Layers, lowest first (each imports only its own layer or lower; the README's "Where things live" map):
+comm -> mesh -> layout -> attention -> data / loss -> memory -> steps / rl -> hf -> train / trl ->
+planner -> bench -> cli. `import seqpar` loads up to the shared training step (seqpar.steps), never a
+trainer.
+"""
 
 from .attention import attention
 from .errors import SeqParError

@@ -70,7 +70,7 @@ def build_examples(tok, n: int, max_length: int, seed: int = 0) -> list[dict[str
 
 def _peak_alloc_line(verify_dir: Path, nproc: int) -> str:
     """Per-rank peak of live tensor bytes (seqpar.memory.meter; max over ranks and steps), SP vs SP=1."""
-    from .train.plots import read_metrics
+    from .train.loop.plots import read_metrics
 
     peaks = {}
     for run in ("sp", "ref"):
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import SeqParError
     from .hf import load_smollm2_tokenizer
     from .train.config import config_from_dict
-    from .train.datasets import HFTokenizer
+    from .train.model.tokenizers import HFTokenizer
     from .train.verify import verify
 
     t0 = time.time()

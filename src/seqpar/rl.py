@@ -24,7 +24,7 @@ import torch
 from .errors import SeqParError
 from .layout import unshard
 from .mesh import SequenceParallelMesh
-from .train.steps import forward_token_stats
+from .steps import forward_token_stats
 
 __all__ = ["TokenLogps", "token_logps", "gather_tokens"]
 

@@ -4,7 +4,7 @@ Three parts, all written to one JSON document (see `run`):
 
 1. comm_bytes: bytes this rank hands to seqpar's collective wrappers (mesh.stats, per channel) for one
    attention call, forward and backward, for Ulysses / ring (zigzag) / USP on 4 gloo ranks, next to
-   the byte formulas of seqpar.bench.theory evaluated with the ORIGINAL head counts and with the head counts that
+   the byte formulas of seqpar.attention.costs evaluated with the ORIGINAL head counts and with the head counts that
    seqpar's Ulysses head plan actually moves (dummy q heads, replicated kv heads).
 2. load_balance: causal attention FLOPs per ring rank from the ring's own piece plan (no run), for
    the contiguous and zigzag layouts and R in {2, 4, 8}; plus measured per-rank forward kernel CPU
@@ -13,7 +13,7 @@ Three parts, all written to one JSON document (see `run`):
    DeepSpeed Ulysses when installed) vs torch SDPA and seqpar in one process (1 thread), interleaved
    in the same run so all see the same machine load; medians over repeats.
 
-The formulas live in `theory.py`, the optional DeepSpeed peer in `peers.py`, rendering in `plot.py`.
+The formulas live in `seqpar.attention.costs`, the optional DeepSpeed peer in `peers.py`, rendering in `plot.py`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .theory import flops_per_rank, load_balance_table, usp_theory
+from ..attention.costs import flops_per_rank, load_balance_table, usp_theory
 
 __all__ = ["Sizes", "comm_cases", "run"]
 
@@ -445,7 +445,7 @@ def _deepspeed_row(i: int, case: dict[str, Any], per_rank: list, alone: dict, se
 
 
 def _run_deepspeed_alone(cases, seq: int, d: int, timeout: float) -> dict[int, Any]:
-    from seqpar.testing import DistributedFailure, run_distributed
+    from seqpar.spawn import DistributedFailure, run_distributed
 
     out = {}
     for i, c in enumerate(cases):
@@ -544,7 +544,7 @@ def run(quick: bool = False, timeout: float = 540.0, peers: str = "auto") -> dic
     peers: "auto" (DeepSpeed Ulysses side by side when it is installed), "deepspeed" (required), "none".
     """
     import seqpar
-    from seqpar.testing import run_distributed
+    from seqpar.spawn import run_distributed
 
     from .peers import deepspeed_available
 
@@ -597,7 +597,7 @@ def run(quick: bool = False, timeout: float = 540.0, peers: str = "auto") -> dic
         "comm_bytes": {
             "description": (
                 "bytes sent per rank for one attention call, counted in seqpar's collective wrappers "
-                "(mesh.stats), vs seqpar.bench.theory with original and with head-plan head counts"
+                "(mesh.stats), vs seqpar.attention.costs with original and with head-plan head counts"
             ),
             "world_size": 4,
             "cases": _assemble_comm(cases, per_rank, sz.comm_seq, sz.comm_head_dim, alone),

@@ -1,6 +1,6 @@
 """Memory benchmark: exact per-rank peak of one SFT train step vs sequence length, SP size and memory features.
 
-Every point is a real `seqpar train` run (`seqpar.train.trainer.train(cfg)`, max_steps=1, inside a
+Every point is a real `seqpar train` run (`seqpar.train.run.train(cfg)`, max_steps=1, inside a
 spawned gloo world of SP ranks) with `memory.measure: true`: the peak is the meter's exact count of
 live tensor bytes on each rank (seqpar.memory.meter; split by category at the peak), max over ranks.
 It does not depend on machine load. Parts of the JSON document (see `run`):
@@ -122,8 +122,8 @@ def _cfg(mc: ModelCase, sp: int, full_len: int, fs: str, data: Path, out: Path, 
 def _rank_runs(jobs: list[tuple[str, dict]]) -> dict[str, dict[str, Any]]:
     """In each rank of a spawned world: train every job's config; this rank's meter readings + step times."""
     from seqpar.train.config import config_from_dict
-    from seqpar.train.plots import read_metrics
-    from seqpar.train.trainer import train
+    from seqpar.train.loop.plots import read_metrics
+    from seqpar.train.run import train
 
     out = {}
     for key, cfg in jobs:
@@ -151,7 +151,7 @@ def _point(mc: ModelCase, sp: int, fs: str, s_local: int, per_rank: list[dict[st
 
 def _measure_grid(mc: ModelCase, sp: int, root: Path, timeout: float) -> tuple[list[dict], dict[str, float]]:
     """One world of `sp` ranks: the measured grid (1 step each) and the unmeasured timing runs (2 steps)."""
-    from seqpar.testing import run_distributed
+    from seqpar.spawn import run_distributed
 
     jobs = []
     for fs in FEATURE_SETS:
@@ -185,7 +185,7 @@ def _max_length(mc: ModelCase, sp: int, fit: dict[str, Any], budget: float) -> d
 def _confirm(mc: ModelCase, sp: int, fs: str, ml: dict[str, Any], fit: dict[str, Any], root: Path,
              timeout: float) -> dict[str, Any]:
     """One measured step at the largest predicted length (capped at what runs within minutes here)."""
-    from seqpar.testing import run_distributed
+    from seqpar.spawn import run_distributed
 
     full = min(ml["max_full_length"] or mc.confirm_cap, mc.confirm_cap) // ml["multiple"] * ml["multiple"]
     data = _write_data(root, full)

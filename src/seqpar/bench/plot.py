@@ -19,7 +19,7 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
     c0 = cases[0]
     out.append(
         f"S={c0['seq_len']}, B=1, D={c0['head_dim']}; bytes per rank; ratio = measured / theory "
-        "(the byte formulas of seqpar.bench.theory with the original heads / with the heads the Ulysses plan "
+        "(the byte formulas of seqpar.attention.costs with the original heads / with the heads the Ulysses plan "
         "moves); strict bound = "
         "the plan's heads with dK/dV reduced in R-1 ring hops instead of R."
     )

@@ -101,7 +101,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args, extra)
     nproc = args.nproc_per_node
     if nproc and nproc > 1 and not _under_torchrun():
-        from ..train.launch import launch, prelaunch_checks
+        from ..train.lifecycle.launch import launch, prelaunch_checks
 
         prelaunch_checks(cfg, nproc)  # dataset, model, resume: exit code 2 before any rank starts
         passthrough = ["train", args.config] + [f"--set={s}" for s in args.set]
@@ -110,7 +110,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.output_dir is not None:
             passthrough += ["--output-dir", args.output_dir]
         return launch(cfg, nproc, passthrough, args.max_restarts)
-    from ..train.trainer import train
+    from ..train.run import train
 
     res = train(cfg, emulate_dp=args.emulate_dp)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -125,7 +125,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise SeqParError("run `seqpar verify` directly (not under torchrun): it launches the SP run itself")
     cfg = _load(args)
     nproc = args.nproc_per_node or cfg.sequence_parallel.size
-    from ..train.launch import prelaunch_checks
+    from ..train.lifecycle.launch import prelaunch_checks
 
     # verify's own runs never resume: check everything else before launching them.
     prelaunch_checks(cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": False})}),
@@ -146,7 +146,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     cfg = _load(args)
     world = _world_for_checks(args, cfg)
-    from ..train.launch import prelaunch_checks
+    from ..train.lifecycle.launch import prelaunch_checks
 
     stats = prelaunch_checks(cfg, world)  # exactly what `train` checks before it starts
     from ..train.config import with_total_steps
@@ -160,7 +160,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     if _under_torchrun():
         raise SeqParError("run `seqpar export` as one plain process (not under torchrun)")
-    from ..train.export import export_checkpoint
+    from ..train.lifecycle.export import export_checkpoint
 
     path = export_checkpoint(args.checkpoint, args.out, merge_lora=args.merge_lora)
     print(f"[seqpar export] exported {args.checkpoint} to {path}", flush=True)
@@ -169,7 +169,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _interrupted() -> int:
     """Ctrl-C in a single process or under plain torchrun: one line (rank 0), no traceback."""
-    from ..train.launch import INTERRUPTED
+    from ..train.lifecycle.launch import INTERRUPTED
 
     if os.environ.get("RANK", "0") == "0":
         print("seqpar: interrupted (see <output_dir>/latest for the last checkpoint)", file=sys.stderr, flush=True)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if _under_torchrun() and os.environ.get("SEQPAR_ERROR_DIR"):
         # A rank under `seqpar train --nproc-per-node`: errors go to the launcher, which prints the first once.
-        from ..train.launch import INTERRUPTED, report_rank_error
+        from ..train.lifecycle.launch import INTERRUPTED, report_rank_error
 
         # Ctrl-C: the launcher prints the one line (and stops the ranks); a rank leaves at once, so the interrupt
         # cannot land in a weakref callback or teardown and print "Exception ignored ..." noise.

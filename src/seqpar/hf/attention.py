@@ -30,9 +30,11 @@ from ..data import document_starts
 from ..errors import SeqParError
 from ..layout import check_length, local_positions, unshard
 from ..mesh import SequenceParallelMesh
+from ..unwrap import BATCH_INPUTS_HOOK
+from ..unwrap import base_model as _base_model
 from .linear_attention import check_linear_attention, find_linear_attention, sp_gated_delta_forward
 from .mixers import check_softmax_attention_only
-from .vision import check_vlm, is_vlm, refuse_unsharded_vision, vlm_language_model
+from .vision import check_vlm, is_vlm, refuse_unsharded_vision, vision_batch_inputs, vlm_language_model
 
 __all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "is_sequence_parallel", "ForwardPlan"]
 
@@ -75,12 +77,6 @@ class _SPState:
             "cannot deep-copy a model with sequence parallelism applied: copy it before "
             "apply_sequence_parallel (or after remove_sequence_parallel), then apply SP to each copy"
         )
-
-
-def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers PreTrainedModel inside (PEFT wrappers included)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def _backbone(base: torch.nn.Module) -> torch.nn.Module:
@@ -458,6 +454,7 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
     if vlm:  # images and multimodal positions must come from sp_vlm_inputs (the full sequence)
         state.handles.append(base.model.register_forward_pre_hook(
             lambda module, args, kwargs: refuse_unsharded_vision(kwargs), with_kwargs=True))
+        setattr(base, BATCH_INPUTS_HOOK, vision_batch_inputs)  # how seqpar.steps feeds a full vision batch
     base._seqpar_state = state
     # Unregister the name when the model is garbage-collected (state lives as long as the model).
     state.finalizer = weakref.finalize(base, _unregister, name)
@@ -490,6 +487,7 @@ def remove_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
         base.loss_function = state.restore["loss_function"]
     else:
         base.__dict__.pop("_loss_function", None)
+    base.__dict__.pop(BATCH_INPUTS_HOOK, None)
     state.finalizer()
     del base._seqpar_state
     return model

@@ -21,7 +21,8 @@ import torch
 from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
-from .attention import _backbone, _base_model
+from ..unwrap import base_model as _base_model
+from .attention import _backbone
 
 __all__ = ["sequence_parallel_paused", "generate_for_group", "sampling_seed", "group_source_rank"]
 

@@ -3,7 +3,7 @@
     trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=ds)   # was: Trainer(...)
     trainer.train()                                                              # torchrun --nproc-per-node N
 
-What changes against the stock Trainer (all built on the pieces the plain loop uses, seqpar.train.steps):
+What changes against the stock Trainer (all built on the pieces the plain loop uses, seqpar.steps):
 - the model gets seqpar attention (`apply_sequence_parallel`) over a mesh of `sequence_parallel_size`
   ranks (default: the whole world); data goes through `SequenceParallelCollator` (or the DPO one),
   which shifts labels on the full sequence, keeps global position_ids and shards every row;
@@ -51,7 +51,7 @@ from ..memory.checkpointing import checkpoint_kwargs, drop_input_require_grads, 
 from ..memory.fused_loss import install_fused_head
 from ..memory.tiled_mlp import apply_tiled_mlp, decoder_mlps
 from ..mesh import SequenceParallelMesh, init_mesh
-from ..train.steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
+from ..steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
 from .attention import apply_sequence_parallel, is_sequence_parallel
 
 __all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer"]

@@ -33,8 +33,9 @@ from .. import comm
 from ..errors import SeqParError
 from ..layout import check_length, shard
 from ..mesh import SequenceParallelMesh
+from ..unwrap import base_model
 
-__all__ = ["VLM_TYPES", "is_vlm", "check_vlm", "sp_vlm_inputs", "assign_images"]
+__all__ = ["VLM_TYPES", "is_vlm", "check_vlm", "sp_vlm_inputs", "assign_images", "vision_batch_inputs"]
 
 VLM_TYPES = ("qwen2_5_vl", "qwen3_vl")
 _HOW = "seqpar.hf.vision.sp_vlm_inputs(model, mesh, input_ids, pixel_values=..., image_grid_thw=...)"
@@ -162,9 +163,7 @@ def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh | None, inp
     the SP group): input_ids / position_ids / attention_mask shards and the image embeddings of the
     shard's image tokens (`mm_encoder_outputs`). mesh=None: the mesh SP was applied with. See the module
     docstring."""
-    from .attention import _base_model
-
-    base = _base_model(model)
+    base = base_model(model)
     state = getattr(base, "_seqpar_state", None)
     if state is None or not is_vlm(base.config):
         raise SeqParError("sp_vlm_inputs needs a Qwen VL model with apply_sequence_parallel(model, mesh) applied")
@@ -192,6 +191,17 @@ def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh | None, inp
     local = shard(order, mesh, 1)[shard(image_mask, mesh, 1)]
     mine = every[local.to(every.device)]
     return {**kw, "mm_encoder_outputs": {"image": _encoder_output(mine, hidden, levels)}}
+
+
+def vision_batch_inputs(model: torch.nn.Module, batch: dict[str, Any], device: torch.device | str | None) -> dict:
+    """Model kwargs for a collated vision batch (train.dataset.images.VisionCollator: the FULL input ids and
+    the images): sp_vlm_inputs on the mesh SP was applied with. Installed by apply_sequence_parallel as the
+    model's seqpar.unwrap.BATCH_INPUTS_HOOK, which seqpar.steps.model_inputs calls."""
+    move = (lambda t: t.to(device)) if device is not None else (lambda t: t)  # noqa: E731
+    pixels = batch.get("pixel_values")
+    kw = sp_vlm_inputs(model, None, move(batch["full_input_ids"]), pixel_values=move(pixels) if pixels is not None
+                       else None, image_grid_thw=batch.get("image_grid_thw"))
+    return {**kw, "use_cache": False}
 
 
 def _encoder_output(rows: torch.Tensor, hidden: int, levels: int) -> Any:

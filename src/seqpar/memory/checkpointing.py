@@ -31,18 +31,13 @@ from typing import Any
 import torch
 
 from ..errors import SeqParError
+from ..unwrap import base_model as _base_model
 
 __all__ = ["CHECKPOINT_KWARGS", "checkpoint_kwargs", "enable_activation_checkpointing", "drop_input_require_grads",
            "is_activation_checkpointing", "refuse_offload_on_cpu"]
 
 # What every checkpointed layer call gets (torch.utils.checkpoint.checkpoint keyword arguments).
 CHECKPOINT_KWARGS: dict[str, Any] = {"use_reentrant": False, "early_stop": False}
-
-
-def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers PreTrainedModel inside (PEFT wrappers included)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def refuse_offload_on_cpu(what: str, on_accelerator: bool) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from .. import loss as L
 from ..errors import SeqParError
+from ..unwrap import base_model
 
 __all__ = ["FusedRequest", "fused_targets", "install_fused_head", "default_chunk_tokens", "FUSED_OFF_HINT"]
 
@@ -165,11 +166,9 @@ def _logits_transform(base: torch.nn.Module) -> Callable[[torch.Tensor], torch.T
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..hf.attention import _base_model  # PEFT unwrapping lives with the HF adapter (one place)
-
     while isinstance(model, DistributedDataParallel):
         model = model.module
-    return _base_model(model)
+    return base_model(model)
 
 
 def install_fused_head(model: torch.nn.Module) -> _FusedHead:

@@ -27,6 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import SeqParError
+from ..unwrap import decoder_layers
 
 __all__ = ["apply_tiled_mlp", "remove_tiled_mlp", "decoder_mlps", "auto_tile_count", "TiledForward"]
 
@@ -50,7 +51,7 @@ def _is_dense_mlp(mlp: torch.nn.Module) -> bool:
 
 def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The MLP module of every decoder layer; SeqParError if one is not a per-token dense MLP."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    layers = decoder_layers(model)
     if not layers:
         raise SeqParError(f"{type(model).__name__} has no decoder layers seqpar recognises: {_REFUSE}")
     out = []

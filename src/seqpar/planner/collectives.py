@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..attention.costs import ring_theory, ulysses_theory
 from ..attention.ulysses import head_plan
-from ..bench.theory import ring_theory, ulysses_theory
 from .memory import Features, Layout, Workload
 from .model import ModelFacts
 

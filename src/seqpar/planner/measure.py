@@ -1,7 +1,7 @@
 """Measure one training step's per-rank peak memory (and time) with torch's MemTracker.
 
-The step is the plain trainer's own (`seqpar.train.trainer._train_step` on a loop built by the
-trainer's `_build_model` / `_build_optimizer` / `_build_data`), so every memory feature switched on
+The step is the plain trainer's own (`seqpar.train.loop.step.train_step` on a loop built by
+`seqpar.train.loop.build.build_loop`, as `seqpar train` builds it), so every memory feature switched on
 in `TrainConfig.memory` is measured exactly as `seqpar train` runs it. A warm-up step first creates
 the optimizer state; the second step is metered; a third, unmetered step is timed (`step_s`: the
 meter's per-op overhead would distort times). Tiny models only (CPU, gloo): see planner.validate.
@@ -82,7 +82,7 @@ def case_config(case: Case) -> Any:
 
 def _synthetic_examples(case: Case, tok: Any, n: int) -> list[Any]:
     """Rows that fill max_length exactly (truncated), every token supervised, deterministic."""
-    from ..train.datasets import build_examples
+    from ..train.dataset.tokenize import build_examples
 
     rng = random.Random(0)
     text = lambda k: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(k))  # noqa: E731
@@ -97,7 +97,7 @@ def _synthetic_examples(case: Case, tok: Any, n: int) -> list[Any]:
 def unsupervised_tokens(case: Case) -> int:
     """Positions per row without a label in the case's synthetic rows (the fewest over rows): SFT rows
     are fully supervised but their last position (no next token); DPO rows also leave the prompt out."""
-    from ..train.trainer import load_tokenizer
+    from ..train.model.load import load_tokenizer
 
     if case.stage == "sft":
         return 1
@@ -150,37 +150,31 @@ def measure_case(case_d: dict[str, Any], meter: bool = True, timed_steps: int = 
     collectives=True also counts one step's collective calls per kind (torch.profiler's c10d ops)."""
     import torch.distributed as dist
 
-    from .. import loss as L
     from ..mesh import init_mesh
-    from ..train import trainer as T
-    from ..train.steps import StepSpec
+    from ..train.loop.build import build_loop
+    from ..train.loop.step import train_step
+    from ..train.model.load import load_model, load_tokenizer
 
     case = Case(**case_d)
     cfg = case_config(case)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = torch.device("cpu")
-    tok = T.load_tokenizer(cfg)
+    tok = load_tokenizer(cfg)
     examples = _synthetic_examples(case, tok, 2 * case.micro_batch_size * max(1, case.dp))
     torch.manual_seed(cfg.seed)
-    model = T.load_model(cfg)
+    model = load_model(cfg)
     mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=case.ulysses, ring_degree=case.ring)
-    model, reference, prec = T._build_model(cfg, model, mesh, device, world)
-    params = prec.masters if prec else [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = T._build_optimizer(cfg, params)
-    streams, collator = T._build_data(cfg, mesh, tok, len(examples), 1)
-    loop = T._Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples,
-                   StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma, cfg.memory.fused_loss,
-                            cfg.memory.loss_chunk_tokens), reference, device, world,
-                   rank, out=None, factor=L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0, prec=prec)
-    T._train_step(loop, 0)  # warm-up: the optimizer state exists from here on
+    loop = build_loop(cfg, mesh, model, tok, examples, device, world, rank)
+    model, optimizer, reference = loop.model, loop.optimizer, loop.reference
+    train_step(loop, 0)  # warm-up: the optimizer state exists from here on
     out = _metered_step(loop, model, optimizer, reference, device) if meter else {}
     calls = _count_collectives(loop) if collectives else {}
     # Step time WITHOUT the meter (its per-op overhead would favour configurations with fewer ops).
     times = []
     for i in range(timed_steps):
         t0 = time.perf_counter()
-        T._train_step(loop, 2 + i)
+        train_step(loop, 2 + i)
         times.append(time.perf_counter() - t0)
     return {"case": asdict(case), "peak": out, "step_s": statistics.median(times), "rank": rank, "collectives": calls}
 
@@ -195,10 +189,10 @@ PROFILER_KINDS = {"c10d::alltoall_base_": "all_to_all", "c10d::send": "p2p", "c1
 def _count_collectives(loop: Any) -> dict[str, int]:
     from torch.profiler import profile
 
-    from ..train import trainer as T
+    from ..train.loop.step import train_step
 
     with profile() as prof:
-        T._train_step(loop, 1)
+        train_step(loop, 1)
     calls: dict[str, int] = {}
     for e in prof.key_averages():
         if e.key in PROFILER_KINDS:
@@ -207,14 +201,14 @@ def _count_collectives(loop: Any) -> dict[str, int]:
 
 
 def _metered_step(loop: Any, model: Any, optimizer: Any, reference: Any, device: torch.device) -> dict[str, int]:
-    from ..train import trainer as T
+    from ..train.loop.step import train_step
 
     mt = _step_tracker()
     ref_model = getattr(reference, "ref_model", None)
     _skip_frozen_grad_hooks(mt, model, ref_model)
     mt.track_external(model, optimizer, ref_model)
     with mt:
-        T._train_step(loop, 1)
+        train_step(loop, 1)
     snap = mt.get_tracker_snapshot("peak")
     dev_snap = snap.get(device) or next(iter(snap.values()))
     return {str(k.value if hasattr(k, "value") else k): int(v) for k, v in dev_snap.items()}

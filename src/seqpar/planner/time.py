@@ -7,7 +7,7 @@ Assumptions (stated in docs/planner.md; absolute GPU times are a model, the ORDE
 - linear layers per token: 2 FLOPs per weight per forward pass (the policy's, its recomputation under
   activation checkpointing, DPO's reference pass), 2 for the input gradient, 2 more for a trained
   weight's gradient (LoRA: frozen weights skip it); tiled MLP recomputes the MLP forward;
-- attention: the causal FLOPs of the ring's own piece plan (bench.theory.flops_per_rank, the busiest
+- attention: the causal FLOPs of the ring's own piece plan (seqpar.attention.costs.flops_per_rank, the busiest
   ring rank), forward x1 per forward pass, backward x2.5 (flash backward recomputes the scores);
 - memory-bound work streams at `Cluster.mem_bw`: each layer's saved activations are written once per
   forward pass and read + their gradients written in backward (3 + recomputations), AdamW reads and
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..bench.theory import flops_per_rank, ring_theory, ulysses_theory
+from ..attention.costs import flops_per_rank, ring_theory, ulysses_theory
 from .collectives import heads_per_rank, passes, step_collectives
 from .gpus import Cluster
 from .memory import Features, Layout, Workload, layer_bytes_per_token
@@ -61,7 +61,7 @@ def attention_flops(m: ModelFacts, wl: Workload, lay: Layout) -> float:
 
 
 def comm_bytes_per_layer(m: ModelFacts, wl: Workload, lay: Layout) -> dict[str, int]:
-    """Bytes one rank sends per decoder layer for one forward + backward, from bench.theory."""
+    """Bytes one rank sends per decoder layer for one forward + backward, from seqpar.attention.costs."""
     hq, hkv = heads_per_rank(m, lay.ulysses)
     e, s, b = wl.elt, wl.seq_len, wl.rows
     uly = 2 * ulysses_theory(s // lay.ring, b, hq, hkv, m.head_dim, lay.ulysses, e) if lay.ulysses > 1 else 0

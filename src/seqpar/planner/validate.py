@@ -76,7 +76,7 @@ def with_features(cases: list[Case], names: list[str]) -> list[Case]:
 
 def run_validation(cases: list[Case], timeout: float = 600.0) -> list[dict[str, Any]]:
     """Measure each case (one spawned world per case) and compare; rows carry both numbers."""
-    from ..testing import run_distributed
+    from ..spawn import run_distributed
 
     rows = []
     for case in cases:
@@ -128,10 +128,10 @@ def predict_time(case: Case, cluster: Any) -> Any:
 
 
 def run_time_validation(cases: list[Case], timed_steps: int = 5, timeout: float = 900.0) -> list[dict[str, Any]]:
-    """Measure this machine (bench.calibrate), then each case's median unmetered step time; rows carry the
+    """Measure this machine (planner.calibrate), then each case's median unmetered step time; rows carry the
     measured and predicted seconds."""
-    from ..bench.calibrate import measure_cluster
-    from ..testing import run_distributed
+    from ..spawn import run_distributed
+    from .calibrate import measure_cluster
 
     cluster = measure_cluster(2)
     rows = []

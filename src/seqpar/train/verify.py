@@ -24,8 +24,8 @@ import yaml
 
 from ..errors import SeqParError
 from .config import TrainConfig, config_from_dict
-from .grads import GRAD_DUMP_ENV, grad_dump_errors, grad_norm_errors
-from .plots import plot_curves, read_metrics
+from .loop.grads import GRAD_DUMP_ENV, grad_dump_errors, grad_norm_errors
+from .loop.plots import plot_curves, read_metrics
 
 __all__ = ["verify", "torchrun_command", "write_config"]
 
@@ -86,28 +86,36 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
     ref_fsdp = bool(cfg.fsdp) and cfg.precision == "bf16"
     ref_cfg = config_from_dict({**base, "output_dir": str(out / "ref"), "fsdp": ref_fsdp,
                                 "sequence_parallel": {"size": 1}})
-
-    sp_yaml = write_config(sp_cfg, out / "sp_config.yaml")
     sp_dump, ref_dump = out / "sp" / "grads_step1.pt", out / "ref" / "grads_step1.pt"
     for f in (sp_dump, ref_dump):
         f.unlink(missing_ok=True)
+    _run_sp(sp_cfg, nproc, write_config(sp_cfg, out / "sp_config.yaml"), sp_dump, timeout)
+    from .run import train
+
+    write_config(ref_cfg, out / "ref_config.yaml")
+    with _env(GRAD_DUMP_ENV, str(ref_dump)):
+        train(ref_cfg, emulate_dp=dp)
+    return _report(cfg, steps, nproc, dp, out, tolerance, sp_dump, ref_dump)
+
+
+def _run_sp(sp_cfg: TrainConfig, nproc: int, sp_yaml: Path, sp_dump: Path, timeout: float | None) -> None:
+    """The SP run: `seqpar train` under torchrun for several ranks, or in this process for one."""
     if nproc > 1:
         cmd = torchrun_command(nproc, ["train", str(sp_yaml)])
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{GRAD_DUMP_ENV: str(sp_dump)})
         proc = subprocess.run(cmd, env=env, timeout=timeout)
         if proc.returncode != 0:
             raise SeqParError(f"the SP run failed (exit code {proc.returncode}): see its output above")
-    else:
-        from .trainer import train
+        return
+    from .run import train
 
-        with _env(GRAD_DUMP_ENV, str(sp_dump)):
-            train(sp_cfg)
-    from .trainer import train
+    with _env(GRAD_DUMP_ENV, str(sp_dump)):
+        train(sp_cfg)
 
-    write_config(ref_cfg, out / "ref_config.yaml")
-    with _env(GRAD_DUMP_ENV, str(ref_dump)):
-        train(ref_cfg, emulate_dp=dp)
 
+def _report(cfg: TrainConfig, steps: int, nproc: int, dp: int, out: Path, tolerance: float | None, sp_dump: Path,
+            ref_dump: Path) -> dict[str, Any]:
+    """Losses and gradients of both runs compared: verify.json, verify_loss.png, and the report dict."""
     sp_rows = read_metrics(out / "sp" / "metrics.jsonl")
     ref_rows = read_metrics(out / "ref" / "metrics.jsonl")
     sp_loss = {r["step"]: r["loss"] for r in sp_rows}
@@ -127,25 +135,13 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
         diff_of=(label_sp, label_ref),
     )
     report = {
-        "max_abs_dloss": max(diffs),
-        "tolerance": tol,
-        "loss_passed": max(diffs) <= tol,
-        **grads,
-        "passed": max(diffs) <= tol and grads["grads_passed"],
-        "steps": common_steps,
-        "sp_loss": [sp_loss[s] for s in common_steps],
-        "ref_loss": [ref_loss[s] for s in common_steps],
-        "abs_dloss": diffs,
-        "nproc": nproc,
-        "sp_size": sp.size,
-        "dp_size": dp,
+        "max_abs_dloss": max(diffs), "tolerance": tol, "loss_passed": max(diffs) <= tol, **grads,
+        "passed": max(diffs) <= tol and grads["grads_passed"], "steps": common_steps,
+        "sp_loss": [sp_loss[s] for s in common_steps], "ref_loss": [ref_loss[s] for s in common_steps],
+        "abs_dloss": diffs, "nproc": nproc, "sp_size": sp.size, "dp_size": dp,
         "sp_mesh": open(out / "sp" / "mesh.txt").read().strip() if (out / "sp" / "mesh.txt").exists() else None,
-        "precision": cfg.precision,
-        "stage": cfg.stage,
-        "finetuning": cfg.finetuning.method,
-        "fsdp": bool(cfg.fsdp),
-        "packing": cfg.dataset.packing,
-        "png": str(png),
+        "precision": cfg.precision, "stage": cfg.stage, "finetuning": cfg.finetuning.method, "fsdp": bool(cfg.fsdp),
+        "packing": cfg.dataset.packing, "png": str(png),
     }
     (out / "verify.json").write_text(json.dumps(report, indent=2))
     report["json"] = str(out / "verify.json")

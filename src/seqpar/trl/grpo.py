@@ -47,7 +47,7 @@ from ..errors import SeqParError
 from ..hf.generation import group_source_rank, sequence_parallel_paused
 from ..hf.trainer import SequenceParallelTrainer, _pad_id
 from ..mesh import SequenceParallelMesh
-from ..train.steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
+from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
 from .trainer import _coerce_args, _instantiate, _refuse, _refuse_common, _refuse_moe_aux, _sp_kwargs
 
 __all__ = ["SequenceParallelGRPOTrainer"]

@@ -26,8 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import SeqParError, TrainingDiverged
-from .config import TrainConfig, validate_for_launch
+from ...errors import SeqParError, TrainingDiverged
+from ..config import TrainConfig, validate_for_launch
 
 __all__ = ["prelaunch_checks", "launch", "report_rank_error", "ERROR_DIR_ENV", "exit_code"]
 
@@ -37,9 +37,10 @@ INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
 
 def prelaunch_checks(cfg: TrainConfig, world: int) -> dict[str, int]:
     """Every input check of `seqpar train`, without weights or processes; returns the dataset stats."""
-    from .model_checks import check_model, refuse_unsupported_model
+    from ..dataset.prepare import prepare_examples
+    from ..model.checks import check_model, refuse_unsupported_model
+    from ..model.load import load_tokenizer, model_heads, model_needs_full_sequence
     from .resume import find_resume
-    from .trainer import load_tokenizer, model_heads, model_needs_full_sequence, prepare_examples
 
     nh, nkv = model_heads(cfg)
     validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=model_needs_full_sequence(cfg))

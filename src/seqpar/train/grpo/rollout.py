@@ -2,7 +2,7 @@
 
 Per optimizer step and dp rank: micro_batch_size x grad_accum completion rows = that many /
 num_generations prompts (a prompt's completions never split over dp ranks). Each SP group
-generates once on its first rank (seqpar.hf.generation), scores there (seqpar.train.rewards) and
+generates once on its first rank (seqpar.hf.generation), scores there (grpo/rewards.py) and
 broadcasts, so every rank of a group builds the same rows; any failure (generation or a reward
 function) is agreed over dp and raised as the same SeqParError on every rank before the step's
 first training collective. Rows are prompt + completion with only completion tokens supervised,
@@ -13,96 +13,33 @@ SFT), each micro-batch carrying "advantages" [B] for `micro_batch_loss` stage "g
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..data import SequenceParallelCollator
-from ..errors import SeqParError
-from ..hf.generation import generate_for_group, group_source_rank
-from ..mesh import SequenceParallelMesh
-from .config import TrainConfig
-from .datasets import ByteTokenizer, load_rows
-from .formats import normalize_messages
+from ... import comm
+from ...data import SequenceParallelCollator
+from ...errors import SeqParError
+from ...hf.generation import generate_for_group, group_source_rank
+from ...mesh import SequenceParallelMesh
+from ...steps import StepSpec
+from ..config import TrainConfig
+from ..dataset.prompts import PromptRow
+from ..dataset.tokenize import IGNORE
 from .rewards import group_advantages, score
 
-__all__ = ["PromptRow", "load_prompts", "GRPORollout", "grpo_step_spec", "grpo_reference", "describe_prompt_stats"]
-
-_IGNORE = -100
+__all__ = ["GRPORollout", "grpo_step_spec"]
 
 
-@dataclass
-class PromptRow:
-    prompt: Any  # the dataset's value: text, or a list of chat messages
-    prompt_ids: list[int]
-    columns: dict[str, Any] = field(default_factory=dict)  # every other column, for the reward functions
-
-    @property
-    def conversational(self) -> bool:
-        return isinstance(self.prompt, list)
-
-
-def _tokenize_prompt(prompt: Any, tok: Any, i: int) -> list[int]:
-    if isinstance(prompt, str):
-        return tok.encode(prompt)  # plain text: no chat template (TRL's "standard" prompts)
-    if isinstance(prompt, list):
-        if not (isinstance(tok, ByteTokenizer) or getattr(tok, "has_chat_template", False)):
-            raise SeqParError(f"row {i}: a chat-message prompt needs a chat template: set dataset.chat_template")
-        return tok.chat(normalize_messages(prompt, i), add_generation_prompt=True)
-    raise SeqParError(f"row {i}: 'prompt' must be text or a list of chat messages, got {type(prompt).__name__}")
-
-
-def load_prompts(cfg: TrainConfig, tok: Any) -> tuple[list[PromptRow], dict[str, int]]:
-    """Prompt rows of cfg.dataset; prompts over grpo.max_prompt_length keep their END (truncated left,
-    as TRL), counted in stats["prompt_truncated"]. Empty prompts are refused."""
-    rows = load_rows(cfg.dataset.path)
-    keep = cfg.grpo.max_prompt_length
-    out, cut = [], 0
-    for i, row in enumerate(rows):
-        if "prompt" not in row:
-            raise SeqParError(f"{cfg.dataset.path}: row {i} has no 'prompt' column: stage: grpo reads prompt rows "
-                              f"(text or chat messages, plus any columns the reward functions read)")
-        ids = _tokenize_prompt(row["prompt"], tok, i)
-        if not ids:
-            raise SeqParError(f"row {i}: the prompt is empty: remove the row")
-        if len(ids) > keep:
-            ids, cut = ids[-keep:], cut + 1
-        out.append(PromptRow(row["prompt"], ids, {k: v for k, v in row.items() if k != "prompt"}))
-    # truncated / dropped_unsupervised: the SFT/DPO keys `seqpar check` prints (nothing is cut or dropped here)
-    return out, {"rows": len(out), "prompt_truncated": cut, "truncated": 0, "dropped_unsupervised": 0}
-
-
-def describe_prompt_stats(stats: dict[str, int], max_prompt_length: int) -> list[str]:
-    if not stats.get("prompt_truncated"):
-        return []
-    return [f"dataset: {stats['prompt_truncated']} of {stats['rows']} prompts cut to their last "
-            f"grpo.max_prompt_length={max_prompt_length} tokens"]
-
-
-def grpo_step_spec(cfg: TrainConfig) -> Any:
-    """The StepSpec of stage "grpo" (seqpar.train.steps; its GRPO fields come with the GRPO loss core)."""
-    from .steps import StepSpec
-
+def grpo_step_spec(cfg: TrainConfig) -> StepSpec:
+    """The StepSpec of stage "grpo" (seqpar.steps)."""
     g = cfg.grpo
     return StepSpec(stage="grpo", beta=g.beta, loss_type=g.loss_type, fused_loss=cfg.memory.fused_loss,
                     loss_chunk_tokens=cfg.memory.loss_chunk_tokens, epsilon_low=g.epsilon,
                     epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
                     kl_ratio_correction=g.kl_ratio_correction,
                     temperature=g.temperature)
-
-
-def grpo_reference(cfg: TrainConfig, ref_model: torch.nn.Module | None, policy: torch.nn.Module) -> Any:
-    """Per-token reference log-probs for the KL term (beta > 0): the frozen copy, or (LoRA) the policy
-    with its adapter disabled, at the sampling temperature (the GRPO loss core's ReferenceTokenLogps)."""
-    from .steps import ReferenceTokenLogps
-
-    kw = dict(fused_loss=cfg.memory.fused_loss, loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-              temperature=cfg.grpo.temperature)
-    return (ReferenceTokenLogps(ref_model=ref_model, **kw) if ref_model is not None
-            else ReferenceTokenLogps(policy=policy, **kw))
 
 
 def _texts(tok: Any, rows: list[PromptRow], completions: list[list[int]], g: int) -> tuple[list, list]:
@@ -175,7 +112,7 @@ class GRPORollout:
         full = []
         for j, c in enumerate(completions):
             p = rows[j // n_gen].prompt_ids
-            full.append({"input_ids": p + c, "labels": [_IGNORE] * len(p) + c})
+            full.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c})
         out = []
         for s in range(0, len(full), mbs):
             b = self.collator(full[s:s + mbs])

@@ -1,6 +1,7 @@
-"""Theory for the attention benchmark: byte formulas and causal FLOPs per ring rank.
+"""What one SP attention call costs in theory: bytes each rank sends and causal FLOPs per ring rank.
 
-Pure functions, no processes: the benchmark compares its measurements against these.
+Pure functions, no processes. Shared by the planner (its time and collective models) and the attention
+benchmark (which compares its measured bytes and load balance against them).
 """
 
 from __future__ import annotations

@@ -9,34 +9,15 @@ from typing import Any
 
 import torch
 
-from ..errors import SeqParError
-from ..hf.vision import is_vlm
-from .config import TrainConfig
+from ...errors import SeqParError
+from ...hf.vision import is_vlm
+from ..config import TrainConfig
+from .load import model_config
 
-__all__ = ["model_config", "check_model", "refuse_unsupported_model", "max_token_id"]
+__all__ = ["check_model", "refuse_unsupported_model", "max_token_id"]
 
 # SmolLM2-135M-Instruct (bundled GGUF): read its config from the constants instead of the 100 MB file.
 SMOLLM2_LIMITS = {"vocab_size": 49152, "max_position_embeddings": 8192}
-
-
-def model_config(cfg: TrainConfig) -> Any | None:
-    """The HF config of cfg.model (None for the bundled smollm2: a known causal Llama)."""
-    from .trainer import _model_kind, _tiny_kwargs, _unknown_model
-
-    kind = _model_kind(cfg)
-    if kind == "smollm2":
-        return None
-    if kind == "tiny":
-        from ..hf import tiny_config
-
-        kw = {k: v for k, v in _tiny_kwargs(cfg).items() if k not in ("seed", "dtype", "attn_implementation")}
-        return tiny_config(cfg.model.name.split(":", 1)[1], **kw)
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(cfg.model.name)
-    except (OSError, ValueError) as e:
-        raise _unknown_model(cfg.model.name, e) from None
 
 
 def max_token_id(examples: list) -> int:
@@ -51,7 +32,7 @@ def max_token_id(examples: list) -> int:
             best = max(best, max(x))
         elif isinstance(x, list):
             stack.extend(x)
-        elif hasattr(x, "prompt_ids"):  # GRPO prompt rows (train/grpo.py)
+        elif hasattr(x, "prompt_ids"):  # GRPO prompt rows (seqpar.train.dataset.prompts)
             stack.append(x.prompt_ids)
     return best
 
@@ -59,8 +40,8 @@ def max_token_id(examples: list) -> int:
 def _refuse_non_causal(c: Any, name: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from ..hf.attention import _check_config
-    from ..hf.vision import check_vlm
+    from ...hf.attention import _check_config
+    from ...hf.vision import check_vlm
 
     if is_vlm(c):  # vision-language: a supported Qwen VL, its text decoder checked like any causal LM
         _check_config(check_vlm(c))

@@ -1,6 +1,6 @@
 """Chat data with images for `seqpar train` on a vision-language model (Qwen2.5-VL, Qwen3-VL).
 
-A row is a conversation (`messages`, ShareGPT `conversations`, ...: what seqpar.train.formats reads) plus
+A row is a conversation (`messages`, ShareGPT `conversations`, ...: what seqpar.train.dataset.formats reads) plus
 `images`: local image files (paths relative to the dataset file), one per `<image>` placeholder in the
 message contents, in order:
 
@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from ..data import SequenceParallelCollator
-from ..errors import SeqParError
-from .datasets import IGNORE, ByteTokenizer, tokenize_sft
+from ...data import SequenceParallelCollator
+from ...errors import SeqParError
+from ..model.tokenizers import ByteTokenizer
 from .formats import check_stage, detect_format
+from .tokenize import IGNORE, tokenize_sft
 
 __all__ = ["VisionSpec", "PLACEHOLDER", "build_vision_examples", "VisionCollator"]
 

@@ -1,6 +1,6 @@
 """Local datasets -> tokenized training examples (SFT rows, packed SFT rows, DPO pairs).
 
-Files are read with `datasets` (JSONL / JSON / Parquet, or a directory of them); seqpar.train.formats
+Files are read with `datasets` (JSONL / JSON / Parquet, or a directory of them); dataset/formats.py
 maps each row format to text, token ids or a conversation, and this module tokenizes them into ids
 plus labels (-100 = not supervised): prompts are not supervised, responses (and every assistant turn
 of a chat) are, unless train_on_prompt / mask_history say otherwise. What is truncated or dropped is
@@ -11,103 +11,17 @@ they run before any process group exists.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from ..errors import SeqParError
+from ...errors import SeqParError
+from ..model.tokenizers import ByteTokenizer, Tokenizer
 from .formats import Text, Tokenized, check_stage, detect_format, normalize_dpo, normalize_sft
 
-__all__ = [
-    "Tokenizer",
-    "ByteTokenizer",
-    "HFTokenizer",
-    "load_rows",
-    "load_chat_template",
-    "detect_format",
-    "tokenize_sft",
-    "tokenize_dpo",
-    "build_examples",
-    "pack_rows",
-    "describe_stats",
-]
+__all__ = ["IGNORE", "load_rows", "detect_format", "tokenize_sft", "tokenize_dpo", "build_examples", "pack_rows",
+           "describe_stats"]
 
 IGNORE = -100
-
-
-class Tokenizer(Protocol):
-    eos_token_id: int
-    pad_token_id: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens (ids 0..255) + bos/eos/pad; for tiny random test models.
-
-    Chat turns render as "<role>\\n" + content + eos, so prefix rendering is exact.
-    """
-
-    bos_token_id, eos_token_id, pad_token_id = 256, 257, 258
-    vocab_size = 259
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        ids: list[int] = [self.bos_token_id]
-        for m in messages:
-            ids += self.encode(f"<{m['role']}>\n") + self.encode(m["content"]) + [self.eos_token_id]
-        if add_generation_prompt:
-            ids += self.encode("<assistant>\n")
-        return ids
-
-
-class HFTokenizer:
-    """Adapter over a transformers tokenizer (chat template rendered to text, then encoded)."""
-
-    def __init__(self, tok: Any, chat_template: str | None = None) -> None:
-        self.tok = tok
-        if tok.eos_token_id is None:
-            raise SeqParError("the tokenizer has no eos token: set one (tokenizer.eos_token = ...)")
-        if chat_template is not None:
-            tok.chat_template = chat_template  # dataset.chat_template overrides the model's own
-        self.eos_token_id = int(tok.eos_token_id)
-        self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        self.has_chat_template = bool(getattr(tok, "chat_template", None))
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids))
-
-    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        if not self.has_chat_template:
-            raise SeqParError(
-                "this tokenizer has no chat template, needed for chat/instruction/dpo data: use a model with "
-                "one (e.g. an -Instruct model), set dataset.chat_template, or set dataset.format: text"
-            )
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return self.encode(text)
-
-
-def load_chat_template(value: str) -> str:
-    """dataset.chat_template: a Jinja template itself, or the path of a file holding one (.jinja)."""
-    if "{{" in value or "{%" in value:
-        return value
-    p = Path(value)
-    if not p.is_file():
-        raise SeqParError(
-            f"dataset.chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') nor an existing file: "
-            "give the template text or the path of a .jinja file"
-        )
-    return p.read_text()
 
 
 def load_rows(path: str) -> list[dict[str, Any]]:

@@ -18,11 +18,10 @@ import torch
 
 from .. import loss as L
 from ..errors import SeqParError
-from ..memory.fused_loss import fused_targets
 from ..mesh import SequenceParallelMesh
+from .forward import forward_nll, forward_token_stats
 
-__all__ = ["StepSpec", "count_items", "model_inputs", "forward_logits", "forward_nll", "forward_token_stats",
-           "micro_batch_loss", "ReferenceLogps", "ReferenceTokenLogps"]
+__all__ = ["StepSpec", "count_items", "micro_batch_loss"]
 
 
 @dataclass
@@ -51,110 +50,6 @@ def count_items(micro_batches: Sequence[dict[str, torch.Tensor]], stage: str) ->
         return L.grpo_local_counts(micro_batches)
     key = "num_pairs" if stage == "dpo" else "num_supervised_tokens"
     return torch.stack([torch.as_tensor(b[key]).long() for b in micro_batches]).sum()
-
-
-def model_inputs(batch: dict[str, torch.Tensor], device: torch.device | str | None = None,
-                 model: torch.nn.Module | None = None) -> dict[str, Any]:
-    """Keyword arguments for a model patched by seqpar.hf.apply_sequence_parallel.
-
-    position_ids are GLOBAL (RoPE must not restart per shard); cu_seqlens (packing) are the FULL
-    sequence's document boundaries, passed through to the SP attention. A vision-language batch
-    (train.images.VisionCollator: the full input ids and the images) goes through
-    seqpar.hf.sp_vlm_inputs, which needs the model.
-    """
-    if batch.get("full_input_ids") is not None:
-        from ..hf.vision import sp_vlm_inputs
-
-        if model is None:
-            raise SeqParError("a vision-language batch needs the model: model_inputs(batch, device, model)")
-        move = (lambda t: t.to(device)) if device is not None else (lambda t: t)  # noqa: E731
-        pixels = batch.get("pixel_values")
-        kw = sp_vlm_inputs(model, None, move(batch["full_input_ids"]),
-                           pixel_values=move(pixels) if pixels is not None else None,
-                           image_grid_thw=batch.get("image_grid_thw"))
-        return {**kw, "use_cache": False}
-    kw: dict[str, Any] = {
-        "input_ids": batch["input_ids"].to(device) if device is not None else batch["input_ids"],
-        "position_ids": batch["position_ids"].to(device) if device is not None else batch["position_ids"],
-        "use_cache": False,
-    }
-    if batch.get("cu_seqlens") is not None:
-        kw["cu_seqlens"] = batch["cu_seqlens"]
-    return kw
-
-
-def forward_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    device = next(model.parameters()).device
-    return model(**model_inputs(batch, device, model)).logits
-
-
-def forward_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: bool = True,
-                chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-token NLL [B, S_local] fp32, shift_labels on its device): fused chunked head, or full logits."""
-    nll, _, labels = forward_token_stats(model, batch, fused, chunk_tokens)
-    return nll, labels
-
-
-def forward_token_stats(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: bool = True, chunk_tokens: int | None = None,
-    *, temperature: float = 1.0, entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(per-token NLL, per-token entropy or None, shift_labels on the model's device) of softmax(logits / T),
-    [B, S_local] fp32, 0 where not supervised: fused chunked head, or full logits."""
-    device = next(model.parameters()).device
-    labels = batch["shift_labels"].to(device)
-    if not fused:
-        logits = model(**model_inputs(batch, device, model)).logits
-        if temperature == 1.0 and not entropy:
-            return L.token_nll(logits, labels), None, labels
-        nll, ent = L.token_logprob_stats(logits, labels, temperature=temperature, entropy=entropy)
-        return nll, ent, labels
-    with fused_targets(model, labels, chunk_tokens, temperature=temperature, entropy=entropy) as request:
-        out = model(**model_inputs(batch, device, model))
-    return request.result(out), (request.entropy_result(out) if entropy else None), labels
-
-
-class ReferenceLogps:
-    """Reference-model log-probs for DPO: a frozen copy, or the policy with its LoRA adapter disabled."""
-
-    def __init__(self, mesh: SequenceParallelMesh, ref_model: torch.nn.Module | None = None,
-                 policy: torch.nn.Module | None = None, *, fused_loss: bool = True,
-                 loss_chunk_tokens: int | None = None) -> None:
-        if (ref_model is None) == (policy is None):
-            raise ValueError("give exactly one of ref_model (frozen copy) or policy (a PEFT model: adapter disabled)")
-        self.mesh, self.ref_model, self.policy = mesh, ref_model, policy
-        self.fused_loss, self.loss_chunk_tokens = fused_loss, loss_chunk_tokens
-
-    @torch.no_grad()
-    def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ref_model is not None:
-            nll, labels = forward_nll(self.ref_model, batch, self.fused_loss, self.loss_chunk_tokens)
-        else:
-            with self.policy.disable_adapter():
-                nll, labels = forward_nll(self.policy, batch, self.fused_loss, self.loss_chunk_tokens)
-        return L.sequence_logps_from_nll(nll, labels, self.mesh)
-
-
-class ReferenceTokenLogps:
-    """Per-token reference log-probs [B, S_local] for GRPO's KL term (0 where not supervised): a frozen
-    copy, or the policy with its LoRA adapter disabled; at the policy's sampling temperature."""
-
-    def __init__(self, ref_model: torch.nn.Module | None = None, policy: torch.nn.Module | None = None, *,
-                 fused_loss: bool = True, loss_chunk_tokens: int | None = None, temperature: float = 1.0) -> None:
-        if (ref_model is None) == (policy is None):
-            raise ValueError("give exactly one of ref_model (frozen copy) or policy (a PEFT model: adapter disabled)")
-        self.ref_model, self.policy = ref_model, policy
-        self.fused_loss, self.loss_chunk_tokens, self.temperature = fused_loss, loss_chunk_tokens, temperature
-
-    @torch.no_grad()
-    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        kw = dict(temperature=self.temperature)
-        if self.ref_model is not None:
-            nll, _, _ = forward_token_stats(self.ref_model, batch, self.fused_loss, self.loss_chunk_tokens, **kw)
-        else:
-            with self.policy.disable_adapter():
-                nll, _, _ = forward_token_stats(self.policy, batch, self.fused_loss, self.loss_chunk_tokens, **kw)
-        return -nll
 
 
 def _grpo_loss(

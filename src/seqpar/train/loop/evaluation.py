@@ -10,15 +10,19 @@ SFT (pair mean for DPO): the sum of every rank's loss share over dp x sp, divide
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import loss as L
-from ..mesh import SequenceParallelMesh
-from .steps import StepSpec, count_items, micro_batch_loss
+from ... import loss as L
+from ...mesh import SequenceParallelMesh
+from ...steps import StepSpec, count_items, micro_batch_loss
+from .metrics import log_row
+from .state import Loop, TrainResult
 
-__all__ = ["eval_batches", "evaluate"]
+__all__ = ["eval_batches", "evaluate", "maybe_eval"]
 
 
 def eval_batches(n_examples: int, dp_size: int, dp_rank: int, rows_per_batch: int) -> list[list[int] | None]:
@@ -52,3 +56,20 @@ def evaluate(model: torch.nn.Module, examples: list, collator: Any, mesh: Sequen
     total = L.global_loss(total, mesh)
     n = L.global_token_count(items, mesh)
     return float(total) / max(int(n), 1), int(n)
+
+
+def maybe_eval(loop: Loop, result: TrainResult, metrics_path: Path, step: int) -> None:
+    """Eval every cfg.eval_every steps and after the last one (all ranks; rank 0 logs)."""
+    cfg = loop.cfg
+    if loop.eval_examples is None:
+        return
+    if not (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+        return
+    t0 = time.perf_counter()
+    ev = cfg.eval_dataset
+    loss, items = evaluate(loop.model, loop.eval_examples, loop.eval_collator, loop.mesh, loop.spec, loop.reference,
+                           rows_per_batch=cfg.micro_batch_size, packing=ev.packing)
+    result.eval_losses.append((step, loss))
+    if loop.rank == 0:
+        log_row(loop, metrics_path, {"step": step, "eval_loss": loss, "eval_items": items,
+                                      "eval_s": time.perf_counter() - t0})

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SeqParError
+from ...errors import SeqParError
 
 __all__ = ["resolve_reward", "score", "group_advantages", "BUILTIN_REWARDS", "length", "contains", "match_answer"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..planner.gpus import Cluster, make_cluster
+from .gpus import Cluster, make_cluster
 
 __all__ = ["measure_cluster", "calibration_body"]
 
@@ -156,7 +156,7 @@ def _host_layer_s() -> float:
 
 
 def calibration_body() -> dict[str, Any]:
-    """Per-rank body (under seqpar.testing.run_distributed)."""
+    """Per-rank body (under seqpar.spawn.run_distributed)."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
@@ -170,7 +170,7 @@ def calibration_body() -> dict[str, Any]:
 
 def measure_cluster(world: int = 2, timeout: float = 300.0) -> Cluster:
     """This machine as a Cluster of `world` CPU processes (the slowest rank's numbers), no overlap."""
-    from ..testing import run_distributed
+    from ..spawn import run_distributed
 
     res = run_distributed(calibration_body, world, timeout=timeout)
     worst = {k: min(r[k] for r in res) for k in ("matmul_flops", "mem_bw")}

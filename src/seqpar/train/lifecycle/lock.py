@@ -9,7 +9,7 @@ Who holds it (`run_identity`):
   SEQPAR_RUN_ID to the ranks, whose rank 0 then finds "its" lock.
 - plain `torchrun`: rank 0, in the name of its torchrun agent (the parent process), so a torchrun
   restart (--max-restarts) finds its own lock; rank 0 shares the outcome with every rank before any
-  other collective (`seqpar.train.trainer`), so all ranks stop together.
+  other collective (`seqpar.train.run`), so all ranks stop together.
 - one process: itself.
 """
 
@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import SeqParError
+from ...errors import SeqParError
 
 __all__ = ["OutputDirLock", "run_identity", "LOCK_NAME", "RUN_ID_ENV"]
 

@@ -1,44 +1,20 @@
-"""Training configuration (YAML -> pydantic), validated before any process group exists.
-
-Two layers of checks:
-- `TrainConfig` field validators: everything knowable from the YAML alone (degrees multiply to the
-  SP size, LoRA fields, DPO loss type, ...).
-- `validate_for_launch(cfg, world_size)`: what needs the world size, the model's head counts and the
-  dataset on disk (sp dividing world, model known, dataset fields, max_length reachable). It reads
-  files but never touches torch.distributed, so a bad config fails on every rank with the same message
-  before the first collective.
-Every message names the fix.
+"""The run's configuration as pydantic models: every field, its default, and every rule knowable from
+the YAML alone (degrees multiply to the SP size, LoRA fields, DPO loss type, GRPO batch shape, ...).
+Unknown keys are refused; every message names the fix. Loading: config/load.py; checks that need the
+world size or the model: config/checks.py.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..errors import SeqParError
-from ..layout import required_multiple
-from ..mesh import auto_degrees, divisors
+from ...mesh import divisors
 
-__all__ = [
-    "TrainConfig",
-    "ModelSpec",
-    "DatasetSpec",
-    "SequenceParallelSpec",
-    "MemorySpec",
-    "FSDPSpec",
-    "ExportSpec",
-    "load_config",
-    "config_from_dict",
-    "validate_for_launch",
-    "resolve_sp_degrees",
-    "steps_for_epochs",
-    "with_total_steps",
-]
+__all__ = ["TrainConfig", "ModelSpec", "DatasetSpec", "SequenceParallelSpec", "DPOSpec", "GRPOSpec", "FinetuningSpec",
+           "OptimizerSpec", "ScheduleSpec", "CheckpointSpec", "ExportSpec", "MemorySpec", "FSDPSpec"]
 
 
 class _Strict(BaseModel):
@@ -61,7 +37,7 @@ class DatasetSpec(_Strict):
     format: auto (from the fields), text {"text"}, instruction (Alpaca {"instruction", "input"?, "output",
     "system"?, "history"?} or TRL {"prompt", "completion"}), chat {"messages": [{"role", "content"}]},
     sharegpt {"conversations": [{"from", "value"}]}, dpo {"prompt"?, "chosen", "rejected"}, tokenized
-    {"input_ids", optional "labels"} (seqpar.train.formats). Relative `path` and `chat_template` file
+    {"input_ids", optional "labels"} (seqpar.train.dataset.formats). Relative `path` and `chat_template` file
     paths are relative to the config file.
     train_on_prompt: supervise prompt tokens too; mask_history: supervise only the last assistant turn.
     chat_template: a Jinja template string, or a path to a .jinja file, replacing the tokenizer's own.
@@ -119,7 +95,7 @@ class DPOSpec(_Strict):
 
 class GRPOSpec(_Strict):
     """`stage: grpo` (docs/grpo.md). reward_funcs: "module:function" import paths (seqpar:<name> for the
-    built-ins of seqpar.train.rewards); beta: KL coefficient (0: no reference model); epsilon /
+    built-ins of seqpar.train.grpo.rewards); beta: KL coefficient (0: no reference model); epsilon /
     epsilon_high: the PPO clip range [1 - epsilon, 1 + epsilon_high] (epsilon_high None: epsilon)."""
 
     reward_funcs: list[str] = Field(min_length=1)
@@ -389,141 +365,3 @@ def _check_grpo(cfg: TrainConfig) -> None:
         raise ValueError("eval_dataset is not supported with stage: grpo: remove it")
     if cfg.num_epochs is not None:
         raise ValueError("num_epochs is not supported with stage: grpo (steps are counted in prompts): set max_steps")
-
-
-def config_from_dict(data: dict[str, Any], source: str = "config") -> TrainConfig:
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = "unknown key: remove it or check its spelling (see docs/training.md)"
-            elif err["type"] == "missing":
-                msg = "required: add it"
-            lines.append(f"  {loc}: {msg}")
-        raise SeqParError(f"invalid {source}:\n" + "\n".join(lines)) from None
-
-
-def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Read a YAML config; `overrides` are dotted keys, e.g. {"max_steps": 5, "sequence_parallel.size": 2}."""
-    p = Path(path)
-    if not p.is_file():
-        raise SeqParError(f"config file {str(p)!r} does not exist: pass the path to a YAML file")
-    with open(p) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise SeqParError(f"{p}: the top level must be a mapping of keys (model:, dataset:, ...)")
-    _relative_to(data, p.parent)
-    for key, val in (overrides or {}).items():
-        set_dotted(data, key, val)
-    for a, b in (("max_steps", "num_epochs"), ("num_epochs", "max_steps")):
-        if a in (overrides or {}) and b not in (overrides or {}):
-            data.pop(b, None)  # --max-steps on the command line replaces the file's num_epochs (and back)
-    # Override values (CLI --set / --output-dir) keep the caller's working directory as their base, except
-    # dataset paths, which fall back to the config directory as before.
-    for name in ("dataset", "eval_dataset"):
-        ds = data.get(name)
-        if isinstance(ds, dict) and isinstance(ds.get("path"), str) and not os.path.isabs(ds["path"]):
-            cand = p.parent / ds["path"]
-            if cand.exists() and not Path(ds["path"]).exists():
-                ds["path"] = str(cand)
-    return config_from_dict(data, source=str(p))
-
-
-def _relative_to(data: dict[str, Any], base: Path) -> None:
-    """Relative paths written in a config file are relative to that file, so configs travel with their data:
-    dataset/eval_dataset path (when it exists there) and chat_template file, and output_dir."""
-    base = base.absolute()  # a config re-loaded from elsewhere (verify's copies) must not re-resolve them
-    for name in ("dataset", "eval_dataset"):
-        ds = data.get(name)
-        if isinstance(ds, str):
-            ds = data[name] = {"path": ds}
-        if not isinstance(ds, dict):
-            continue
-        for key in ("path", "chat_template"):
-            v = ds.get(key)
-            if isinstance(v, str) and not os.path.isabs(v) and "{" not in v and (base / v).exists():
-                ds[key] = str(base / v)
-    out = data.get("output_dir")
-    if isinstance(out, str) and not os.path.isabs(out):
-        data["output_dir"] = str(base / out)
-
-
-def set_dotted(data: dict[str, Any], key: str, val: Any) -> None:
-    parts = key.split(".")
-    cur = data
-    for part in parts[:-1]:
-        nxt = cur.get(part)
-        if isinstance(nxt, int) and part == "sequence_parallel":
-            nxt = {"size": nxt}
-        if not isinstance(nxt, dict):
-            nxt = {} if nxt is None else ({"name": nxt} if part == "model" else nxt)
-        cur[part] = nxt
-        cur = nxt
-    cur[parts[-1]] = val
-
-
-def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_heads: int | None, *,
-                       ulysses_only: bool = False) -> tuple[int, int]:
-    """(ulysses, ring) as seqpar.init_mesh will choose them (ulysses_only: models with linear attention)."""
-    u, r = sp.ulysses_degree, sp.ring_degree
-    if u is None and r is None:
-        return auto_degrees(sp.size, num_heads, num_kv_heads, ulysses_only=ulysses_only)
-    if u is None:
-        return sp.size // r, r
-    if r is None:
-        return u, sp.size // u
-    return u, r
-
-
-def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | None = None,
-                        num_kv_heads: int | None = None, ulysses_only: bool = False) -> tuple[int, int]:
-    """Checks that need the world size and head counts; returns (ulysses, ring). No collectives."""
-    sp = cfg.sequence_parallel.size
-    if world_size % sp != 0:
-        ok = ", ".join(str(d) for d in divisors(world_size))
-        raise SeqParError(
-            f"sequence_parallel.size={sp} does not divide the world size {world_size}: set size to one of "
-            f"{ok}, or launch a multiple of {sp} processes (--nproc-per-node)"
-        )
-    u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads, ulysses_only=ulysses_only)
-    m = required_multiple(r, u, cfg.sequence_parallel.layout if r > 1 else "contiguous")
-    for name, ds in (("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset)):
-        L = ds.max_length if ds is not None else m
-        if L % m != 0:
-            lo, hi = (L // m) * m, (L // m + 1) * m
-            alts = " or ".join(str(x) for x in (lo, hi) if x > 0)
-            raise SeqParError(
-                f"{name}.max_length={L} cannot be split evenly over sequence_parallel.size={sp} "
-                f"(ulysses={u}, ring={r}, layout={cfg.sequence_parallel.layout}): it must be a multiple of {m}; "
-                f"use max_length: {alts}"
-            )
-    if "tensorboard" in cfg.report_to:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            raise SeqParError(
-                "report_to: tensorboard needs the tensorboard package: pip install tensorboard (or drop report_to)"
-            ) from None
-    return u, r
-
-
-def steps_for_epochs(cfg: TrainConfig, n_examples: int, dp_size: int) -> int:
-    """Optimizer steps for cfg.num_epochs passes over n_examples (rows, or packs when packing).
-
-    steps = ceil(num_epochs x ceil(n_examples / dp_size) / (micro_batch_size x grad_accum)): each dp slot
-    sees ceil(n / dp) rows per epoch (the sampler wraps around to even out dp slots) and a step takes
-    micro_batch_size x grad_accum of them (a pack counts as one row).
-    """
-    per_slot = math.ceil(n_examples / dp_size)
-    return max(1, math.ceil(cfg.num_epochs * per_slot / (cfg.micro_batch_size * cfg.grad_accum)))
-
-
-def with_total_steps(cfg: TrainConfig, n_examples: int, dp_size: int) -> TrainConfig:
-    """cfg with max_steps filled in from num_epochs (unchanged when max_steps was given)."""
-    if cfg.num_epochs is None:
-        return cfg
-    return cfg.model_copy(update={"max_steps": steps_for_epochs(cfg, n_examples, dp_size)})

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import SeqParError
+from ...errors import SeqParError
 
 __all__ = ["Text", "Tokenized", "Conversation", "Preference", "FORMATS", "detect_format", "check_stage",
            "normalize_sft", "normalize_dpo", "normalize_messages"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import SeqParError
+from ...errors import SeqParError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "full_model_state"]
 

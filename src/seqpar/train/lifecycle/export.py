@@ -23,10 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import SeqParError
+from ...errors import SeqParError
+from ..config import TrainConfig, config_from_dict
+from ..model.load import apply_lora, load_model, load_tokenizer, model_kind
+from ..model.tokenizers import ByteTokenizer
 from .checkpoint import full_model_state
-from .config import TrainConfig, config_from_dict
-from .datasets import ByteTokenizer
 
 __all__ = ["export_trained", "export_checkpoint", "build_clean_model", "load_exported_tokenizer",
            "checkpoint_config"]
@@ -36,17 +37,8 @@ BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
 
 def build_clean_model(cfg: TrainConfig) -> torch.nn.Module:
     """The model as `seqpar train` builds it, without SP attention or FSDP (LoRA: the PEFT wrapper)."""
-    from .trainer import load_model
-
     model = load_model(cfg)
-    if cfg.finetuning.method == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        f = cfg.finetuning
-        model = get_peft_model(
-            model, LoraConfig(r=f.r, lora_alpha=f.alpha, lora_dropout=f.dropout, target_modules=f.targets, bias="none")
-        )
-    return model
+    return apply_lora(model, cfg) if cfg.finetuning.method == "lora" else model
 
 
 def _shared_storage_names(model: torch.nn.Module) -> set[str]:
@@ -82,9 +74,9 @@ def _load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], lora: bo
 def _save_tokenizer(tok: Any, out: Path) -> str:
     if isinstance(tok, ByteTokenizer):
         (out / BYTE_TOKENIZER_FILE).write_text(json.dumps({
-            "type": "seqpar.train.datasets.ByteTokenizer", "vocab_size": tok.vocab_size,
+            "type": "seqpar.train.model.tokenizers.ByteTokenizer", "vocab_size": tok.vocab_size,
             "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
-            "note": "UTF-8 bytes are ids 0..255; load with seqpar.train.export.load_exported_tokenizer(dir)",
+            "note": "UTF-8 bytes are ids 0..255; load with seqpar.train.lifecycle.export.load_exported_tokenizer(dir)",
         }, indent=2))
         return "byte"
     tok.tok.save_pretrained(str(out))
@@ -114,11 +106,9 @@ def _write(model: torch.nn.Module, cfg: TrainConfig, tok: Any, out: Path, merge_
     if lora:
         if cfg.model.name.startswith("tiny:"):
             # A random tiny base exists nowhere else: write it so PeftModel.from_pretrained(base, dir) can load.
-            from .trainer import load_model
-
             load_model(cfg).save_pretrained(str(tmp / "base"))  # the frozen base: untouched by LoRA training
             info["base"] = "base/ (AutoModelForCausalLM.from_pretrained(final/base))"
-        elif cfg.model.name.lower() in ("smollm2", "smollm2-135m-instruct"):
+        elif model_kind(cfg) == "smollm2":
             info["base"] = "seqpar.hf.load_smollm2()"
         else:
             info["base"] = cfg.model.name
@@ -171,8 +161,6 @@ def checkpoint_config(ckpt: str | Path) -> TrainConfig:
 def export_checkpoint(ckpt: str | Path, out: str | Path, *, merge_lora: bool = False) -> Path:
     """Export a saved checkpoint-N folder (one process, no process group) like the end of `seqpar train`."""
     import torch.distributed.checkpoint as dcp
-
-    from .trainer import load_tokenizer
 
     ckpt = Path(ckpt)
     if not (ckpt / ".metadata").is_file():

@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import SeqParError
+from ...errors import SeqParError
+from ..config import TrainConfig
 from .checkpoint import latest_checkpoint
-from .config import TrainConfig
 
-__all__ = ["run_meta", "MUST_MATCH", "find_resume", "config_differences"]
+__all__ = ["run_meta", "MUST_MATCH", "find_resume", "config_differences", "resume_point"]
 
 MUST_MATCH = ("model", "dataset", "stage", "dpo", "grpo", "finetuning", "sequence_parallel", "precision", "optimizer",
               "schedule", "micro_batch_size", "grad_accum", "seed")
@@ -84,3 +84,15 @@ def find_resume(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
             + f"\n{fresh}"
         )
     return ckpt, step
+
+
+def resume_point(cfg: TrainConfig, world: int, rank: int, out: Path) -> Path | None:
+    """The checkpoint to resume from (announced), or None; a fresh start forgets older checkpoints' marker."""
+    found = find_resume(cfg, world)
+    if found is None:
+        if rank == 0 and latest_checkpoint(out) is not None:
+            (out / "latest").unlink()  # checkpoint.resume: false: a later resume must not pick the old run's
+        return None
+    if rank == 0:
+        print(f"[seqpar] resuming from step {found[1]}: {found[0]}", flush=True)
+    return found[0]

@@ -1,0 +1,78 @@
+"""Checks of a run's configuration that need more than the YAML: the world size, the model's head
+counts, the dataset's size. They read files but never touch torch.distributed, so a bad config fails
+on every rank with the same message before the first collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...errors import SeqParError
+from ...layout import required_multiple
+from ...mesh import auto_degrees, divisors
+from .schema import SequenceParallelSpec, TrainConfig
+
+__all__ = ["resolve_sp_degrees", "validate_for_launch", "steps_for_epochs", "with_total_steps"]
+
+
+def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_heads: int | None, *,
+                       ulysses_only: bool = False) -> tuple[int, int]:
+    """(ulysses, ring) as seqpar.init_mesh will choose them (ulysses_only: models with linear attention)."""
+    u, r = sp.ulysses_degree, sp.ring_degree
+    if u is None and r is None:
+        return auto_degrees(sp.size, num_heads, num_kv_heads, ulysses_only=ulysses_only)
+    if u is None:
+        return sp.size // r, r
+    if r is None:
+        return u, sp.size // u
+    return u, r
+
+
+def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | None = None,
+                        num_kv_heads: int | None = None, ulysses_only: bool = False) -> tuple[int, int]:
+    """Checks that need the world size and head counts; returns (ulysses, ring). No collectives."""
+    sp = cfg.sequence_parallel.size
+    if world_size % sp != 0:
+        ok = ", ".join(str(d) for d in divisors(world_size))
+        raise SeqParError(
+            f"sequence_parallel.size={sp} does not divide the world size {world_size}: set size to one of "
+            f"{ok}, or launch a multiple of {sp} processes (--nproc-per-node)"
+        )
+    u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads, ulysses_only=ulysses_only)
+    m = required_multiple(r, u, cfg.sequence_parallel.layout if r > 1 else "contiguous")
+    for name, ds in (("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset)):
+        L = ds.max_length if ds is not None else m
+        if L % m != 0:
+            lo, hi = (L // m) * m, (L // m + 1) * m
+            alts = " or ".join(str(x) for x in (lo, hi) if x > 0)
+            raise SeqParError(
+                f"{name}.max_length={L} cannot be split evenly over sequence_parallel.size={sp} "
+                f"(ulysses={u}, ring={r}, layout={cfg.sequence_parallel.layout}): it must be a multiple of {m}; "
+                f"use max_length: {alts}"
+            )
+    if "tensorboard" in cfg.report_to:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise SeqParError(
+                "report_to: tensorboard needs the tensorboard package: pip install tensorboard (or drop report_to)"
+            ) from None
+    return u, r
+
+
+def steps_for_epochs(cfg: TrainConfig, n_examples: int, dp_size: int) -> int:
+    """Optimizer steps for cfg.num_epochs passes over n_examples (rows, or packs when packing).
+
+    steps = ceil(num_epochs x ceil(n_examples / dp_size) / (micro_batch_size x grad_accum)): each dp slot
+    sees ceil(n / dp) rows per epoch (the sampler wraps around to even out dp slots) and a step takes
+    micro_batch_size x grad_accum of them (a pack counts as one row).
+    """
+    per_slot = math.ceil(n_examples / dp_size)
+    return max(1, math.ceil(cfg.num_epochs * per_slot / (cfg.micro_batch_size * cfg.grad_accum)))
+
+
+def with_total_steps(cfg: TrainConfig, n_examples: int, dp_size: int) -> TrainConfig:
+    """cfg with max_steps filled in from num_epochs (unchanged when max_steps was given)."""
+    if cfg.num_epochs is None:
+        return cfg
+    return cfg.model_copy(update={"max_steps": steps_for_epochs(cfg, n_examples, dp_size)})

@@ -1,0 +1,45 @@
+"""A run's dataset as training examples: rows read, normalised, tokenized with the model's tokenizer and
+packed (SFT / DPO), chat rows with images for vision-language models, or GRPO prompt rows; with the
+counts of what was truncated or dropped. Every dataset check runs here, before any process group.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ...errors import SeqParError
+from ...hf.vision import is_vlm
+from ..config import DatasetSpec, TrainConfig
+from ..model.load import load_tokenizer, model_config
+from .images import VisionSpec, build_vision_examples
+from .prompts import load_prompts
+from .tokenize import build_examples, load_rows
+
+__all__ = ["prepare_examples"]
+
+
+def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None = None) -> tuple[list, dict[str, int]]:
+    """Tokenized (and packed) examples of `spec` (default: cfg.dataset) + stats; every dataset check runs here."""
+    tok = tok if tok is not None else load_tokenizer(cfg)
+    if cfg.stage == "grpo" and spec is None:
+        return load_prompts(cfg, tok)  # prompt rows (dataset/prompts.py)
+    d = spec if spec is not None else cfg.dataset
+    rows = load_rows(d.path)
+    mc = model_config(cfg)
+    if is_vlm(mc):
+        return vision_examples(cfg, d, rows, tok, mc)
+    return build_examples(rows, d.format, cfg.stage, tok, d.max_length, d.packing, train_on_prompt=d.train_on_prompt,
+                          mask_history=d.mask_history, max_prompt_length=d.max_prompt_length,
+                          truncation_mode=d.truncation_mode)
+
+
+def vision_examples(cfg: TrainConfig, d: DatasetSpec, rows: list, tok: Any, mc: Any) -> tuple[list, dict[str, int]]:
+    """Chat rows with images for a vision-language model (dataset/images.py); SFT without packing only."""
+    if cfg.stage != "sft" or d.packing:
+        raise SeqParError(f"vision-language models train with stage: sft and dataset.packing: false here (got "
+                          f"stage {cfg.stage!r}, packing {d.packing}): DPO / GRPO / packed rows with images are "
+                          "not supported")
+    spec = VisionSpec.from_model_config(mc, cfg.model.name)
+    return build_vision_examples(rows, d.format, tok, spec, d.max_length, os.path.dirname(os.path.abspath(d.path)),
+                                 train_on_prompt=d.train_on_prompt, mask_history=d.mask_history)

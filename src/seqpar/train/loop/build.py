@@ -1,0 +1,45 @@
+"""Building the loop of one run on this rank: the SP mesh's model (model/build.py), the optimizer and
+schedule, the data streams and collators, the step spec. The same function serves `seqpar train` and the
+planner's measurements, so both time and meter exactly the step that trains.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import loss as L
+from ...mesh import SequenceParallelMesh
+from ...steps import StepSpec
+from ..config import TrainConfig
+from ..dataset.streams import build_data, make_collator
+from ..model.build import build_model
+from .grads import fault_grad_scale
+from .optim import build_optimizer
+from .state import Loop
+
+__all__ = ["build_loop", "step_spec"]
+
+
+def step_spec(cfg: TrainConfig) -> StepSpec:
+    """The StepSpec of an SFT / DPO run (stage: grpo: grpo.rollout.grpo_step_spec)."""
+    return StepSpec(cfg.stage, cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.gamma, cfg.memory.fused_loss,
+                    cfg.memory.loss_chunk_tokens)
+
+
+def build_loop(cfg: TrainConfig, mesh: SequenceParallelMesh, model: torch.nn.Module, tok: Any, examples: list,
+               device: torch.device, world: int, rank: int, *, emulate_dp: int = 1, out: Path | None = None,
+               eval_data: tuple[list, dict] | None = None) -> Loop:
+    """Everything one rank's loop needs, built in a fixed order (identical on every rank and in the SP=1
+    reference). FSDP averages gradients, seqpar's loss convention sums them: the loss factor undoes that."""
+    model, reference, prec = build_model(cfg, model, mesh, device, world)
+    params = prec.masters if prec else [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = build_optimizer(cfg, params)
+    streams, collator = build_data(cfg, mesh, tok, len(examples), emulate_dp)
+    factor = (L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0) * fault_grad_scale(world)
+    return Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples, step_spec(cfg),
+                reference, device, world, rank, out, factor=factor, prec=prec,
+                eval_examples=eval_data[0] if eval_data else None,
+                eval_collator=make_collator(cfg, mesh, tok, cfg.eval_dataset) if eval_data else None)

@@ -1,0 +1,118 @@
+"""One optimizer step of the loop: the step's micro-batches (every dp slot this process plays), their
+losses against the step's global denominator, gradients summed over dp x sp, clipping, and the update
+(skipped when the loss or gradient norm is not finite); optionally inside the exact memory meter.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ... import comm
+from ... import loss as L
+from ...steps import count_items, micro_batch_loss
+from .grads import maybe_dump_grads
+from .state import Loop
+
+__all__ = ["train_step", "measured_step", "next_micro_batches", "apply_update", "peak_memory_mb"]
+
+
+def next_micro_batches(loop: Loop) -> list[dict[str, torch.Tensor]]:
+    cfg = loop.cfg
+    rows_per_micro = 1 if cfg.dataset.packing else cfg.micro_batch_size
+    micro: list[dict[str, torch.Tensor]] = []
+    for stream in loop.streams:
+        for _ in range(cfg.grad_accum):
+            idx = stream.take(rows_per_micro)
+            batch_rows = loop.examples[idx[0]] if cfg.dataset.packing else [loop.examples[i] for i in idx]
+            micro.append(loop.collator(batch_rows))
+    return micro
+
+
+def train_step(loop: Loop, step: int, prepared: tuple[list, dict] | None = None) -> dict[str, Any]:
+    """One optimizer step (all micro-batches of every dp slot this process plays); returns its metrics row.
+    prepared: (micro-batches, extra metrics) built beforehand (stage: grpo, see measured_step)."""
+    cfg, mesh = loop.cfg, loop.mesh
+    t0 = time.perf_counter()
+    micro, rollout_metrics = prepared if prepared is not None else (next_micro_batches(loop), {})
+    # Global denominator first: all micro-batches of the step, then over dp (pitfalls 4 and 5).
+    num_items = L.global_token_count(count_items(micro, cfg.stage), mesh)
+    share_sum = torch.zeros((), dtype=torch.float32)
+    dpo_metrics: dict[str, float] = {}
+    for j, b in enumerate(micro):
+        if cfg.fsdp:
+            loop.model.set_requires_gradient_sync(j == len(micro) - 1)
+        share, met = micro_batch_loss(loop.model, b, num_items, mesh, loop.spec, loop.reference)
+        (share * loop.factor).backward()
+        share_sum += share.detach().float().cpu()
+        for k, v in met.items():
+            dpo_metrics[k] = dpo_metrics.get(k, 0.0) + float(v) / len(micro)
+    if loop.prec:
+        loop.prec.grads_to_masters()
+    if not cfg.fsdp:
+        L.sum_gradients(loop.params, mesh)
+    maybe_dump_grads(loop.model, loop.params, step, loop.rank)  # for `seqpar verify` (env-triggered)
+    o = cfg.optimizer
+    max_norm = o.max_grad_norm if o.max_grad_norm is not None else float("inf")
+    gnorm = torch.nn.utils.clip_grad_norm_(loop.params, max_norm)
+    gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+    loss_val = float(L.global_loss(share_sum, mesh))
+    finite = apply_update(loop, loss_val, float(gnorm))
+    tokens = int(L.global_token_count(sum(int(b["num_input_tokens"]) for b in micro), mesh))
+    stats = [peak_memory_mb(loop.device)]
+    if loop.world > 1:
+        # Host-side numbers travel on the mesh's communication device (NCCL refuses CPU tensors).
+        stats = comm.all_reduce_values(stats, dist.group.WORLD, mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
+        if dpo_metrics:
+            mt = comm.all_reduce_values(list(dpo_metrics.values()), mesh.dp_group, mesh.comm_device)
+            dpo_metrics = dict(zip(dpo_metrics, (mt / mesh.dp_size).tolist()))
+    dt = time.perf_counter() - t0
+    return {"step": step + 1, "loss": loss_val, "lr": loop.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
+            "tokens": tokens, "supervised": int(num_items.reshape(-1)[-1]), "tokens_per_s": tokens / dt,
+            "step_s": dt, "peak_mem_mb": float(stats[0]), "nonfinite": int(not finite), **dpo_metrics,
+            **rollout_metrics}
+
+
+def apply_update(loop: Loop, loss: float, grad_norm: float) -> bool:
+    """Optimizer + scheduler step, unless the loss or gradient norm is NaN/inf: then the gradients are
+    dropped and the parameters stay as they are (the scheduler still advances: lr stays a function of
+    the step number). Both values are global, so every rank decides alike. Returns whether it updated."""
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if finite:
+        loop.optimizer.step()
+        if loop.prec:
+            loop.prec.masters_to_model()
+    loop.scheduler.step()
+    loop.optimizer.zero_grad(set_to_none=True)
+    loop.nonfinite_streak = 0 if finite else loop.nonfinite_streak + 1
+    return finite
+
+
+def measured_step(loop: Loop, step: int) -> dict[str, Any]:
+    """train_step inside the memory meter (memory.measure): adds peak_alloc_mb, the max over ranks.
+    stage: grpo: generation and rewards run first, outside the meter (its module hooks are for training)."""
+    prepared = None
+    if loop.rollout is not None:
+        t0 = time.perf_counter()
+        prepared = loop.rollout.step_batches(loop.model, loop.streams[0], step)
+        prepared[1]["rollout_s"] = time.perf_counter() - t0
+    if loop.meter is None:
+        return train_step(loop, step, prepared)
+    with loop.meter.measure():
+        row = train_step(loop, step, prepared)
+    peak = [float(loop.meter.last["peak_bytes"])]
+    if loop.world > 1:
+        peak = comm.all_reduce_values(peak, dist.group.WORLD, loop.mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
+    row["peak_alloc_mb"] = float(peak[0]) / 2**20
+    return row
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux

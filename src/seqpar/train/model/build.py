@@ -1,0 +1,113 @@
+"""The model as a step trains it: SP attention, LoRA, the memory features, FSDP2 and bf16 master
+weights, applied in that order (docs/memory.md); and the reference log-probs DPO / GRPO need.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ...hf import apply_sequence_parallel
+from ...memory.fused_loss import install_fused_head
+from ...steps import ReferenceLogps, ReferenceTokenLogps
+from ...unwrap import decoder_layers
+from ..config import TrainConfig
+from .load import apply_lora
+from .precision import MasterWeights
+
+__all__ = ["build_model", "build_reference", "check_memory_features", "apply_memory_features", "apply_fsdp"]
+
+
+def build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
+                 world: int) -> tuple[torch.nn.Module, Any, MasterWeights | None]:
+    """SP attention, LoRA, memory features (docs/memory.md) and FSDP2 on the model, in that order; the DPO
+    reference when the stage needs one; the fp32 master weights of bf16 mixed precision without FSDP."""
+    lora = cfg.finetuning.method == "lora"
+    needs_ref = (cfg.stage == "dpo" and cfg.dpo.loss_type != "simpo") or (cfg.stage == "grpo" and cfg.grpo.beta > 0)
+    bf16 = cfg.precision != "fp32"
+    # bf16: fp32 master weights + bf16 compute: with FSDP2 its MixedPrecisionPolicy (fp32 gradient
+    # reduction), without FSDP MasterWeights (model/precision.py: taken from the fp32 weights, then the
+    # model is cast to bf16 below). bf16-pure: the weights themselves are bf16. Not autocast: under
+    # autocast RoPE promotes q/k to fp32 while v stays bf16, and the SP attention requires one dtype.
+    model.to(device=device, dtype=torch.bfloat16 if cfg.precision == "bf16-pure" else None)
+    ref_model = None
+    if needs_ref and not lora:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if bf16:
+            ref_model.to(torch.bfloat16)
+        apply_sequence_parallel(ref_model, mesh)
+    apply_sequence_parallel(model, mesh)
+    if lora:
+        torch.manual_seed(cfg.seed)  # LoRA A init: identical on every rank and in the SP=1 reference
+        model = apply_lora(model, cfg)
+    apply_memory_features(cfg, model, ref_model)
+    model.train()
+    prec = None
+    if cfg.precision == "bf16" and not cfg.fsdp:
+        prec = MasterWeights(model)
+        model.to(torch.bfloat16)
+    if cfg.fsdp:
+        apply_fsdp(model, device, world, cfg.precision == "bf16", offload=cfg.fsdp.offload)
+    if cfg.memory.fused_loss:  # refuses an architecture it cannot fuse now, before any collective
+        for m in (model, ref_model):
+            if m is not None:
+                install_fused_head(m)
+    reference = build_reference(cfg, mesh, ref_model, model) if needs_ref else None
+    return model, reference, prec
+
+
+def build_reference(cfg: TrainConfig, mesh: Any, ref_model: torch.nn.Module | None, policy: torch.nn.Module) -> Any:
+    """The reference log-probs the stage needs: of the frozen copy (full fine-tuning), or of the policy with
+    its LoRA adapter disabled. DPO: per-sequence sums; GRPO: per-token, at the sampling temperature."""
+    kw: dict[str, Any] = dict(fused_loss=cfg.memory.fused_loss, loss_chunk_tokens=cfg.memory.loss_chunk_tokens)
+    if cfg.stage == "grpo":
+        kw["temperature"] = cfg.grpo.temperature
+        return (ReferenceTokenLogps(ref_model=ref_model, **kw) if ref_model is not None
+                else ReferenceTokenLogps(policy=policy, **kw))
+    return (ReferenceLogps(mesh, ref_model=ref_model, **kw) if ref_model is not None
+            else ReferenceLogps(mesh, policy=policy, **kw))
+
+
+def check_memory_features(cfg: TrainConfig, model: torch.nn.Module, on_accelerator: bool) -> None:
+    """Memory options that cannot work here fail before the process group (identically on every rank)."""
+    from ...memory.checkpointing import refuse_offload_on_cpu
+    from ...memory.tiled_mlp import decoder_mlps
+
+    if cfg.memory.offload_activations:
+        refuse_offload_on_cpu("memory.offload_activations", on_accelerator)
+    if cfg.fsdp.offload:
+        refuse_offload_on_cpu("fsdp.offload (FSDP2 CPUOffloadPolicy)", on_accelerator)
+    if cfg.memory.tiled_mlp:
+        decoder_mlps(model)  # raises for MLPs it cannot tile
+
+
+def apply_memory_features(cfg: TrainConfig, model: torch.nn.Module, ref_model: torch.nn.Module | None) -> None:
+    """Layer checkpointing and tiled MLP: after SP attention and LoRA, before FSDP2 (docs/memory.md)."""
+    from ...memory.checkpointing import enable_activation_checkpointing
+    from ...memory.tiled_mlp import apply_tiled_mlp
+
+    m = cfg.memory
+    if m.activation_checkpointing:
+        enable_activation_checkpointing(model, offload=m.offload_activations)
+    if m.tiled_mlp:
+        for target in (model, ref_model):  # the frozen reference gains the lower forward peak too
+            if target is not None:
+                apply_tiled_mlp(target, m.tiled_mlp)
+
+
+def apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: bool, offload: bool = False) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kw: dict[str, Any] = {}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:  # refused on CPU-only runs before the process group (check_memory_features); untested here
+        kw["offload_policy"] = CPUOffloadPolicy()
+    # FSDP2 over the flattened dp x sp world: every rank holds 1/world of the parameters.
+    fmesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=fmesh, **kw)
+    fully_shard(model, mesh=fmesh, **kw)

@@ -1,0 +1,154 @@
+"""Loading the model and its tokenizer from `cfg.model`: a tiny random model (`tiny:<arch>`, seeded), the
+bundled SmolLM2-135M-Instruct (`smollm2`), or a local Hugging Face directory / cached hub id. The config
+alone (no weights) answers what the checks before launch need: head counts, linear attention, VLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...errors import SeqParError
+from ...hf.vision import is_vlm
+from ...mesh import needs_full_sequence
+from ..config import TrainConfig
+from .tokenizers import ByteTokenizer, HFTokenizer, load_chat_template
+
+__all__ = ["model_kind", "model_config", "model_heads", "model_needs_full_sequence", "load_tokenizer", "load_model",
+           "load_model_and_tokenizer", "loaded_heads", "apply_lora", "tiny_kwargs"]
+
+
+def model_kind(cfg: TrainConfig) -> str:
+    name = cfg.model.name
+    if name.startswith("tiny:"):
+        from ...hf import ARCHS, HYBRID_ARCHS, VLM_ARCHS
+
+        arch = name.split(":", 1)[1]
+        if arch not in ARCHS + HYBRID_ARCHS + VLM_ARCHS:
+            raise SeqParError(f"model.name={name!r}: unknown tiny architecture {arch!r}: use "
+                              f"tiny:<{'|'.join(ARCHS + HYBRID_ARCHS + VLM_ARCHS)}>")
+        return "tiny"
+    if name.lower() in SMOLLM2_NAMES:
+        return "smollm2"
+    return "hf"
+
+
+SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")
+
+
+SMOLLM2_HEADS = (9, 3)  # SmolLM2-135M: 9 query heads, 3 kv heads
+
+
+def unknown_model(name: str, e: Exception) -> SeqParError:
+    return SeqParError(
+        f"model.name={name!r} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:160]}): use a "
+        f"local model directory, a cached hub id, 'smollm2' (bundled SmolLM2-135M-Instruct) or 'tiny:<arch>'"
+    )
+
+
+def tiny_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    kwargs = dict(cfg.model.kwargs)
+    kwargs.setdefault("vocab_size", ByteTokenizer.vocab_size)
+    if kwargs["vocab_size"] < ByteTokenizer.vocab_size:
+        raise SeqParError(
+            f"tiny models use a byte tokenizer of {ByteTokenizer.vocab_size} ids: set model.kwargs.vocab_size >= "
+            f"{ByteTokenizer.vocab_size}"
+        )
+    return kwargs
+
+
+def model_config(cfg: TrainConfig) -> Any:
+    """The model's HF config alone (no weights loaded); None for the bundled SmolLM2."""
+    kind = model_kind(cfg)
+    if kind == "tiny":
+        from ...hf import tiny_config
+
+        kw = {k: v for k, v in tiny_kwargs(cfg).items() if k not in ("seed", "dtype", "attn_implementation")}
+        return tiny_config(cfg.model.name.split(":", 1)[1], **kw)
+    if kind == "smollm2":
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.model.name)
+    except (OSError, ValueError) as e:
+        raise unknown_model(cfg.model.name, e) from None
+
+
+def model_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
+    """(num_heads, num_kv_heads) from the model's config alone (no weights loaded)."""
+    c = model_config(cfg)
+    if c is None:
+        return SMOLLM2_HEADS
+    c = c.text_config if is_vlm(c) else c  # vision-language models: the decoder's heads
+    h = int(c.num_attention_heads)
+    return h, int(getattr(c, "num_key_value_heads", None) or h)
+
+
+def model_needs_full_sequence(cfg: TrainConfig) -> bool:
+    """Linear-attention layers (Qwen3-Next / Qwen3.5): automatic SP degrees are pure Ulysses."""
+    c = model_config(cfg)
+    return c is not None and needs_full_sequence(c)
+
+
+def load_tokenizer(cfg: TrainConfig) -> Any:
+    kind = model_kind(cfg)
+    template = cfg.dataset.chat_template
+    if kind == "tiny":
+        if template is not None:
+            raise SeqParError("dataset.chat_template needs an HF tokenizer; tiny models use a byte tokenizer: drop it")
+        return ByteTokenizer()
+    template = load_chat_template(template) if template is not None else None
+    if kind == "smollm2":
+        from ...hf import load_smollm2_tokenizer
+
+        return HFTokenizer(load_smollm2_tokenizer(), template)
+    from transformers import AutoTokenizer
+
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name), template)
+    except (OSError, ValueError) as e:
+        raise unknown_model(cfg.model.tokenizer or cfg.model.name, e) from None
+
+
+def load_model(cfg: TrainConfig) -> torch.nn.Module:
+    """The model in fp32 (see _run for bf16). Tiny models are seeded by cfg.seed."""
+    kind = model_kind(cfg)
+    if kind == "tiny":
+        from ...hf import tiny_model
+
+        kwargs = tiny_kwargs(cfg)
+        kwargs.setdefault("seed", cfg.seed)
+        return tiny_model(cfg.model.name.split(":", 1)[1], **kwargs)
+    if kind == "smollm2":
+        from ...hf import load_smollm2
+
+        return load_smollm2(**cfg.model.kwargs)
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vlm(model_config(cfg)) else AutoModelForCausalLM
+    try:
+        return auto.from_pretrained(cfg.model.name, dtype=torch.float32, **cfg.model.kwargs)
+    except (OSError, ValueError) as e:
+        raise unknown_model(cfg.model.name, e) from None
+
+
+def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
+    return load_model(cfg), load_tokenizer(cfg)
+
+
+def loaded_heads(model: torch.nn.Module) -> tuple[int, int]:
+    c = model.config.text_config if is_vlm(model.config) else model.config
+    h = int(c.num_attention_heads)
+    return h, int(getattr(c, "num_key_value_heads", None) or h)
+
+
+def apply_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    """The PEFT LoRA wrapper of cfg.finetuning (seed it first: the adapter's A init is random)."""
+    from peft import LoraConfig, get_peft_model
+
+    f = cfg.finetuning
+    return get_peft_model(
+        model, LoraConfig(r=f.r, lora_alpha=f.alpha, lora_dropout=f.dropout, target_modules=f.targets, bias="none")
+    )
