@@ -55,10 +55,11 @@ def args(sub, **kw):
 model = tiny_model("llama", 3, 1, vocab_size=64, seed=0)
 Cls = SequenceParallelTrainer if mode == "sp" else Trainer          # <- the change
 collate = pad_collate if mode == "plain" else None                  # <- and seqpar builds the SP collator
-trainer = Cls(model=model, args=args("sft", optim="sgd", learning_rate=0.1, max_grad_norm=0.0), train_dataset=ds,
+trainer = Cls(model=model, args=args("sft", optim="sgd", learning_rate=0.1, max_grad_norm=1.0), train_dataset=ds,
               eval_dataset=ds, data_collator=collate, **(sp_kw if mode == "sp" else {}))
 trainer.train()
-res = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+res = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+       "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]}
 if trainer.is_world_process_zero():
     torch.save({k: v.detach() for k, v in model.named_parameters()}, f"{out}/sft_params.pt")
 if mode == "sp":
@@ -101,6 +102,13 @@ def _param_err(tmp_path):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _check_grad_norms(sp: dict, plain: dict) -> None:
+    """Every step's gradient norm before clipping (max_grad_norm 1.0 clips: the norm is not hidden) at 1e-5."""
+    assert len(sp["grad_norms"]) == len(plain["grad_norms"]) == 4, (sp, plain)
+    assert any(g > 1.0 for g in plain["grad_norms"]), plain
+    assert max(abs(a - b) / b for a, b in zip(sp["grad_norms"], plain["grad_norms"])) <= 1e-5, (sp, plain)
+
+
 def test_hf_trainer_gains_sp_by_changing_the_class(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
@@ -112,6 +120,7 @@ def test_hf_trainer_gains_sp_by_changing_the_class(tmp_path):
     assert sp["mesh"] == [2, 2, 1]  # really sequence-parallel: a ring of 2 ranks
     assert len(sp["losses"]) == len(plain["losses"]) == 4
     assert max(abs(a - b) for a, b in zip(sp["losses"], plain["losses"])) <= 1e-5, (sp, plain)
+    _check_grad_norms(sp, plain)
     assert _param_err(tmp_path) <= 1e-5, _param_err(tmp_path)
     print(f"SFT SP=2 vs stock Trainer: max |dparam| after 4 SGD steps = {_param_err(tmp_path):.2e}")
     assert abs(sp["eval_loss"] - plain["ref_eval_loss"]) <= 1e-5, (sp["eval_loss"], plain["ref_eval_loss"])
@@ -134,6 +143,7 @@ def test_hf_trainer_dp2_x_sp2_packed(tmp_path):
     assert sp["mesh"] == [2, 2, 1]
     assert len(sp["losses"]) == len(plain["losses"]) == 4
     assert max(abs(a - b) for a, b in zip(sp["losses"], plain["losses"])) <= 1e-5, (sp, plain)
+    _check_grad_norms(sp, plain)
     assert _param_err(tmp_path) <= 1e-5, _param_err(tmp_path)
     assert abs(sp["eval_loss"] - plain["ref_eval_loss"]) <= 1e-5, (sp["eval_loss"], plain["ref_eval_loss"])
 

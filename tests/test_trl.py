@@ -5,8 +5,9 @@ the same rows. SP run: seqpar.trl's classes in a spawned gloo world (SP = world 
 matched by train_sampling_strategy="sequential" (stock: SequentialSampler; seqpar: SP sampler with
 shuffle off) with the same per-device batch (2; for dp = 2 the stock batch is 4, the rows of both dp
 ranks, which seqpar's sampler strides over dp) and grad accumulation (2); TRL's own
-shuffle_dataset stays off. Optimiser: SGD lr 0.1, no clipping (a gradient-scale error shows in the
-parameters). Compared per logged step loss and the final trainable parameters, fp32, at 1e-5 absolute; one case also
+shuffle_dataset stays off. Optimiser: SGD lr 0.1 with TRL's default clipping (max_grad_norm 1.0). Compared
+per step: the gradient norm before clipping (relative, 1e-5: a scale or weighting error shows here even where
+AdamW would hide it), the logged loss, and the final trainable parameters, fp32, at 1e-5 absolute; one case also
 compares the SP evaluate() with an independent global token-mean NLL of the stock run's final model.
 Tokenizer: the cached SmolLM2 tokenizer (chat template); model: a random tiny 2-layer Llama / Qwen2.
 """
@@ -77,7 +78,7 @@ def _config(case: dict, out: str, batch: int = 2):
     common = dict(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=2, max_steps=3,
                   logging_steps=1, report_to=[], save_strategy="no", train_sampling_strategy="sequential",
                   use_cpu=True, seed=0, disable_tqdm=True, bf16=case.get("bf16", False), optim="sgd", learning_rate=0.1,
-                  max_grad_norm=0.0)
+                  max_grad_norm=1.0)
     if case["stage"] == "dpo":
         return DPOConfig(**common, max_length=case.get("max_length", 1024), loss_type=[case.get("loss", "sigmoid")],
                          beta=0.5)
@@ -93,7 +94,7 @@ def _lora():
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
-def _train(case: dict, out: str, sp: int | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train(case: dict, out: str, sp: int | None) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     """Stock TRL when sp is None, else seqpar.trl with sequence_parallel_size=sp: the only difference."""
     import trl
 
@@ -120,11 +121,12 @@ def _train(case: dict, out: str, sp: int | None) -> tuple[list[float], dict[str,
         assert any(len(n) > 1 for n in trainer.train_dataset["seq_lengths"])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    gnorms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     params = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
     if case.get("eval"):  # SP evaluate() vs an independent global token-mean NLL of the stock final model
         losses.append(_token_mean_nll(trainer.model, trainer.train_dataset) if sp is None
                       else trainer.evaluate(trainer.train_dataset)["eval_loss"])
-    return losses, params
+    return losses, params, gnorms
 
 
 @torch.no_grad()
@@ -139,17 +141,19 @@ def _token_mean_nll(model: torch.nn.Module, rows) -> float:
 
 
 def _sp_world(cases: list[dict], refs: str, out: str) -> list[dict]:
-    """Each case under SP = world size; compared here with the stock references (losses, parameters)."""
+    """Each case under SP = world size; compared here with the stock references (gradient norms, losses, parameters)."""
     world = torch.distributed.get_world_size()
     ref = torch.load(refs)
     res = []
     for i, case in enumerate(cases):
-        losses, params = _train(case, f"{out}/{i}", world // case.get("dp", 1))
-        ref_losses, ref_params = ref[i]
+        losses, params, gnorms = _train(case, f"{out}/{i}", world // case.get("dp", 1))
+        ref_losses, ref_params, ref_gnorms = ref[i]
         dparam = max(float((params[k.replace("module.", "")] - v).abs().max()) for k, v in ref_params.items())
         res.append({"name": case["name"], "losses": losses, "ref_losses": ref_losses,
                     "dloss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "dparam": dparam,
-                    "nparams": len(params) == len(ref_params), "tol": case.get("tol", (TOL, TOL))})
+                    "dgnorm": max(abs(a - b) / b for a, b in zip(gnorms, ref_gnorms)),
+                    "ngnorms": (len(gnorms), len(ref_gnorms)),
+                    "nparams": len(params) == len(ref_params), "tol": case.get("tol", (TOL, TOL, TOL))})
     return res
 
 
@@ -157,9 +161,12 @@ def _check(results: list[list[dict]]) -> None:
     for rank_res in results[1:]:
         assert [r["losses"] for r in rank_res] == [r["losses"] for r in results[0]]
     for r in results[0]:
-        print(f"{r['name']}: max |dloss| {r['dloss']:.2e}  max |dparam| {r['dparam']:.2e}")
+        print(f"{r['name']}: max rel dgrad_norm {r['dgnorm']:.2e}  max |dloss| {r['dloss']:.2e}  "
+              f"max |dparam| {r['dparam']:.2e}")
         assert len(r["losses"]) == len(r["ref_losses"]) == 3 + ("eval" in r["name"]), r
+        assert r["ngnorms"] == (3, 3), r
         assert r["nparams"], r
+        assert r["dgnorm"] <= r["tol"][2], r
         assert r["dloss"] <= r["tol"][0], r
         assert r["dparam"] <= r["tol"][1], r
 
@@ -179,10 +186,11 @@ FAST = [
     {"name": "sft multi-turn assistant_only_loss", "stage": "sft", "arch": "llama", "data": "conversation",
      "assistant_only_loss": True},
     {"name": "dpo sigmoid, max_length cut", "stage": "dpo", "arch": "qwen2", "data": "pairs", "max_length": 24},
-    # TRL's default bf16=True (autocast over fp32 weights): bf16 attention on both sides, so bf16-level
-    # tolerances (measured: 1.9e-3 loss at ~10.8, 3.8e-4 parameters); step 1 agrees to fp32 precision.
+    # TRL's default bf16=True (autocast over fp32 weights): bf16 attention on both sides, and stock transformers
+    # takes another SDPA kernel for a padded batch (tests/test_trl_parity.py), so bf16-level tolerances
+    # (loss, parameters, relative gradient norm).
     {"name": "sft bf16 autocast (TRL's default)", "stage": "sft", "arch": "llama", "data": "prompt_completion",
-     "bf16": True, "tol": (1e-2, 2e-3)},
+     "bf16": True, "tol": (1e-2, 2e-3, 5e-3)},
 ]
 SLOW = [
     {"name": "sft prompt/completion", "stage": "sft", "arch": "llama", "data": "prompt_completion"},

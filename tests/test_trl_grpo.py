@@ -8,8 +8,9 @@ the SAME completions: `trl.GRPOTrainer._generate_single_turn` is replaced in bot
 deterministic function of the prompt ids (the seqpar class still runs it on the SP group's first
 rank with SP paused and broadcasts), so rewards and advantages agree too. One micro-batch per step
 (grad accumulation 1; the stock batch holds the rows of all dp ranks), so TRL's per-micro-batch
-normalisation equals seqpar's step normalisation. SGD lr 0.1, no clipping, 2 steps; logged losses
-and updated parameters compared at fp32 1e-5 absolute.
+normalisation equals seqpar's step normalisation. SGD lr 0.1 with TRL's default clipping (max_grad_norm 1.0),
+2 steps; per step the gradient norm before clipping (1e-5 relative), logged losses and the updated
+parameters compared at fp32 1e-5 absolute.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _config(case: dict, out: str, batch: int):
     return GRPOConfig(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=1, max_steps=2,
                       num_generations=NUM_GEN, max_completion_length=8, logging_steps=1, report_to=[],
                       save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, bf16=False, optim="sgd",
-                      learning_rate=0.1, max_grad_norm=0.0, beta=case["beta"], loss_type=case["loss"],
+                      learning_rate=0.1, max_grad_norm=1.0, beta=case["beta"], loss_type=case["loss"],
                       gradient_checkpointing=False, **case.get("extra", {}))
 
 
@@ -86,8 +87,9 @@ def _train(case: dict, model_dir: str, out: str, sp: int | None):
                   processing_class=_tok(), **kw)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    gnorms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     params = {k.replace("module.", ""): v.detach().clone() for k, v in trainer.model.named_parameters()}
-    return losses, params
+    return losses, params, gnorms
 
 
 CASES = [
@@ -111,9 +113,11 @@ def _sp_world(cases: list[dict], model_dir: str, refs: str, out: str) -> list[di
     ref = torch.load(refs)
     res = []
     for i, case in enumerate(cases):
-        losses, params = _train(case, model_dir, f"{out}/{i}", world // case.get("dp", 1))
-        ref_losses, ref_params = ref[i]
+        losses, params, gnorms = _train(case, model_dir, f"{out}/{i}", world // case.get("dp", 1))
+        ref_losses, ref_params, ref_gnorms = ref[i]
         res.append({"name": case["name"], "losses": losses, "ref_losses": ref_losses,
+                    "ngnorms": (len(gnorms), len(ref_gnorms)),
+                    "dgnorm": max(abs(a - b) / b for a, b in zip(gnorms, ref_gnorms)),
                     "dloss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                     "dparam": max(float((params[k] - v).abs().max()) for k, v in ref_params.items()),
                     "moved": max(float((params[k] - v).abs().max()) for k, v in ref[-1].items())})
@@ -137,8 +141,10 @@ def _run(cases: list[dict], world: int, tmp_path) -> None:
     for r in results[0]:  # all printed first, then checked
         print(f"{r['name']}: max |dloss| {r['dloss']:.2e}  max |dparam| {r['dparam']:.2e}  (moved {r['moved']:.2e})")
     for r in results[0]:
-        print(f"{r['name']}: max |dloss| {r['dloss']:.2e}  max |dparam| {r['dparam']:.2e}  (moved {r['moved']:.2e})")
+        print(f"{r['name']}: max rel dgrad_norm {r['dgnorm']:.2e}  max |dloss| {r['dloss']:.2e}  "
+              f"max |dparam| {r['dparam']:.2e}  (moved {r['moved']:.2e})")
         assert len(r["losses"]) == len(r["ref_losses"]) == 2, r
+        assert r["ngnorms"] == (2, 2) and r["dgnorm"] <= TOL, r
         assert r["moved"] > 1e-3, r  # the step changed the parameters: the comparison is not vacuous
         assert r["dloss"] <= TOL and r["dparam"] <= TOL, r
 

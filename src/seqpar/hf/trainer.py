@@ -106,6 +106,7 @@ class SequenceParallelTrainer(Trainer):
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         _use_cpu_when_no_accelerator(args)
+        _say_bf16_on_cpu(args)
         _check_memory_args(model, args, tiled_mlp)  # before args.device creates the process group
         _refuse_unsupported(type(self).__name__, args, kwargs)
         _ = args.device  # sets up torch.distributed under torchrun (accelerate), before the mesh
@@ -419,6 +420,19 @@ def _use_cpu_when_no_accelerator(args: Any) -> None:
     # args.device may have been read already: drop the cached device setup so the next read redoes it
     # (TrainingArguments._setup_devices resets accelerate's state itself).
     args.__dict__.pop("_setup_devices", None)
+
+
+BF16_ON_CPU = ("[seqpar] bf16=True (TRL's default) on a machine without an accelerator: the forward runs under bf16 "
+               "autocast, slowly on CPU, and results match fp32 only to bf16 rounding (~1e-2 relative; a padded "
+               "batch through stock transformers takes another attention kernel, ~1e-4 apart): pass bf16=False "
+               "for fp32")
+
+
+def _say_bf16_on_cpu(args: Any) -> None:
+    """One line on the main process when bf16 autocast would run on CPU (TRL configs default to bf16=True)."""
+    if getattr(args, "bf16", False) and (args.use_cpu or torch.accelerator.current_accelerator() is None):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(BF16_ON_CPU, flush=True)
 
 
 def _has_target(row: Any, max_length: int | None) -> bool:
