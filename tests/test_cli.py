@@ -160,4 +160,4 @@ def test_kill_rank_restart_resume_equals_uninterrupted(tmp_path, variant):
     la = [json.loads(x)["loss"] for x in (tmp_path / "uninterrupted" / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (tmp_path / "faulty" / "metrics.jsonl").read_text().splitlines()]
     assert la == lb and len(la) == 5
-    assert (tmp_path / "faulty" / "latest").read_text().strip() == "checkpoint-4"
+    assert (tmp_path / "faulty" / "latest").read_text().strip() == "checkpoint-5"  # the last step is checkpointed

@@ -74,7 +74,7 @@ def test_bad_image_rows_refused(tmp_path):
     rows = load_rows(_dataset(tmp_path))
     spec = _spec()
     rows[1]["images"] = rows[1]["images"] * 2
-    with pytest.raises(SeqParError, match="row 1: 1 <image> placeholders but 2 images"):
+    with pytest.raises(SeqParError, match="row 2: 1 <image> placeholders but 2 images"):  # rows[1]: line 2
         build_vision_examples(rows, "auto", ByteTokenizer(), spec, 256, str(tmp_path))
     with pytest.raises(SeqParError, match="an image cannot be cut"):
         build_vision_examples(rows[:1], "auto", ByteTokenizer(), spec, 20, str(tmp_path))

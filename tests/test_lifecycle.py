@@ -360,6 +360,8 @@ def test_resume_rules(data, tmp_path):
     ck = tmp_path / "checkpoint-4"
     ck.mkdir()
     (ck / "run.json").write_text(json.dumps(run_meta(config_from_dict(base), 2)))
+    for name in (".metadata", "trainer_state_rank0.pt"):  # what a finished save leaves
+        (ck / name).write_text("")
     (tmp_path / "latest").write_text("checkpoint-4")
     assert find_resume(config_from_dict(base), 2) == (ck, 4)
     assert find_resume(config_from_dict(dict(base, max_steps=9, checkpoint={"every": 3})), 2) == (ck, 4)

@@ -81,7 +81,7 @@ def test_dataset_field_errors(tmp_path):
     tok = ByteTokenizer()
     dpo = _write_jsonl(tmp_path / "dpo.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"},
                                                {"prompt": "p", "chosen": "c", "rejected": None}])
-    _err(lambda: build_examples(load_rows(str(dpo)), "auto", "dpo", tok, 64, False), "row 1", "rejected")
+    _err(lambda: build_examples(load_rows(str(dpo)), "auto", "dpo", tok, 64, False), "row 2 ", "rejected")  # line 2
     _err(lambda: build_examples(load_rows(str(dpo)), "auto", "sft", tok, 64, False), "stage: dpo")
     txt = _write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}])
     _err(lambda: build_examples(load_rows(str(txt)), "auto", "dpo", tok, 64, False), "prompt, chosen and rejected")
@@ -150,3 +150,31 @@ def test_cli_check_in_process(tmp_path, sft_file, capsys):
     assert "use max_length: 56 or 64" in capsys.readouterr().err
     assert main(["check", str(p), "--set", "sequence_parallel.ulysses_degree=3"]) == 2
     assert "must divide size=4" in capsys.readouterr().err
+
+
+def test_dataset_messages_a_user_can_act_on(tmp_path):
+    """Empty file, bad JSON line (file:line), all labels masked, eval_dataset named, 1-based rows with the file,
+    and number-like strings kept as strings when a file mixes string and list message content."""
+    from seqpar.errors import SeqParError
+    from seqpar.train.dataset.prepare import prepare_examples
+
+    tok = ByteTokenizer()
+    (tmp_path / "empty.jsonl").write_text("\n")
+    _err(lambda: load_rows(str(tmp_path / "empty.jsonl")), "is empty", "add rows")
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b",}\n')
+    _err(lambda: load_rows(str(tmp_path / "bad.jsonl"), "eval_dataset"), "eval_dataset", "bad.jsonl:2:", "invalid JSON")
+    masked = _write_jsonl(tmp_path / "masked.jsonl", [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}] * 2)
+    _err(lambda: build_examples(load_rows(str(masked)), "tokenized", "sft", tok, 64, False), "labels are -100",
+         "train_on_prompt")
+    rows = [{"messages": [{"role": "user", "content": "2 x 195.5?"}, {"role": "assistant", "content": "391."}]},
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                          {"role": "assistant", "content": "ok"}]}]
+    mixed = _write_jsonl(tmp_path / "mixed.jsonl", rows)
+    assert load_rows(str(mixed))[0]["messages"][1]["content"] == "391."  # not 391.0
+    good = _write_jsonl(tmp_path / "good.jsonl", [{"text": "hello there"}])
+    bad_eval = _write_jsonl(tmp_path / "ev.jsonl", [{"text": "fine"}, {"txt": "typo"}])
+    cfg = config_from_dict({"model": {"name": "tiny:llama"}, "dataset": {"path": str(good), "max_length": 64},
+                            "eval_dataset": {"path": str(bad_eval), "max_length": 64}, "output_dir": str(tmp_path)})
+    with pytest.raises(SeqParError) as e:
+        prepare_examples(cfg, tok, cfg.eval_dataset)
+    assert str(e.value).startswith(f"eval_dataset {bad_eval}: row 2 "), str(e.value)

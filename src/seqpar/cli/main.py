@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(t)
     t.add_argument("--max-steps", type=int, default=None)
     t.add_argument("--output-dir", default=None)
+    t.add_argument("--overwrite", action="store_true",
+                   help="a fresh start may replace an earlier run's results in output_dir (overwrite_output_dir)")
     t.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (resume from checkpoints)")
     t.add_argument("--emulate-dp", type=int, default=1, help=argparse.SUPPRESS)
 
@@ -98,6 +100,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         extra["max_steps"] = args.max_steps
     if args.output_dir is not None:
         extra["output_dir"] = args.output_dir
+    if args.overwrite:
+        extra["overwrite_output_dir"] = True
     cfg = _load(args, extra)
     nproc = args.nproc_per_node
     if nproc and nproc > 1 and not _under_torchrun():
@@ -109,11 +113,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
             passthrough += ["--max-steps", str(args.max_steps)]
         if args.output_dir is not None:
             passthrough += ["--output-dir", args.output_dir]
+        if args.overwrite:
+            passthrough += ["--overwrite"]
         return launch(cfg, nproc, passthrough, args.max_restarts)
     from ..train.run import train
 
     res = train(cfg, emulate_dp=args.emulate_dp)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0 and not res.steps:
+        print(f"[seqpar] done: nothing to train (already complete at step {res.resumed_from}); outputs in "
+              f"{res.output_dir}", flush=True)
+    elif int(os.environ.get("RANK", "0")) == 0:
         last = f"{res.losses[-1]:.6f}" if res.losses else "n/a"
         print(f"[seqpar] done: {len(res.steps)} steps this run, last loss {last}; metrics {res.metrics_path}; "
               f"plot {res.plot_path}", flush=True)

@@ -28,8 +28,8 @@ from .dataset.prepare import prepare_examples
 from .grpo.rollout import GRPORollout, grpo_step_spec
 from .lifecycle.checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .lifecycle.export import export_trained
-from .lifecycle.process import init_process_group, maybe_fault, quiet_non_main_ranks, take_lock
-from .lifecycle.resume import find_resume, resume_point, run_meta
+from .lifecycle.process import init_process_group, maybe_fault, quiet_non_main_ranks, take_lock, watch_parent
+from .lifecycle.resume import check_output_dir, resume_point, run_meta
 from .loop.build import build_loop
 from .loop.evaluation import maybe_eval
 from .loop.metrics import log_row, open_tensorboard, report_data_stats, trim_metrics
@@ -68,6 +68,7 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     if emulate_dp > 1 and (world != 1 or cfg.sequence_parallel.size != 1):
         raise SeqParError("emulate_dp is for single-process SP=1 references only")
     quiet_non_main_ranks()
+    watch_parent()
     prep = _prepare(cfg, world, emulate_dp)
     created_pg = _start_process_group(prep.cfg, world, pg_ready)
     rank = dist.get_rank() if world > 1 else 0
@@ -79,8 +80,7 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     try:
         return _run(prep, world, rank, device, emulate_dp)
     finally:
-        if lock is not None:
-            lock.release()
+        lock.release()
         if created_pg:
             dist.destroy_process_group()
 
@@ -96,7 +96,7 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     eval_data = prepare_examples(cfg, tok, cfg.eval_dataset) if cfg.eval_dataset is not None else None
     cfg = with_total_steps(cfg, len(examples), emulate_dp if emulate_dp > 1 else world // cfg.sequence_parallel.size)
     check_model(cfg, examples)
-    find_resume(cfg, world)  # refuses a checkpoint of a different run (reads files only: same on every rank)
+    check_output_dir(cfg, world)  # a checkpoint of another run, or earlier results a fresh start would replace
     torch.manual_seed(cfg.seed)
     model = load_model(cfg)
     if loaded_heads(model) != (nh, nkv):
@@ -191,7 +191,7 @@ def _steps(loop: Loop, result: TrainResult, metrics_path: Path, start_step: int,
                             mem=f"{row['peak_mem_mb']:.0f}MB")
         stop_if_diverged(loop, step)
         every = cfg.checkpoint.every
-        if every and step % every == 0 and step < cfg.max_steps:
+        if every and (step % every == 0 or step == cfg.max_steps):  # the last step too: resumable, exportable
             _save_checkpoint(loop, step)
         maybe_eval(loop, result, metrics_path, step)
         maybe_fault(step, rank, loop.world)

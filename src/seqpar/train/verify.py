@@ -79,7 +79,9 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
         )
     dp = nproc // cfg.sequence_parallel.size
     base = cfg.model_dump(mode="json")
-    base.update(max_steps=steps, num_epochs=None, checkpoint={"every": 0, "save_final": False, "resume": False})
+    # verify owns its sp/ and ref/ folders: each run replaces the previous verify's results there.
+    base.update(max_steps=steps, num_epochs=None, checkpoint={"every": 0, "save_final": False, "resume": False},
+                overwrite_output_dir=True)
     sp_cfg = config_from_dict({**base, "output_dir": str(out / "sp")})
     # The reference: one process, SP=1 (any max_length valid under SP is valid at SP=1), no FSDP -- except
     # in bf16, where FSDP's fp32 master weights must be mirrored (FSDP2 on a 1-rank group).

@@ -272,6 +272,9 @@ class TrainConfig(_Strict):
     report_to: list[Literal["tensorboard"]] = Field(default_factory=list)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
+    # A fresh start into an output_dir holding an earlier run's results replaces them only when true
+    # (train/lifecycle/output_dir.py); false: refused before launch, naming what would be lost.
+    overwrite_output_dir: bool = False
     # A step whose global loss or gradient norm is NaN/inf updates nothing; this many in a row stop the run.
     max_consecutive_nonfinite: int = Field(default=3, ge=1)
     output_dir: str = "runs/seqpar"  # relative: to the config file when loaded from one, else to the cwd

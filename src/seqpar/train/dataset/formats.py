@@ -114,7 +114,7 @@ def _need(row: dict[str, Any], names: tuple[str, ...], i: int, fmt: str, hint: s
     v = _pick(row, names)
     if v is None:
         what = " or ".join(repr(n) for n in names)
-        raise SeqParError(f"dataset row {i} has no {what} field (format {fmt!r}): add it to every row{hint}")
+        raise SeqParError(f"row {i} has no {what} field (format {fmt!r}): add it to every row{hint}")
     return v
 
 
@@ -125,7 +125,7 @@ def _content(v: Any, i: int) -> str:
         return v
     if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in v):
         return "".join(p.get("text") or "" for p in v)
-    raise SeqParError(f"dataset row {i}: message content must be a string, null or a list of text parts, got {v!r:.80}")
+    raise SeqParError(f"row {i}: message content must be a string, null or a list of text parts, got {v!r:.80}")
 
 
 def normalize_messages(msgs: Any, i: int) -> list[dict[str, Any]]:
@@ -133,16 +133,16 @@ def normalize_messages(msgs: Any, i: int) -> list[dict[str, Any]]:
     if isinstance(msgs, dict):
         msgs = [msgs]
     if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-        raise SeqParError(f"dataset row {i}: messages must be a list of {{role, content}} dicts")
+        raise SeqParError(f"row {i}: messages must be a list of {{role, content}} dicts")
     out = []
     for m in msgs:
         role = m.get("role", m.get("from"))
         if role not in ROLES:
             raise SeqParError(
-                f"dataset row {i}: unknown message role {role!r}: use one of {sorted(ROLES)} (in 'role' or 'from')"
+                f"row {i}: unknown message role {role!r}: use one of {sorted(ROLES)} (in 'role' or 'from')"
             )
         if "content" not in m and "value" not in m:
-            raise SeqParError(f"dataset row {i}: a message has no 'content' (or 'value') field: add it")
+            raise SeqParError(f"row {i}: a message has no 'content' (or 'value') field: add it")
         extra = {k: v for k, v in m.items() if k not in ("role", "from", "content", "value") and v is not None}
         out.append({**extra, "role": ROLES[role], "content": _content(m.get("content", m.get("value")), i)})
     return out
@@ -152,7 +152,7 @@ def _conversation(messages: list[dict[str, Any]], i: int, n_prompt: int = 0) -> 
     """Supervise the assistant turns from message n_prompt on (earlier ones are prompt context)."""
     train = [m["role"] == "assistant" and j >= n_prompt for j, m in enumerate(messages)]
     if not any(train):
-        raise SeqParError(f"dataset row {i}: no assistant message to supervise: add one or drop the row")
+        raise SeqParError(f"row {i}: no assistant message to supervise: add one or drop the row")
     return Conversation(messages, train)
 
 
@@ -168,7 +168,7 @@ def _alpaca(row: dict[str, Any], i: int) -> Conversation:
     msgs: list[dict[str, Any]] = [{"role": "system", "content": row["system"]}] if row.get("system") else []
     for turn in row.get("history") or []:
         if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
-            raise SeqParError(f"dataset row {i}: history must be a list of [instruction, response] pairs")
+            raise SeqParError(f"row {i}: history must be a list of [instruction, response] pairs")
         msgs += [{"role": "user", "content": _content(turn[0], i)},
                  {"role": "assistant", "content": _content(turn[1], i)}]
     msgs += [{"role": "user", "content": _content(prompt, i)}, {"role": "assistant", "content": _content(resp, i)}]
@@ -211,7 +211,7 @@ def normalize_dpo(row: dict[str, Any], i: int) -> Preference:
     conversational = any(isinstance(x, (list, dict)) for x in (prompt, chosen, rejected))
     if not conversational:
         if prompt is None:
-            raise SeqParError(f"dataset row {i} has no 'prompt' field (format 'dpo'): add it to every row")
+            raise SeqParError(f"row {i} has no 'prompt' field (format 'dpo'): add it to every row")
         return Preference(prompt, chosen, rejected)
     as_msgs = {"chosen": chosen, "rejected": rejected}
     for k, role in (("chosen", "assistant"), ("rejected", "assistant")):
@@ -222,7 +222,7 @@ def normalize_dpo(row: dict[str, Any], i: int) -> Preference:
         n = _shared_prefix(c, r)
         if n == 0:
             raise SeqParError(
-                f"dataset row {i}: no 'prompt' and chosen/rejected share no leading messages: add a prompt"
+                f"row {i}: no 'prompt' and chosen/rejected share no leading messages: add a prompt"
             )
         return Preference(c[:n], c[n:], r[n:])
     p = normalize_messages(prompt, i) if isinstance(prompt, (list, dict)) else [{"role": "user", "content": prompt}]

@@ -157,7 +157,7 @@ def build_vision_examples(rows: list[dict[str, Any]], fmt: str, tok: Any, spec: 
     stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
              "dropped_long_prompt": 0}
     examples = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, 1):  # 1-based: the line of a JSONL file
         ex = _vision_row(row, i, fmt, tok, spec, base_dir, train_on_prompt, mask_history)
         if len(ex["input_ids"]) > max_length:
             last_image = max((j for j, t in enumerate(ex["input_ids"]) if t == spec.vision_end_id), default=-1)

@@ -25,13 +25,17 @@ def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None
     if cfg.stage == "grpo" and spec is None:
         return load_prompts(cfg, tok)  # prompt rows (dataset/prompts.py)
     d = spec if spec is not None else cfg.dataset
-    rows = load_rows(d.path)
+    what = "dataset" if spec is None else "eval_dataset"
+    rows = load_rows(d.path, what)
     mc = model_config(cfg)
-    if is_vlm(mc):
-        return vision_examples(cfg, d, rows, tok, mc)
-    return build_examples(rows, d.format, cfg.stage, tok, d.max_length, d.packing, train_on_prompt=d.train_on_prompt,
-                          mask_history=d.mask_history, max_prompt_length=d.max_prompt_length,
-                          truncation_mode=d.truncation_mode)
+    try:
+        if is_vlm(mc):
+            return vision_examples(cfg, d, rows, tok, mc)
+        return build_examples(rows, d.format, cfg.stage, tok, d.max_length, d.packing,
+                              train_on_prompt=d.train_on_prompt, mask_history=d.mask_history,
+                              max_prompt_length=d.max_prompt_length, truncation_mode=d.truncation_mode)
+    except SeqParError as e:  # row errors: say which file (dataset or eval_dataset); rows are 1-based lines
+        raise SeqParError(f"{what} {d.path}: {e}") from None
 
 
 def vision_examples(cfg: TrainConfig, d: DatasetSpec, rows: list, tok: Any, mc: Any) -> tuple[list, dict[str, int]]:

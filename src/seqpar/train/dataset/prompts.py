@@ -43,7 +43,7 @@ def load_prompts(cfg: TrainConfig, tok: Any) -> tuple[list[PromptRow], dict[str,
     rows = load_rows(cfg.dataset.path)
     keep = cfg.grpo.max_prompt_length
     out, cut = [], 0
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, 1):  # 1-based: the line of a JSONL file
         if "prompt" not in row:
             raise SeqParError(f"{cfg.dataset.path}: row {i} has no 'prompt' column: stage: grpo reads prompt rows "
                               f"(text or chat messages, plus any columns the reward functions read)")

@@ -10,6 +10,7 @@ they run before any process group exists.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -24,38 +25,70 @@ __all__ = ["IGNORE", "load_rows", "detect_format", "tokenize_sft", "tokenize_dpo
 IGNORE = -100
 
 
-def load_rows(path: str) -> list[dict[str, Any]]:
-    """All rows of a local JSONL / JSON / Parquet file or directory, via `datasets`."""
-    import datasets
+def load_rows(path: str, what: str = "dataset") -> list[dict[str, Any]]:
+    """All rows of a local JSONL / JSON / Parquet file or directory (`what`: the config key, for messages).
 
+    JSON is parsed as written (strings stay strings: no column type inference across rows); Parquet is
+    read with `datasets`. Errors name the file and the 1-based line."""
     p = Path(path)
     if not p.exists():
-        raise SeqParError(f"dataset.path={path!r} does not exist: point it at a local .jsonl/.json/.parquet file")
+        raise SeqParError(f"{what}.path={path!r} does not exist: point it at a local .jsonl/.json/.parquet file")
     files = sorted(str(f) for f in p.iterdir() if f.is_file()) if p.is_dir() else [str(p)]
     kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
     exts = {os.path.splitext(f)[1] for f in files}
     unknown = exts - set(kinds)
     if unknown or not files:
         raise SeqParError(
-            f"dataset.path={path!r}: unsupported file type(s) {sorted(unknown) or 'none'}: "
+            f"{what}.path={path!r}: unsupported file type(s) {sorted(unknown) or 'none'}: "
             "use .jsonl, .json or .parquet"
         )
     builders = {kinds[e] for e in exts}
     if len(builders) != 1:
-        raise SeqParError(f"dataset.path={path!r} mixes JSON and Parquet files: keep one kind per directory")
+        raise SeqParError(f"{what}.path={path!r} mixes JSON and Parquet files: keep one kind per directory")
     unreadable = [f for f in files if not os.access(f, os.R_OK)]
     if unreadable:
-        raise SeqParError(f"dataset.path={path!r}: cannot read {unreadable[0]}: fix its permissions")
-    try:
-        ds = datasets.load_dataset(builders.pop(), data_files=files, split="train")
-    except Exception as e:  # datasets wraps parser errors; the cause names the bad line
-        cause = e.__cause__ or e
-        raise SeqParError(f"dataset.path={path!r} could not be parsed ({type(cause).__name__}: "
-                          f"{str(cause).splitlines()[0][:200] if str(cause) else ''}): fix the file") from None
-    rows = ds.to_list()
+        raise SeqParError(f"{what}.path={path!r}: cannot read {unreadable[0]}: fix its permissions")
+    rows = [r for f in files for r in (_json_rows(f, what) if builders == {"json"} else _parquet_rows(f, what))]
     if not rows:
-        raise SeqParError(f"dataset.path={path!r} has no rows: add some")
+        raise SeqParError(f"{what}.path={path!r} is empty: add rows (one JSON object per line)")
     return rows
+
+
+def _json_rows(path: str, what: str) -> list[dict[str, Any]]:
+    """A JSON array of objects, or JSON lines (one object per line; blank lines skipped)."""
+    text = Path(path).read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SeqParError(f"{what}: {path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg}): fix the file") from None
+        numbered = list(enumerate(rows, 1))
+    else:
+        numbered = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise SeqParError(f"{what}: {path}:{n}: invalid JSON ({e.msg} at column {e.colno}): fix the "
+                                  "line") from None
+    for n, row in numbered:
+        if not isinstance(row, dict):
+            raise SeqParError(f"{what}: {path}: row {n} is a {type(row).__name__}, not an object of fields: "
+                              "write one JSON object per row")
+    return [row for _, row in numbered]
+
+
+def _parquet_rows(path: str, what: str) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        return datasets.load_dataset("parquet", data_files=[path], split="train").to_list()
+    except Exception as e:  # datasets wraps reader errors
+        cause = e.__cause__ or e
+        raise SeqParError(f"{what}: {path} could not be read ({type(cause).__name__}: "
+                          f"{str(cause).splitlines()[0][:200] if str(cause) else ''}): fix the file") from None
 
 
 def _chat_or_plain(tok: Tokenizer, prompt: str) -> list[int]:
@@ -177,7 +210,7 @@ def _build_dpo(rows: list[dict[str, Any]], tok: Tokenizer, max_length: int, max_
                truncation_mode: str, stats: dict[str, int]) -> list[dict[str, Any]]:
     """Pairs; prompts cut to max_prompt_length (when set), pairs whose prompt still reaches max_length skipped."""
     out, longest = [], 0
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, 1):  # 1-based: the line of a JSONL file
         ex = tokenize_dpo(row, tok, i)
         n_prompt = len(ex["prompt_input_ids"])
         if max_prompt_length is not None and n_prompt > max_prompt_length:
@@ -228,18 +261,25 @@ def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokeni
         return _build_dpo(rows, tok, max_length, max_prompt_length, truncation_mode, stats), stats
     examples = []
     longest_prompt = 0
-    for i, row in enumerate(rows):
+    no_labels = 0  # rows whose labels are all -100 (no max_length helps them)
+    for i, row in enumerate(rows, 1):  # 1-based: the line of a JSONL file
         full = tokenize_sft(row, fmt, tok, train_on_prompt=train_on_prompt, mask_history=mask_history, index=i)
         cut = len(full["input_ids"]) > max_length
         ex = {k: v[:max_length] for k, v in full.items()} if cut else full
         # A target exists where labels[t+1] != -100 (the collator shifts on the full sequence).
         if not any(lab != IGNORE for lab in ex["labels"][1:]):
             stats["dropped_unsupervised"] += 1
-            first = next((j for j, lab in enumerate(full["labels"]) if lab != IGNORE), None)
+            first = next((j for j, lab in enumerate(full["labels"]) if lab != IGNORE and j > 0), None)
+            no_labels += first is None
             longest_prompt = max(longest_prompt, first or 0)
             continue
         stats["truncated"] += cut  # counted for kept rows only (a dropped row is counted once, as dropped)
         examples.append(ex)
+    if not examples and no_labels == len(rows):
+        raise SeqParError(
+            "every row's labels are -100 (not supervised) after the first token, so there is nothing to train on: "
+            "check the labels of the tokenized rows, or set dataset.train_on_prompt: true to supervise the prompts"
+        )
     if not examples:
         raise SeqParError(
             f"no row keeps a supervised token within dataset.max_length={max_length} (responses start at token "

@@ -40,7 +40,7 @@ def prelaunch_checks(cfg: TrainConfig, world: int) -> dict[str, int]:
     from ..dataset.prepare import prepare_examples
     from ..model.checks import check_model, refuse_unsupported_model
     from ..model.load import load_tokenizer, model_heads, model_needs_full_sequence
-    from .resume import find_resume
+    from .resume import check_output_dir
 
     nh, nkv = model_heads(cfg)
     validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=model_needs_full_sequence(cfg))
@@ -48,7 +48,7 @@ def prelaunch_checks(cfg: TrainConfig, world: int) -> dict[str, int]:
     tok = load_tokenizer(cfg)
     examples, stats = prepare_examples(cfg, tok)
     check_model(cfg, examples)
-    find_resume(cfg, world)
+    check_output_dir(cfg, world)
     return {**stats, "examples": len(examples)}
 
 

@@ -1,8 +1,11 @@
 """One run per output_dir: <output_dir>/.seqpar.lock holds {pid, host, started, run_id}.
 
-A second run into the same folder refuses with a message naming the owner; a lock whose pid is no longer
-alive on this host is stale and replaced (a lock from another host cannot be checked: it is reported,
-and the message says to delete it when no run is active there). Released at exit, also on errors.
+A second run into the same folder refuses with a message naming the owner. Every process of the run (the
+launcher and each rank) also holds a shared OS lock (flock) on the file for as long as it lives, so a lock
+counts as stale only when its owner pid is gone AND no process of that run still holds the file: a rank
+orphaned by a killed launcher keeps its run's folder locked until it exits (and it exits: see
+process.watch_parent). A lock from another host cannot be checked: it is reported, and the message says to
+delete it when no run is active there. Released at exit, also on errors.
 
 Who holds it (`run_identity`):
 - `seqpar train --nproc-per-node N`: the launching process, before torchrun starts; it passes
@@ -15,6 +18,7 @@ Who holds it (`run_identity`):
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -60,6 +64,7 @@ class OutputDirLock:
         self.run_id = run_id or rid
         self.pid = pid if pid is not None else owner
         self.owned = False  # True when this process created the file (and so removes it)
+        self._fd: int | None = None  # our shared flock on the file, held while this process runs
 
     def _info(self) -> dict[str, Any]:
         return {"pid": self.pid, "host": socket.gethostname(), "run_id": self.run_id,
@@ -73,13 +78,52 @@ class OutputDirLock:
         except (OSError, ValueError):
             return {}  # unreadable / half-written: treated as stale
 
-    def _refusal(self, info: dict[str, Any]) -> SeqParError:
+    def _refusal(self, info: dict[str, Any], orphans: bool = False) -> SeqParError:
         here = info.get("host") == socket.gethostname()
         who = f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}"
+        if orphans:
+            return SeqParError(f"output_dir {str(self.path.parent)!r} is in use: the run that locked it ({who}) is "
+                               f"gone but some of its processes still hold {self.path}: wait for them to exit "
+                               f"(they stop by themselves) or stop them, or use another output_dir")
         hint = ("wait for it to finish or stop it" if here else
                 f"if no run is active on {info.get('host')}, delete {self.path}")
         return SeqParError(f"output_dir {str(self.path.parent)!r} is in use by another seqpar run ({who}): {hint}, "
                            f"or use another output_dir")
+
+    def _hold(self) -> None:
+        """A shared flock on the lock file for this process's lifetime (the kernel drops it when we die)."""
+        if self._fd is not None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError:  # a filesystem without flock: the pid check alone
+            os.close(fd)
+            return
+        self._fd = fd
+
+    def _held_by_a_live_process(self) -> bool:
+        """Some process (a rank whose launcher died, say) still holds the file."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return False
+
+    def join(self) -> None:
+        """A rank other than the one that acquired: hold the run's lock file too (after acquire succeeded)."""
+        self._hold()
 
     def acquire(self) -> None:
         try:
@@ -95,9 +139,12 @@ class OutputDirLock:
                 if info is None:
                     continue  # released between our open and read: try again
                 if info.get("run_id") == self.run_id:
+                    self._hold()
                     return  # our own run's lock (taken by the launcher, or before a torchrun restart)
                 if info and (info.get("host") != socket.gethostname() or _alive(int(info.get("pid", -1)))):
                     raise self._refusal(info) from None
+                if self._held_by_a_live_process():
+                    raise self._refusal(info or {}, orphans=True) from None
                 self.path.unlink(missing_ok=True)  # stale: its process is gone
                 continue
             except PermissionError:
@@ -106,11 +153,15 @@ class OutputDirLock:
             with os.fdopen(fd, "w") as f:
                 json.dump(self._info(), f)
             self.owned = True
+            self._hold()
             return
         raise SeqParError(f"could not take the lock {self.path} (it keeps changing): is another run starting "
                           f"into the same output_dir? Use another output_dir")
 
     def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if not self.owned:
             return
         info = self._read()

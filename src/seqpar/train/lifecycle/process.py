@@ -5,6 +5,9 @@ the output_dir lock agreed by every rank, quiet non-main ranks, and the test-onl
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 import warnings
 
 import torch
@@ -15,7 +18,10 @@ from ...errors import SeqParError
 from ..config import TrainConfig
 from .lock import OutputDirLock
 
-__all__ = ["FAULT_ENV", "maybe_fault", "quiet_non_main_ranks", "init_process_group", "take_lock"]
+__all__ = ["FAULT_ENV", "maybe_fault", "quiet_non_main_ranks", "init_process_group", "take_lock", "watch_parent",
+           "LAUNCHER_GONE"]
+
+LAUNCHER_GONE = 143  # the exit code of a rank that stopped because its launcher died (as if SIGTERMed)
 
 
 # Test-only fault injection: the rank SEQPAR_FAULT_RANK (default: the last) exits right after
@@ -66,11 +72,12 @@ def init_process_group(backend: str) -> None:
                             world_size=world)
 
 
-def take_lock(cfg: TrainConfig, world: int, rank: int) -> OutputDirLock | None:
-    """Rank 0 locks output_dir; its outcome is the first collective, so every rank stops alike."""
-    lock = OutputDirLock(cfg.output_dir) if rank == 0 else None
+def take_lock(cfg: TrainConfig, world: int, rank: int) -> OutputDirLock:
+    """Rank 0 locks output_dir; its outcome is the first collective, so every rank stops alike. Then every
+    rank holds the lock file too (lock.py: a rank outliving its launcher keeps the folder locked)."""
+    lock = OutputDirLock(cfg.output_dir)
     err = None
-    if lock is not None:
+    if rank == 0:
         try:
             lock.acquire()
         except SeqParError as e:
@@ -80,4 +87,25 @@ def take_lock(cfg: TrainConfig, world: int, rank: int) -> OutputDirLock | None:
         err = comm.broadcast_object(err, 0, device)
     if err is not None:
         raise SeqParError(err)
+    if rank != 0:
+        lock.join()
     return lock
+
+
+def watch_parent(poll_s: float = 0.5) -> None:
+    """A rank started by a launcher (`seqpar train --nproc-per-node`, torchrun) stops when that launcher dies
+    (kill -9 included): a daemon thread notices the parent change and ends the process, so no orphan keeps
+    training and writing into output_dir. One-process runs are not watched."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "SEQPAR_LAUNCHER_PID" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                print(f"[seqpar] rank {os.environ.get('RANK', '?')}: its launcher (pid {parent}) is gone: stopping",
+                      file=sys.stderr, flush=True)
+                os._exit(LAUNCHER_GONE)
+
+    threading.Thread(target=watch, name="seqpar-parent-watch", daemon=True).start()

@@ -16,9 +16,15 @@ from typing import Any
 
 from ...errors import SeqParError
 from ..config import TrainConfig
-from .checkpoint import latest_checkpoint
+from .lock import run_identity
+from .output_dir import complete_checkpoints, refuse_overwrite
 
-__all__ = ["run_meta", "MUST_MATCH", "find_resume", "config_differences", "resume_point"]
+__all__ = ["run_meta", "MUST_MATCH", "find_resume", "config_differences", "resume_point", "checkpoint_to_resume",
+           "check_output_dir", "RUN_FILE"]
+
+# <output_dir>/.seqpar_run: the run id of the run that wrote the results (a torchrun restart of the same run
+# may start over them; any other fresh run may not, unless overwrite_output_dir).
+RUN_FILE = ".seqpar_run"
 
 MUST_MATCH = ("model", "dataset", "stage", "dpo", "grpo", "finetuning", "sequence_parallel", "precision", "optimizer",
               "schedule", "micro_batch_size", "grad_accum", "seed")
@@ -61,16 +67,30 @@ def _saved_meta(ckpt: Path) -> dict[str, Any] | None:
     return None
 
 
+def checkpoint_to_resume(out: Path) -> tuple[Path | None, str | None]:
+    """The checkpoint `out` continues from, and a line to print when it is not the one `latest` names."""
+    complete = complete_checkpoints(out)
+    marker = out / "latest"
+    named = marker.read_text().strip() if marker.is_file() else None
+    if named is not None and (out / named) in complete:
+        return out / named, None
+    if not complete:
+        return None, None
+    why = f"{marker} names {named}, which is missing or incomplete" if named else f"{marker} is missing"
+    return complete[-1], f"{why}: resuming from the newest complete checkpoint, {complete[-1]}"
+
+
 def find_resume(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
     """(checkpoint, step) this run resumes from, None for a fresh start; SeqParError when it may not resume."""
     if not cfg.checkpoint.resume:
         return None
-    ckpt = latest_checkpoint(cfg.output_dir)
+    ckpt, _ = checkpoint_to_resume(Path(cfg.output_dir))
     if ckpt is None:
         return None
     step = int(ckpt.name.rsplit("-", 1)[-1])
-    fresh = ("to start fresh, set checkpoint.resume: false (--set checkpoint.resume=false) or use a new "
-             "output_dir; to continue, run with the checkpoint's settings")
+    fresh = ("to start fresh over it, set checkpoint.resume: false and overwrite_output_dir: true (--set "
+             "checkpoint.resume=false --overwrite), or use a new output_dir; to continue, run with the checkpoint's "
+             "settings")
     meta = _saved_meta(ckpt)
     if meta is None:
         raise SeqParError(f"{ckpt} (step {step}) has no run.json and {ckpt.parent / 'config.json'} is missing, so "
@@ -86,13 +106,39 @@ def find_resume(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
     return ckpt, step
 
 
-def resume_point(cfg: TrainConfig, world: int, rank: int, out: Path) -> Path | None:
-    """The checkpoint to resume from (announced), or None; a fresh start forgets older checkpoints' marker."""
+def check_output_dir(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
+    """find_resume, and for a fresh start the refusal to replace an earlier run's results (output_dir.py)."""
     found = find_resume(cfg, world)
-    if found is None:
-        if rank == 0 and latest_checkpoint(out) is not None:
-            (out / "latest").unlink()  # checkpoint.resume: false: a later resume must not pick the old run's
-        return None
+    out = Path(cfg.output_dir)
+    if found is None and not _same_run(out):
+        refuse_overwrite(out, cfg.overwrite_output_dir)
+    return found
+
+
+def _same_run(out: Path) -> bool:
+    """The results in `out` are this run's own (a torchrun restart before its first checkpoint)."""
+    f = out / RUN_FILE
+    return f.is_file() and f.read_text().strip() == run_identity()[0]
+
+
+def resume_point(cfg: TrainConfig, world: int, rank: int, out: Path) -> Path | None:
+    """The checkpoint to resume from (announced), or None (rank 0 clears the folder for a fresh start)."""
+    found = find_resume(cfg, world)
     if rank == 0:
-        print(f"[seqpar] resuming from step {found[1]}: {found[0]}", flush=True)
-    return found[0]
+        if found is None:
+            from .output_dir import clear_results
+
+            removed = clear_results(out) if cfg.overwrite_output_dir and not _same_run(out) else []
+            if removed:
+                print(f"[seqpar] overwrite_output_dir: removed the earlier run's {', '.join(removed)}", flush=True)
+            (out / RUN_FILE).write_text(run_identity()[0] + "\n")
+        else:
+            note = checkpoint_to_resume(out)[1]
+            if note:
+                print(f"[seqpar] {note}", flush=True)
+            print(f"[seqpar] resuming from step {found[1]}: {found[0]}", flush=True)
+            if found[1] >= cfg.max_steps:
+                print(f"[seqpar] this run is already complete: {found[0].name} is at step {found[1]} and max_steps "
+                      f"is {cfg.max_steps}; to train further, raise max_steps (--max-steps N) and run again: it "
+                      "resumes from there", flush=True)
+    return None if found is None else found[0]

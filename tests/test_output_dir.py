@@ -1,0 +1,160 @@
+"""Never lose a run: what `seqpar train` does with an existing output_dir, and ranks that outlive a launcher.
+
+- A killed launcher (kill -9) takes its ranks down within seconds; while any of them lives, the folder
+  stays locked (every process of the run holds the lock file); afterwards a new run may take the folder.
+- A fresh start over a finished run's results is refused, naming them, unless overwrite_output_dir.
+- A dangling `latest` resumes from the newest complete checkpoint, with a line; never a fresh start.
+- With checkpointing on, the last step is checkpointed; resuming a complete run says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("outdir")
+    with open(d / "sft.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"instruction": " ".join(WORDS[i:i + 3]), "response": " ".join(WORDS[:i + 2])}) + "\n")
+    return d
+
+
+def _yaml(data: Path, out: Path, name: str = "cfg.yaml", **over) -> str:
+    cfg = {"model": {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 1}},
+           "dataset": {"path": str(data / "sft.jsonl"), "max_length": 64}, "micro_batch_size": 2, "max_steps": 2,
+           "optimizer": {"lr": 1e-2}, "output_dir": str(out), "progress": False, "memory": {"measure": False}}
+    cfg.update(over)
+    path = out.parent / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _seqpar(*args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "seqpar", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def _steps(out: Path) -> list[int]:
+    p = out / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in p.read_text().splitlines() if x.strip()] if p.is_file() else []
+
+
+def test_fresh_run_over_results_refused_unless_overwrite(data, tmp_path):
+    out = tmp_path / "run"
+    y = _yaml(data, out)
+    assert _seqpar("train", y).returncode == 0
+    before = (out / "metrics.jsonl").read_text()
+    r = _seqpar("train", y, "--set", "optimizer.lr=0.02")  # default checkpoint.every 0: nothing to resume
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = r.stderr.strip().splitlines()[-1]
+    for name in ("metrics.jsonl (2 steps)", "final/", "config.json", "loss.png", "--overwrite"):
+        assert name in err, err
+    assert (out / "metrics.jsonl").read_text() == before  # nothing touched
+    r = _seqpar("train", y, "--set", "optimizer.lr=0.02", "--max-steps", "3", "--overwrite")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "removed the earlier run's" in r.stdout
+    assert _steps(out) == [1, 2, 3] and json.loads((out / "config.json").read_text())["optimizer"]["lr"] == 0.02
+
+
+def test_last_step_checkpointed_dangling_latest_and_complete_run(data, tmp_path):
+    out = tmp_path / "run"
+    y = _yaml(data, out, max_steps=4, checkpoint={"every": 2, "keep_last": 3})
+    assert _seqpar("train", y).returncode == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    # every: 3 with max_steps 3 used to leave nothing to resume or export from.
+    y3 = _yaml(data, tmp_path / "three", "three.yaml", max_steps=3, checkpoint={"every": 3})
+    assert _seqpar("train", y3).returncode == 0
+    assert (tmp_path / "three" / "latest").read_text().strip() == "checkpoint-3"
+    # Complete: a rerun says so and trains nothing.
+    r = _seqpar("train", y)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "already complete" in r.stdout and "raise max_steps" in r.stdout and _steps(out) == [1, 2, 3, 4]
+    # A dangling `latest` falls back to the newest complete checkpoint (and says so) instead of step 0.
+    (out / "latest").write_text("checkpoint-99")
+    r = _seqpar("train", y, "--max-steps", "6")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "names checkpoint-99, which is missing or incomplete" in r.stdout and "resuming from step 4" in r.stdout
+    assert _steps(out) == [1, 2, 3, 4, 5, 6]
+    assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-4").is_dir() and (out / "checkpoint-6").is_dir()
+
+
+def test_lock_of_a_dead_owner_is_kept_while_its_processes_live(tmp_path):
+    from seqpar.errors import SeqParError
+    from seqpar.train.lifecycle.lock import LOCK_NAME, OutputDirLock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "run_id": "old"}))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(tmp_path / LOCK_NAME)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_SH)\n"
+        "print('held', flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SeqParError, match="still hold"):
+            OutputDirLock(tmp_path, run_id="new").acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = OutputDirLock(tmp_path, run_id="new")
+    lock.acquire()  # the owner and every holder are gone: stale, replaced
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["run_id"] == "new"
+    lock.release()
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    import psutil
+
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_kill9_launcher_takes_its_ranks_down(data, tmp_path):
+    out = tmp_path / "run"
+    y = _yaml(data, out, max_steps=100000, sequence_parallel={"size": 2}, export={"final": False})
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launcher = subprocess.Popen([sys.executable, "-m", "seqpar", "train", y, "--nproc-per-node", "2"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while len(_steps(out)) < 2:
+            assert launcher.poll() is None and time.time() < deadline, "the run did not start training"
+            time.sleep(0.5)
+        ranks = _children(launcher.pid)
+        assert len(ranks) >= 2, ranks
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.time() + 30
+        while _alive(ranks) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _alive(ranks), "ranks kept running after their launcher was killed"
+        n = len(_steps(out))
+        time.sleep(2)
+        assert len(_steps(out)) == n  # nobody writes into the folder any more
+    finally:
+        for p in _alive(_children(launcher.pid) if launcher.poll() is None else []):
+            os.kill(p, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    # The dead run's lock is stale now; its results are still protected from a fresh start.
+    r = _seqpar("train", y, "--max-steps", "2", "--nproc-per-node", "2")
+    assert r.returncode == 2 and "already holds a run's results" in r.stderr, r.stderr[-2000:]
