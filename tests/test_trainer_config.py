@@ -74,7 +74,8 @@ def test_unknown_model_fails_fast(sft_file, tmp_path):
     from seqpar.train.model.load import model_heads
 
     _err(lambda: model_heads(_cfg(sft_file, model="tiny:gpt9")), "unknown tiny architecture", "tiny:<llama")
-    _err(lambda: model_heads(_cfg(sft_file, model=str(tmp_path / "no-such-model"))), "could not be loaded", "smollm2")
+    _err(lambda: model_heads(_cfg(sft_file, model=str(tmp_path / "no-such-model"))), "no such directory", "smollm2")
+    _err(lambda: model_heads(_cfg(sft_file, model="no-such-org/no-such-model")), "could not be loaded", "smollm2")
 
 
 def test_dataset_field_errors(tmp_path):
@@ -178,3 +179,17 @@ def test_dataset_messages_a_user_can_act_on(tmp_path):
     with pytest.raises(SeqParError) as e:
         prepare_examples(cfg, tok, cfg.eval_dataset)
     assert str(e.value).startswith(f"eval_dataset {bad_eval}: row 2 "), str(e.value)
+
+
+def test_yaml_syntax_error_and_missing_model_dir(tmp_path):
+    """A YAML syntax error names file:line:column; a model path that does not exist says so (no hub lookup)."""
+    from seqpar.train.model.load import model_heads
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {name: tiny:llama\ndataset:\n  path: x.jsonl\n")
+    _err(lambda: load_config(bad), f"{bad}:2:8: YAML syntax error", "fix the file")
+    sft_file = _write_jsonl(tmp_path / "s.jsonl", [{"text": "hello"}])
+    for name in (str(tmp_path / "no" / "such"), "./missing-model", "~/nowhere/model"):
+        t0 = time.time()
+        _err(lambda n=name: model_heads(_cfg(sft_file, model=n)), "no such directory")
+        assert time.time() - t0 < 5  # refused at once, no hub retries

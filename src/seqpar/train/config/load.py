@@ -40,7 +40,13 @@ def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None
     if not p.is_file():
         raise SeqParError(f"config file {str(p)!r} does not exist: pass the path to a YAML file")
     with open(p) as f:
-        data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+            problem = " ".join(x for x in (getattr(e, "problem", None), getattr(e, "context", None)) if x) or str(e)
+            raise SeqParError(f"{where}: YAML syntax error: {problem}: fix the file") from None
     if not isinstance(data, dict):
         raise SeqParError(f"{p}: the top level must be a mapping of keys (model:, dataset:, ...)")
     _relative_to(data, p.parent)

@@ -5,6 +5,7 @@ alone (no weights) answers what the checks before launch need: head counts, line
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -31,7 +32,15 @@ def model_kind(cfg: TrainConfig) -> str:
         return "tiny"
     if name.lower() in SMOLLM2_NAMES:
         return "smollm2"
+    if _looks_like_path(name) and not os.path.isdir(os.path.expanduser(name)):
+        raise SeqParError(f"model.name={name!r}: no such directory: point it at a local model folder (config.json "
+                          f"and weights), or use a hub id, 'smollm2' or 'tiny:<arch>'")
     return "hf"
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name no hub id can be ("org/name" is one): absolute, ./ ../ ~ prefixed, or with several '/'."""
+    return os.path.isabs(name) or name.startswith(("./", "../", "~", ".\\")) or name.count("/") > 1
 
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")
