@@ -119,3 +119,26 @@ def test_cli_verify_tiny_qwen2_5_vl(tmp_path, sp):
 
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "verify" / "sp" / "final")  # the export loads in HF
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+
+
+def test_meter_with_text_then_image_micro_batches(tmp_path):
+    """The memory meter (on by default) with a text-only micro-batch, then one whose image the vision tower
+    encodes before the model's forward (grad-accum 2, one step): it used to raise KeyError in backward."""
+    from PIL import Image
+
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.run import train
+
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (16, 16), (200, 30, 60)).save(tmp_path / "imgs" / "a.png")
+    rows = [{"messages": [{"role": "user", "content": "no picture here"}, {"role": "assistant", "content": "fine"}]},
+            {"messages": [{"role": "user", "content": "Look <image> now"}, {"role": "assistant", "content": "red"}],
+             "images": ["imgs/a.png"]}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config_from_dict({"model": {"name": "tiny:qwen2_5_vl"},
+                            "dataset": {"path": str(tmp_path / "mixed.jsonl"), "max_length": 128, "shuffle": False},
+                            "micro_batch_size": 1, "grad_accum": 2, "max_steps": 1, "output_dir": str(tmp_path / "run"),
+                            "progress": False, "export": {"final": False}})
+    assert cfg.memory.measure
+    res = train(cfg)
+    assert len(res.losses) == 1 and res.peak_alloc[0]["peak_bytes"] > 0

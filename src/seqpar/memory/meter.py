@@ -78,12 +78,14 @@ class _StepTracker(MemTracker):
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         # Gradient accumulation calls the root module once per micro-batch; upstream refuses a second
-        # root call ("multiple iterative calls"). The per-module stats are all that clash, and we do
-        # not use them: drop them (the byte accounting, in _curr_mem_snap / _WINFO, is untouched).
+        # root call ("multiple iterative calls"). Only that module's own stats clash, and we do not use
+        # them: drop them, and only them. Clearing every module's stats broke backward hooks of modules
+        # forwarded outside the root call (a VLM's vision tower runs before the model, seqpar.hf.vision):
+        # their stats vanished before their backward (KeyError). Byte accounting is untouched.
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
+                del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
 
     def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True
