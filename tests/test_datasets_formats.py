@@ -151,7 +151,7 @@ def test_sft_truncated_and_dropped_counts():
     examples, stats = build_examples(rows, "auto", "sft", BT, 32, False)
     assert len(examples) == 2 and all(len(e["input_ids"]) <= 32 for e in examples)
     assert stats == {"rows": 3, "truncated": 1, "dropped_unsupervised": 1, "prompt_truncated": 0,
-                     "dropped_long_prompt": 0}
+                     "dropped_long_prompt": 0, "identical_pairs": 0}
     lines = describe_stats(stats, 32)
     assert any("1 of 3 rows dropped" in x for x in lines) and any("1 of 3 rows truncated" in x for x in lines)
 
@@ -259,3 +259,18 @@ def test_tensorboard_rows_rank0_only(tmp_path, monkeypatch):
     assert calls == [("dir", str(tmp_path / "tensorboard")), ("train/loss", 1.5, 3), ("train/lr", 0.1, 3),
                      ("eval/eval_loss", 1.25, 3)]
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+
+
+def test_dpo_identical_pairs_are_counted_and_reported():
+    """chosen == rejected (within max_length) teaches nothing: the DPO loss of such a pair stays at ln 2."""
+    rows = [{"prompt": "q", "chosen": "same answer", "rejected": "same answer"},
+            {"prompt": "q", "chosen": "good", "rejected": "bad"},
+            {"prompt": "q", "chosen": "long equal start x", "rejected": "long equal start y"}]
+    _, stats = build_examples(rows, "auto", "dpo", BT, 64, False)
+    assert stats["identical_pairs"] == 1
+    ex = tokenize_dpo(rows[2], BT)
+    same = next(i for i, (a, b) in enumerate(zip(ex["chosen_input_ids"], ex["rejected_input_ids"])) if a != b)
+    cut = len(ex["prompt_input_ids"]) + same  # max_length ends before the last word, where the pair differs
+    _, stats = build_examples(rows, "auto", "dpo", BT, cut, False)
+    assert stats["identical_pairs"] == 2
+    assert any("chosen == rejected" in line and "ln 2" in line for line in describe_stats(stats, cut))

@@ -109,3 +109,18 @@ def test_smollm2_second_load_uses_cache_and_is_identical(tmp_path, monkeypatch):
         assert t.apply_chat_template(chat, tokenize=False) == text
         assert t(text)["input_ids"] == ref_tok(text)["input_ids"]
         assert (t.eos_token, t.pad_token, len(t)) == (ref_tok.eos_token, ref_tok.pad_token, len(ref_tok))
+
+
+def test_smollm2_cache_key_follows_content_not_path(tmp_path):
+    """One converted SmolLM2 per user: the same GGUF in two virtualenvs (other path, other mtime) shares an entry."""
+    import os
+
+    from seqpar.hf.models import _smollm2_cache_key
+
+    blob = bytes(range(256)) * 9000
+    a, b, c = tmp_path / "venv1.gguf", tmp_path / "venv2.gguf", tmp_path / "other.gguf"
+    a.write_bytes(blob)
+    b.write_bytes(blob)
+    os.utime(b, (1, 1))
+    c.write_bytes(blob[:-1] + b"x")
+    assert _smollm2_cache_key(str(a)) == _smollm2_cache_key(str(b)) != _smollm2_cache_key(str(c))

@@ -349,10 +349,13 @@ def test_model_checks(data, tmp_path):
         check_model(config_from_dict(_cfg(data, tmp_path, model={"name": str(tmp_path / "bert")})), ok)
 
 
-def test_resume_rules(data, tmp_path):
+def test_resume_rules(data, tmp_path, monkeypatch):
     """find_resume: same run -> (checkpoint, step); a changed key or world size -> SeqParError naming it;
     more max_steps or other checkpoint settings are fine; resume: false -> fresh."""
+    import seqpar.train.lifecycle.resume as resume
     from seqpar.errors import SeqParError
+
+    monkeypatch.setattr(resume, "checkpoint_damage", lambda ckpt: None)  # a stand-in checkpoint: no real files
     from seqpar.train.config import config_from_dict
     from seqpar.train.lifecycle.resume import find_resume, run_meta
 

@@ -158,3 +158,57 @@ def test_kill9_launcher_takes_its_ranks_down(data, tmp_path):
     # The dead run's lock is stale now; its results are still protected from a fresh start.
     r = _seqpar("train", y, "--max-steps", "2", "--nproc-per-node", "2")
     assert r.returncode == 2 and "already holds a run's results" in r.stderr, r.stderr[-2000:]
+
+
+def _train_here(data: Path, out: Path, **over):
+    from seqpar.train.config import load_config
+    from seqpar.train.run import train
+
+    return train(load_config(_yaml(data, out, **over)))
+
+
+def test_damaged_checkpoint_falls_back_to_an_intact_one(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    _train_here(data, out, max_steps=3, checkpoint={"every": 1, "keep_last": 2})
+    shard = max((out / "checkpoint-3").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated, as by a full disk or an interrupted copy
+    capsys.readouterr()
+    res = _train_here(data, out, max_steps=4, checkpoint={"every": 1, "keep_last": 2})
+    said = capsys.readouterr().out
+    assert f"{out / 'checkpoint-3'} is damaged ({shard.name} is truncated" in said, said
+    assert "resuming from the newest intact checkpoint" in said and res.resumed_from == 2 and res.steps == [3, 4]
+
+
+def test_disk_full_while_checkpointing_names_the_good_checkpoint(data, tmp_path, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    from seqpar.errors import SeqParError
+
+    real, calls = dcp.save, []
+
+    def save(*a, **k):  # the second save hits a full disk
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(dcp, "save", save)
+    out = tmp_path / "run"
+    with pytest.raises(SeqParError) as e:
+        _train_here(data, out, max_steps=3, checkpoint={"every": 1})
+    msg = str(e.value)
+    good = out / "checkpoint-1"
+    assert msg.startswith(f"no space left on {out} while saving checkpoint-2: {good} is the last good"), msg
+    assert not (out / "checkpoint-2").exists() and (out / "latest").read_text().strip() == "checkpoint-1"
+
+
+def test_start_line_without_progress_bar(data, tmp_path, capsys):
+    """progress: false still prints one start line: stage, mesh, data, steps, features, the resume point."""
+    _train_here(data, tmp_path / "run", max_steps=1, finetuning={"method": "lora", "r": 2},
+                memory={"activation_checkpointing": True})
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("[seqpar] sft fp32: "))
+    for part in ("SequenceParallelMesh", "world 1", "8 examples", "1 steps from step 0", "lora",
+                 "activation_checkpointing", "memory.measure"):
+        assert part in line, line

@@ -204,10 +204,19 @@ def smollm2_path() -> str:
 
 
 def _smollm2_cache_key(gguf_path: str) -> str:
+    """Keyed by the GGUF's content (size + a hash of its first and last MiB), not its path or mtime: every
+    virtualenv of a user with the same file shares one ~0.5 GB converted copy."""
+    import hashlib
+
     import transformers
 
-    st = os.stat(gguf_path)  # a reinstalled or changed file gets a new entry
-    return f"smollm2-135m-instruct-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}"
+    size = os.path.getsize(gguf_path)
+    h = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return f"smollm2-135m-instruct-{size}-{h.hexdigest()[:16]}-tf{transformers.__version__}"
 
 
 @contextlib.contextmanager

@@ -170,6 +170,8 @@ def _steps(loop: Loop, result: TrainResult, metrics_path: Path, start_step: int,
     from tqdm.auto import tqdm
 
     cfg, rank = loop.cfg, loop.rank
+    if rank == 0:
+        print(_start_line(loop, len(prep.examples), start_step), flush=True)
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=(rank != 0 or not cfg.progress),
                desc=f"{cfg.stage} sp={loop.mesh.sp_size} dp={loop.mesh.dp_size}", dynamic_ncols=True)
     report_data_stats(cfg, rank, prep.data_stats, prep.eval_data[1] if prep.eval_data else None)
@@ -187,8 +189,10 @@ def _steps(loop: Loop, result: TrainResult, metrics_path: Path, start_step: int,
         if rank == 0:
             log_row(loop, metrics_path, row)
             bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                            mem=f"{row['peak_mem_mb']:.0f}MB")
+            # rss: the process's resident memory (noisy, allocator caches); peak: the exact live-tensor peak
+            mem = {"peak": f"{row['peak_alloc_mb']:.0f}MB"} if "peak_alloc_mb" in row else {}
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **mem,
+                            rss=f"{row['peak_mem_mb']:.0f}MB")
         stop_if_diverged(loop, step)
         every = cfg.checkpoint.every
         if every and (step % every == 0 or step == cfg.max_steps):  # the last step too: resumable, exportable
@@ -197,6 +201,19 @@ def _steps(loop: Loop, result: TrainResult, metrics_path: Path, start_step: int,
         maybe_fault(step, rank, loop.world)
     bar.close()
     return step
+
+
+def _start_line(loop: Loop, n_examples: int, start_step: int) -> str:
+    """One line before the first step (also with progress: false): mesh, data, features, where it starts."""
+    cfg, m = loop.cfg, loop.cfg.memory
+    features = [name for name, on in (("lora", _lora(loop)), ("fsdp", bool(cfg.fsdp)), ("fused_loss", m.fused_loss),
+                                       ("activation_checkpointing", m.activation_checkpointing),
+                                       ("offload_activations", m.offload_activations), ("tiled_mlp", m.tiled_mlp),
+                                       ("memory.measure", m.measure)) if on]
+    unit = "packed rows" if cfg.dataset.packing else ("prompts" if cfg.stage == "grpo" else "examples")
+    where = f"resuming at step {start_step}" if start_step else "from step 0"
+    return (f"[seqpar] {cfg.stage} {cfg.precision}: {loop.mesh!r}, world {loop.world}; {n_examples} {unit}; "
+            f"{cfg.max_steps} steps {where}; features: {', '.join(features) or 'none'}")
 
 
 def _lora(loop: Loop) -> bool:
@@ -246,10 +263,10 @@ def finish(loop: Loop, result: TrainResult, metrics_path: Path) -> None:
             result.final_state_path = str(path)
     if loop.rank == 0:
         rows = read_metrics(metrics_path)
-        curves = {f"{cfg.stage} loss ({repr(loop.mesh)})": [(m["step"], m["loss"]) for m in rows if "loss" in m]}
+        curves = {f"{cfg.stage} loss": [(m["step"], m["loss"]) for m in rows if "loss" in m]}
         if loop.eval_examples is not None:
             curves["eval loss"] = [(m["step"], m["eval_loss"]) for m in rows if "eval_loss" in m]
-        title = f"seqpar {cfg.stage}: {cfg.model.name}"
+        title = f"seqpar {cfg.stage}: {cfg.model.name}\n{loop.mesh!r}, world {loop.world}"
         result.plot_path = str(plot_curves(curves, loop.out / "loss.png", title=title))
     if loop.tensorboard is not None:
         loop.tensorboard.close()

@@ -231,6 +231,8 @@ def _build_dpo(rows: list[dict[str, Any]], tok: Tokenizer, max_length: int, max_
         # The collator cuts prompt + completion to max_length on the right.
         stats["truncated"] += sum(n_prompt + len(ex[k]) > max_length
                                   for k in ("chosen_input_ids", "rejected_input_ids"))
+        keep = max_length - n_prompt  # identical within what trains: no preference to learn (loss stays ln 2)
+        stats["identical_pairs"] += ex["chosen_input_ids"][:keep] == ex["rejected_input_ids"][:keep]
         out.append(ex)
     if not out:
         raise SeqParError(
@@ -256,7 +258,7 @@ def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokeni
         fmt = detect_format(list(rows[0].keys()))
     check_stage(fmt, stage)
     stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
-             "dropped_long_prompt": 0}
+             "dropped_long_prompt": 0, "identical_pairs": 0}
     if stage == "dpo":
         return _build_dpo(rows, tok, max_length, max_prompt_length, truncation_mode, stats), stats
     examples = []
@@ -297,5 +299,7 @@ def describe_stats(stats: dict[str, int], max_length: int, what: str = "dataset"
         "dropped_unsupervised": f"dropped (no supervised token within max_length={max_length})",
         "prompt_truncated": "with the DPO prompt cut to max_prompt_length",
         "dropped_long_prompt": f"dropped (the DPO prompt alone reaches max_length={max_length})",
+        "identical_pairs": "with chosen == rejected within max_length (no preference to learn: their loss stays "
+                           "at ln 2)",
     }
     return [f"{what}: {stats[k]} of {stats['rows']} rows {m}" for k, m in msgs.items() if stats.get(k)]

@@ -73,12 +73,21 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
         shutil.rmtree(path)  # a stale partial save of this step (from a killed run)
     _barrier()
     msd, osd = get_state_dict(model, optimizer, options=_options(trainable_only))
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
-    state = dict(trainer_state, rng=rng_state())
-    torch.save(state, path / f"trainer_state_rank{_rank()}.pt")
-    if _rank() == 0 and run_meta is not None:
-        # What produced this checkpoint (config + world size): resume compares it, `seqpar export` rebuilds from it.
-        (path / "run.json").write_text(json.dumps(run_meta, indent=2))
+    try:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))  # raises on every rank if one fails
+        err = None
+    except Exception as e:  # noqa: BLE001 - reworded below, the original kept as the cause
+        err = e
+    if err is None:
+        try:  # per rank: a failure here is agreed on below, so no rank waits alone in the next barrier
+            torch.save(dict(trainer_state, rng=rng_state()), path / f"trainer_state_rank{_rank()}.pt")
+            if _rank() == 0 and run_meta is not None:
+                # What produced this checkpoint (config + world size): resume compares it, export rebuilds from it.
+                (path / "run.json").write_text(json.dumps(run_meta, indent=2))
+        except OSError as e:
+            err = e
+    if not _all_ok(err is None) or err is not None:
+        raise _save_error(err, path, out) from err
     _barrier()
     if _rank() == 0:
         tmp = out / "latest.tmp"
@@ -90,6 +99,43 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return path
+
+
+def _all_ok(ok: bool) -> bool:
+    """Whether every rank's part of the save succeeded (a MIN over the world; True without a process group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    from ... import comm
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return bool(comm.all_reduce_values([float(ok)], dist.group.WORLD, device, op=dist.ReduceOp.MIN)[0] > 0)
+
+
+def _errors_in(e: BaseException | None) -> list[BaseException]:
+    """e, its causes, and the per-rank failures a DCP CheckpointException carries."""
+    out, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in out):
+            continue
+        out.append(x)
+        todo += [x.__cause__, x.__context__, *(getattr(x, "failures", None) or {}).values()]
+    return out
+
+
+def _save_error(err: BaseException | None, path: Path, out: Path) -> SeqParError:
+    """One line: what failed, and which checkpoint is still good (the partial one is removed)."""
+    import errno
+
+    if _rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # never leave a partial checkpoint behind (frees space too)
+    good = latest_checkpoint(out)
+    still = f"{good} is the last good checkpoint" if good is not None else "no earlier checkpoint exists"
+    if any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _errors_in(err)):
+        return SeqParError(f"no space left on {path.parent} while saving {path.name}: {still}; free space there (or "
+                           f"lower checkpoint.keep_last) and run again to resume")
+    what = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if err is not None else "failed on another rank"
+    return SeqParError(f"saving {path} failed ({what}): {still}; fix the cause and run again to resume")
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -108,7 +154,16 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     opts = _options(trainable_only)
     msd, osd = get_state_dict(model, optimizer, options=opts)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))  # raises on every rank if one cannot read its part
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint: say which, and what else there is
+        done = sorted((p for p in path.parent.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()
+                       and int(p.name.split("-")[-1]) < int(path.name.split("-")[-1])),
+                      key=lambda p: int(p.name.split("-")[-1]))
+        other = (f"the previous checkpoint is {done[-1]}: write {done[-1].name} into {path.parent / 'latest'} to "
+                 f"resume from it" if done else "no earlier checkpoint exists")
+        raise SeqParError(f"checkpoint {path} cannot be read ({type(e).__name__}): it is damaged; {other}, or delete "
+                          f"it") from e
     if trainable_only:
         # Only the trainable (LoRA) weights were saved: load non-strictly, then check that exactly the
         # frozen ones are missing.

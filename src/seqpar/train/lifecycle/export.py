@@ -33,6 +33,7 @@ __all__ = ["export_trained", "export_checkpoint", "build_clean_model", "load_exp
            "checkpoint_config"]
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def build_clean_model(cfg: TrainConfig) -> torch.nn.Module:
@@ -109,7 +110,11 @@ def _write(model: torch.nn.Module, cfg: TrainConfig, tok: Any, out: Path, merge_
             load_model(cfg).save_pretrained(str(tmp / "base"))  # the frozen base: untouched by LoRA training
             info["base"] = "base/ (AutoModelForCausalLM.from_pretrained(final/base))"
         elif model_kind(cfg) == "smollm2":
-            info["base"] = "seqpar.hf.load_smollm2()"
+            # The adapter config must not point into this machine's seqpar cache: name the hub model, and say
+            # that training used its Q4_1 GGUF dequantized (seqpar.hf.load_smollm2() rebuilds that exact base).
+            model.peft_config["default"].base_model_name_or_path = SMOLLM2_HUB_ID
+            info["base"] = (f"{SMOLLM2_HUB_ID} (trained on its Q4_1 GGUF, dequantized: seqpar.hf.load_smollm2() "
+                            "gives that exact base)")
         else:
             info["base"] = cfg.model.name
             model.peft_config["default"].base_model_name_or_path = cfg.model.name

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ...errors import SeqParError
 
-__all__ = ["RESULT_FILES", "existing_results", "complete_checkpoints", "refuse_overwrite", "clear_results"]
+__all__ = ["RESULT_FILES", "existing_results", "complete_checkpoints", "checkpoint_damage", "refuse_overwrite",
+           "clear_results"]
 
 # What `seqpar train` writes into output_dir (besides the lock): a fresh run replaces each of these.
 RESULT_FILES = ("metrics.jsonl", "config.json", "mesh.txt", "loss.png", "final_state.pt", "final", "tensorboard",
@@ -28,6 +29,28 @@ def complete_checkpoints(out: Path) -> list[Path]:
     found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()
              and (p / ".metadata").is_file() and (p / "trainer_state_rank0.pt").is_file()]
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def checkpoint_damage(ckpt: Path) -> str | None:
+    """What is wrong with a finished checkpoint's files (None: intact): every byte range its DCP metadata
+    names must exist, and every rank's trainer state must be non-empty. Reads sizes only (same on every rank)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is damage
+        return f"its .metadata cannot be read ({type(e).__name__})"
+    need: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, n in sorted(need.items()):
+        f = ckpt / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size < n:
+            return f"{name} is truncated ({f.stat().st_size} of {n} bytes)"
+    empty = [f.name for f in ckpt.glob("trainer_state_rank*.pt") if f.stat().st_size == 0]
+    return f"{empty[0]} is empty" if empty else None
 
 
 def _metrics_steps(path: Path) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 from ...errors import SeqParError
 from ..config import TrainConfig
 from .lock import run_identity
-from .output_dir import complete_checkpoints, refuse_overwrite
+from .output_dir import checkpoint_damage, complete_checkpoints, refuse_overwrite
 
 __all__ = ["run_meta", "MUST_MATCH", "find_resume", "config_differences", "resume_point", "checkpoint_to_resume",
            "check_output_dir", "RUN_FILE"]
@@ -68,16 +68,26 @@ def _saved_meta(ckpt: Path) -> dict[str, Any] | None:
 
 
 def checkpoint_to_resume(out: Path) -> tuple[Path | None, str | None]:
-    """The checkpoint `out` continues from, and a line to print when it is not the one `latest` names."""
+    """The checkpoint `out` continues from, and a line to print when it is not the one `latest` names.
+    SeqParError when checkpoints exist but every one is damaged (never a silent fresh start over them)."""
     complete = complete_checkpoints(out)
     marker = out / "latest"
     named = marker.read_text().strip() if marker.is_file() else None
-    if named is not None and (out / named) in complete:
+    damaged = {c: d for c in complete if (d := checkpoint_damage(c)) is not None}
+    good = [c for c in complete if c not in damaged]
+    if named is not None and (out / named) in good:
         return out / named, None
-    if not complete:
+    if not good:
+        if damaged:
+            worst = max(damaged, key=lambda c: int(c.name.split("-")[-1]))
+            raise SeqParError(f"checkpoint {worst} is damaged ({damaged[worst]}) and no earlier checkpoint is intact: "
+                              f"delete the damaged checkpoints and start fresh (--overwrite), or restore them")
         return None, None
-    why = f"{marker} names {named}, which is missing or incomplete" if named else f"{marker} is missing"
-    return complete[-1], f"{why}: resuming from the newest complete checkpoint, {complete[-1]}"
+    if named is not None and (out / named) in damaged:
+        why = f"{out / named} is damaged ({damaged[out / named]})"
+    else:
+        why = f"{marker} names {named}, which is missing or incomplete" if named else f"{marker} is missing"
+    return good[-1], f"{why}: resuming from the newest intact checkpoint, {good[-1]}"
 
 
 def find_resume(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:

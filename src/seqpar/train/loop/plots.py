@@ -40,9 +40,9 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], out_png: str | Path,
             xs, ys = zip(*pts)
             ax.plot(xs, ys, styles[i % len(styles)], label=name, markersize=4, linewidth=1.4)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="best", fontsize=8, framealpha=0.85)  # inside the axes, where the curves leave room
     if diff_of:
         a, b = (dict(curves[k]) for k in diff_of)
         steps = sorted(set(a) & set(b))
