@@ -188,8 +188,9 @@ def test_table_and_yaml(capsys, tmp_path):
 
     from seqpar.train.config import config_from_dict
 
-    cfg = yaml.safe_load(out.split("# seqpar train config (launch 8 processes):\n", 1)[1])
+    cfg = yaml.safe_load(out.split("# seqpar train config (launch 8 processes", 1)[1].split("\n", 1)[1])
     assert config_from_dict(cfg).dataset.max_length == 65536  # the YAML is a valid seqpar train config
+    assert cfg["model"]["name"] == "Qwen/Qwen2.5-7B"  # loadable by seqpar train (not the bundled shape's key)
 
 
 def test_predicted_memory_matches_memtracker():

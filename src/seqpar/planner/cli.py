@@ -126,7 +126,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.model is None:
         raise SeqParError("give --model (e.g. --model llama-3.1-8b, tiny:llama, or a config.json)")
     from .gpus import make_cluster
-    from .model import load_model_facts
+    from .model import load_model_facts, trainable_name
     from .search import plan, train_yaml, usable_bytes, why
 
     m = load_model_facts(args.model)
@@ -148,5 +148,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     best = cands[rec]
     seq = best.max_seq_len if args.max_seq_len else req.workload.seq_len
     print(f"\nrecommended #{rec}: {why(m, cl, best)}")
-    print(f"\n# seqpar train config (launch {cl.gpus} processes):\n" + train_yaml(args.model, best, req.workload, seq))
+    print(f"\n# seqpar train config (launch {cl.gpus} processes; model.name: a hub id or a local directory "
+          f"holding that model):\n" + train_yaml(trainable_name(args.model), best, req.workload, seq))
     return 0

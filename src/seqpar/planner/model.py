@@ -155,3 +155,17 @@ def load_model_facts(name: str, tiny_kwargs: dict[str, Any] | None = None) -> Mo
         )
     with open(path) as f:
         return _facts(name, json.load(f))
+
+
+def trainable_name(name: str) -> str:
+    """What `seqpar train`'s model.name should say for a planned model: a bundled shape's hub id (a local
+    directory of it works too), smollm2, tiny:<arch>, or the model directory of a config.json."""
+    if name.startswith("tiny:"):
+        return name
+    key = name.lower().removesuffix("-instruct").split("/")[-1]
+    if key in ("smollm2", "smollm2-135m"):
+        return "smollm2"
+    if key in bundled_models() and not os.path.exists(name):
+        c = json.loads(resources.files("seqpar.planner").joinpath("configs", f"{key}.json").read_text())
+        return str(c.get("_name_or_path") or name)
+    return os.path.dirname(os.path.abspath(name)) if os.path.isfile(name) else name

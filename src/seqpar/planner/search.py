@@ -209,7 +209,7 @@ def why(m: ModelFacts, cl: Cluster, c: Candidate) -> str:
 def train_yaml(model_name: str, c: Candidate, wl: Workload, seq_len: int) -> str:
     f = c.features
     cfg: dict[str, Any] = {
-        "model": model_name,
+        "model": {"name": model_name},
         "dataset": {"path": "data/train.jsonl", "max_length": seq_len, "packing": wl.stage == "sft"},
         "stage": wl.stage,
         "finetuning": {"method": wl.finetuning},
