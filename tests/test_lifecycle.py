@@ -448,3 +448,19 @@ def test_cli_rank_failure_reported_once(data, tmp_path):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("rank 1: exit code 13") == 1, r.stderr[-3000:]
+
+
+def test_smollm2_adapter_names_the_hub_base(tmp_path):
+    """A LoRA adapter exported from a SmolLM2 run points at the hub model, not into this machine's cache."""
+    from seqpar.hf import tiny_model
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.lifecycle.export import SMOLLM2_HUB_ID, _write
+    from seqpar.train.model.load import apply_lora
+    from seqpar.train.model.tokenizers import ByteTokenizer
+
+    cfg = config_from_dict({"model": {"name": "smollm2"}, "dataset": {"path": "unused.jsonl", "max_length": 64},
+                            "finetuning": LORA, "output_dir": str(tmp_path)})
+    model = apply_lora(tiny_model("llama", 4, 2, vocab_size=300, seed=0), cfg)  # a stand-in with the same wrapper
+    out = _write(model, cfg, ByteTokenizer(), tmp_path / "final", False, 1, "test")  # the writer, no SmolLM2 load
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == SMOLLM2_HUB_ID
+    assert json.loads((out / "seqpar_export.json").read_text())["base"].startswith(SMOLLM2_HUB_ID)
