@@ -139,3 +139,22 @@ def test_bf16_on_cpu_says_so_once(tmp_path, capsys):
         strl.SequenceParallelSFTTrainer(model=tiny_model("qwen2", 3, 1, vocab_size=len(tok), seed=0), args=args,
                                         train_dataset=_chat_rows(), processing_class=tok, sequence_parallel_size=1)
         assert capsys.readouterr().out.count(BF16_ON_CPU) == int(bf16)
+
+
+def test_truncated_tokens_are_logged(tmp_path):
+    """Tokens the SP collator cuts at max_length are counted per logging step (num_truncated_tokens), not lost."""
+    import datasets
+    from transformers import TrainingArguments
+
+    from seqpar.hf import SequenceParallelTrainer, tiny_model
+
+    lens = [30, 10, 25, 16]  # cut at 16: 14, 0 | 9, 0
+    rows = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in lens]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, logging_steps=1,
+                             report_to=[], save_strategy="no", train_sampling_strategy="sequential", use_cpu=True,
+                             disable_tqdm=True, optim="sgd", learning_rate=0.1)
+    trainer = SequenceParallelTrainer(model=tiny_model("llama", 4, 2, vocab_size=64, seed=0), args=args,
+                                      train_dataset=datasets.Dataset.from_list(rows), max_length=16,
+                                      sequence_parallel_size=1)
+    trainer.train()
+    assert [h["num_truncated_tokens"] for h in trainer.state.log_history if "loss" in h] == [14, 9]

@@ -136,6 +136,7 @@ class SequenceParallelTrainer(Trainer):
         self.loss_is_scaled_for_ga = True
         self._sp_metrics: dict[str, float] = {}
         self._sp_metric_n = 0
+        self._sp_truncated = 0  # tokens the SP collator cut at max_length since the last log (nothing lost silently)
 
     # ------------------------------------------------------------------ hooks for the DPO subclass
     def _make_spec(self) -> StepSpec:
@@ -229,10 +230,15 @@ class SequenceParallelTrainer(Trainer):
             for k, v in metrics.items():
                 self._sp_metrics[k] = self._sp_metrics.get(k, 0.0) + float(v)
             self._sp_metric_n += bool(metrics)
+            self._sp_truncated += int(inputs.get("num_truncated_tokens", 0))  # the full batch's, same on SP ranks
         loss = share * self._grad_factor(model)
         return (loss, None) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if "loss" in logs:  # a training log row, on every rank: tokens max_length cut since the last one
+            n = comm.all_reduce_values([float(self._sp_truncated)], self.sp_mesh.dp_group, self.sp_mesh.comm_device)
+            logs["num_truncated_tokens"] = int(n[0])
+            self._sp_truncated = 0
         if self._sp_metric_n and "loss" in logs:
             vals = [v / self._sp_metric_n for v in self._sp_metrics.values()]
             # SP ranks of a group hold identical metrics; sent from the mesh's comm device (NCCL: CUDA).
