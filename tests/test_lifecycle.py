@@ -245,7 +245,8 @@ def test_output_dir_lock(tmp_path):
         assert path.exists()  # only the owner removes it
     assert not path.exists()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    OutputDirLock(tmp_path, run_id="old", pid=int(dead.stdout)).acquire()  # its process has exited: stale
+    # A lock left by a run whose processes have all exited (written as it would have: no one holds the file).
+    path.write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "run_id": "old"}))
     with pytest.raises(RuntimeError):
         with OutputDirLock(tmp_path, run_id="new", pid=os.getpid()):
             assert json.loads(path.read_text())["run_id"] == "new"
@@ -310,7 +311,7 @@ def test_cli_errors_before_launch(data, tmp_path):
     BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                intermediate_size=64).save_pretrained(bert)
     cases = [
-        ("broken", {"dataset": {"path": str(broken), "max_length": 64}}, "dataset.path"),
+        ("broken", {"dataset": {"path": str(broken), "max_length": 64}}, "broken.jsonl:"),  # file:line
         ("held", {"output_dir": str(held)}, "in use by another seqpar run"),
     ]
     for name, over, pattern in cases:

@@ -85,10 +85,10 @@ def test_bf16_resume_restores_fp32_masters(data, tmp_path):
 
     full, _ = _final(_cfg(data, tmp_path / "full", "bf16"))
     part = _cfg(data, tmp_path / "part", "bf16", max_steps=2, checkpoint={"every": 1, "save_final": False})
-    train(part)  # checkpoint-1 is its last checkpoint (none is written at the final step)
+    train(part)  # checkpoint-2: the last step is checkpointed too
     resumed_cfg = _cfg(data, tmp_path / "part", "bf16", checkpoint={"every": 1, "save_final": True})
     res = train(resumed_cfg)
-    assert res.resumed_from == 1
+    assert res.resumed_from == 2 and res.steps == [3]
     resumed = torch.load(res.final_state_path)
     assert resumed.keys() == full.keys() and len(full) > 0
     for k in full:
