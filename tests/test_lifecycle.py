@@ -400,7 +400,7 @@ def test_cli_resume_rules(data, tmp_path):
     _one_error(r, "world size (processes): 2 -> 1")
     r = _seqpar("train", y, "--nproc-per-node", "2", "--max-steps", "4")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"[seqpar] resuming from step 2: {tmp_path / 'run' / 'checkpoint-2'}" in r.stdout
+    assert f"[seqpar] resuming from step 3: {tmp_path / 'run' / 'checkpoint-3'}" in r.stdout  # the last step's
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
 
@@ -426,8 +426,10 @@ def test_cli_ctrl_c_one_line(data, tmp_path):
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
-    # Everything but progress bars (datasets' "Generating train split", DCP's "Writing model shards").
-    lines = [ln for ln in (stdout + stderr).splitlines() if ln.strip() and "it/s]" not in ln and "s/s]" not in ln]
+    # Everything but progress bars (datasets' "Generating train split", DCP's "Writing model shards") and the
+    # run's start line.
+    lines = [ln for ln in (stdout + stderr).splitlines() if ln.strip() and "it/s]" not in ln and "s/s]" not in ln
+             and not ln.startswith("[seqpar] sft fp32: ")]
     assert len(lines) == 1 and lines[0].startswith("seqpar: interrupted; last checkpoint: "), "\n".join(lines)
     assert (out / lines[0].rsplit(": ", 1)[1].split("/")[-1]).is_dir()
     assert not (out / LOCK_NAME).exists()
