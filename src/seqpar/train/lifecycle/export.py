@@ -110,15 +110,18 @@ def _write(model: torch.nn.Module, cfg: TrainConfig, tok: Any, out: Path, merge_
             load_model(cfg).save_pretrained(str(tmp / "base"))  # the frozen base: untouched by LoRA training
             info["base"] = "base/ (AutoModelForCausalLM.from_pretrained(final/base))"
         elif model_kind(cfg) == "smollm2":
-            # The adapter config must not point into this machine's seqpar cache: name the hub model, and say
-            # that training used its Q4_1 GGUF dequantized (seqpar.hf.load_smollm2() rebuilds that exact base).
-            model.peft_config["default"].base_model_name_or_path = SMOLLM2_HUB_ID
             info["base"] = (f"{SMOLLM2_HUB_ID} (trained on its Q4_1 GGUF, dequantized: seqpar.hf.load_smollm2() "
                             "gives that exact base)")
         else:
             info["base"] = cfg.model.name
             model.peft_config["default"].base_model_name_or_path = cfg.model.name
         model.save_pretrained(str(tmp))
+        if model_kind(cfg) == "smollm2":
+            # The adapter config must not point into this machine's seqpar cache: name the hub model (written
+            # after saving, so PEFT does not look the hub up while saving; training used its dequantized GGUF).
+            conf = tmp / "adapter_config.json"
+            conf.write_text(json.dumps({**json.loads(conf.read_text()), "base_model_name_or_path": SMOLLM2_HUB_ID},
+                                       indent=2))
         if merge_lora:
             import copy
 
