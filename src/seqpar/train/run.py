@@ -266,7 +266,9 @@ def finish(loop: Loop, result: TrainResult, metrics_path: Path) -> None:
         curves = {f"{cfg.stage} loss": [(m["step"], m["loss"]) for m in rows if "loss" in m]}
         if loop.eval_examples is not None:
             curves["eval loss"] = [(m["step"], m["eval_loss"]) for m in rows if "eval_loss" in m]
-        title = f"seqpar {cfg.stage}: {cfg.model.name}\n{loop.mesh!r}, world {loop.world}"
+        m = loop.mesh
+        title = (f"seqpar {cfg.stage}: {cfg.model.name}\nsp={m.sp_size} (ulysses {m.ulysses_degree} x ring "
+                 f"{m.ring_degree}, {m.effective_layout}), dp={m.dp_size}, world {loop.world}")
         result.plot_path = str(plot_curves(curves, loop.out / "loss.png", title=title))
     if loop.tensorboard is not None:
         loop.tensorboard.close()
