@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ...errors import SeqParError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "full_model_state"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "full_model_state", "checkpoint_dirs",
+           "checkpoint_step"]
 
 
 def _rank() -> int:
@@ -37,6 +38,18 @@ def _options(trainable_only: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(ignore_frozen_params=trainable_only)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """N of a checkpoint-N folder name (the number after the last '-'; None without one)."""
+    tail = path.name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
+    """The checkpoint-N folders of output_dir, oldest first (complete or not)."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step)
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -93,9 +106,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
         tmp = out / "latest.tmp"
         tmp.write_text(path.name)
         os.replace(tmp, out / "latest")
-        done = sorted((p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                      key=lambda p: int(p.name.split("-")[-1]))
-        for old in done[:-keep_last]:
+        for old in checkpoint_dirs(out)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return path
@@ -157,9 +168,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     try:
         dcp.load(state, checkpoint_id=str(path))  # raises on every rank if one cannot read its part
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint: say which, and what else there is
-        done = sorted((p for p in path.parent.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()
-                       and int(p.name.split("-")[-1]) < int(path.name.split("-")[-1])),
-                      key=lambda p: int(p.name.split("-")[-1]))
+        done = [p for p in checkpoint_dirs(path.parent) if checkpoint_step(p) < checkpoint_step(path)]
         other = (f"the previous checkpoint is {done[-1]}: write {done[-1].name} into {path.parent / 'latest'} to "
                  f"resume from it" if done else "no earlier checkpoint exists")
         raise SeqParError(f"checkpoint {path} cannot be read ({type(e).__name__}): it is damaged; {other}, or delete "

@@ -27,7 +27,7 @@ from ...errors import SeqParError
 from ..config import TrainConfig, config_from_dict
 from ..model.load import apply_lora, load_model, load_tokenizer, model_kind
 from ..model.tokenizers import ByteTokenizer
-from .checkpoint import full_model_state
+from .checkpoint import checkpoint_step, full_model_state
 
 __all__ = ["export_trained", "export_checkpoint", "build_clean_model", "load_exported_tokenizer",
            "checkpoint_config"]
@@ -182,5 +182,5 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, merge_lora: bool = F
             if f"model.{k}" in saved and (not lora or k in trainable)}
     dcp.load({"model": want}, checkpoint_id=str(ckpt))
     _load_state(clean, want, lora, str(ckpt))
-    step = int(ckpt.name.rsplit("-", 1)[-1]) if ckpt.name.rsplit("-", 1)[-1].isdigit() else None
+    step = checkpoint_step(ckpt)
     return _write(clean, cfg, load_tokenizer(cfg), Path(out), merge_lora, step, str(ckpt))

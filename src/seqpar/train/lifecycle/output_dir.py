@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from ...errors import SeqParError
+from .checkpoint import checkpoint_dirs
 
 __all__ = ["RESULT_FILES", "existing_results", "complete_checkpoints", "checkpoint_damage", "refuse_overwrite",
            "clear_results"]
@@ -26,9 +27,7 @@ RESULT_FILES = ("metrics.jsonl", "config.json", "mesh.txt", "loss.png", "final_s
 
 def complete_checkpoints(out: Path) -> list[Path]:
     """checkpoint-N folders whose save finished (DCP metadata and rank 0's trainer state), oldest first."""
-    found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()
-             and (p / ".metadata").is_file() and (p / "trainer_state_rank0.pt").is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+    return [p for p in checkpoint_dirs(out) if (p / ".metadata").is_file() and (p / "trainer_state_rank0.pt").is_file()]
 
 
 def checkpoint_damage(ckpt: Path) -> str | None:

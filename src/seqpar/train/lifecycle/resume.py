@@ -16,8 +16,9 @@ from typing import Any
 
 from ...errors import SeqParError
 from ..config import TrainConfig
+from .checkpoint import checkpoint_step
 from .lock import run_identity
-from .output_dir import checkpoint_damage, complete_checkpoints, refuse_overwrite
+from .output_dir import checkpoint_damage, clear_results, complete_checkpoints, refuse_overwrite
 
 __all__ = ["run_meta", "MUST_MATCH", "find_resume", "config_differences", "resume_point", "checkpoint_to_resume",
            "check_output_dir", "RUN_FILE"]
@@ -79,7 +80,7 @@ def checkpoint_to_resume(out: Path) -> tuple[Path | None, str | None]:
         return out / named, None
     if not good:
         if damaged:
-            worst = max(damaged, key=lambda c: int(c.name.split("-")[-1]))
+            worst = max(damaged, key=checkpoint_step)
             raise SeqParError(f"checkpoint {worst} is damaged ({damaged[worst]}) and no earlier checkpoint is intact: "
                               f"delete the damaged checkpoints and start fresh (--overwrite), or restore them")
         return None, None
@@ -97,7 +98,7 @@ def find_resume(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
     ckpt, _ = checkpoint_to_resume(Path(cfg.output_dir))
     if ckpt is None:
         return None
-    step = int(ckpt.name.rsplit("-", 1)[-1])
+    step = checkpoint_step(ckpt)
     fresh = ("to start fresh over it, set checkpoint.resume: false and overwrite_output_dir: true (--set "
              "checkpoint.resume=false --overwrite), or use a new output_dir; to continue, run with the checkpoint's "
              "settings")
@@ -136,8 +137,6 @@ def resume_point(cfg: TrainConfig, world: int, rank: int, out: Path) -> Path | N
     found = find_resume(cfg, world)
     if rank == 0:
         if found is None:
-            from .output_dir import clear_results
-
             removed = clear_results(out) if cfg.overwrite_output_dir and not _same_run(out) else []
             if removed:
                 print(f"[seqpar] overwrite_output_dir: removed the earlier run's {', '.join(removed)}", flush=True)
