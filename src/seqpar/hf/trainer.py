@@ -35,8 +35,6 @@ Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); DPO
 from __future__ import annotations
 
 import copy
-import math
-import os
 from typing import Any
 
 import torch
@@ -47,14 +45,24 @@ from .. import comm
 from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError
-from ..memory.checkpointing import checkpoint_kwargs, drop_input_require_grads, refuse_offload_on_cpu
 from ..memory.fused_loss import install_fused_head
-from ..memory.tiled_mlp import apply_tiled_mlp, decoder_mlps
+from ..memory.tiled_mlp import apply_tiled_mlp
 from ..mesh import SequenceParallelMesh, init_mesh
 from ..steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
 from .attention import apply_sequence_parallel, is_sequence_parallel
+from .trainer_args import (
+    BF16_ON_CPU,
+    _check_memory_args,
+    _drop_input_grads_after_enable,
+    _has_target,
+    _pad_id,
+    _refuse_unsupported,
+    _say_bf16_on_cpu,
+    _use_cpu_when_no_accelerator,
+)
+from .trainer_eval import SequenceParallelEvaluation
 
-__all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer"]
+__all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer", "BF16_ON_CPU"]
 
 
 class _EpochBatchSampler(BatchSampler):
@@ -77,11 +85,7 @@ class _EpochDataLoader(DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
-def _is_sp_collator(c: Any) -> bool:
-    return isinstance(c, SequenceParallelCollator)
-
-
-class SequenceParallelTrainer(Trainer):
+class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
     """`transformers.Trainer` with exact sequence parallelism (see the module docstring).
 
     Extra keyword arguments: sequence_parallel_size (default: world size), ulysses_degree,
@@ -177,24 +181,6 @@ class SequenceParallelTrainer(Trainer):
             print(f"[seqpar] dropped {dropped} rows with no supervised token (within max_length)", flush=True)
         return dataset if not dropped else torch.utils.data.Subset(dataset, keep)
 
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        """This dp rank's eval rows (dp_rank, dp_rank + dp, ...) in order, each exactly once (no wrap-around)."""
-        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(ds, str):
-            ds = self.eval_dataset[ds]
-        if ds is None:
-            raise SeqParError("no dataset given: pass eval_dataset=")
-        mine = list(range(self.sp_mesh.dp_rank, len(ds), self.sp_mesh.dp_size))
-        bs = self.args.eval_batch_size
-        batches = [mine[i:i + bs] for i in range(0, len(mine), bs)]
-        return DataLoader(ds, batch_sampler=batches, collate_fn=self.data_collator,
-                          num_workers=self.args.dataloader_num_workers)
-
-    def _eval_padding_batches(self, dataset_len: int, own_batches: int) -> int:
-        """How many discarded batches this dp rank runs so every rank runs the longest rank's count."""
-        dp, bs = self.sp_mesh.dp_size, self.args.eval_batch_size
-        return math.ceil(math.ceil(dataset_len / dp) / bs) - own_batches
-
     # ------------------------------------------------------------------ loss
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
         if not batch_samples:
@@ -247,80 +233,6 @@ class SequenceParallelTrainer(Trainer):
             self._sp_metrics, self._sp_metric_n = {}, 0
         super().log(logs, *args, **kwargs)
 
-    # ------------------------------------------------------------------ eval under SP
-    @torch.no_grad()
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
-        """Global token-averaged eval loss (pair-averaged for DPO), computed sequence-parallel."""
-        loader = self.get_eval_dataloader(eval_dataset)
-        n_pad = self._eval_padding_batches(len(loader.dataset), len(loader.batch_sampler))
-        model = self.model
-        was_training = model.training
-        model.eval()
-        total = torch.zeros((), dtype=torch.float64)
-        items = torch.zeros((), dtype=torch.long)
-        try:
-            padding = [(self.data_collator([loader.dataset[0]]), False)] * n_pad
-            for batch, counted in [*((b, True) for b in loader), *padding]:
-                batch = self._prepare_inputs(batch)
-                # Denominator 1 gives this rank's share of the SUM of losses; normalise once at the end.
-                share, _ = micro_batch_loss(model, batch, 1, self.sp_mesh, self._sp_spec, self._sp_reference)
-                if counted:  # a padding batch only keeps this rank's collectives matched with longer ranks'
-                    total += share.detach().double().cpu()
-                    items += count_items([batch], self._sp_spec.stage).cpu()
-        finally:
-            model.train(was_training)
-        total = L.global_loss(total, self.sp_mesh)
-        items = L.global_token_count(items, self.sp_mesh)
-        loss = float(total) / max(int(items), 1)
-        metrics = {f"{metric_key_prefix}_loss": loss, f"{metric_key_prefix}_items": int(items)}
-        if self._sp_spec.stage == "sft":
-            metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 50.0))
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
-
-
-    def predict(self, test_dataset: Any, ignore_keys: Any = None, metric_key_prefix: str = "test") -> Any:
-        raise SeqParError(
-            f"{type(self).__name__}.predict() is not supported: under SP each rank holds logits for its shard of "
-            "the sequence only. Use evaluate() for the loss / perplexity, or predict with the stock "
-            "transformers.Trainer (or model.generate) on one process after training"
-        )
-
-    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise SeqParError(
-            f"{type(self).__name__}.prediction_step() is not supported (logits are sharded over the sequence): "
-            "use evaluate() for the loss, or the stock transformers.Trainer on one process for predictions"
-        )
-
-
-def _refuse_unsupported(name: str, args: Any, kwargs: dict[str, Any]) -> None:
-    """Trainer features that would silently do something else under SP: refuse them (same on every rank)."""
-    for key in ("compute_metrics", "preprocess_logits_for_metrics"):
-        if kwargs.get(key) is not None:
-            raise SeqParError(
-                f"{name}: {key}= is not supported: under SP each rank holds logits for its shard of the sequence "
-                f"only. Drop {key}=; evaluate() reports eval_loss and eval_perplexity (global token-averaged); "
-                "compute other metrics with the stock transformers.Trainer on one process after training"
-            )
-    strategy = getattr(args, "train_sampling_strategy", "random")
-    if strategy in ("group_by_length", "batch_rebalance") or getattr(args, "group_by_length", False):
-        raise SeqParError(
-            f"{name}: train_sampling_strategy={strategy!r} is not supported (the SP sampler shuffles or keeps the "
-            "order; it does not group rows by length): use train_sampling_strategy='random' or 'sequential', "
-            "and packing=True to avoid padding waste"
-        )
-    collator = kwargs.get("data_collator")
-    if collator is not None and not _is_sp_collator(collator):
-        raise SeqParError(
-            f"{name}: data_collator={getattr(collator, '__name__', type(collator).__name__)} is not a seqpar "
-            "collator and cannot shard a batch over the SP ranks: drop data_collator= (rows with input_ids and "
-            "optional labels, -100 = unsupervised, are collated by seqpar.data.SequenceParallelCollator; use "
-            "packing= / max_length= here), or pass a seqpar.data.SequenceParallelCollator yourself; do any "
-            "other per-row preprocessing in the dataset (datasets.Dataset.map)"
-        )
-
-
 class SequenceParallelDPOTrainer(SequenceParallelTrainer):
     """DPO / IPO / SimPO under SP, as a Trainer drop-in.
 
@@ -372,87 +284,3 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
         return dataset  # the pair columns are not model.forward arguments, but the collator needs them
 
 
-def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int) -> None:
-    """Checkpointing / tiled-MLP settings seqpar cannot run exactly fail here, on every rank alike.
-
-    The Trainer enables checkpointing itself in train() with args.activation_checkpointing_kwargs (a.k.a.
-    gradient_checkpointing_kwargs): we make those non-reentrant with whole-layer recomputes, so its own call
-    does what `seqpar train` does (memory.activation_checkpointing).
-    """
-    if tiled_mlp is not False:
-        if not isinstance(tiled_mlp, bool) and (not isinstance(tiled_mlp, int) or tiled_mlp < 1):
-            raise SeqParError(f"tiled_mlp={tiled_mlp!r}: use False, True (automatic tile count) or an int >= 1")
-        if tiled_mlp:
-            decoder_mlps(model)  # raises for MLPs it cannot tile
-    if not getattr(args, "gradient_checkpointing", False):
-        return
-    user = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
-    if isinstance(user, str):
-        raise SeqParError("gradient_checkpointing_kwargs must be a dict here, got a string")
-    ck = checkpoint_kwargs(user)
-    if ck.get("offload"):
-        on_acc = not getattr(args, "use_cpu", False) and torch.accelerator.is_available()
-        refuse_offload_on_cpu("gradient_checkpointing_kwargs={'offload': True}", on_acc)
-    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
-        if hasattr(args, name):
-            setattr(args, name, dict(ck))
-
-
-def _drop_input_grads_after_enable(model: torch.nn.Module) -> None:
-    """Trainer.train() enables checkpointing on the model, and transformers then adds input-require-grads
-    hooks that cost a LoRA run the embedding output's gradient (memory.checkpointing.drop_input_require_grads):
-    remove them right after, as `seqpar train` does."""
-    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
-        enable = getattr(model, name, None)
-        if callable(enable):
-            def enable_then_drop(*a: Any, _enable: Any = enable, **kw: Any) -> Any:
-                out = _enable(*a, **kw)
-                drop_input_require_grads(model)
-                return out
-
-            setattr(model, name, enable_then_drop)
-
-
-def _use_cpu_when_no_accelerator(args: Any) -> None:
-    """Several ranks and no accelerator: make accelerate use multi-CPU DDP (gloo).
-
-    accelerate picks its MULTI_CPU (DDP over gloo) mode only with `use_cpu=True`; without it, on a
-    machine with no GPU it sets up NO distributed training at all, and the model is never wrapped in DDP.
-    """
-    multi = torch.distributed.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if not multi or args.use_cpu or torch.accelerator.current_accelerator() is not None:
-        return
-    args.use_cpu = True
-    # args.device may have been read already: drop the cached device setup so the next read redoes it
-    # (TrainingArguments._setup_devices resets accelerate's state itself).
-    args.__dict__.pop("_setup_devices", None)
-
-
-BF16_ON_CPU = ("[seqpar] bf16=True (TRL's default) on a machine without an accelerator: the forward runs under bf16 "
-               "autocast, slowly on CPU, and results match fp32 only to bf16 rounding (~1e-2 relative; a padded "
-               "batch through stock transformers takes another attention kernel, ~1e-4 apart): pass bf16=False "
-               "for fp32")
-
-
-def _say_bf16_on_cpu(args: Any) -> None:
-    """One line on the main process when bf16 autocast would run on CPU (TRL configs default to bf16=True)."""
-    if getattr(args, "bf16", False) and (args.use_cpu or torch.accelerator.current_accelerator() is None):
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(BF16_ON_CPU, flush=True)
-
-
-def _has_target(row: Any, max_length: int | None) -> bool:
-    """A target exists where labels[t] != -100 for some t >= 1 (the collator shifts on the full row)."""
-    labels = row.get("labels") if isinstance(row, dict) else None
-    labels = row["input_ids"] if labels is None else labels
-    labels = [int(x) for x in (labels.tolist() if hasattr(labels, "tolist") else labels)]
-    return any(lab != -100 for lab in labels[1:max_length])
-
-
-def _pad_id(model: torch.nn.Module, tok: Any) -> int:
-    for src in (tok, getattr(model, "config", None)):
-        for name in ("pad_token_id", "eos_token_id"):
-            v = getattr(src, name, None) if src is not None else None
-            if isinstance(v, int) and v >= 0:
-                return v
-    return 0
