@@ -419,8 +419,10 @@ def test_hf_dpo_trainer_matches_hand_written_dpo_dp2_x_sp2(tmp_path):
 
 
 def test_hf_trainer_refuses_what_it_cannot_do_under_sp(tmp_path):
-    """compute_metrics, predict()/prediction_step(), length-grouped sampling and a foreign data_collator would
-    silently do something else under SP: each is a SeqParError naming the alternative (one process, SP=1)."""
+    """What would silently do something else under SP is a SeqParError naming the alternative (one process, SP=1):
+    include_for_metrics 'loss', compute_metrics / preprocess_logits_for_metrics / predict() for DPO, a
+    preprocess_logits_for_metrics that does not keep positions, prediction_step(), length-grouped sampling and a
+    foreign data_collator. compute_metrics and predict() themselves work (tests/test_trainer_hf_metrics.py)."""
     import datasets
     from transformers import TrainingArguments
 
@@ -436,10 +438,12 @@ def test_hf_trainer_refuses_what_it_cannot_do_under_sp(tmp_path):
     def make(cls=SequenceParallelTrainer, a=None, **kw):
         return cls(model=tiny_model("llama", 2, 1, vocab_size=64, seed=0), args=a or args(), train_dataset=ds, **kw)
 
-    with pytest.raises(SeqParError, match="compute_metrics=.*evaluate\\(\\) reports eval_loss"):
-        make(compute_metrics=lambda p: {})
-    with pytest.raises(SeqParError, match="preprocess_logits_for_metrics"):
+    with pytest.raises(SeqParError, match="include_for_metrics=\\['loss'\\]: 'loss' is not supported.*drop 'loss'"):
+        make(a=args(include_for_metrics=["loss"]), compute_metrics=lambda p: {})
+    with pytest.raises(SeqParError, match="preprocess_logits_for_metrics= is not supported for DPO.*drop it"):
         make(SequenceParallelDPOTrainer, preprocess_logits_for_metrics=lambda a, b: a)
+    with pytest.raises(SeqParError, match="compute_metrics= is not supported for DPO"):
+        make(SequenceParallelDPOTrainer, compute_metrics=lambda p: {})
     for strategy in ("group_by_length", "batch_rebalance"):
         with pytest.raises(SeqParError, match=f"train_sampling_strategy='{strategy}'.*'random' or 'sequential'"):
             make(a=args(train_sampling_strategy=strategy))
@@ -447,10 +451,17 @@ def test_hf_trainer_refuses_what_it_cannot_do_under_sp(tmp_path):
         def my_collate(rows):
             return rows
         make(data_collator=my_collate)
-    t = make(eval_dataset=ds)
-    with pytest.raises(SeqParError, match="predict\\(\\) is not supported.*evaluate\\(\\)"):
-        t.predict(ds)
-    with pytest.raises(SeqParError, match="prediction_step\\(\\) is not supported"):
+    with pytest.raises(SeqParError, match="predict\\(\\) is not supported for DPO.*evaluate\\(\\)"):
+        make(SequenceParallelDPOTrainer).predict(ds)
+    t = make(eval_dataset=ds, compute_metrics=lambda p: {"rows": len(p.label_ids)},
+             preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1).sum(-1))  # mixes positions
+    with pytest.raises(SeqParError, match="preprocess_logits_for_metrics returned \\(2,\\).*position by position"):
+        t.evaluate()
+    with pytest.raises(SeqParError, match="prediction_step\\(\\) is not supported.*with compute_metrics="):
         t.prediction_step(t.model, {}, prediction_loss_only=True)
+    t.preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)
     m = t.evaluate()  # what it offers instead
-    assert m["eval_items"] == 6 and m["eval_loss"] > 0
+    assert m["eval_items"] == 6 and m["eval_loss"] > 0 and m["eval_rows"] == 2
+    p = t.predict(ds)
+    assert p.predictions.shape == p.label_ids.shape == (2, 4) and p.metrics["test_items"] == 6
+    assert p.label_ids.tolist() == [[-100, 6, 7, 8]] * 2

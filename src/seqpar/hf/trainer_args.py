@@ -23,13 +23,14 @@ def _is_sp_collator(c: Any) -> bool:
 
 def _refuse_unsupported(name: str, args: Any, kwargs: dict[str, Any]) -> None:
     """Trainer features that would silently do something else under SP: refuse them (same on every rank)."""
-    for key in ("compute_metrics", "preprocess_logits_for_metrics"):
-        if kwargs.get(key) is not None:
-            raise SeqParError(
-                f"{name}: {key}= is not supported: under SP each rank holds logits for its shard of the sequence "
-                f"only. Drop {key}=; evaluate() reports eval_loss and eval_perplexity (global token-averaged); "
-                "compute other metrics with the stock transformers.Trainer on one process after training"
-            )
+    # compute_metrics / preprocess_logits_for_metrics run under SP (seqpar.hf.trainer_eval); DPO refuses them there.
+    include = getattr(args, "include_for_metrics", None) or []
+    if kwargs.get("compute_metrics") is not None and "loss" in include:
+        raise SeqParError(
+            f"{name}: include_for_metrics={include!r}: 'loss' is not supported (the stock Trainer passes each eval "
+            "batch's mean loss, repeated per row, which depends on how rows are batched over the ranks): drop "
+            "'loss' (eval_loss, seqpar's exact global token mean, is in the returned metrics); 'inputs' is supported"
+        )
     strategy = getattr(args, "train_sampling_strategy", "random")
     if strategy in ("group_by_length", "batch_rebalance") or getattr(args, "group_by_length", False):
         raise SeqParError(
