@@ -16,11 +16,14 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
 - evaluate() runs under SP (no full-length forward on one rank) and reports the global
   token-averaged loss, counting every eval row exactly once (no wrap-around padding: a dp rank
   with fewer rows runs discarded padding batches so the collectives stay matched).
+- compute_metrics / preprocess_logits_for_metrics and predict() work as with the stock Trainer (SFT):
+  preprocess_logits_for_metrics runs per SP shard (it must be per position, e.g. argmax) and its output
+  is gathered in sequence order; rows come back in dataset order, -100 past each row's end
+  (seqpar.hf.trainer_eval). prediction_step() raises (evaluate() / predict() do not use it).
 - refused at init with a SeqParError that names the alternative (they would silently do something
-  else under SP): compute_metrics / preprocess_logits_for_metrics, predict() / prediction_step()
-  (logits are sharded over the sequence), train_sampling_strategy "group_by_length" /
-  "batch_rebalance" (the SP sampler does not group by length), and a data_collator that is not a
-  seqpar collator (it could not shard the batch).
+  else under SP): include_for_metrics "loss", compute_metrics / preprocess_logits_for_metrics for
+  DPO, train_sampling_strategy "group_by_length" / "batch_rebalance" (the SP sampler does not group
+  by length), and a data_collator that is not a seqpar collator (it could not shard the batch).
 - on CPU ranks (several ranks, no accelerator) `use_cpu=True` is set on the TrainingArguments:
   accelerate sets up multi-CPU DDP only with it (without it: no distributed training at all);
 - resume_from_checkpoint is exact, mid-epoch included (the skipped batches and each epoch's
