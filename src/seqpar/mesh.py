@@ -2,11 +2,18 @@
 
 Rank order follows the USP paper's advice: ulysses innermost (contiguous ranks, fastest links),
 then ring, then dp outermost. Global rank = dp_rank * (ring * ulysses) + ring_rank * ulysses + ulysses_rank.
+torchrun numbers ranks node by node, so a Ulysses group stays inside a node when its degree divides the
+processes per node (LOCAL_WORLD_SIZE): the automatic degrees keep to that, explicit ones that do not get a
+warning. Every process group created here gets one timeout (`timeout=`; DeviceMesh subgroups would
+otherwise take torch's global default, 30 minutes, not the default group's).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -15,7 +22,8 @@ import torch.distributed as dist
 from .comm import CommStats
 from .errors import SeqParError
 
-__all__ = ["SequenceParallelMesh", "init_mesh", "auto_degrees", "divisors", "needs_full_sequence"]
+__all__ = ["SequenceParallelMesh", "init_mesh", "auto_degrees", "divisors", "needs_full_sequence", "node_size_from_env",
+           "spans_nodes_message", "group_timeout_override"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -31,14 +39,26 @@ def needs_full_sequence(model_config: Any) -> bool:
     return "linear_attention" in (getattr(cfg, "layer_types", None) or ())
 
 
+def node_size_from_env(world: int) -> int:
+    """Processes per node: LOCAL_WORLD_SIZE (set by torchrun) when it divides the world size, else the world
+    (one node, or nodes of unequal size, where no placement can be promised)."""
+    try:
+        n = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    except ValueError:
+        return world
+    return n if 0 < n <= world and world % n == 0 else world
+
+
 def auto_degrees(sp_size: int, num_heads: int | None = None, num_kv_heads: int | None = None, *,
-                 ulysses_only: bool = False) -> tuple[int, int]:
+                 ulysses_only: bool = False, node_size: int | None = None) -> tuple[int, int]:
     """Pick (ulysses_degree, ring_degree) with ulysses * ring == sp_size.
 
-    With head counts: the largest ulysses degree that divides sp_size, num_heads and num_kv_heads
-    (no dummy heads, no KV replication), the rest ring. Without head counts: pure ring
-    (ulysses=1), which is correct for every head count. ulysses_only (models with linear-attention
-    layers, `needs_full_sequence`): pure Ulysses; softmax heads it does not divide get dummy heads.
+    With head counts: the largest ulysses degree that divides sp_size, num_heads, num_kv_heads and
+    node_size (no dummy heads, no KV replication, and, since ranks are numbered node by node, no Ulysses
+    group across nodes: its all-to-alls stay on the fast intra-node links), the rest ring. Without head
+    counts: pure ring (ulysses=1), which is correct for every head count. ulysses_only (models with
+    linear-attention layers, `needs_full_sequence`): pure Ulysses, whatever node_size says (init_mesh warns
+    when that spans nodes); softmax heads it does not divide get dummy heads.
     """
     if ulysses_only:
         return sp_size, 1
@@ -47,9 +67,25 @@ def auto_degrees(sp_size: int, num_heads: int | None = None, num_kv_heads: int |
     kv = num_kv_heads if num_kv_heads is not None else num_heads
     best = 1
     for u in divisors(sp_size):
-        if num_heads % u == 0 and kv % u == 0:
+        if num_heads % u == 0 and kv % u == 0 and (node_size is None or node_size % u == 0):
             best = u
     return best, sp_size // best
+
+
+def spans_nodes_message(ulysses_degree: int, ring_degree: int, node_size: int, *,
+                        ulysses_only: bool = False) -> str | None:
+    """Why a Ulysses degree that does not divide the processes per node is slow, and the fix (None: it fits)."""
+    if ulysses_degree == 1 or node_size % ulysses_degree == 0:
+        return None
+    sp = ulysses_degree * ring_degree
+    u = max(d for d in divisors(sp) if node_size % d == 0)
+    why = (f"ulysses_degree={ulysses_degree} does not divide the {node_size} processes per node (LOCAL_WORLD_SIZE): "
+           f"some Ulysses groups span nodes and run their all-to-alls over the inter-node network (correct, but "
+           f"slow); ")
+    if ulysses_only:  # linear-attention layers need the whole sequence per rank: pure Ulysses only
+        return why + f"this model needs pure Ulysses, so use a sequence-parallel size that divides {node_size}"
+    return why + (f"set ulysses_degree={u} and ring_degree={sp // u} (ring traffic crosses nodes well), or leave "
+                  f"both unset for the automatic choice")
 
 
 def _heads_from_config(model_config: Any) -> tuple[int, int]:
@@ -138,13 +174,18 @@ def init_mesh(
     model_config: Any = None,
     layout: str = "zigzag",
     device_type: str | None = None,
+    node_size: int | None = None,
+    timeout: timedelta | None = None,
 ) -> SequenceParallelMesh:
     """Build the dp x ring x ulysses mesh. Needs torch.distributed initialised unless world size is 1.
 
     dp = world_size // sp_size. ulysses_degree * ring_degree must equal sp_size; give one, both or
     neither (automatic, see `auto_degrees`; pass head counts or an HF `model_config` for the best
     choice). `layout` is the ring sequence layout: "zigzag" (causal load balance, default) or
-    "contiguous". Every check runs before any process group is created.
+    "contiguous". node_size: processes per node (default: LOCAL_WORLD_SIZE, see `node_size_from_env`);
+    the automatic degrees keep each Ulysses group inside a node, explicit degrees that do not get a
+    warning naming the fix. timeout: for every process group the mesh creates (default: the default
+    group's, as init_process_group(timeout=) set it). Every check runs before any process group is created.
     """
     if not isinstance(sp_size, int) or sp_size < 1:
         raise SeqParError(f"sp_size must be a positive int, got {sp_size!r}")
@@ -164,9 +205,15 @@ def init_mesh(
         if val is not None and (not isinstance(val, int) or val < 1 or sp_size % val != 0):
             ok = ", ".join(str(d) for d in divisors(sp_size))
             raise SeqParError(f"{name}={val!r} must divide sp_size={sp_size}: use one of {ok}")
+    node = node_size if node_size is not None else node_size_from_env(world)
+    if not isinstance(node, int) or node < 1:
+        raise SeqParError(f"node_size={node!r} must be a positive int (processes per node)")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise SeqParError(f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None")
+    full = model_config is not None and needs_full_sequence(model_config)
     if ulysses_degree is None and ring_degree is None:
-        full = model_config is not None and needs_full_sequence(model_config)
-        ulysses_degree, ring_degree = auto_degrees(sp_size, num_heads, num_kv_heads, ulysses_only=full)
+        ulysses_degree, ring_degree = auto_degrees(sp_size, num_heads, num_kv_heads, ulysses_only=full,
+                                                   node_size=node)
     elif ulysses_degree is None:
         ulysses_degree = sp_size // ring_degree
     elif ring_degree is None:
@@ -179,13 +226,17 @@ def init_mesh(
     dp = world // sp_size
     if world == 1:
         return SequenceParallelMesh(dp_size=1, ring_degree=1, ulysses_degree=1, layout=layout)
+    span = spans_nodes_message(ulysses_degree, ring_degree, node, ulysses_only=full)
+    if span is not None and dist.get_rank() == 0:
+        warnings.warn(span, stacklevel=2)
 
     from torch.distributed.device_mesh import DeviceMesh
 
     dtype = device_type or _device_type()
     ranks = torch.arange(world).reshape(dp, ring_degree, ulysses_degree)
-    dm = DeviceMesh(dtype, ranks, mesh_dim_names=("dp", "ring", "ulysses"))
-    sp_mesh = dm["ring", "ulysses"]._flatten("sp")
+    override = tuple(group_timeout_override(timeout, n) for n in (dp, ring_degree, ulysses_degree))
+    dm = DeviceMesh(dtype, ranks, mesh_dim_names=("dp", "ring", "ulysses"), backend_override=override)
+    sp_mesh = dm["ring", "ulysses"]._flatten("sp", backend_override=group_timeout_override(timeout, sp_size))
     rank = dist.get_rank()
     return SequenceParallelMesh(
         dp_size=dp,
@@ -201,3 +252,37 @@ def init_mesh(
         ring_group=dm.get_group("ring"),
         ulysses_group=dm.get_group("ulysses"),
     )
+
+
+def _default_group_timeout() -> timedelta | None:
+    """The default process group's timeout (None where torch does not say)."""
+    pg = dist.distributed_c10d._get_default_group()
+    try:
+        return pg._get_backend(next(iter(pg._device_types))).options._timeout
+    except (AttributeError, RuntimeError, StopIteration):
+        return None
+
+
+def group_timeout_override(timeout: timedelta | None, size: int) -> tuple[str | None, Any]:
+    """The DeviceMesh `backend_override` entry for a mesh dimension of `size` ranks whose groups must time
+    out after `timeout` (None: the default group's timeout).
+
+    Without an override DeviceMesh reuses the default group for a dimension spanning the world and creates
+    every other group with torch's global default timeout (30 minutes; torch/distributed/device_mesh.py,
+    `_init_one_process_group` -> new_group(timeout=None)), whatever init_process_group(timeout=) said.
+    (None, None) keeps the default group where it already has the timeout (no extra communicator).
+    """
+    default = _default_group_timeout()
+    want = timeout if timeout is not None else default
+    if want is None or (size == dist.get_world_size() and want == default):
+        return None, None
+    backend = str(dist.get_backend())
+    if "nccl" in backend:  # NCCL groups take their own Options type (gloo's ignores pg_options)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+    else:
+        from torch._C._distributed_c10d import Backend as _C10dBackend
+
+        opts = _C10dBackend.Options(backend)
+    opts._timeout = want
+    return None, opts

@@ -16,11 +16,12 @@ __all__ = ["resolve_sp_degrees", "validate_for_launch", "steps_for_epochs", "wit
 
 
 def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_heads: int | None, *,
-                       ulysses_only: bool = False) -> tuple[int, int]:
-    """(ulysses, ring) as seqpar.init_mesh will choose them (ulysses_only: models with linear attention)."""
+                       ulysses_only: bool = False, node_size: int | None = None) -> tuple[int, int]:
+    """(ulysses, ring) as seqpar.init_mesh will choose them (ulysses_only: models with linear attention;
+    node_size: processes per node, which an automatic Ulysses degree divides)."""
     u, r = sp.ulysses_degree, sp.ring_degree
     if u is None and r is None:
-        return auto_degrees(sp.size, num_heads, num_kv_heads, ulysses_only=ulysses_only)
+        return auto_degrees(sp.size, num_heads, num_kv_heads, ulysses_only=ulysses_only, node_size=node_size)
     if u is None:
         return sp.size // r, r
     if r is None:
@@ -29,8 +30,10 @@ def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_h
 
 
 def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | None = None,
-                        num_kv_heads: int | None = None, ulysses_only: bool = False) -> tuple[int, int]:
-    """Checks that need the world size and head counts; returns (ulysses, ring). No collectives."""
+                        num_kv_heads: int | None = None, ulysses_only: bool = False,
+                        node_size: int | None = None) -> tuple[int, int]:
+    """Checks that need the world size and head counts; returns (ulysses, ring). No collectives.
+    node_size: processes per node (None: one node holds the world)."""
     sp = cfg.sequence_parallel.size
     if world_size % sp != 0:
         ok = ", ".join(str(d) for d in divisors(world_size))
@@ -38,7 +41,8 @@ def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | N
             f"sequence_parallel.size={sp} does not divide the world size {world_size}: set size to one of "
             f"{ok}, or launch a multiple of {sp} processes (--nproc-per-node)"
         )
-    u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads, ulysses_only=ulysses_only)
+    u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads, ulysses_only=ulysses_only,
+                              node_size=node_size)
     m = required_multiple(r, u, cfg.sequence_parallel.layout if r > 1 else "contiguous")
     for name, ds in (("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset)):
         L = ds.max_length if ds is not None else m

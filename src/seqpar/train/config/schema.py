@@ -7,6 +7,7 @@ world size or the model: config/checks.py.
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -277,9 +278,17 @@ class TrainConfig(_Strict):
     overwrite_output_dir: bool = False
     # A step whose global loss or gradient norm is NaN/inf updates nothing; this many in a row stop the run.
     max_consecutive_nonfinite: int = Field(default=3, ge=1)
+    # How long a collective waits for a rank that does not arrive before it fails (the process group, every
+    # SP / dp subgroup, the FSDP2 mesh); HF's ddp_timeout default. Not compared on resume.
+    timeout_minutes: float = Field(default=30.0, gt=0)
     output_dir: str = "runs/seqpar"  # relative: to the config file when loaded from one, else to the cwd
     seed: int = 0
     progress: bool = True
+
+    @property
+    def collective_timeout(self) -> timedelta:
+        """timeout_minutes as the timedelta torch.distributed takes."""
+        return timedelta(minutes=self.timeout_minutes)
 
     @model_validator(mode="before")
     @classmethod

@@ -5,12 +5,14 @@ weights, applied in that order (docs/memory.md); and the reference log-probs DPO
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 from ...hf import apply_sequence_parallel
 from ...memory.fused_loss import install_fused_head
+from ...mesh import group_timeout_override
 from ...steps import ReferenceLogps, ReferenceTokenLogps
 from ...unwrap import decoder_layers
 from ..config import TrainConfig
@@ -49,7 +51,8 @@ def build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: tor
         prec = MasterWeights(model)
         model.to(torch.bfloat16)
     if cfg.fsdp:
-        apply_fsdp(model, device, world, cfg.precision == "bf16", offload=cfg.fsdp.offload)
+        apply_fsdp(model, device, world, cfg.precision == "bf16", offload=cfg.fsdp.offload,
+                   timeout=cfg.collective_timeout)
     if cfg.memory.fused_loss:  # refuses an architecture it cannot fuse now, before any collective
         for m in (model, ref_model):
             if m is not None:
@@ -97,7 +100,10 @@ def apply_memory_features(cfg: TrainConfig, model: torch.nn.Module, ref_model: t
                 apply_tiled_mlp(target, m.tiled_mlp)
 
 
-def apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: bool, offload: bool = False) -> None:
+def apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: bool, offload: bool = False,
+               timeout: timedelta | None = None) -> None:
+    """FSDP2 over the flattened dp x sp world; its mesh's group times out after `timeout` (None: the default
+    group's timeout; seqpar.mesh.group_timeout_override says why that needs saying)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -107,7 +113,8 @@ def apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: b
     if offload:  # refused on CPU-only runs before the process group (check_memory_features); untested here
         kw["offload_policy"] = CPUOffloadPolicy()
     # FSDP2 over the flattened dp x sp world: every rank holds 1/world of the parameters.
-    fmesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",))
+    fmesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",),
+                             backend_override={"dp_sp": group_timeout_override(timeout, world)})
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=fmesh, **kw)
     fully_shard(model, mesh=fmesh, **kw)
