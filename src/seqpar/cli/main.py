@@ -3,6 +3,7 @@
     seqpar train cfg.yaml                          # one process (SP=1), or inside torchrun
     torchrun --nproc-per-node 4 -m seqpar train cfg.yaml
     seqpar train cfg.yaml --nproc-per-node 4       # re-launches itself under torch.distributed.run
+    seqpar train cfg.yaml --nproc-per-node 8 --nnodes 2 --node-rank R --rdzv-endpoint node0:29500   # each node
     seqpar verify cfg.yaml --steps 20 --nproc-per-node 4
     seqpar check cfg.yaml --nproc-per-node 4       # validate only
     seqpar plan --model llama-3.1-8b --gpus 8 --seq-len 131072   # predict memory/time, recommend a mesh
@@ -59,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true",
                    help="a fresh start may replace an earlier run's results in output_dir (overwrite_output_dir)")
     t.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (resume from checkpoints)")
+    t.add_argument("--nnodes", type=int, default=None,
+                   help="nodes of the run; run `seqpar train` once on each (default: 1, or SLURM's node count)")
+    t.add_argument("--node-rank", type=int, default=None,
+                   help="this node's index; 0 is the node --rdzv-endpoint names (default: 0, or SLURM_NODEID)")
+    t.add_argument("--rdzv-endpoint", default=None,
+                   help="HOST:PORT on node 0 where the nodes meet, the same on every node (default: "
+                        "MASTER_ADDR:MASTER_PORT, or SLURM's first node:29500)")
+    t.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: SLURM's job id, "
+                                                    "else one derived from --rdzv-endpoint)")
     t.add_argument("--emulate-dp", type=int, default=1, help=argparse.SUPPRESS)
 
     v = sub.add_parser("verify", help="run with SP and with SP=1, overlay the loss curves, report max |dloss|")
@@ -103,11 +113,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.overwrite:
         extra["overwrite_output_dir"] = True
     cfg = _load(args, extra)
-    nproc = args.nproc_per_node
-    if nproc and nproc > 1 and not _under_torchrun():
+    nodes = None if _under_torchrun() else _nodes(args)
+    if nodes is not None and nodes.world > 1:
         from ..train.lifecycle.launch import launch, prelaunch_checks
 
-        prelaunch_checks(cfg, nproc)  # dataset, model, resume: exit code 2 before any rank starts
+        # dataset, model, resume: exit code 2 before any rank starts; over nodes the output_dir is rank 0's
+        prelaunch_checks(cfg, nodes.world, node_size=nodes.nproc_per_node, output_dir=not nodes.multi_node)
         passthrough = ["train", args.config] + [f"--set={s}" for s in args.set]
         if args.max_steps is not None:
             passthrough += ["--max-steps", str(args.max_steps)]
@@ -115,7 +126,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             passthrough += ["--output-dir", args.output_dir]
         if args.overwrite:
             passthrough += ["--overwrite"]
-        return launch(cfg, nproc, passthrough, args.max_restarts)
+        return launch(cfg, nodes, passthrough, args.max_restarts)
     from ..train.run import train
 
     res = train(cfg, emulate_dp=args.emulate_dp)
@@ -127,6 +138,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"[seqpar] done: {len(res.steps)} steps this run, last loss {last}; metrics {res.metrics_path}; "
               f"plot {res.plot_path}", flush=True)
     return 0
+
+
+def _nodes(args: argparse.Namespace):
+    """This node's part of the launch: the command line, filled in from SLURM's variables (lifecycle/nodes.py)."""
+    from ..train.lifecycle.nodes import resolve_nodes
+
+    return resolve_nodes(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
+                         env=os.environ)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

@@ -22,13 +22,20 @@ import torch.distributed as dist
 
 from ..errors import SeqParError, TrainingDiverged
 from ..memory.meter import PeakMemoryMeter
-from ..mesh import init_mesh
+from ..mesh import init_mesh, node_size_from_env
 from .config import TrainConfig, validate_for_launch, with_total_steps
 from .dataset.prepare import prepare_examples
 from .grpo.rollout import GRPORollout, grpo_step_spec
 from .lifecycle.checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .lifecycle.export import export_trained
-from .lifecycle.process import init_process_group, maybe_fault, quiet_non_main_ranks, take_lock, watch_parent
+from .lifecycle.process import (
+    init_process_group,
+    maybe_fault,
+    quiet_non_main_ranks,
+    rank0_decides,
+    take_lock,
+    watch_parent,
+)
 from .lifecycle.resume import check_output_dir, resume_point, run_meta
 from .loop.build import build_loop
 from .loop.evaluation import maybe_eval
@@ -55,6 +62,7 @@ class _Prepared:
     model: torch.nn.Module
     ulysses: int
     ring: int
+    node_size: int  # processes per node (LOCAL_WORLD_SIZE); < world over several nodes
 
 
 def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
@@ -76,7 +84,7 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    lock = take_lock(prep.cfg, world, rank)
+    lock = take_lock(prep.cfg, world, rank, multi_node=prep.node_size < world)
     try:
         return _run(prep, world, rank, device, emulate_dp)
     finally:
@@ -88,7 +96,9 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
 def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     """Everything that can fail on the config, before any process group exists; loads the model (seeded)."""
     nh, nkv = model_heads(cfg)
-    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=model_needs_full_sequence(cfg))
+    node = node_size_from_env(world)
+    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=model_needs_full_sequence(cfg),
+                               node_size=node)
     tok = load_tokenizer(cfg)
     if cfg.stage == "grpo" and emulate_dp > 1:
         raise SeqParError("stage: grpo has no emulated-dp reference (seqpar verify): compare runs with dp=1 instead")
@@ -96,19 +106,20 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     eval_data = prepare_examples(cfg, tok, cfg.eval_dataset) if cfg.eval_dataset is not None else None
     cfg = with_total_steps(cfg, len(examples), emulate_dp if emulate_dp > 1 else world // cfg.sequence_parallel.size)
     check_model(cfg, examples)
-    check_output_dir(cfg, world)  # a checkpoint of another run, or earlier results a fresh start would replace
+    if node == world:  # one node: every rank sees the folder; over nodes rank 0 checks it (take_lock)
+        check_output_dir(cfg, world)  # a checkpoint of another run, or earlier results a fresh start would replace
     torch.manual_seed(cfg.seed)
     model = load_model(cfg)
     if loaded_heads(model) != (nh, nkv):
         raise SeqParError(f"model has heads {loaded_heads(model)} but its config said {(nh, nkv)}")
     check_memory_features(cfg, model, on_accelerator=torch.cuda.is_available())
-    return _Prepared(cfg, tok, examples, data_stats, eval_data, model, u, r)
+    return _Prepared(cfg, tok, examples, data_stats, eval_data, model, u, r, node)
 
 
 def _start_process_group(cfg: TrainConfig, world: int, pg_ready: bool) -> bool:
     """The process group this run needs, unless one exists; returns whether it was created here."""
     if world > 1 and not pg_ready:
-        init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=cfg.collective_timeout)
         return True
     if cfg.fsdp and not pg_ready:
         # FSDP2 needs a process group even on one rank (the bf16 reference of `seqpar verify` uses this).
@@ -120,7 +131,7 @@ def _start_process_group(cfg: TrainConfig, world: int, pg_ready: bool) -> bool:
 def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_dp: int) -> TrainResult:
     cfg = prep.cfg
     mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=prep.ulysses, ring_degree=prep.ring,
-                     layout=cfg.sequence_parallel.layout)
+                     layout=cfg.sequence_parallel.layout, node_size=prep.node_size, timeout=cfg.collective_timeout)
     out = Path(cfg.output_dir)
     loop = build_loop(cfg, mesh, prep.model, prep.tok, prep.examples, device, world, rank, emulate_dp=emulate_dp,
                       out=out, eval_data=prep.eval_data)
@@ -153,7 +164,8 @@ def _restore(loop: Loop) -> int:
         out.mkdir(parents=True, exist_ok=True)
     if loop.world > 1:
         dist.barrier()
-    ckpt = resume_point(loop.cfg, loop.world, loop.rank, out)
+    # Rank 0's view of the folder decides (nodes need not share it: take_lock refuses checkpoints then).
+    ckpt = rank0_decides(lambda: resume_point(loop.cfg, loop.world, 0, out), loop.world, loop.rank)
     if ckpt is None:
         return 0
     state = load_checkpoint(ckpt, _state_model(loop), loop.optimizer, trainable_only=_lora(loop))

@@ -1,8 +1,11 @@
-"""`seqpar train|verify --nproc-per-node N`: checks before launch, the launch, and one clear outcome.
+"""`seqpar train|verify --nproc-per-node N [--nnodes M ...]`: checks before launch, the launch, one clear outcome.
 
 Before any rank starts, the launching process runs every check that can fail on input (`prelaunch_checks`:
 config x world size, model refusals, dataset, token ids vs vocab, max_length vs positions, resume rules)
-and takes the output_dir lock; a failure exits with code 2 and one message.
+and takes the output_dir lock; a failure exits with code 2 and one message. Over several nodes (nodes.py)
+each node's launcher runs the input checks, but the output_dir checks and the lock are rank 0's, after the
+process group (process.take_lock): the nodes may not share the folder, and rank 0's node is the
+rendezvous's choice.
 
 The ranks run under torch.distributed's elastic agent IN this process (`torch.distributed.launcher.api.
 elastic_launch`, configured as `torchrun --standalone` would be), so this process sees the outcome as
@@ -28,6 +31,7 @@ from typing import Any
 
 from ...errors import SeqParError, TrainingDiverged
 from ..config import TrainConfig, validate_for_launch
+from .nodes import NodeLaunch
 
 __all__ = ["prelaunch_checks", "launch", "report_rank_error", "ERROR_DIR_ENV", "exit_code"]
 
@@ -35,20 +39,24 @@ ERROR_DIR_ENV = "SEQPAR_ERROR_DIR"
 INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
 
 
-def prelaunch_checks(cfg: TrainConfig, world: int) -> dict[str, int]:
-    """Every input check of `seqpar train`, without weights or processes; returns the dataset stats."""
+def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
+                     output_dir: bool = True) -> dict[str, int]:
+    """Every input check of `seqpar train`, without weights or processes; returns the dataset stats.
+    node_size: processes per node (None: one node); output_dir: also the resume / overwrite rules."""
     from ..dataset.prepare import prepare_examples
     from ..model.checks import check_model, refuse_unsupported_model
     from ..model.load import load_tokenizer, model_heads, model_needs_full_sequence
     from .resume import check_output_dir
 
     nh, nkv = model_heads(cfg)
-    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=model_needs_full_sequence(cfg))
+    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=model_needs_full_sequence(cfg),
+                        node_size=node_size)
     refuse_unsupported_model(cfg)  # before the tokenizer: "not a causal LM" is the message that helps
     tok = load_tokenizer(cfg)
     examples, stats = prepare_examples(cfg, tok)
     check_model(cfg, examples)
-    check_output_dir(cfg, world)
+    if output_dir:
+        check_output_dir(cfg, world)
     return {**stats, "examples": len(examples)}
 
 
@@ -87,34 +95,37 @@ def _quiet_elastic() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _elastic_config(nproc: int, max_restarts: int, run_id: str) -> tuple[Any, Any, list[str]]:
+def _elastic_config(nodes: NodeLaunch, max_restarts: int, run_id: str) -> tuple[Any, Any, list[str]]:
     from torch.distributed.run import config_from_args, get_args_parser
 
-    args = get_args_parser().parse_args(
-        [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
-         "--rdzv-endpoint=localhost:0", f"--rdzv-id={run_id}", "-m", "seqpar"]
-    )
-    return config_from_args(args)
+    return config_from_args(get_args_parser().parse_args(nodes.torchrun_args(max_restarts, run_id)))
 
 
-def launch(cfg: TrainConfig, nproc: int, seqpar_args: list[str], max_restarts: int = 0) -> int:
-    """Run `python -m seqpar <seqpar_args>` on nproc local ranks; returns the exit code to use."""
+def launch(cfg: TrainConfig, nodes: NodeLaunch | int, seqpar_args: list[str], max_restarts: int = 0) -> int:
+    """Run `python -m seqpar <seqpar_args>` on this node's ranks (an int: that many, one node); returns the exit
+    code to use. Over several nodes the lock is rank 0's (module docstring): this launcher only names the run
+    (SEQPAR_RUN_ID), so rank 0 locks in the name of its own node's launcher."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
     from .checkpoint import latest_checkpoint
     from .lock import RUN_ID_ENV, OutputDirLock
 
+    nodes = NodeLaunch(nodes) if isinstance(nodes, int) else nodes
     run_id = uuid.uuid4().hex
     lock = OutputDirLock(cfg.output_dir, run_id=run_id, pid=os.getpid())
-    lock.acquire()
+    if nodes.multi_node:
+        print(f"[seqpar] launching {nodes.describe()}", flush=True)
+    else:
+        lock.acquire()
     errors = Path(tempfile.mkdtemp(prefix="seqpar_errors_"))
     env_before = dict(os.environ)
     os.environ.update({RUN_ID_ENV: run_id, "SEQPAR_LAUNCHER_PID": str(os.getpid()), ERROR_DIR_ENV: str(errors),
                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     try:
-        config, cmd, cmd_args = _elastic_config(nproc, max_restarts, run_id)
+        config, cmd, cmd_args = _elastic_config(nodes, max_restarts, run_id)
         _quiet_elastic()  # after the imports above created the loggers
         elastic_launch(config, cmd)(*cmd_args, *seqpar_args)
         shutil.rmtree(errors, ignore_errors=True)
@@ -126,6 +137,11 @@ def launch(cfg: TrainConfig, nproc: int, seqpar_args: list[str], max_restarts: i
         return INTERRUPTED
     except ChildFailedError as e:
         return _report_failure(e, errors)
+    except RendezvousError as e:  # a node that never came, or a rendezvous closed by a failed node
+        print(f"seqpar: error: the rendezvous of {nodes.describe()} failed ({type(e).__name__}: {e}): start "
+              f"`seqpar train` on every node with the same --nnodes, --rdzv-endpoint and --rdzv-id",
+              file=sys.stderr, flush=True)
+        return 1
     finally:
         os.environ.clear()
         os.environ.update(env_before)

@@ -1,5 +1,6 @@
-"""This process within the run: the process group (env://, per-attempt keys after a torchrun restart),
-the output_dir lock agreed by every rank, quiet non-main ranks, and the test-only fault hook.
+"""This process within the run: the process group (env://, per-attempt keys after a torchrun restart, the
+run's collective timeout), the output_dir lock agreed by every rank (over nodes that may or may not share
+the folder: rank 0's view decides), quiet non-main ranks, and the test-only fault hook.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,9 +21,10 @@ from ... import comm
 from ...errors import SeqParError
 from ..config import TrainConfig
 from .lock import OutputDirLock
+from .resume import check_output_dir
 
 __all__ = ["FAULT_ENV", "maybe_fault", "quiet_non_main_ranks", "init_process_group", "take_lock", "watch_parent",
-           "LAUNCHER_GONE"]
+           "LAUNCHER_GONE", "rank0_decides"]
 
 LAUNCHER_GONE = 143  # the exit code of a rank that stopped because its launcher died (as if SIGTERMed)
 
@@ -56,8 +61,9 @@ def quiet_non_main_ranks() -> None:
         pass
 
 
-def init_process_group(backend: str) -> None:
-    """env:// init; after a torchrun restart, under a per-attempt key prefix.
+def init_process_group(backend: str, timeout: timedelta | None = None) -> None:
+    """env:// init with `timeout` for its collectives (None: torch's default); after a torchrun restart,
+    under a per-attempt key prefix.
 
     torchrun's store outlives a failed attempt, and gloo's rendezvous keys do not change between
     attempts: a restarted rank could read the dead rank's address ("connectFullMesh ... Connection
@@ -65,31 +71,78 @@ def init_process_group(backend: str) -> None:
     """
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restart == 0:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
         return
     store, rank, world = next(dist.rendezvous("env://"))
     dist.init_process_group(backend, store=dist.PrefixStore(f"seqpar_attempt_{restart}", store), rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=timeout)
 
 
-def take_lock(cfg: TrainConfig, world: int, rank: int) -> OutputDirLock:
-    """Rank 0 locks output_dir; its outcome is the first collective, so every rank stops alike. Then every
-    rank holds the lock file too (lock.py: a rank outliving its launcher keeps the folder locked)."""
-    lock = OutputDirLock(cfg.output_dir)
-    err = None
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def rank0_decides(fn: Callable[[], Any], world: int, rank: int) -> Any:
+    """fn() on rank 0 alone, and its value -- or its SeqParError -- on every rank (one broadcast). For
+    decisions that read output_dir: nodes need not share that folder, so rank 0's view decides for all."""
+    value, err = None, None
     if rank == 0:
         try:
-            lock.acquire()
+            value = fn()
         except SeqParError as e:
             err = str(e)
     if world > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        err = comm.broadcast_object(err, 0, device)
+        err, value = comm.broadcast_object((err, value), 0, _device())
     if err is not None:
         raise SeqParError(err)
-    if rank != 0:
+    return value
+
+
+def take_lock(cfg: TrainConfig, world: int, rank: int, multi_node: bool = False) -> OutputDirLock:
+    """Rank 0 locks output_dir (over several nodes it also runs the output_dir checks there, which one node's
+    ranks all run before the process group); its outcome is the first collective, so every rank stops alike.
+    Then every rank that sees the lock file holds it too (lock.py: a rank outliving its launcher keeps the
+    folder locked). Nodes that do not see rank 0's lock file do not share output_dir: they write nothing
+    there, and checkpoints (every rank writes its part, every rank reads them back) are refused."""
+    lock = OutputDirLock(cfg.output_dir)
+
+    def acquire() -> tuple[str, bool]:
+        lock.acquire()
+        try:
+            found = check_output_dir(cfg, world) if multi_node else None
+            return lock.path.read_text(), found is not None
+        except BaseException:
+            lock.release()
+            raise
+
+    stamp, resumes = rank0_decides(acquire, world, rank)
+    sees, everywhere = _sees(lock, stamp, world)
+    if not everywhere and (cfg.checkpoint.every or resumes):
+        if rank == 0:
+            lock.release()
+        why, fix = (("resume from a checkpoint there, which every rank reads", "start fresh elsewhere with "
+                     "checkpoint.every: 0") if resumes else
+                    ("write checkpoints, which every rank writes its part of (and a resume reads back)",
+                     "set checkpoint.every: 0"))
+        raise SeqParError(
+            f"output_dir {cfg.output_dir!r} is not on a filesystem every node shares (some ranks do not see the lock "
+            f"file rank 0 wrote there), and this run would {why}: put output_dir on a shared filesystem (NFS, "
+            f"Lustre, ...), or {fix} (rank 0's node then writes every result alone)")
+    if rank != 0 and sees:
         lock.join()
     return lock
+
+
+def _sees(lock: OutputDirLock, stamp: str, world: int) -> tuple[bool, bool]:
+    """(this rank reads rank 0's lock file, every rank does)."""
+    try:
+        sees = lock.path.read_text() == stamp
+    except OSError:
+        sees = False
+    if world == 1:
+        return sees, sees
+    every = comm.all_reduce_values([float(sees)], dist.group.WORLD, _device(), op=dist.ReduceOp.MIN)[0] > 0
+    return sees, bool(every)
 
 
 def watch_parent(poll_s: float = 0.5) -> None:

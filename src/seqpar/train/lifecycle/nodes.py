@@ -1,0 +1,164 @@
+"""Which nodes a run spans: `seqpar train` flags or SLURM's variables -> torchrun's launch arguments.
+
+    seqpar train cfg.yaml --nproc-per-node 8 --nnodes 2 --node-rank R --rdzv-endpoint node0:29500   # on each node
+    srun --ntasks-per-node=1 seqpar train cfg.yaml --nproc-per-node 8                            # SLURM: the same
+
+Every node runs one launcher; the launchers meet at a c10d rendezvous (`--rdzv-endpoint`, a HOST:PORT on
+node 0 that every node can reach; node 0 hosts its store). torchrun numbers the ranks node by node, so each
+node holds LOCAL_WORLD_SIZE = nproc_per_node consecutive ranks; where global rank 0 lands is the
+rendezvous's choice, and the output_dir logic (process.py, `take_lock`) does not depend on it.
+
+SLURM (an `srun` step, or any process with SLURM_JOB_ID and more than one node in SLURM_STEP_NUM_NODES /
+SLURM_NNODES), for each value the command line leaves out:
+  nnodes          SLURM_STEP_NUM_NODES, else SLURM_NNODES
+  node_rank       SLURM_NODEID
+  rdzv_endpoint   MASTER_ADDR[:MASTER_PORT] when set, else the first host of SLURM_STEP_NODELIST /
+                  SLURM_JOB_NODELIST, port MASTER_PORT or 29500
+  rdzv_id         SLURM_JOB_ID[.SLURM_STEP_ID]
+  nproc_per_node  SLURM_GPUS_ON_NODE
+A step with more than one task per node is refused: each task would start its own nproc_per_node ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ...errors import SeqParError
+
+__all__ = ["NodeLaunch", "resolve_nodes", "first_slurm_host", "DEFAULT_PORT"]
+
+DEFAULT_PORT = 29500  # torchrun's default master port
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """One node's part of a launch: nproc_per_node ranks on node `node_rank` of `nnodes`."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # HOST:PORT, for nnodes > 1
+    rdzv_id: str | None = None  # the same on every node, for nnodes > 1
+    source: str = "command line"  # or "SLURM": where the values came from (the launch line says)
+
+    @property
+    def world(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    def torchrun_args(self, max_restarts: int, run_id: str) -> list[str]:
+        """torch.distributed.run arguments (before the module) for this node's agent."""
+        args = [f"--nproc-per-node={self.nproc_per_node}", f"--max-restarts={max_restarts}", "--rdzv-backend=c10d"]
+        if not self.multi_node:  # as `torchrun --standalone`: a private store on a free local port
+            return args + ["--rdzv-endpoint=localhost:0", f"--rdzv-id={run_id}", "-m", "seqpar"]
+        # is_host: node 0 hosts the rendezvous store at the endpoint; the others connect to it (torch's own
+        # guess from the host name fails on one machine, and for an endpoint on another interface).
+        return args + [f"--nnodes={self.nnodes}", f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}",
+                       f"--rdzv-conf=is_host={'true' if self.node_rank == 0 else 'false'}", "-m", "seqpar"]
+
+    def describe(self) -> str:
+        return (f"node {self.node_rank} of {self.nnodes} ({self.source}), {self.nproc_per_node} processes per node, "
+                f"world {self.world}; rendezvous {self.rdzv_endpoint} (id {self.rdzv_id})")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM hostlist ("gpu[003-004,9],login1" -> "gpu003"; "a[1-2]-ib[3-4]" -> "a1-ib3")."""
+    nodelist = nodelist.strip()
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first top-level comma ends the first host expression
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            end = i
+            break
+    first = re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], nodelist[:end])
+    if not first or "[" in first or "]" in first:
+        raise SeqParError(f"cannot read the first host of SLURM's node list {nodelist!r}: pass --rdzv-endpoint "
+                          f"HOST:PORT")
+    return first
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    v = env.get(name, "").strip()
+    m = re.match(r"^(\d+)", v)  # SLURM_GPUS_ON_NODE / SLURM_NTASKS_PER_NODE may read "4" or "4(x2)"
+    return int(m.group(1)) if m else None
+
+
+def _slurm_nodes(env: Mapping[str, str]) -> int | None:
+    """The node count of this SLURM step (None: not under SLURM)."""
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    return _int(env, "SLURM_STEP_NUM_NODES") or _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
+
+
+def _endpoint(env: Mapping[str, str], slurm: bool) -> str | None:
+    port = env.get("MASTER_PORT") or str(DEFAULT_PORT)
+    if env.get("MASTER_ADDR"):
+        return f"{env['MASTER_ADDR']}:{port}"
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if slurm and nodelist:
+        return f"{first_slurm_host(nodelist)}:{port}"
+    return None
+
+
+def _check_endpoint(ep: str) -> None:
+    host, _, port = ep.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SeqParError(f"--rdzv-endpoint {ep!r}: write it as HOST:PORT (a free port on node 0, the same on every "
+                          f"node, e.g. node0:{DEFAULT_PORT})")
+
+
+def _refuse_tasks_per_node(env: Mapping[str, str], nodes: int) -> None:
+    tasks = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
+    if tasks is not None and tasks > nodes:
+        raise SeqParError(f"this SLURM step runs {tasks} tasks on {nodes} nodes: `seqpar train` starts the "
+                          f"processes of its node itself, so run ONE task per node (srun --ntasks-per-node=1, "
+                          f"#SBATCH --ntasks-per-node=1) and give --nproc-per-node")
+
+
+def resolve_nodes(nproc_per_node: int | None = None, nnodes: int | None = None, node_rank: int | None = None,
+                  rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                  env: Mapping[str, str] | None = None) -> NodeLaunch:
+    """This node's launch from the command line, filled in from SLURM's variables in `env` (module docstring).
+    SeqParError for a launch that cannot work, naming the flag to fix."""
+    env = {} if env is None else env
+    slurm_nodes = _slurm_nodes(env) if nnodes is None or nnodes > 1 else None
+    slurm = slurm_nodes is not None and (nnodes or slurm_nodes) > 1
+    if slurm:
+        _refuse_tasks_per_node(env, slurm_nodes)
+        nnodes = nnodes if nnodes is not None else slurm_nodes
+        node_rank = node_rank if node_rank is not None else _int(env, "SLURM_NODEID")
+        nproc_per_node = nproc_per_node if nproc_per_node is not None else _int(env, "SLURM_GPUS_ON_NODE")
+        step = f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else ""
+        rdzv_id = rdzv_id or f"slurm-{env['SLURM_JOB_ID']}{step}"
+    nnodes = 1 if nnodes is None else nnodes
+    if nnodes < 1:
+        raise SeqParError(f"--nnodes {nnodes}: use the number of nodes (1 or more)")
+    if nproc_per_node is None or nproc_per_node < 1:
+        if nnodes > 1 or nproc_per_node is not None:
+            raise SeqParError(f"--nproc-per-node {nproc_per_node}: give the number of processes per node (GPUs per "
+                              f"node; on CPU, any number >= 1)")
+        nproc_per_node = 1
+    if nnodes == 1:
+        extra = [f for f, v in (("--node-rank", node_rank), ("--rdzv-endpoint", rdzv_endpoint),
+                                ("--rdzv-id", rdzv_id)) if v is not None]
+        if extra:
+            raise SeqParError(f"{', '.join(extra)} only apply to a launch over several nodes: add --nnodes N, or "
+                              f"drop them for one node")
+        return NodeLaunch(nproc_per_node)
+    node_rank = 0 if node_rank is None else node_rank
+    if not 0 <= node_rank < nnodes:
+        raise SeqParError(f"--node-rank {node_rank} is not a node of --nnodes {nnodes}: use 0 .. {nnodes - 1} "
+                          f"(0 on the node whose address --rdzv-endpoint names)")
+    ep = rdzv_endpoint or _endpoint(env, slurm)
+    if ep is None:
+        raise SeqParError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free port, "
+                          f"the same on every node), or MASTER_ADDR and MASTER_PORT in the environment")
+    _check_endpoint(ep)
+    # Every node must name the same rendezvous: without SLURM's job id, the endpoint itself is shared by all.
+    rid = rdzv_id or f"seqpar-{ep}"
+    return NodeLaunch(nproc_per_node, nnodes, node_rank, ep, rid, "SLURM" if slurm else "command line")
