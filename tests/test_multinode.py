@@ -27,8 +27,9 @@ from seqpar.errors import SeqParError
 from seqpar.spawn import free_port
 from seqpar.train.lifecycle.nodes import NodeLaunch, first_slurm_host, resolve_nodes
 
-SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[007-008]",
-         "SLURM_NTASKS": "2", "SLURM_GPUS_ON_NODE": "4"}
+# An srun step over 2 nodes, one task per node, as seen on the second node.
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_NODEID": "1",
+         "SLURM_JOB_NODELIST": "gpu[007-008]", "SLURM_STEP_NUM_TASKS": "2", "SLURM_GPUS_ON_NODE": "4"}
 
 
 def _err(fn, *parts):
@@ -62,13 +63,20 @@ def test_launch_arguments_from_flags_and_slurm():
     s = resolve_nodes(env=SLURM)
     assert (s.nproc_per_node, s.nnodes, s.node_rank, s.rdzv_endpoint, s.rdzv_id, s.source) == \
         (4, 2, 1, "gpu007:29500", "slurm-4242", "SLURM")
-    s = resolve_nodes(2, rdzv_endpoint="x:9", env={**SLURM, "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_NODES": "2"})
+    s = resolve_nodes(2, rdzv_endpoint="x:9", env={**SLURM, "SLURM_STEP_ID": "3"})
     assert (s.nproc_per_node, s.rdzv_endpoint, s.rdzv_id) == (2, "x:9", "slurm-4242.3")
     assert resolve_nodes(env={**SLURM, "MASTER_ADDR": "head", "MASTER_PORT": "7"}).rdzv_endpoint == "head:7"
-    _err(lambda: resolve_nodes(env={**SLURM, "SLURM_NTASKS": "8"}), "8 tasks on 2 nodes", "--ntasks-per-node=1")
-    # A one-node allocation, or --nnodes 1, is a one-node launch whatever SLURM says.
-    assert not resolve_nodes(2, env={**SLURM, "SLURM_NNODES": "1"}).multi_node
+    _err(lambda: resolve_nodes(env={**SLURM, "SLURM_STEP_NUM_TASKS": "8"}), "8 tasks on 2 nodes",
+         "--ntasks-per-node=1")
+    # A one-node step, the batch script itself (no srun step: it runs on the first node only), or --nnodes 1:
+    # a one-node launch whatever the allocation.
+    assert not resolve_nodes(2, env={**SLURM, "SLURM_STEP_NUM_NODES": "1"}).multi_node
+    batch = {k: v for k, v in SLURM.items() if not k.startswith("SLURM_STEP_")}
+    assert not resolve_nodes(2, env=batch).multi_node
     assert not resolve_nodes(2, 1, env=SLURM).multi_node
+    # ... unless --nnodes says otherwise there: the rest still comes from SLURM.
+    b = resolve_nodes(2, 2, env={**batch, "SLURM_NODEID": "0"})
+    assert (b.node_rank, b.rdzv_endpoint, b.rdzv_id) == (0, "gpu007:29500", "slurm-4242")
     assert [first_slurm_host(x) for x in ("n1", "n[3-4],m2", "a[01,7]-ib[2-3]", "x1,y[1-2]")] == \
         ["n1", "n3", "a01-ib2", "x1"]
 

@@ -8,9 +8,9 @@ node 0 that every node can reach; node 0 hosts its store). torchrun numbers the 
 node holds LOCAL_WORLD_SIZE = nproc_per_node consecutive ranks; where global rank 0 lands is the
 rendezvous's choice, and the output_dir logic (process.py, `take_lock`) does not depend on it.
 
-SLURM (an `srun` step, or any process with SLURM_JOB_ID and more than one node in SLURM_STEP_NUM_NODES /
-SLURM_NNODES), for each value the command line leaves out:
-  nnodes          SLURM_STEP_NUM_NODES, else SLURM_NNODES
+SLURM (SLURM_JOB_ID set, and an `srun` step over more than one node, SLURM_STEP_NUM_NODES; or --nnodes > 1
+inside an allocation), for each value the command line leaves out:
+  nnodes          SLURM_STEP_NUM_NODES (the batch script itself, on the first node only, is one node)
   node_rank       SLURM_NODEID
   rdzv_endpoint   MASTER_ADDR[:MASTER_PORT] when set, else the first host of SLURM_STEP_NODELIST /
                   SLURM_JOB_NODELIST, port MASTER_PORT or 29500
@@ -88,11 +88,6 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _slurm_nodes(env: Mapping[str, str]) -> int | None:
-    """The node count of this SLURM step (None: not under SLURM)."""
-    if not env.get("SLURM_JOB_ID"):
-        return None
-    return _int(env, "SLURM_STEP_NUM_NODES") or _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
 
 
 def _endpoint(env: Mapping[str, str], slurm: bool) -> str | None:
@@ -113,7 +108,7 @@ def _check_endpoint(ep: str) -> None:
 
 
 def _refuse_tasks_per_node(env: Mapping[str, str], nodes: int) -> None:
-    tasks = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
+    tasks = _int(env, "SLURM_STEP_NUM_TASKS")
     if tasks is not None and tasks > nodes:
         raise SeqParError(f"this SLURM step runs {tasks} tasks on {nodes} nodes: `seqpar train` starts the "
                           f"processes of its node itself, so run ONE task per node (srun --ntasks-per-node=1, "
@@ -126,11 +121,13 @@ def resolve_nodes(nproc_per_node: int | None = None, nnodes: int | None = None, 
     """This node's launch from the command line, filled in from SLURM's variables in `env` (module docstring).
     SeqParError for a launch that cannot work, naming the flag to fix."""
     env = {} if env is None else env
-    slurm_nodes = _slurm_nodes(env) if nnodes is None or nnodes > 1 else None
-    slurm = slurm_nodes is not None and (nnodes or slurm_nodes) > 1
+    # Only an srun step says how many nodes run this command: SLURM_NNODES is the allocation's, also seen by
+    # the batch script, which runs on the first node alone.
+    step_nodes = _int(env, "SLURM_STEP_NUM_NODES")
+    slurm = bool(env.get("SLURM_JOB_ID")) and (nnodes if nnodes is not None else step_nodes or 1) > 1
     if slurm:
-        _refuse_tasks_per_node(env, slurm_nodes)
-        nnodes = nnodes if nnodes is not None else slurm_nodes
+        nnodes = nnodes if nnodes is not None else step_nodes
+        _refuse_tasks_per_node(env, nnodes)
         node_rank = node_rank if node_rank is not None else _int(env, "SLURM_NODEID")
         nproc_per_node = nproc_per_node if nproc_per_node is not None else _int(env, "SLURM_GPUS_ON_NODE")
         step = f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else ""
