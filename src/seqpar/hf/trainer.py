@@ -64,6 +64,7 @@ from .trainer_args import (
     _use_cpu_when_no_accelerator,
 )
 from .trainer_eval import SequenceParallelEvaluation
+from .trainer_stack import agree_gathers, check_stack_args, fsdp_on_cpu, map_parallelism_config, wrapper_factor
 
 __all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer", "BF16_ON_CPU"]
 
@@ -112,15 +113,19 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
             raise SeqParError("SequenceParallelTrainer needs model= (an HF causal LM)")
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
+        name = type(self).__name__
+        sequence_parallel_size = map_parallelism_config(name, args, sequence_parallel_size)
+        check_stack_args(name, args)
         _use_cpu_when_no_accelerator(args)
         _say_bf16_on_cpu(args)
         _check_memory_args(model, args, tiled_mlp)  # before args.device creates the process group
-        _refuse_unsupported(type(self).__name__, args, kwargs)
+        _refuse_unsupported(name, args, kwargs)
         _ = args.device  # sets up torch.distributed under torchrun (accelerate), before the mesh
         if mesh is None:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            # ddp_timeout reaches seqpar's groups too (accelerate gives it to the default group only).
             mesh = init_mesh(sequence_parallel_size or world, ulysses_degree, ring_degree,
-                             model_config=model.config, layout=layout)
+                             model_config=model.config, layout=layout, timeout=args.ddp_timeout_delta)
         if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
             raise SeqParError(f"loss_chunk_tokens must be >= 1 (or None), got {loss_chunk_tokens}")
         self.sp_mesh = mesh
@@ -144,6 +149,10 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         self._sp_metrics: dict[str, float] = {}
         self._sp_metric_n = 0
         self._sp_truncated = 0  # tokens the SP collator cut at max_length since the last log (nothing lost silently)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        fsdp_on_cpu(self)  # accelerate keeps DDP on CPU even when FSDP is asked for
 
     # ------------------------------------------------------------------ hooks for the DPO subclass
     def _make_spec(self) -> StepSpec:
@@ -193,26 +202,13 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
     def _grad_factor(self, model: torch.nn.Module) -> float:
         if self.sp_mesh.world_size == 1 or not model.training:
             return 1.0
-        from torch.nn.parallel import DistributedDataParallel
-
-        if not isinstance(model, DistributedDataParallel):
-            if self.accelerator.distributed_type.name == "NO":
-                raise SeqParError(
-                    f"{type(self).__name__}: {self.sp_mesh.world_size} ranks, but the Trainer set up no distributed "
-                    f"training (accelerate distributed_type NO), so gradients would not be reduced: on CPU pass "
-                    f"TrainingArguments(use_cpu=True)"
-                )
-            raise SeqParError(
-                f"{type(self).__name__} expects the Trainer to wrap the model in DDP over all dp x sp ranks "
-                f"(it got {type(model).__name__}); FSDP / DeepSpeed through the Trainer are not supported: "
-                "use `seqpar train` with fsdp: true instead"
-            )
-        return L.gradient_reduction_factor(self.sp_mesh)
+        return wrapper_factor(type(self).__name__, model, self.sp_mesh, self.accelerator)
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         if num_items_in_batch is None:  # outside the training loop: this micro-batch alone
             num_items_in_batch = L.global_token_count(count_items([inputs], self._sp_spec.stage), self.sp_mesh)
+        agree_gathers(model, inputs, self.sp_mesh)  # ZeRO-3: the same parameter gathers on every rank
         share, metrics = micro_batch_loss(model, inputs, num_items_in_batch, self.sp_mesh, self._sp_spec,
                                           self._sp_reference)
         if model.training:

@@ -66,7 +66,8 @@ def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int)
     user = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
     if isinstance(user, str):
         raise SeqParError("gradient_checkpointing_kwargs must be a dict here, got a string")
-    ck = checkpoint_kwargs(user)
+    ds = getattr(args, "hf_deepspeed_config", None)
+    ck = checkpoint_kwargs(user, zero3=bool(ds is not None and ds.is_zero3()))
     if ck.get("offload"):
         on_acc = not getattr(args, "use_cpu", False) and torch.accelerator.is_available()
         refuse_offload_on_cpu("gradient_checkpointing_kwargs={'offload': True}", on_acc)

@@ -53,6 +53,7 @@ from ..data import SequenceParallelCollator
 from ..errors import SeqParError
 from ..layout import shard, unshard
 from ..steps import count_items, forward_logits, micro_batch_loss
+from .trainer_stack import agree_gathers
 
 PAD_INDEX = -100  # the stock Trainer's padding index for predictions / labels / inputs
 
@@ -206,6 +207,7 @@ class SequenceParallelEvaluation:
                 batch, rows = batch if want_preds else (batch, None)
                 batch = self._prepare_inputs(batch)
                 # Denominator 1 gives this rank's share of the SUM of losses; normalise once at the end.
+                agree_gathers(model, batch, self.sp_mesh)  # ZeRO-3: the same parameter gathers on every rank
                 share, rows = self._sp_eval_forward(model, batch, rows if counted else [], want_preds)
                 if counted:
                     total += share.detach().double().cpu()

@@ -49,11 +49,18 @@ def refuse_offload_on_cpu(what: str, on_accelerator: bool) -> None:
         )
 
 
-def checkpoint_kwargs(user: dict[str, Any] | None = None) -> dict[str, Any]:
+def checkpoint_kwargs(user: dict[str, Any] | None = None, *, zero3: bool = False) -> dict[str, Any]:
     """`user` checkpoint kwargs (e.g. TrainingArguments.gradient_checkpointing_kwargs) made SP-safe.
 
     Keys the Trainer handles itself (every_n_layers, offload) pass through; use_reentrant=True and
     early_stop=True are refused rather than silently overridden.
+
+    zero3: the model runs under DeepSpeed ZeRO-3, which releases a module's gathered parameters in its
+    post-forward hook. A whole-layer recompute runs the layer's last modules to their end, so those hooks
+    release weights the recomputed graph still holds (backward then finds them empty). With early_stop the
+    recompute ends inside the last op that saves a tensor, before that hook, as in the stock Trainer with
+    ZeRO-3. It stays SP-safe for decoder layers: every rank's last saved tensor is in the MLP (or MoE)
+    after the attention, i.e. after all of the layer's collectives, so no rank stops before one of them.
     """
     out = dict(user or {})
     if out.get("use_reentrant", False):
@@ -68,6 +75,8 @@ def checkpoint_kwargs(user: dict[str, Any] | None = None) -> dict[str, Any]:
             "SP rank (inside a collective): drop early_stop from gradient_checkpointing_kwargs"
         )
     out.update(CHECKPOINT_KWARGS)
+    if zero3:
+        out["early_stop"] = True
     return out
 
 

@@ -196,7 +196,9 @@ def default_chunk_tokens(model: torch.nn.Module) -> int:
     base = _unwrap(model)
     head = base.get_output_embeddings()
     weight = getattr(head, "weight", None)
-    vocab = int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(base.config.vocab_size)
+    # DeepSpeed ZeRO-3 keeps a partitioned parameter as an empty tensor and its real shape in ds_shape.
+    shape = getattr(weight, "ds_shape", getattr(weight, "shape", None))
+    vocab = int(shape[0]) if shape is not None and len(shape) == 2 else int(base.config.vocab_size)
     return max(1, _CHUNK_BYTES // (4 * vocab))
 
 

@@ -12,7 +12,9 @@ Under no_grad the tiles simply run one after the other (same peak, nothing to re
 Exact: the MLP is per token, so tiling only changes the order of independent rows. It composes with layer
 checkpointing (nested non-reentrant checkpoints), LoRA on the MLP projections and FSDP2 (parameters are
 gathered per decoder layer, outside the tiles). There is no collective per tile, so tile counts may
-differ between ranks (dp ranks with different row lengths) without any risk of a hang.
+differ between ranks (dp ranks with different row lengths) without any risk of a hang. DeepSpeed ZeRO-3 is
+the exception: it gathers a projection's parameters at each call, i.e. once per tile, over all ranks, so
+every rank must run the same number of tiles; `same_tile_count` makes them (one MAX all-reduce per forward).
 
 The override is instance-level (`mlp.forward`): no module is replaced, state_dict keys are unchanged.
 MLPs seqpar does not recognise as per-token dense MLPs (mixture-of-experts blocks, unknown structures)
@@ -22,14 +24,18 @@ are refused with a SeqParError.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .. import comm
 from ..errors import SeqParError
 from ..unwrap import decoder_layers
 
-__all__ = ["apply_tiled_mlp", "remove_tiled_mlp", "decoder_mlps", "auto_tile_count", "TiledForward"]
+__all__ = ["apply_tiled_mlp", "remove_tiled_mlp", "decoder_mlps", "auto_tile_count", "TiledForward",
+           "same_tile_count"]
 
 _REFUSE = "set memory.tiled_mlp: false (or tiled_mlp=False for the Trainer drop-in)"
 
@@ -73,8 +79,11 @@ class TiledForward:
     def __init__(self, orig: torch.nn.Module.forward, tiles: int | None) -> None:
         self.orig = orig
         self.tiles = tiles
+        self.exact: int | None = None  # set by same_tile_count: this many tiles, even empty ones
 
     def count(self, x: torch.Tensor) -> int:
+        if self.exact is not None:
+            return self.exact
         seq = x.shape[-2] if x.dim() >= 2 else 1
         n = auto_tile_count(seq, x.shape[-1]) if self.tiles is None else self.tiles
         return max(1, min(n, seq))
@@ -117,3 +126,28 @@ def remove_tiled_mlp(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m.__dict__.get("forward"), TiledForward):
             del m.forward
+
+
+def _tiled(model: torch.nn.Module) -> list[TiledForward]:
+    return [f for m in model.modules() if isinstance(f := m.__dict__.get("forward"), TiledForward)]
+
+
+def same_tile_count(model: torch.nn.Module, seq_len: int, hidden_size: int, groups: Sequence[Any],
+                    device: torch.device) -> int:
+    """From now on every tiled MLP of `model` runs the same number of tiles on every rank: the largest count
+    any rank picks for its local length `seq_len` (a rank with a shorter sequence may run empty tiles).
+    It stays set until the next call, so a layer recomputed in backward (activation checkpointing) runs
+    the tiles its forward ran. A MAX all-reduce over each of `groups` in turn (together: all ranks): call it
+    before each forward, at the same point on every rank, with groups no one else is using at that moment
+    (seqpar's sp / dp groups: DeepSpeed's own collectives on the world group are not ordered with ours)."""
+    fwds = _tiled(model)
+    if not fwds:  # the same model on every rank: all skip the all-reduce alike
+        return 1
+    for f in fwds:
+        f.exact = None
+    n = max(f.count(torch.empty(1, seq_len, hidden_size, device="meta")) for f in fwds)
+    for group in groups:
+        n = int(comm.all_reduce_values([n], group, device, op=torch.distributed.ReduceOp.MAX)[0])
+    for f in fwds:
+        f.exact = n
+    return n
