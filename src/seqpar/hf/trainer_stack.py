@@ -106,10 +106,15 @@ def fsdp_on_cpu(trainer: Any) -> None:
         return
     if state.distributed_type.name != "MULTI_CPU":
         return
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     state.fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)
     state.distributed_type = DistributedType.FSDP
+    # Into PartialState's shared dict as well, as accelerate does on GPUs: every later AcceleratorState() (the
+    # optimizer wrapper in prepare() makes one) copies it over the accelerator's, and with MULTI_CPU back there
+    # get_state_dict (checkpoint saving) returned the sharded DTensors instead of the full weights.
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     trainer.is_fsdp_enabled = True
 
 
