@@ -136,7 +136,8 @@ def prepare_reference(trainer: Any, ref: torch.nn.Module) -> torch.nn.Module:
             cfg.pop(key, None)
         cfg["zero_optimization"].pop("offload_optimizer", None)
         engine, *_ = deepspeed.initialize(model=ref, config=cfg)
-        return engine.eval()
+        engine.eval()  # DeepSpeedEngine.eval() returns None (nn.Module.eval returns the module)
+        return engine
     if getattr(trainer, "is_fsdp_enabled", False):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
