@@ -10,7 +10,9 @@ so a gradient scale or weighting error shows at step 1. TrainingArguments.ddp_ti
 process group of seqpar's mesh. ZeRO-3 runs with stage3_param_persistence_threshold
 0, so every parameter is gathered at each module call (a mismatched gather between ranks would hang or fail).
 DeepSpeed's optimizer offload replaces the client SGD's update with its own, so that case is compared with
-the stock Trainer under the same DeepSpeed config on one process instead.
+the stock Trainer under the same DeepSpeed config on one process instead. Checkpoints (slow): under ZeRO-3 and
+FSDP2 a run saving every 2 steps, resumed from checkpoint-2 in a fresh torchrun, logs the uninterrupted run's
+steps 3 and 4. The TRL drop-ins and DPO under these stacks: tests/test_trainer_stacks_trl.py.
 """
 
 from __future__ import annotations
