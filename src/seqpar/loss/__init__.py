@@ -23,6 +23,7 @@ backward would sum sp identical gradients: each rank therefore backpropagates 1/
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,6 +47,8 @@ __all__ = [
     "chunked_token_stats",
     "token_nll",
     "token_logprob_stats",
+    "token_metric_stats",
+    "TOKEN_METRICS",
     "dpo_loss",
     "gradient_reduction_factor",
     "sum_gradients",
@@ -60,6 +63,10 @@ __all__ = [
 
 IGNORE_INDEX = -100
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
+# Detached per-token statistics for logging (`chunked_token_stats(metrics=)`, `token_metric_stats`), TRL's
+# definitions: the entropy of the next-token distribution, 1.0 where the target is its argmax (the FIRST maximum,
+# as torch.argmax: a tie with an earlier token is not a hit), and the mean logit over the vocabulary.
+TOKEN_METRICS = ("entropy", "is_top1", "mean_logits")
 
 
 # ----------------------------------------------------------------------------- counts and reductions
@@ -151,16 +158,34 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+@torch.no_grad()
+def _metric_stats(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[n, 3] detached TOKEN_METRICS of fp32 logits [n, V] and targets [n]; one [n, V] temporary."""
+    z = logits.detach()
+    lse = torch.logsumexp(z, dim=-1)
+    p = (z - lse[:, None]).exp_()
+    ent = lse - p.mul_(z).sum(-1)  # log Z - E_p[z], TRL's formula
+    del p
+    top1 = (z.argmax(dim=-1) == y).to(z.dtype)
+    return torch.stack([ent, top1, z.mean(dim=-1)], dim=1)
+
+
 def _chunk_stats(
-    h: torch.Tensor, y: torch.Tensor, lm_head: Callable, transform: Callable | None, temperature: float, entropy: bool
+    h: torch.Tensor, y: torch.Tensor, lm_head: Callable, transform: Callable | None, temperature: float, entropy: bool,
+    sink: list | None = None,
 ) -> torch.Tensor:
-    """[n, 1] NLL of the targets, or [n, 2] NLL and entropy, of one chunk's (temperature-scaled) softmax."""
+    """[n, 1] NLL of the targets, or [n, 2] NLL and entropy, of one chunk's (temperature-scaled) softmax.
+
+    sink: an empty list gets the chunk's detached TOKEN_METRICS [n, 3], once: the checkpoint's backward
+    recompute finds it filled and skips them (no gradient, no second pass over the logits)."""
     logits = lm_head(h)
     if transform is not None:  # e.g. Gemma's final-logit softcap, in the head's dtype as the model does it
         logits = transform(logits)
     logits = _upcast(logits)
     if temperature != 1.0:  # after the model's own transform, in fp32 (as RL samplers scale logits)
         logits = logits / temperature
+    if sink is not None and not sink:
+        sink.append(_metric_stats(logits, y))
     if not entropy:
         return F.cross_entropy(logits, y, reduction="none")[:, None]
     logp = torch.log_softmax(logits, dim=-1)
@@ -178,6 +203,7 @@ def chunked_token_stats(
     *,
     temperature: float = 1.0,
     entropy: bool = False,
+    metrics: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(per-token NLL [B, S_local], per-token entropy [B, S_local] or None) from hidden states [B, S_local, H],
     never holding more than one chunk's logits.
@@ -188,6 +214,9 @@ def chunked_token_stats(
     softcapping); then the fp32 logits are divided by `temperature`. entropy=True also returns the
     entropy of that distribution (differentiable). fp32 results (fp64 for fp64 inputs); 0 where not
     supervised.
+    metrics: a dict that gets the detached TOKEN_METRICS, each [B, S_local] (0 where not supervised), from
+    the same chunks' logits, without gradient and computed once per chunk (not again in the backward
+    recompute): for logging (TRL's entropy / mean_token_accuracy / logits metrics).
     """
     if chunk_size < 1:
         raise SeqParError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -200,20 +229,64 @@ def chunked_token_stats(
     if idx.numel() == 0:
         zero = _upcast(lm_head(h[:1])).sum() * 0.0  # keeps every parameter in the graph
         out = zero + torch.zeros(labels.shape, dtype=zero.dtype, device=h.device)
+        if metrics is not None:
+            metrics.update({k: torch.zeros_like(out).detach() for k in TOKEN_METRICS})
         return out, (out.clone() if entropy else None)
     hs, ys = h.index_select(0, idx), y.index_select(0, idx)
     grad = torch.is_grad_enabled()
-    args = (lm_head, transform, temperature, entropy)
+    starts = range(0, idx.numel(), chunk_size)
+    sinks = [[] if metrics is not None else None for _ in starts]
     parts = [
-        checkpoint(_chunk_stats, hs[i : i + chunk_size], ys[i : i + chunk_size], *args, use_reentrant=False)
+        checkpoint(_chunk_stats, hs[i : i + chunk_size], ys[i : i + chunk_size], lm_head, transform, temperature,
+                   entropy, sink, use_reentrant=False)
         if grad
-        else _chunk_stats(hs[i : i + chunk_size], ys[i : i + chunk_size], *args)
-        for i in range(0, idx.numel(), chunk_size)
+        else _chunk_stats(hs[i : i + chunk_size], ys[i : i + chunk_size], lm_head, transform, temperature, entropy,
+                          sink)
+        for i, sink in zip(starts, sinks)
     ]
     stats = torch.cat(parts)
     out = torch.zeros(y.numel(), stats.shape[1], dtype=stats.dtype, device=stats.device).index_add(0, idx, stats)
     nll = out[:, 0].reshape(labels.shape)
+    if metrics is not None:
+        _scatter_metrics(metrics, torch.cat([s[0] for s in sinks]), idx, labels.shape)
     return nll, (out[:, 1].reshape(labels.shape) if entropy else None)
+
+
+def _scatter_metrics(metrics: dict, per_target: torch.Tensor, idx: torch.Tensor, shape: torch.Size) -> None:
+    """Per-target TOKEN_METRICS [n, 3] at flat positions idx -> metrics[name] [shape], 0 elsewhere."""
+    full = torch.zeros(math.prod(shape), per_target.shape[1], dtype=per_target.dtype, device=per_target.device)
+    full.index_copy_(0, idx.to(per_target.device), per_target)
+    metrics.update({k: full[:, j].reshape(shape) for j, k in enumerate(TOKEN_METRICS)})
+
+
+@torch.no_grad()
+def token_metric_stats(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> dict[str, torch.Tensor]:
+    """The detached TOKEN_METRICS ({name: [B, S_local]}, 0 where not supervised) from full logits
+    [B, S_local, V]: the full-logits counterpart of `chunked_token_stats(metrics=)`. Supervised positions go
+    `chunk_tokens` at a time (None: one chunk's fp32 temporaries <= 256 MB), so the cost on top of the logits
+    is one chunk, not another [B, S_local, V]."""
+    _check_inputs(logits, None, None, shift_labels)
+    labels = shift_labels.to(logits.device).long()
+    y = labels.reshape(-1)
+    idx = torch.nonzero(y != ignore_index).reshape(-1)
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    step = chunk_tokens or max(1, (256 * 2**20) // (4 * logits.shape[-1]))
+    parts = []
+    for i in range(0, idx.numel(), step):
+        rows = idx[i : i + step]
+        z = _upcast(flat.index_select(0, rows))
+        parts.append(_metric_stats(z / temperature if temperature != 1.0 else z, y.index_select(0, rows)))
+    per_target = torch.cat(parts) if parts else torch.zeros(0, len(TOKEN_METRICS), device=logits.device)
+    out: dict[str, torch.Tensor] = {}
+    _scatter_metrics(out, per_target, idx, labels.shape)
+    return out
 
 
 def chunked_token_nll(

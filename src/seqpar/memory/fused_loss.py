@@ -55,6 +55,8 @@ class FusedRequest:
     temperature: float = 1.0
     want_entropy: bool = False
     entropy: torch.Tensor | None = None
+    # A dict to fill with the detached per-token seqpar.loss.TOKEN_METRICS (logging), or None.
+    metrics: dict[str, torch.Tensor] | None = None
 
     def result(self, output: Any) -> torch.Tensor:
         """The NLL, tied to the model's (empty) logits output so wrappers' output hooks see the loss."""
@@ -108,7 +110,7 @@ def _fused_forward(self: torch.nn.Module, hidden: torch.Tensor, *args: Any, **kw
 
     req.nll, req.entropy = L.chunked_token_stats(
         hidden, req.shift_labels, head, req.chunk_tokens, req.ignore_index, state.transform,
-        temperature=req.temperature, entropy=req.want_entropy,
+        temperature=req.temperature, entropy=req.want_entropy, metrics=req.metrics,
     )
     # Empty, but computed FROM the NLL: wrappers that walk the autograd graph of the model's outputs
     # (DDP find_unused_parameters=True, the HF Trainer's default) then see lm_head's parameters as used.
@@ -205,11 +207,13 @@ def default_chunk_tokens(model: torch.nn.Module) -> int:
 @contextmanager
 def fused_targets(model: torch.nn.Module, shift_labels: torch.Tensor, chunk_tokens: int | None = None,
                   ignore_index: int = L.IGNORE_INDEX, *, temperature: float = 1.0,
-                  entropy: bool = False) -> Iterator[FusedRequest]:
+                  entropy: bool = False, metrics: dict[str, torch.Tensor] | None = None) -> Iterator[FusedRequest]:
     """Within the block, the model's forward computes the per-token NLL of `shift_labels` [B, S_local]
     (chunks of `chunk_tokens` supervised tokens; None: `default_chunk_tokens`) instead of logits;
     read it with `request.result(output)`. temperature: the NLL (and entropy) of softmax(logits / T);
-    entropy=True: also the per-token entropy, read with `request.entropy_result(output)`."""
+    entropy=True: also the per-token entropy, read with `request.entropy_result(output)`.
+    metrics: a dict the head fills with the detached per-token seqpar.loss.TOKEN_METRICS (entropy, is_top1,
+    mean_logits; [B, S_local], 0 where not supervised) from the same chunks, without gradient (logging)."""
     if chunk_tokens is not None and chunk_tokens < 1:
         raise SeqParError(f"loss_chunk_tokens must be >= 1, got {chunk_tokens}")
     if shift_labels.dim() != 2 or shift_labels.dtype.is_floating_point:
@@ -221,7 +225,7 @@ def fused_targets(model: torch.nn.Module, shift_labels: torch.Tensor, chunk_toke
     if not temperature > 0:
         raise SeqParError(f"temperature must be > 0, got {temperature}")
     req = FusedRequest(shift_labels, chunk_tokens or default_chunk_tokens(model), ignore_index,
-                       temperature=float(temperature), want_entropy=bool(entropy))
+                       temperature=float(temperature), want_entropy=bool(entropy), metrics=metrics)
     state.request = req
     try:
         yield req

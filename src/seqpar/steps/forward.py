@@ -52,26 +52,35 @@ def forward_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
 
 
 def forward_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: bool = True,
-                chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-token NLL [B, S_local] fp32, shift_labels on its device): fused chunked head, or full logits."""
-    nll, _, labels = forward_token_stats(model, batch, fused, chunk_tokens)
+                chunk_tokens: int | None = None, *,
+                metrics: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token NLL [B, S_local] fp32, shift_labels on its device): fused chunked head, or full logits.
+    metrics: as forward_token_stats."""
+    nll, _, labels = forward_token_stats(model, batch, fused, chunk_tokens, metrics=metrics)
     return nll, labels
 
 
 def forward_token_stats(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], fused: bool = True, chunk_tokens: int | None = None,
-    *, temperature: float = 1.0, entropy: bool = False,
+    *, temperature: float = 1.0, entropy: bool = False, metrics: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(per-token NLL, per-token entropy or None, shift_labels on the model's device) of softmax(logits / T),
-    [B, S_local] fp32, 0 where not supervised: fused chunked head, or full logits."""
+    [B, S_local] fp32, 0 where not supervised: fused chunked head, or full logits.
+
+    metrics: a dict that gets the detached per-token seqpar.loss.TOKEN_METRICS of the same distribution
+    (entropy, is_top1, mean_logits; [B, S_local], 0 where not supervised), for logging: from the fused head's
+    chunks (computed once, without gradient), or from the full logits `chunk_tokens` positions at a time."""
     device = next(model.parameters()).device
     labels = batch["shift_labels"].to(device)
     if not fused:
         logits = model(**model_inputs(batch, device, model)).logits
+        if metrics is not None:
+            metrics.update(L.token_metric_stats(logits, labels, chunk_tokens=chunk_tokens, temperature=temperature))
         if temperature == 1.0 and not entropy:
             return L.token_nll(logits, labels), None, labels
         nll, ent = L.token_logprob_stats(logits, labels, temperature=temperature, entropy=entropy)
         return nll, ent, labels
-    with fused_targets(model, labels, chunk_tokens, temperature=temperature, entropy=entropy) as request:
+    with fused_targets(model, labels, chunk_tokens, temperature=temperature, entropy=entropy,
+                       metrics=metrics) as request:
         out = model(**model_inputs(batch, device, model))
     return request.result(out), (request.entropy_result(out) if entropy else None), labels
