@@ -227,12 +227,18 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         share, metrics = micro_batch_loss(model, inputs, num_items_in_batch, self.sp_mesh, self._sp_spec,
                                           self._sp_reference)
         if model.training:
-            for k, v in metrics.items():
-                self._sp_metrics[k] = self._sp_metrics.get(k, 0.0) + float(v)
-            self._sp_metric_n += bool(metrics)
-            self._sp_truncated += int(inputs.get("num_truncated_tokens", 0))  # the full batch's, same on SP ranks
+            self._sp_record_metrics(metrics, inputs)
         loss = share * self._grad_factor(model)
         return (loss, None) if return_outputs else loss
+
+    def _sp_record_metrics(self, metrics: dict[str, Any], inputs: dict[str, Any]) -> None:
+        """A training micro-batch's metrics (micro_batch_loss's per-dp-rank means; the dicts of sums that
+        StepSpec.metric_sums adds are the TRL drop-ins' business) and truncation count, for the next log row."""
+        metrics = {k: v for k, v in metrics.items() if not isinstance(v, dict)}
+        for k, v in metrics.items():
+            self._sp_metrics[k] = self._sp_metrics.get(k, 0.0) + float(v)
+        self._sp_metric_n += bool(metrics)
+        self._sp_truncated += int(inputs.get("num_truncated_tokens", 0))  # the full batch's, same on SP ranks
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if "loss" in logs:  # a training log row, on every rank: tokens max_length cut since the last one

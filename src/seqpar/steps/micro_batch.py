@@ -39,6 +39,9 @@ class StepSpec:
     max_completion_length: int | None = None
     temperature: float = 1.0
     kl_ratio_correction: bool = False  # GRPO: k3 KL x importance ratio (TRL's use_bias_correction_kl)
+    # SFT / DPO: also return the sums TRL's logged metrics are made of (micro_batch_loss, "shard_sums" /
+    # "batch_sums"); computed without gradient from the same forward (the fused head's chunks).
+    metric_sums: bool = False
 
 
 def count_items(micro_batches: Sequence[dict[str, torch.Tensor]], stage: str) -> torch.Tensor:
@@ -80,6 +83,32 @@ def _grpo_loss(
     )
 
 
+def _dpo_reference(
+    batch: dict[str, torch.Tensor], spec: StepSpec, reference: Callable[[dict[str, torch.Tensor]], Any] | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The reference log-prob sums (chosen [B], rejected [B]): precomputed in the batch, or `reference(batch)`;
+    (None, None) for SimPO."""
+    if spec.loss_type == "simpo":
+        return None, None
+    rows = batch["shift_labels"].shape[0]
+    if batch.get("ref_logps") is not None:
+        ref_logps = torch.as_tensor(batch["ref_logps"]).detach()
+        if ref_logps.shape != (rows,):
+            raise SeqParError(
+                f"batch['ref_logps'] has shape {tuple(ref_logps.shape)}, expected ({rows},) (one sum per "
+                f"row, [chosen..., rejected...]): build the batch with SequenceParallelDPOCollator"
+            )
+    elif reference is None:
+        raise SeqParError(
+            f"DPO loss_type={spec.loss_type!r} needs reference log-probs: give a reference model, or rows "
+            f"with precomputed ref_chosen_logps/ref_rejected_logps"
+        )
+    else:
+        ref_logps, _ = reference(batch)
+    n = rows // 2
+    return ref_logps[:n], ref_logps[n:]
+
+
 def micro_batch_loss(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],
@@ -98,32 +127,20 @@ def micro_batch_loss(
     GRPO (`_grpo_loss`): num_items = `count_items(..., "grpo")` reduced with `global_token_count`, or
     a `seqpar.loss.GRPODenominators`; `reference(batch)` (a `ReferenceTokenLogps`) runs only when
     beta != 0 and the batch carries no per-token "ref_logps".
+
+    spec.metric_sums (SFT / DPO): the metrics also hold "shard_sums" and "batch_sums", dicts of 0-dim float64
+    sums (see `_sft_sums` / `_dpo_sums`) from which seqpar.trl computes TRL's logged metrics; the per-token
+    statistics come from the same forward without gradient, so the loss and its gradient are unchanged.
     """
     if spec.stage == "grpo":
         return _grpo_loss(model, batch, num_items, mesh, spec, reference)
+    tok: dict[str, torch.Tensor] | None = {} if spec.metric_sums else None
     if spec.stage == "sft":
-        nll, labels = forward_nll(model, batch, spec.fused_loss, spec.loss_chunk_tokens)
-        return L.sft_loss_from_nll(nll, labels, num_items, mesh=mesh), {}
-    ref_c = ref_r = None
-    rows = batch["shift_labels"].shape[0]
-    if spec.loss_type != "simpo":
-        if batch.get("ref_logps") is not None:
-            ref_logps = torch.as_tensor(batch["ref_logps"]).detach()
-            if ref_logps.shape != (rows,):
-                raise SeqParError(
-                    f"batch['ref_logps'] has shape {tuple(ref_logps.shape)}, expected ({rows},) (one sum per "
-                    f"row, [chosen..., rejected...]): build the batch with SequenceParallelDPOCollator"
-                )
-        elif reference is None:
-            raise SeqParError(
-                f"DPO loss_type={spec.loss_type!r} needs reference log-probs: give a reference model, or rows "
-                f"with precomputed ref_chosen_logps/ref_rejected_logps"
-            )
-        else:
-            ref_logps, _ = reference(batch)
-        n = rows // 2
-        ref_c, ref_r = ref_logps[:n], ref_logps[n:]
-    nll, labels = forward_nll(model, batch, spec.fused_loss, spec.loss_chunk_tokens)
+        nll, labels = forward_nll(model, batch, spec.fused_loss, spec.loss_chunk_tokens, metrics=tok)
+        share = L.sft_loss_from_nll(nll, labels, num_items, mesh=mesh)
+        return share, ({} if tok is None else _sft_sums(tok, labels, batch))
+    ref_c, ref_r = _dpo_reference(batch, spec, reference)
+    nll, labels = forward_nll(model, batch, spec.fused_loss, spec.loss_chunk_tokens, metrics=tok)
     logps, counts = L.sequence_logps_from_nll(nll, labels, mesh)
     n = logps.shape[0] // 2
     if ref_c is not None:
@@ -133,4 +150,51 @@ def micro_batch_loss(
         logps[:n], logps[n:], ref_c, ref_r, beta=spec.beta, loss_type=spec.loss_type,
         chosen_counts=counts[:n], rejected_counts=counts[n:], gamma=spec.gamma, mesh=mesh, num_pairs=num_items,
     )
+    if tok is not None:
+        metrics.update(_dpo_sums(tok, labels, batch, logps.detach(), ref_c, ref_r, spec.beta))
     return share, metrics
+
+
+# ----------------------------------------------------------------------------- metric sums (StepSpec.metric_sums)
+# "shard_sums": over THIS rank's positions (sum them over sp and dp); "batch_sums": of the micro-batch's rows,
+# identical on the SP ranks of a group (sum them over dp only). 0-dim float64 tensors, detached; TRL's metric
+# of a micro-batch is then a ratio of global sums (seqpar.trl.trainer).
+def _sum(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().double().sum()
+
+
+def _sft_sums(tok: dict[str, torch.Tensor], labels: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict:
+    """TRL SFT: entropy and top-1 hits over the supervised (shifted) targets, their count; the input tokens."""
+    mask = labels != L.IGNORE_INDEX
+    shard = {"entropy": _sum(tok["entropy"]), "top1": _sum(tok["is_top1"]), "tokens": _sum(mask)}
+    return {"shard_sums": shard, "batch_sums": {"input_tokens": _input_tokens(batch, mask.device)}}
+
+
+def _input_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The full batch's real (unpadded) input tokens: TRL's attention_mask sum (padding-free: the row length)."""
+    return torch.as_tensor(batch["num_input_tokens"]).to(device).double()
+
+
+def _dpo_sums(tok: dict[str, torch.Tensor], labels: torch.Tensor, batch: dict[str, torch.Tensor],
+              logps: torch.Tensor, ref_c: torch.Tensor | None, ref_r: torch.Tensor | None, beta: float) -> dict:
+    """TRL DPO: entropy over every completion token; logits/* (mean logit) per side; top-1 hits on the chosen
+    side; per pair the rewards beta * (logps - ref_logps) of the SUMMED log-probs (for IPO too, as TRL logs
+    them), their accuracy / margin and the policy log-probs. Rows are [chosen..., rejected...]."""
+    mask = labels != L.IGNORE_INDEX
+    n = mask.shape[0] // 2
+    ch, rj = mask[:n], mask[n:]
+    shard = {
+        "entropy": _sum(tok["entropy"]), "tokens": _sum(mask),
+        "chosen_logits": _sum(tok["mean_logits"][:n]), "chosen_tokens": _sum(ch),
+        "rejected_logits": _sum(tok["mean_logits"][n:]), "rejected_tokens": _sum(rj),
+        "chosen_top1": _sum(tok["is_top1"][:n]),
+    }
+    pc, pr = logps[:n], logps[n:]
+    rows = {"pairs": torch.tensor(float(n), dtype=torch.float64, device=pc.device),
+            "input_tokens": _input_tokens(batch, pc.device)}
+    if ref_c is not None:  # in the log-probs' dtype, as TRL compares them
+        cr, rr = beta * (pc - ref_c), beta * (pr - ref_r)
+        rows.update({"rewards_chosen": _sum(cr), "rewards_rejected": _sum(rr), "rewards_accuracies": _sum(cr > rr),
+                     "rewards_margins": _sum(cr - rr)})
+    rows.update({"logps_chosen": _sum(pc), "logps_rejected": _sum(pr)})
+    return {"shard_sums": shard, "batch_sums": rows}
