@@ -11,6 +11,11 @@ global-token loss normalisation, gradient factor, SP evaluate, memory features):
 from BOTH, seqpar's first, so seqpar's compute_loss / dataloaders / evaluate win and TRL's __init__
 (dataset preparation, reference model bookkeeping) and log run underneath.
 
+Logged metrics: TRL's own, with stock TRL's definitions and averaging (see _TRLMetrics): SFT "entropy",
+"mean_token_accuracy", "num_tokens"; DPO also "logits/chosen|rejected", "rewards/chosen|rejected|accuracies|
+margins", "logps/chosen|rejected". Each rank sums its shard's share of a micro-batch; the sums are reduced over
+sp and dp at the log row, so each value is what stock TRL logs on one process for the same rows.
+
 TRL options that would silently do something else under SP are refused at construction with a
 SeqParError naming the alternative (identically on every rank, before any collective):
 - both: use_liger_kernel, activation_offloading, compute_loss_func, a custom data_collator, vision data;
@@ -29,11 +34,13 @@ from typing import Any
 import torch
 import trl
 
+from .. import comm
 from ..errors import SeqParError
 from ..hf.attention import is_sequence_parallel
 from ..hf.trainer import SequenceParallelDPOTrainer as _HFDPOTrainer
 from ..hf.trainer import SequenceParallelTrainer
 from ..mesh import SequenceParallelMesh
+from ..steps import StepSpec, micro_batch_loss
 from .collators import TRLDPOCollator, TRLSFTCollator
 
 __all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer"]
@@ -114,7 +121,112 @@ def _refuse_moe_aux(trainer: Any) -> None:
                       "set router_aux_loss_coef=0.0 in the config")
 
 
-class SequenceParallelSFTTrainer(SequenceParallelTrainer, trl.SFTTrainer):
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else 0.0  # TRL logs 0.0 for a micro-batch without a counted token
+
+
+class _TRLMetrics:
+    """TRL's logged metrics under SP, equal to what stock TRL logs on one process for the same rows.
+
+    Stock TRL (1.16), per micro-batch: each metric is a ratio of sums gathered over all processes (entropy:
+    sum of per-token entropies / supervised-token count; mean_token_accuracy: argmax hits / that count, over
+    the shifted supervised targets; DPO rewards/logps: the mean over the micro-batch's pairs), appended to a
+    list; the log row averages the list (a mean over micro-batches, not over tokens); "num_tokens" is the
+    running total of input tokens (the attention_mask sum, gathered over processes) since training started.
+
+    Here micro_batch_loss (StepSpec.metric_sums) returns each micro-batch's sums over this rank's positions
+    ("shard_sums") and over its rows ("batch_sums", identical on the SP ranks of a group: only SP rank 0 adds
+    them, so a row counts once). They are kept as tensors and reduced at the next log row: one sum over sp and
+    one over dp for all micro-batches since the previous row (every rank runs the same micro-batches, so every
+    rank issues the same two collectives), then turned into TRL's per-micro-batch ratios and handed to TRL's
+    own log() through its `_metrics`, which averages them as stock. evaluate() does the same for the "eval"
+    metrics of each eval step (a dp rank's discarded padding batch adds zeros); with compute_metrics= (SFT)
+    the eval forward produces full logits for the predictions instead, and the eval row gets no TRL metrics.
+    """
+
+    def _init_trl_metrics(self) -> None:
+        self._sp_trl_sums: dict[str, list] = {"train": [], "eval": []}
+        self._sp_evaluating = False
+
+    def _make_spec(self) -> StepSpec:
+        spec = super()._make_spec()
+        spec.metric_sums = True
+        return spec
+
+    def _trl_values(self, s: dict[str, float]) -> dict[str, float]:
+        """TRL's metrics of one micro-batch from its global sums, in TRL's key order ("num_tokens" only marks
+        its place: the running total is logged)."""
+        raise NotImplementedError
+
+    def _sp_sum_vector(self, metrics: dict[str, Any]) -> tuple[tuple[str, ...], torch.Tensor]:
+        shard, rows = metrics["shard_sums"], metrics["batch_sums"]
+        own = self.sp_mesh.sp_rank == 0
+        vals = [*shard.values(), *(v if own else torch.zeros_like(v) for v in rows.values())]
+        return (*shard, *rows), torch.stack(vals)
+
+    def _sp_record_metrics(self, metrics: dict[str, Any], inputs: dict[str, Any]) -> None:
+        self._sp_trl_sums["train"].append(self._sp_sum_vector(metrics))
+        # TRL's own rewards / logps definitions replace the HF DPO drop-in's; its pair-mean "loss" stays.
+        super()._sp_record_metrics({k: v for k, v in metrics.items() if k == "loss"}, inputs)
+
+    def _sp_flush_trl_metrics(self, mode: str) -> None:
+        """The pending micro-batches' sums -> TRL's `_metrics[mode]` (two collectives, on every rank alike)."""
+        pending, self._sp_trl_sums[mode] = self._sp_trl_sums[mode], []
+        if not pending:  # the same on every rank: one entry per training micro-batch / eval step
+            return
+        keys, dev = pending[0][0], self.sp_mesh.comm_device
+        sums = torch.stack([v for _, v in pending]).to(dev)
+        comm.all_reduce_(sums, self.sp_mesh.sp_group, device=dev)
+        comm.all_reduce_(sums, self.sp_mesh.dp_group, device=dev)
+        for row in sums.cpu().tolist():
+            s = dict(zip(keys, row))
+            if mode == "train":
+                self._total_train_tokens += int(round(s["input_tokens"]))
+            for k, v in self._trl_values(s).items():
+                if k == "num_tokens":
+                    self._metrics[mode][k] = [self._total_train_tokens]
+                else:
+                    self._metrics[mode][k].append(v)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if not self._sp_evaluating:
+            # The Trainer's training rows and its end-of-training row (which, as stock, carries the metrics of
+            # micro-batches after the last logged step): every rank logs them after the same micro-batches.
+            if "loss" in logs or "train_loss" in logs:
+                self._sp_flush_trl_metrics("train")
+            return super().log(logs, *args, **kwargs)
+        self._sp_flush_trl_metrics("eval")
+        # TRL's log() takes the "eval" metrics when the model is in eval mode, as the stock Trainer's eval loop
+        # leaves it; seqpar's evaluate() has restored training mode by now (without this, the eval row would
+        # take, and clear, the pending training metrics).
+        was = self.model.training
+        self.model.training = False
+        try:
+            return super().log(logs, *args, **kwargs)
+        finally:
+            self.model.training = was
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict:
+        self._sp_trl_sums["eval"], self._sp_evaluating = [], True
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._sp_evaluating = False
+
+    def _sp_eval_forward(self, model: torch.nn.Module, batch: dict, rows: list | None,
+                         want_preds: bool) -> tuple[torch.Tensor, list]:
+        if want_preds:  # compute_metrics: the full-logits forward of seqpar.hf.trainer_eval, no TRL metrics
+            return super()._sp_eval_forward(model, batch, rows, want_preds)
+        share, metrics = micro_batch_loss(model, batch, 1, self.sp_mesh, self._sp_spec, self._sp_reference)
+        if self._sp_evaluating:  # not predict(): it logs no row
+            keys, vec = self._sp_sum_vector(metrics)
+            if rows is not None:  # [] = a padding batch: it only keeps the collectives matched, and counts nothing
+                vec = torch.zeros_like(vec)
+            self._sp_trl_sums["eval"].append((keys, vec))
+        return share, []
+
+
+class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTrainer):
     """`trl.SFTTrainer` with exact sequence parallelism (see the module docstring).
 
     Extra keyword arguments as seqpar.hf.SequenceParallelTrainer: sequence_parallel_size (default:
@@ -148,12 +260,17 @@ class SequenceParallelSFTTrainer(SequenceParallelTrainer, trl.SFTTrainer):
         # seqpar's packing path separates them by position_ids / cu_seqlens in its own attention.
         packing = bool(args.packing or args.padding_free)
         self.data_collator = TRLSFTCollator(self.sp_mesh, self._tokenizer.pad_token_id, packing=packing)
+        self._init_trl_metrics()
+
+    def _trl_values(self, s: dict[str, float]) -> dict[str, float]:
+        return {"entropy": _ratio(s["entropy"], s["tokens"]), "mean_token_accuracy": _ratio(s["top1"], s["tokens"]),
+                "num_tokens": 0.0}
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
         return None  # TRL builds its own during __init__; ours (over TRL's rows) replaces it right after
 
 
-class SequenceParallelDPOTrainer(_HFDPOTrainer, trl.DPOTrainer):
+class SequenceParallelDPOTrainer(_TRLMetrics, _HFDPOTrainer, trl.DPOTrainer):
     """`trl.DPOTrainer` with exact sequence parallelism (loss_type "sigmoid" or "ipo").
 
     ref_model: as TRL (default for a PEFT policy: the adapter disabled; otherwise a frozen copy of the
@@ -190,6 +307,21 @@ class SequenceParallelDPOTrainer(_HFDPOTrainer, trl.DPOTrainer):
         if pad is None:
             pad = getattr(getattr(self.processing_class, "tokenizer", None), "pad_token_id", None)
         self.data_collator = TRLDPOCollator(self.sp_mesh, pad, max_length=args.max_length)
+        self._init_trl_metrics()
+
+    def _trl_values(self, s: dict[str, float]) -> dict[str, float]:
+        pairs = s["pairs"]
+        return {
+            "entropy": _ratio(s["entropy"], s["tokens"]), "num_tokens": 0.0,
+            "logits/chosen": _ratio(s["chosen_logits"], s["chosen_tokens"]),
+            "logits/rejected": _ratio(s["rejected_logits"], s["rejected_tokens"]),
+            "mean_token_accuracy": _ratio(s["chosen_top1"], s["chosen_tokens"]),
+            "rewards/chosen": _ratio(s["rewards_chosen"], pairs),
+            "rewards/rejected": _ratio(s["rewards_rejected"], pairs),
+            "rewards/accuracies": _ratio(s["rewards_accuracies"], pairs),
+            "rewards/margins": _ratio(s["rewards_margins"], pairs),
+            "logps/chosen": _ratio(s["logps_chosen"], pairs), "logps/rejected": _ratio(s["logps_rejected"], pairs),
+        }
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
         return None  # TRL builds its own during __init__; ours (over TRL's rows) replaces it right after
