@@ -39,6 +39,7 @@ from ..errors import SeqParError
 from ..hf.attention import is_sequence_parallel
 from ..hf.trainer import SequenceParallelDPOTrainer as _HFDPOTrainer
 from ..hf.trainer import SequenceParallelTrainer
+from ..hf.trainer_stack import is_zero3
 from ..mesh import SequenceParallelMesh
 from ..steps import StepSpec, micro_batch_loss
 from .collators import TRLDPOCollator, TRLSFTCollator
@@ -291,6 +292,8 @@ class SequenceParallelDPOTrainer(_TRLMetrics, _HFDPOTrainer, trl.DPOTrainer):
         model = _instantiate(model, args, peft_config)
         if isinstance(ref_model, str):
             ref_model = _instantiate(ref_model, args, None)
+        if ref_model is None and not hasattr(model, "disable_adapter") and is_zero3(model):
+            ref_model = _reload_reference(name, model, args)  # a ZeRO-3-partitioned policy cannot be copied
         if ref_model is None and not hasattr(model, "disable_adapter"):
             if is_sequence_parallel(model):
                 raise SeqParError(f"{name}: the policy already has SP applied, so it cannot be copied as the "
@@ -325,6 +328,16 @@ class SequenceParallelDPOTrainer(_TRLMetrics, _HFDPOTrainer, trl.DPOTrainer):
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
         return None  # TRL builds its own during __init__; ours (over TRL's rows) replaces it right after
+
+
+def _reload_reference(name: str, model: torch.nn.Module, args: Any) -> torch.nn.Module:
+    """The reference loaded again by name, as stock TRL does (under ZeRO-3 it is partitioned at load too)."""
+    path = getattr(model.config, "_name_or_path", "")
+    if not path:
+        raise SeqParError(f"{name}: the policy is partitioned by DeepSpeed ZeRO-3 and has no name or path to load "
+                          "the reference from: pass ref_model= (loaded after the DPOConfig, like the policy), or "
+                          "train a PEFT adapter (the reference is then the policy with the adapter disabled)")
+    return _instantiate(path, args, None)
 
 
 def _dpo_loss_type(name: str, args: Any) -> str:
