@@ -246,3 +246,44 @@ def test_refuses_tools_and_eval(tmp_path):
     with pytest.raises(SeqParError, match="evaluation"):
         SequenceParallelGRPOTrainer(model=model, reward_funcs=reward_chars, args=args, train_dataset=_dataset(),
                                     eval_dataset=_dataset())
+
+
+GRPO_STACK_SCRIPT = r'''
+import sys
+from trl import GRPOConfig
+from seqpar.errors import SeqParError
+from seqpar.hf import load_smollm2_tokenizer, tiny_model
+from seqpar.trl import SequenceParallelGRPOTrainer
+import datasets
+
+stack, out = sys.argv[1], sys.argv[2]
+kw = ({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if stack == "fsdp2" else
+      {"deepspeed": {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4}})
+args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=2, report_to=[], use_cpu=True,
+                  max_completion_length=8, bf16=False, loss_type="grpo", beta=0.0, **kw)
+ds = datasets.Dataset.from_list([{"prompt": "ab" * (i + 1)} for i in range(8)])
+try:
+    tok = load_smollm2_tokenizer()
+    SequenceParallelGRPOTrainer(model=tiny_model("llama", 4, 2, vocab_size=len(tok), seed=0), processing_class=tok,
+                                reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                                args=args, train_dataset=ds, sequence_parallel_size=2)
+except SeqParError as e:
+    assert "hang" in str(e) and "ZeRO" in str(e), e
+    open(f"{out}/refused.{__import__('os').environ['RANK']}", "w").write(str(e))
+'''
+
+
+@pytest.mark.parametrize("stack", [pytest.param("fsdp2", marks=pytest.mark.slow), "zero3"])
+def test_grpo_under_fsdp_or_zero3_is_refused_before_any_rollout(tmp_path, stack):
+    """Rollouts run on one rank per SP group; FSDP's / ZeRO-3's gathers need every rank: refused at construction
+    on every rank (it used to hang in the first rollout)."""
+    import sys
+
+    from procs import run_script
+
+    pytest.importorskip("deepspeed")
+    script = tmp_path / "grpo_stack.py"
+    script.write_text(GRPO_STACK_SCRIPT)
+    run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                stack, str(tmp_path)], tmp_path, timeout=240)
+    assert sorted(p.name for p in tmp_path.glob("refused.*")) == ["refused.0", "refused.1"]

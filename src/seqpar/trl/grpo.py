@@ -172,6 +172,17 @@ def _rows(inputs: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
     return out
 
 
+def _refuse_sharded_generation(trainer: Any) -> None:
+    """Generation runs on one rank per SP group, but FSDP's and ZeRO-3's parameter gathers need every rank: the
+    others would wait in the SP broadcast while it waits in a gather (a hang). Refused before any rollout."""
+    ds = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if getattr(trainer, "is_fsdp_enabled", False) or (ds is not None and ds.zero_stage == 3):
+        raise _refuse(type(trainer).__name__, "FSDP / DeepSpeed ZeRO-3 through the TrainingArguments",
+                      "rollouts run on one rank per SP group while sharded parameters need every rank to gather "
+                      "them: the run would hang", "train GRPO with DDP or ZeRO-1/2 here (drop fsdp= / use ZeRO "
+                      "stage 1 or 2), or with `seqpar train` (stage: grpo)")
+
+
 class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
     """`trl.GRPOTrainer` with exact sequence parallelism (loss_type "grpo", "bnpo" or "dr_grpo").
 
@@ -203,6 +214,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
             **_sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
                          loss_chunk_tokens, tiled_mlp), **kwargs)
         _refuse_moe_aux(self)
+        _refuse_sharded_generation(self)
         # TRL sized the generation batch with the world size; under SP only dp ranks take prompts.
         per_step = self._train_batch_size * args.steps_per_generation * self.sp_mesh.dp_size
         if per_step % args.num_generations:
