@@ -93,6 +93,7 @@ def _check(tmp_path, nproc: int, sp: int, dp_shard: int) -> None:
     assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= 1e-5, (got, ref)
 
 
+@pytest.mark.slow
 def test_parallelism_config_sp2_becomes_the_seqpar_mesh(tmp_path):
     _check(tmp_path, 2, 2, 1)
 

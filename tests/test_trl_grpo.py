@@ -273,7 +273,8 @@ except SeqParError as e:
 '''
 
 
-@pytest.mark.parametrize("stack", [pytest.param("fsdp2", marks=pytest.mark.slow), "zero3"])
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", ["fsdp2", "zero3"])
 def test_grpo_under_fsdp_or_zero3_is_refused_before_any_rollout(tmp_path, stack):
     """Rollouts run on one rank per SP group; FSDP's / ZeRO-3's gathers need every rank: refused at construction
     on every rank (it used to hang in the first rollout)."""
