@@ -143,6 +143,7 @@ SLOW = [
 ]
 
 
+@pytest.mark.slow  # the fast suite was at 15.3 min on 2 cores; the one-process kernel test below stays fast
 def test_trl_metrics_sp2_match_stock_trl(tmp_path):
     _run(FAST, 2, tmp_path)
 
