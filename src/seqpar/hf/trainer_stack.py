@@ -28,6 +28,7 @@ import torch
 
 from .. import loss as L
 from ..errors import SeqParError
+from ..memory.sharding import shard_over_world
 from ..memory.tiled_mlp import same_tile_count
 from ..mesh import SequenceParallelMesh
 
@@ -139,16 +140,9 @@ def prepare_reference(trainer: Any, ref: torch.nn.Module) -> torch.nn.Module:
         engine.eval()  # DeepSpeedEngine.eval() returns None (nn.Module.eval returns the module)
         return engine
     if getattr(trainer, "is_fsdp_enabled", False):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        from ..unwrap import decoder_layers
-
         ref.to(trainer.args.device)
-        fmesh = init_device_mesh(trainer.args.device.type, (torch.distributed.get_world_size(),))
-        for layer in decoder_layers(ref):
-            fully_shard(layer, mesh=fmesh)
-        fully_shard(ref, mesh=fmesh)
+        shard_over_world(ref, trainer.args.device.type, torch.distributed.get_world_size(),
+                         trainer.args.ddp_timeout_delta)
         return ref
     return ref.to(trainer.args.device)
 

@@ -12,9 +12,8 @@ import torch
 
 from ...hf import apply_sequence_parallel
 from ...memory.fused_loss import install_fused_head
-from ...mesh import group_timeout_override
+from ...memory.sharding import shard_over_world
 from ...steps import ReferenceLogps, ReferenceTokenLogps
-from ...unwrap import decoder_layers
 from ..config import TrainConfig
 from .load import apply_lora
 from .precision import MasterWeights
@@ -104,17 +103,11 @@ def apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: b
                timeout: timedelta | None = None) -> None:
     """FSDP2 over the flattened dp x sp world; its mesh's group times out after `timeout` (None: the default
     group's timeout; seqpar.mesh.group_timeout_override says why that needs saying)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     kw: dict[str, Any] = {}
     if bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload:  # refused on CPU-only runs before the process group (check_memory_features); untested here
         kw["offload_policy"] = CPUOffloadPolicy()
-    # FSDP2 over the flattened dp x sp world: every rank holds 1/world of the parameters.
-    fmesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",),
-                             backend_override={"dp_sp": group_timeout_override(timeout, world)})
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=fmesh, **kw)
-    fully_shard(model, mesh=fmesh, **kw)
+    shard_over_world(model, device.type, world, timeout, **kw)
