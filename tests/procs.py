@@ -12,6 +12,26 @@ from pathlib import Path
 _TEARDOWN_ABORT = "terminate called without an active exception"
 
 
+# 16 ragged SFT rows (token ids 3..63, first 5 positions unsupervised) as `ds`, and `pad_collate`, the stock
+# Trainer's padding collator for them: shared by the scripts that compare the drop-ins with the stock Trainer
+# under DeepSpeed / FSDP / ParallelismConfig. Pasted into those scripts (they run from temporary folders).
+SFT_ROWS_SCRIPT = r'''g = torch.Generator().manual_seed(0)
+rows = []
+for i in range(16):
+    n = int(torch.randint(20, 60, (1,), generator=g))
+    ids = torch.randint(3, 64, (n,), generator=g).tolist()
+    rows.append({"input_ids": ids, "labels": [-100] * 5 + ids[5:]})
+ds = datasets.Dataset.from_list(rows)
+
+def pad_collate(batch):
+    m = max(len(r["input_ids"]) for r in batch)
+    ids = torch.tensor([r["input_ids"] + [0] * (m - len(r["input_ids"])) for r in batch])
+    lab = torch.tensor([r["labels"] + [-100] * (m - len(r["labels"])) for r in batch])
+    att = torch.tensor([[1] * len(r["input_ids"]) + [0] * (m - len(r["input_ids"])) for r in batch])
+    return {"input_ids": ids, "labels": lab, "attention_mask": att}
+'''
+
+
 def run_script(cmd: list[str], cwd: Path, result: Path | None = None, timeout: float = 400) -> None:
     """Run `cmd` (1 thread per process); fail with its output unless it exited 0.
 

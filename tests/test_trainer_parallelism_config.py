@@ -13,7 +13,7 @@ import json
 import sys
 
 import pytest
-from procs import run_script
+from procs import SFT_ROWS_SCRIPT, run_script
 
 pytest.importorskip("deepspeed")
 
@@ -25,21 +25,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from seqpar.hf.trainer import SequenceParallelTrainer
 
 mode, out, model_dir, sp, dp_shard = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-g = torch.Generator().manual_seed(0)
-rows = []
-for i in range(16):
-    n = int(torch.randint(20, 60, (1,), generator=g))
-    ids = torch.randint(3, 64, (n,), generator=g).tolist()
-    rows.append({"input_ids": ids, "labels": [-100] * 5 + ids[5:]})
-ds = datasets.Dataset.from_list(rows)
-
-def pad_collate(batch):
-    m = max(len(r["input_ids"]) for r in batch)
-    ids = torch.tensor([r["input_ids"] + [0] * (m - len(r["input_ids"])) for r in batch])
-    lab = torch.tensor([r["labels"] + [-100] * (m - len(r["labels"])) for r in batch])
-    att = torch.tensor([[1] * len(r["input_ids"]) + [0] * (m - len(r["input_ids"])) for r in batch])
-    return {"input_ids": ids, "labels": lab, "attention_mask": att}
-
+''' + SFT_ROWS_SCRIPT + r'''
 kw = {}
 if mode == "sp":  # the ALST recipe: ZeRO-3 + parallelism_config(sp_backend="deepspeed", sp_size, dp_shard_size)
     kw["parallelism_config"] = ParallelismConfig(sp_backend="deepspeed", sp_size=sp, dp_shard_size=dp_shard)

@@ -21,7 +21,7 @@ import json
 import sys
 
 import pytest
-from procs import run_script
+from procs import SFT_ROWS_SCRIPT, run_script
 
 pytest.importorskip("deepspeed")
 
@@ -34,21 +34,7 @@ from seqpar.hf.trainer import SequenceParallelTrainer
 mode, stack, out, model_dir = sys.argv[1:5]
 opts = set(sys.argv[5].split(",")) if len(sys.argv) > 5 and sys.argv[5] else set()
 resume = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6] else None  # a checkpoint folder to resume from
-g = torch.Generator().manual_seed(0)
-rows = []
-for i in range(16):
-    n = int(torch.randint(20, 60, (1,), generator=g))
-    ids = torch.randint(3, 64, (n,), generator=g).tolist()
-    rows.append({"input_ids": ids, "labels": [-100] * 5 + ids[5:]})
-ds = datasets.Dataset.from_list(rows)
-
-def pad_collate(batch):
-    m = max(len(r["input_ids"]) for r in batch)
-    ids = torch.tensor([r["input_ids"] + [0] * (m - len(r["input_ids"])) for r in batch])
-    lab = torch.tensor([r["labels"] + [-100] * (m - len(r["labels"])) for r in batch])
-    att = torch.tensor([[1] * len(r["input_ids"]) + [0] * (m - len(r["input_ids"])) for r in batch])
-    return {"input_ids": ids, "labels": lab, "attention_mask": att}
-
+''' + SFT_ROWS_SCRIPT + r'''
 kw = {}
 if stack.startswith("zero"):
     zo = {"stage": int(stack[4]), "stage3_param_persistence_threshold": 0}
