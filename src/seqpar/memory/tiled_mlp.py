@@ -123,13 +123,12 @@ def apply_tiled_mlp(model: torch.nn.Module, tiles: bool | int = True) -> int:
 
 
 def remove_tiled_mlp(model: torch.nn.Module) -> None:
-    for m in model.modules():
-        if isinstance(m.__dict__.get("forward"), TiledForward):
-            del m.forward
+    for m in _tiled_modules(model):
+        del m.forward
 
 
-def _tiled(model: torch.nn.Module) -> list[TiledForward]:
-    return [f for m in model.modules() if isinstance(f := m.__dict__.get("forward"), TiledForward)]
+def _tiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m.__dict__.get("forward"), TiledForward)]
 
 
 def same_tile_count(model: torch.nn.Module, seq_len: int, hidden_size: int, groups: Sequence[Any],
@@ -140,7 +139,7 @@ def same_tile_count(model: torch.nn.Module, seq_len: int, hidden_size: int, grou
     the tiles its forward ran. A MAX all-reduce over each of `groups` in turn (together: all ranks): call it
     before each forward, at the same point on every rank, with groups no one else is using at that moment
     (seqpar's sp / dp groups: DeepSpeed's own collectives on the world group are not ordered with ours)."""
-    fwds = _tiled(model)
+    fwds = [m.forward for m in _tiled_modules(model)]
     if not fwds:  # the same model on every rank: all skip the all-reduce alike
         return 1
     for f in fwds:
