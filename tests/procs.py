@@ -32,6 +32,16 @@ def pad_collate(batch):
 '''
 
 
+def write_sft_rows(folder: Path) -> Path:
+    """8 short Alpaca rows (instruction / response) as folder/sft.jsonl; returns `folder`."""
+    import json
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    with open(folder / "sft.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"instruction": " ".join(words[i:i + 3]), "response": " ".join(words[:i + 2])}) + "\n")
+    return folder
+
 def run_script(cmd: list[str], cwd: Path, result: Path | None = None, timeout: float = 400) -> None:
     """Run `cmd` (1 thread per process); fail with its output unless it exited 0.
 

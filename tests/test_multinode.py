@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from procs import write_sft_rows
 
 from seqpar.errors import SeqParError
 from seqpar.spawn import free_port
@@ -183,16 +184,9 @@ def test_collective_timeout_reaches_every_group(tmp_path):
 
 
 # ----------------------------------------------------------------------------- two nodes on this machine
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("multinode")
-    with open(d / "sft.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"instruction": " ".join(WORDS[i:i + 3]), "response": " ".join(WORDS[:i + 2])}) + "\n")
-    return d
+    return write_sft_rows(tmp_path_factory.mktemp("multinode"))
 
 
 def _yaml(data: Path, path: Path, **over) -> str:

@@ -19,17 +19,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+from procs import write_sft_rows
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("outdir")
-    with open(d / "sft.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"instruction": " ".join(WORDS[i:i + 3]), "response": " ".join(WORDS[:i + 2])}) + "\n")
-    return d
+    return write_sft_rows(tmp_path_factory.mktemp("outdir"))
 
 
 def _yaml(data: Path, out: Path, name: str = "cfg.yaml", **over) -> str:
