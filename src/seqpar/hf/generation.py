@@ -22,7 +22,6 @@ from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 from ..unwrap import base_model as _base_model
-from .attention import _backbone
 
 __all__ = ["sequence_parallel_paused", "generate_for_group", "sampling_seed", "group_source_rank"]
 
@@ -41,24 +40,35 @@ def sequence_parallel_paused(model: torch.nn.Module) -> Iterator[torch.nn.Module
     if state is None:
         yield model
         return
-    backbone = _backbone(base)
+    # Every hook dict an SP handle lives in (the decoder's plan hook; a Qwen-VL model's input guard on its
+    # outer model) is restored wholesale (same OrderedDict contents and order), not re-registered; the
+    # Gated DeltaNet layers' instance forwards are lifted so the class forward runs, and put back.
+    dicts: list = []
+    for h in state.handles:
+        for ref in (h.hooks_dict_ref, *getattr(h, "extra_dict_ref", ())):
+            d = ref()
+            if d is not None and all(d is not x for x, _ in dicts):
+                dicts.append((d, d.copy()))
     owners = [(m, m.config) for m in (ref() for ref in state.restore["owners"]) if m is not None]
-    # The hook dicts are restored wholesale (same OrderedDict contents and order), not re-registered.
-    saved = {name: getattr(backbone, name).copy() for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")}
+    linear = [m for m in (ref() for ref in state.restore.get("linear", [])) if m is not None]
+    forwards = [(m, m.__dict__["forward"]) for m in linear if "forward" in m.__dict__]
     try:
         for m, _ in owners:
             m.config = state.restore["config"]
-        for h in state.handles:
-            for name in saved:
-                getattr(backbone, name).pop(h.id, None)
+        for d, _ in dicts:
+            for h in state.handles:
+                d.pop(h.id, None)
+        for m, _ in forwards:
+            del m.__dict__["forward"]
         yield model
     finally:
         for m, cfg in owners:
             m.config = cfg
-        for name, hooks in saved.items():
-            d = getattr(backbone, name)
+        for d, hooks in dicts:
             d.clear()
             d.update(hooks)
+        for m, fwd in forwards:
+            m.__dict__["forward"] = fwd
 
 
 def sampling_seed(seed: int, step: int, dp_rank: int) -> int:
