@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace, extra: dict[str, Any] | None = None):
     from ..train.config import load_config
+    from ..train.config.checks import add_reward_search_path
+
+    add_reward_search_path(args.config)  # GRPO reward modules: config folder + working directory, every mode
 
     ov = _overrides(args.set)
     ov.update(extra or {})

@@ -1,18 +1,30 @@
 """Checks of a run's configuration that need more than the YAML: the world size, the model's head
 counts, the dataset's size. They read files but never touch torch.distributed, so a bad config fails
 on every rank with the same message before the first collective.
+
+GRPO reward modules ("module:function") are imported here too, so `seqpar check`, `seqpar train` (every
+launch mode) and `seqpar verify` fail on a missing module before anything starts. They are looked up on
+sys.path plus the config file's folder and the working directory (`add_reward_search_path`, called by the
+CLI; exported through PYTHONPATH, so the ranks torchrun starts and verify's SP run see the same folders).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from ...errors import SeqParError
 from ...layout import required_multiple
 from ...mesh import auto_degrees, divisors
 from .schema import SequenceParallelSpec, TrainConfig
 
-__all__ = ["resolve_sp_degrees", "validate_for_launch", "steps_for_epochs", "with_total_steps"]
+__all__ = ["resolve_sp_degrees", "validate_for_launch", "steps_for_epochs", "with_total_steps", "import_reward",
+           "check_reward_funcs", "add_reward_search_path"]
 
 
 def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_heads: int | None, *,
@@ -54,6 +66,7 @@ def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | N
                 f"(ulysses={u}, ring={r}, layout={cfg.sequence_parallel.layout}): it must be a multiple of {m}; "
                 f"use max_length: {alts}"
             )
+    check_reward_funcs(cfg)
     if "tensorboard" in cfg.report_to:
         try:
             import tensorboard  # noqa: F401
@@ -80,3 +93,40 @@ def with_total_steps(cfg: TrainConfig, n_examples: int, dp_size: int) -> TrainCo
     if cfg.num_epochs is None:
         return cfg
     return cfg.model_copy(update={"max_steps": steps_for_epochs(cfg, n_examples, dp_size)})
+
+
+def add_reward_search_path(config_path: str | os.PathLike | None) -> list[str]:
+    """Put the config file's folder and the working directory on sys.path (appended: installed packages
+    win) and on PYTHONPATH (for child processes); returns the folders added."""
+    folders = [str(Path(config_path).resolve().parent)] if config_path is not None else []
+    folders.append(os.getcwd())
+    added = [f for f in dict.fromkeys(folders) if f not in sys.path]
+    sys.path.extend(added)
+    env = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    new = [f for f in dict.fromkeys(folders) if f not in env]
+    if new:
+        os.environ["PYTHONPATH"] = os.pathsep.join(env + new)
+    return added
+
+
+def import_reward(path: str) -> Callable[..., Any]:
+    """The function named by "package.module:function" (not a seqpar: built-in); SeqParError naming the fix."""
+    mod, name = path.split(":")
+    try:
+        fn = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise SeqParError(f"reward function {path!r} cannot be imported ({type(e).__name__}: {e}): put {mod}.py "
+                          f"next to the config file or in the working directory, or its package on PYTHONPATH, "
+                          f"and check the function name") from None
+    if not callable(fn):
+        raise SeqParError(f"reward function {path!r} is not callable")
+    return fn
+
+
+def check_reward_funcs(cfg: TrainConfig) -> None:
+    """Import every non-built-in reward function of a GRPO run (built-ins are checked when resolved)."""
+    if cfg.stage != "grpo" or cfg.grpo is None:
+        return
+    for path in cfg.grpo.reward_funcs:
+        if isinstance(path, str) and path.count(":") == 1 and all(path.split(":")) and not path.startswith("seqpar:"):
+            import_reward(path)

@@ -12,6 +12,13 @@ columns: every other dataset column of the row's prompt, repeated alike (e.g. "a
 None means "no reward for this row" (TRL): the weighted sum over functions skips it (nansum; a row
 with no reward from any function gets 0) and the per-function metrics use nanmean / nanstd.
 
+Policy for values that are not numbers: a NaN or +-inf returned by a function is an ERROR, never a
+silent 0 -- the step stops with a SeqParError naming each offending function and how many NaN / inf it
+returned (per step). To skip a row on purpose, return None: Nones are counted per function and step
+(metric `rewards/<f>/none`), rows with no reward from any function as `rewards_missing`, and a step on
+which every group's rewards are equal (no learning signal: all advantages 0) is flagged by the metric
+`rewards_flat_groups` (the fraction of such groups) and a warning on rank 0 (`reward_health`).
+
 Advantages (TRL's GRPO): per prompt, over its num_generations completions,
     scale_rewards "group": A = (r - mean) / (std + 1e-4)   (std: unbiased, as torch.std)
     scale_rewards "none":  A = r - mean
@@ -20,16 +27,19 @@ A prompt's completions always live on one dp rank, so no collective is needed he
 
 from __future__ import annotations
 
-import importlib
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ... import comm
 from ...errors import SeqParError
+from ..config.checks import import_reward
 
-__all__ = ["resolve_reward", "score", "group_advantages", "BUILTIN_REWARDS", "length", "contains", "match_answer"]
+__all__ = ["resolve_reward", "score", "group_advantages", "reward_health", "BUILTIN_REWARDS", "length", "contains",
+           "match_answer"]
 
 
 # ----------------------------------------------------------------------------- built-in toy rewards
@@ -68,17 +78,10 @@ def resolve_reward(path: str) -> Callable[..., list]:
             raise SeqParError(f"reward function {path!r}: no such built-in; use one of "
                               f"{', '.join('seqpar:' + k for k in BUILTIN_REWARDS)}")
         return BUILTIN_REWARDS[name]
-    try:
-        fn = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
-        raise SeqParError(f"reward function {path!r} cannot be imported ({type(e).__name__}: {e}): put the module "
-                          f"on PYTHONPATH and check the function name") from None
-    if not callable(fn):
-        raise SeqParError(f"reward function {path!r} is not callable")
-    return fn
+    return import_reward(path)
 
 
-def _one(path: str, fn: Callable[..., list], n: int, args: tuple, kwargs: dict) -> list[float]:
+def _one(path: str, fn: Callable[..., list], n: int, args: tuple, kwargs: dict) -> list[float | None]:
     try:
         out = fn(*args, **kwargs)
     except Exception as e:
@@ -92,7 +95,7 @@ def _one(path: str, fn: Callable[..., list], n: int, args: tuple, kwargs: dict) 
         raise SeqParError(f"reward function {path!r} returned {len(vals)} values for {n} completions: "
                           f"return one float (or None) per completion")
     try:
-        return [math.nan if v is None else float(v) for v in vals]
+        return [None if v is None else float(v) for v in vals]
     except (TypeError, ValueError):
         raise SeqParError(f"reward function {path!r} returned a non-number: return floats or None") from None
 
@@ -107,9 +110,52 @@ def score(reward_funcs: Sequence[str], weights: Sequence[float] | None, prompts:
                           "give one weight per function")
     cols = [_one(p, resolve_reward(p), n, (prompts, completions), {"completion_ids": completion_ids, **columns})
             for p in reward_funcs]
+    _refuse_nonfinite(reward_funcs, cols)
+    cols = [[math.nan if v is None else v for v in c] for c in cols]
     per_func = torch.tensor(cols, dtype=torch.float64).reshape(len(reward_funcs), n).T
     total = torch.nansum(per_func * torch.tensor(weights, dtype=torch.float64), dim=1)
     return per_func, total
+
+
+def _refuse_nonfinite(reward_funcs: Sequence[str], cols: list[list[float | None]]) -> None:
+    """NaN / inf from a function stop the step, naming each function and its counts (None is no reward)."""
+    bad = []
+    for path, vals in zip(reward_funcs, cols):
+        nan = sum(1 for v in vals if v is not None and math.isnan(v))
+        inf = sum(1 for v in vals if v is not None and math.isinf(v))
+        if nan or inf:
+            bad.append(f"{path!r} returned {nan} NaN and {inf} inf of {len(vals)} values")
+    if bad:
+        raise SeqParError(f"non-finite rewards: {'; '.join(bad)}. Return finite floats, or None for a row "
+                          "that has no reward (None is skipped like TRL, and counted in rewards/<f>/none)")
+
+
+def reward_health(per_func: torch.Tensor, total: torch.Tensor, names: Sequence[str], num_generations: int,
+                  mesh: Any = None) -> dict[str, float]:
+    """Per-step counts summed over dp (one all-reduce on mesh.dp_group when dp > 1; every rank calls it):
+    `rewards/<f>/none` (Nones per function), `rewards_missing` (rows with no reward at all),
+    `rewards_flat_groups` (fraction of prompts whose completions all got the same total reward: zero
+    advantage, no learning signal). Rank 0 warns when every group is flat."""
+    g = total.reshape(-1, num_generations)
+    flat = float((g.max(dim=1).values - g.min(dim=1).values <= 1e-12).sum())
+    none = torch.isnan(per_func)
+    sums = [flat, float(g.shape[0]), float(none.all(dim=1).sum()), *[float(c) for c in none.sum(dim=0)]]
+    if mesh is not None and mesh.dp_size > 1:
+        sums = comm.all_reduce_values(sums, mesh.dp_group, mesh.comm_device).tolist()
+    out = {"rewards_flat_groups": sums[0] / max(1.0, sums[1]), "rewards_missing": int(sums[2])}
+    out.update({f"rewards/{name}/none": int(c) for name, c in zip(names, sums[3:])})
+    if sums[0] == sums[1] and _is_rank0():
+        print(f"[seqpar] warning: no learning signal this step: all {int(sums[1])} prompts got equal rewards for "
+              f"all their completions (advantages 0; rewards_missing={out['rewards_missing']}). Check the reward "
+              f"functions, num_generations, temperature and max_completion_length (clipped completions)",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:

@@ -27,7 +27,7 @@ from ...steps import StepSpec
 from ..config import TrainConfig
 from ..dataset.prompts import PromptRow
 from ..dataset.tokenize import IGNORE
-from .rewards import group_advantages, score
+from .rewards import group_advantages, reward_health, score
 
 __all__ = ["GRPORollout", "grpo_step_spec"]
 
@@ -145,6 +145,7 @@ class GRPORollout:
         for f, name in enumerate(self.g.reward_funcs):
             s, c = sums[6 + 2 * f], sums[7 + 2 * f]
             out[f"rewards/{name}"] = s / c if c else math.nan
+        out.update(reward_health(per_func, total, self.g.reward_funcs, self.g.num_generations, m))  # None, flat
         return out
 
     def step_batches(self, model: torch.nn.Module, stream: Any, step: int) -> tuple[list, dict[str, float]]:
