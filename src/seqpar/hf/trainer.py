@@ -52,6 +52,7 @@ from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError
 from ..memory.fused_loss import install_fused_head
+from ..memory.tiled_compute import apply_tiled_layer
 from ..memory.tiled_mlp import apply_tiled_mlp
 from ..mesh import SequenceParallelMesh, init_mesh
 from ..steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
@@ -107,7 +108,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
     ring_degree, layout, mesh (a prebuilt SequenceParallelMesh instead), packing and max_length (for
     the SP collator), fused_loss (default True: chunked lm_head + loss, no [S_local, vocab] logits;
     False: full logits), loss_chunk_tokens (None: one chunk's fp32 logits <= 256 MB) and tiled_mlp
-    (False | True = automatic tile count | int tiles). data_collator: None (the SP collator is built)
+    (False | True = automatic tile count | int tiles), tiled_layer (the same values: norms, projections, RoPE,
+    residual adds and MLP of every decoder layer over sequence tiles). data_collator: None (the SP collator is built)
     or a seqpar SP collator.
     """
 
@@ -117,7 +119,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
                  sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
                  ring_degree: int | None = None, layout: str = "zigzag", mesh: SequenceParallelMesh | None = None,
                  packing: bool = False, max_length: int | None = None, fused_loss: bool = True,
-                 loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False, **kwargs: Any) -> None:
+                 loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False,
+                 tiled_layer: bool | int = False, **kwargs: Any) -> None:
         from transformers import TrainingArguments
 
         if model is None:
@@ -129,7 +132,7 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         check_stack_args(name, args)
         _use_cpu_when_no_accelerator(args)
         _say_bf16_on_cpu(args)
-        _check_memory_args(model, args, tiled_mlp)  # before args.device creates the process group
+        _check_memory_args(model, args, tiled_mlp, tiled_layer)  # before args.device creates the process group
         _refuse_unsupported(name, args, kwargs)
         _ = args.device  # sets up torch.distributed under torchrun (accelerate), before the mesh
         if mesh is None:
@@ -149,6 +152,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
             install_fused_head(model)
         if tiled_mlp:
             apply_tiled_mlp(model, tiled_mlp)
+        if tiled_layer:
+            apply_tiled_layer(model, tiled_layer)
         collator = kwargs.pop("data_collator", None)
         if collator is None:
             collator = self._default_collator(model, kwargs.get("processing_class"), packing, max_length)

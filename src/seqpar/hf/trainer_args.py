@@ -12,6 +12,7 @@ import torch
 from ..data import SequenceParallelCollator
 from ..errors import SeqParError
 from ..memory.checkpointing import checkpoint_kwargs, drop_input_require_grads, refuse_offload_on_cpu
+from ..memory.tiled_compute import tiled_layers
 from ..memory.tiled_mlp import decoder_mlps
 
 __all__ = ["BF16_ON_CPU"]
@@ -49,7 +50,8 @@ def _refuse_unsupported(name: str, args: Any, kwargs: dict[str, Any]) -> None:
         )
 
 
-def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int) -> None:
+def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int,
+                       tiled_layer: bool | int = False) -> None:
     """Checkpointing / tiled-MLP settings seqpar cannot run exactly fail here, on every rank alike.
 
     The Trainer enables checkpointing itself in train() with args.activation_checkpointing_kwargs (a.k.a.
@@ -61,6 +63,11 @@ def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int)
             raise SeqParError(f"tiled_mlp={tiled_mlp!r}: use False, True (automatic tile count) or an int >= 1")
         if tiled_mlp:
             decoder_mlps(model)  # raises for MLPs it cannot tile
+    if tiled_layer is not False:
+        if not isinstance(tiled_layer, bool) and (not isinstance(tiled_layer, int) or tiled_layer < 1):
+            raise SeqParError(f"tiled_layer={tiled_layer!r}: use False, True (automatic tile count) or an int >= 1")
+        if tiled_layer:
+            tiled_layers(model)  # raises for decoder layers it cannot tile
     if not getattr(args, "gradient_checkpointing", False):
         return
     user = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))

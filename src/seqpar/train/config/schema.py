@@ -209,6 +209,8 @@ class MemorySpec(_Strict):
     loss_chunk_tokens: tokens per loss chunk; None = as many as keep one chunk's fp32 logits <= 256 MB.
     tiled_mlp: run each decoder MLP over sequence tiles, recomputing tile by tile in backward;
       true = tile count from the shapes, an int = that many tiles.
+    tiled_layer: run the rest of each decoder layer (norms, q/k/v/o projections, RoPE, residual adds, MLP)
+      over sequence tiles, recomputed tile by tile (seqpar.memory.tiled_compute); values as tiled_mlp.
     measure: exact per-rank peak of live tensor bytes per step (seqpar.memory.meter), logged as
       peak_alloc_mb (max over ranks); it costs Python work per op, so set false for timing runs.
     """
@@ -218,13 +220,15 @@ class MemorySpec(_Strict):
     fused_loss: bool = True
     loss_chunk_tokens: int | None = Field(default=None, ge=1)
     tiled_mlp: bool | int = False
+    tiled_layer: bool | int = False
     measure: bool = True
 
-    @field_validator("tiled_mlp")
+    @field_validator("tiled_mlp", "tiled_layer")
     @classmethod
-    def _tiles(cls, v: bool | int) -> bool | int:
+    def _tiles(cls, v: bool | int, info: Any) -> bool | int:
         if not isinstance(v, bool) and v < 1:
-            raise ValueError(f"memory.tiled_mlp={v}: use true (automatic tile count), false, or a tile count >= 1")
+            raise ValueError(f"memory.{info.field_name}={v}: use true (automatic tile count), false, or a tile "
+                             "count >= 1")
         return v
 
     @model_validator(mode="after")

@@ -83,6 +83,10 @@ def check_memory_features(cfg: TrainConfig, model: torch.nn.Module, on_accelerat
         refuse_offload_on_cpu("fsdp.offload (FSDP2 CPUOffloadPolicy)", on_accelerator)
     if cfg.memory.tiled_mlp:
         decoder_mlps(model)  # raises for MLPs it cannot tile
+    if cfg.memory.tiled_layer:
+        from ...memory.tiled_compute import tiled_layers
+
+        tiled_layers(model)  # raises for decoder layers it cannot tile
 
 
 def apply_memory_features(cfg: TrainConfig, model: torch.nn.Module, ref_model: torch.nn.Module | None) -> None:
@@ -97,6 +101,12 @@ def apply_memory_features(cfg: TrainConfig, model: torch.nn.Module, ref_model: t
         for target in (model, ref_model):  # the frozen reference gains the lower forward peak too
             if target is not None:
                 apply_tiled_mlp(target, m.tiled_mlp)
+    if m.tiled_layer:
+        from ...memory.tiled_compute import apply_tiled_layer
+
+        for target in (model, ref_model):
+            if target is not None:
+                apply_tiled_layer(target, m.tiled_layer)
 
 
 def apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: bool, offload: bool = False,

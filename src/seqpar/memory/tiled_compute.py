@@ -1,0 +1,180 @@
+"""Tiled decoder layer (ALST's SequenceTiledCompute, for the whole layer but attention itself).
+
+    apply_tiled_layer(model, True)   # tile count from the shapes: ceil(S_local / hidden_size), at least 1
+    apply_tiled_layer(model, 4)      # 4 tiles
+
+A pre-norm decoder layer (llama, qwen2, qwen3 with q_norm / k_norm, mistral) runs as three pieces:
+1. per sequence tile, under a non-reentrant `torch.utils.checkpoint`: input RMSNorm, q/k/v projections,
+   q_norm / k_norm, RoPE -> the tile's q, k, v. The tiles' outputs are concatenated into the attention
+   inputs; the only tensors saved for backward are the tile's inputs (views of the layer input and of
+   cos / sin), so no full-length norm output, fp32 norm intermediates or pre-RoPE projections exist;
+2. the model's own attention function (seqpar's SP attention) on the full local q, k, v;
+3. per tile, checkpointed: o_proj, the residual add, the post-attention RMSNorm, the MLP and the second
+   residual add. Saved: views of the attention output and of the layer input; the attention-block output
+   (the middle residual stream), the norm output and the MLP intermediates exist one tile at a time.
+Backward recomputes tile by tile; autograd sums each parameter's gradient over the tiles.
+
+Exact: every op outside attention is per token, so tiling only reorders independent rows (matmuls over
+fewer rows may round differently in the last bit: ~1e-7 relative). The attention function gets the same
+arguments (layouts and strides included) as the model's own attention forward. LoRA-wrapped projections
+and FSDP2 work (the projections are called as modules inside the tiles; FSDP2 gathers per decoder layer,
+outside the tiles). No collective runs per tile, so tile counts may differ between ranks, except under
+DeepSpeed ZeRO-3 (gathers per module call): `seqpar.memory.tiled_mlp.same_tile_count` covers these layers
+too (they are `TiledForward`s).
+
+The override is instance-level (`layer.forward`): no module is replaced, state_dict keys are unchanged.
+transformers' GradientCheckpointingLayer wraps the CLASS forward, so the override re-does that wrapper
+(the layer's own `_gradient_checkpointing_func`, whatever checkpointing / offload installed). With a KV
+cache (generation, or `use_cache=True` forwards) the tile's k, v update the cache as in the model's forward.
+Other layer structures (gemma2/3's extra norms, phi3's fused qkv, unknown archs) raise a SeqParError.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import SeqParError
+from ..unwrap import decoder_layers
+from .tiled_mlp import TiledForward
+
+__all__ = ["apply_tiled_layer", "remove_tiled_layer", "tiled_layers", "TiledLayerForward"]
+
+_REFUSE = "set memory.tiled_layer: false (or tiled_layer=False for the Trainer drop-ins)"
+# attention class -> how its forward passes sliding_window to the attention function (None: it does not)
+_ATTN = {"LlamaAttention": None, "Qwen2Attention": "self", "Qwen3Attention": "self", "MistralAttention": "config"}
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+
+
+def _check_layer(layer: torch.nn.Module) -> None:
+    attn = getattr(layer, "self_attn", None)
+    kind = type(attn).__name__
+    children = {n for n, _ in layer.named_children()}
+    ok = (kind in _ATTN and children == _LAYER_CHILDREN
+          and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")))
+    if ok and kind == "Qwen3Attention":
+        ok = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+    if not ok:
+        raise SeqParError(
+            f"tiled layer cannot tile {type(layer).__name__} (attention {kind}, children {sorted(children)}): it "
+            f"supports the pre-norm llama / qwen2 / qwen3 / mistral layers: {_REFUSE}")
+
+
+def tiled_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every decoder layer of `model`; SeqParError if one is not a layer seqpar can tile."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise SeqParError(f"{type(model).__name__} has no decoder layers seqpar recognises: {_REFUSE}")
+    for layer in layers:
+        _check_layer(layer)
+    return layers
+
+
+def _attention_inputs(layer: torch.nn.Module, rope: Any, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile: RMSNorm -> q/k/v (-> q_norm/k_norm) -> RoPE, in the [B, s, heads, head_dim] layout."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    q, k, v = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape), attn.v_proj(h).view(shape)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = rope(q, k, cos, sin, unsqueeze_dim=2)
+    # q, k leave as [B, heads, s, d] (contiguous after the concat, as in the model's forward); v as it is
+    return q.transpose(1, 2), k.transpose(1, 2), v
+
+
+def _block_output(layer: torch.nn.Module, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One tile: o_proj, residual, post-attention RMSNorm, MLP, residual (the model's op order)."""
+    h = x + layer.self_attn.o_proj(a)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+class TiledLayerForward(TiledForward):
+    """The instance-level forward of a tiled decoder layer: `tiles` = int, or None for auto_tile_count."""
+
+    def __init__(self, layer: torch.nn.Module, tiles: int | None) -> None:
+        super().__init__(layer.forward, tiles)
+        self.layer = layer
+        mod = sys.modules[type(layer.self_attn).__module__]
+        self.rope = mod.apply_rotary_pos_emb
+        self.eager = mod.eager_attention_forward
+        self.window = _ATTN[type(layer.self_attn).__name__]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        layer = self.layer
+        if getattr(layer, "gradient_checkpointing", False) and layer.training:
+            # what GradientCheckpointingLayer's class-level wrapper does (it is bypassed by this override)
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            if kwargs.get("past_key_values") is not None:
+                kwargs["past_key_values"] = None
+            return layer._gradient_checkpointing_func(partial(self.tiled, **kwargs), *args)
+        return self.tiled(*args, **kwargs)
+
+    def _run(self, fn: Any, n: int, *tensors: torch.Tensor) -> list:
+        parts = [t.tensor_split(n, dim=1) for t in tensors]  # all [B or 1, S_local, ...]
+        grad = torch.is_grad_enabled() and n > 1
+        return [checkpoint(fn, *p, use_reentrant=False) if grad else fn(*p) for p in zip(*parts)]
+
+    def tiled(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
+              past_key_values: Any = None, use_cache: bool | None = False,
+              position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+        layer, attn, x = self.layer, self.layer.self_attn, hidden_states
+        n = self.count(x)
+        cos, sin = position_embeddings
+        qkv = self._run(partial(_attention_inputs, layer, self.rope), n, x, cos, sin)
+        q, k = (torch.cat([t[i] for t in qkv], dim=2) for i in (0, 1))
+        v = torch.cat([t[2] for t in qkv], dim=1).transpose(1, 2)
+        del qkv
+        if past_key_values is not None:  # as the model's attention forward does (generation, use_cache=True)
+            k, v = past_key_values.update(k, v, attn.layer_idx)
+        iface = _attention_interface(attn, self.eager)
+        extra = {} if self.window is None else {"sliding_window": (
+            attn.sliding_window if self.window == "self" else getattr(attn.config, "sliding_window", None))}
+        out, _ = iface(attn, q, k, v, attention_mask, dropout=0.0 if not attn.training else attn.attention_dropout,
+                       scaling=attn.scaling, position_ids=position_ids, use_cache=use_cache, **extra, **kwargs)
+        del q, k, v
+        a = out.reshape(*x.shape[:-1], -1).contiguous()
+        del out
+        return torch.cat(self._run(partial(_block_output, layer), n, a, x), dim=1)
+
+
+def _attention_interface(attn: torch.nn.Module, eager: Any) -> Any:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+
+
+def apply_tiled_layer(model: torch.nn.Module, tiles: bool | int = True) -> int:
+    """Tile every decoder layer of `model` (PEFT wrappers fine; before FSDP2). Returns the number of layers.
+
+    tiles: True = auto (ceil(S_local / hidden_size) per forward), an int >= 1 = that many tiles. Applying
+    again changes the tile count.
+    """
+    if isinstance(tiles, bool) or tiles is None:
+        if not tiles:
+            raise SeqParError("apply_tiled_layer(tiles=False): call remove_tiled_layer instead")
+        n = None
+    else:
+        n = int(tiles)
+        if n < 1:
+            raise SeqParError(f"tiled layer tile count {tiles}: use True (automatic) or an int >= 1")
+    layers = tiled_layers(model)  # every check before any change
+    for layer in layers:
+        cur = layer.__dict__.get("forward")
+        if isinstance(cur, TiledLayerForward):
+            cur.tiles = n
+        else:
+            layer.forward = TiledLayerForward(layer, n)
+    return len(layers)
+
+
+def remove_tiled_layer(model: torch.nn.Module) -> None:
+    for m in decoder_layers(model):
+        if isinstance(m.__dict__.get("forward"), TiledLayerForward):
+            del m.forward
