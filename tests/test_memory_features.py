@@ -35,6 +35,7 @@ from seqpar.data import SequenceParallelCollator, SequenceParallelDPOCollator
 from seqpar.errors import SeqParError
 from seqpar.hf import ARCHS, apply_sequence_parallel, tiny_model
 from seqpar.memory.checkpointing import enable_activation_checkpointing, is_activation_checkpointing
+from seqpar.memory.offload import offload_store
 from seqpar.memory.tiled_mlp import TiledForward, apply_tiled_mlp, auto_tile_count, decoder_mlps, remove_tiled_mlp
 from seqpar.spawn import run_distributed
 from seqpar.steps import ReferenceLogps, StepSpec, forward_logits, micro_batch_loss
@@ -104,7 +105,7 @@ def _model(arch: str, seed: int, lora: bool, mesh=None, feats: dict | None = Non
         m = _lora(m, seed)
     feats = feats or {}
     if feats.get("ckpt"):
-        enable_activation_checkpointing(m)
+        enable_activation_checkpointing(m, offload=feats.get("offload", False))
         assert is_activation_checkpointing(m)
     if feats.get("tiles"):
         assert apply_tiled_mlp(m, feats["tiles"]) == 2
@@ -150,7 +151,9 @@ def _sp_run(mesh, arch, kind, rows, seed, lora, feats, fsdp, other_rows=None):
     (share * factor).backward()
     if not fsdp:
         L.sum_gradients(model.parameters(), mesh)
-    return float(L.global_loss(share.detach(), mesh)), _full_grads(model), int(batch["input_ids"].shape[1])
+    store = offload_store(model)  # activation offload: how many layer inputs went to the host store
+    return (float(L.global_loss(share.detach(), mesh)), _full_grads(model), int(batch["input_ids"].shape[1]),
+            store.packed_tensors if store is not None else 0)
 
 
 def run_case(mesh, arch, kind, feats, lora=False, fsdp=False, seed=0):
@@ -167,14 +170,17 @@ def run_case(mesh, arch, kind, feats, lora=False, fsdp=False, seed=0):
     want.backward()
     g_ref = _full_grads(ref)
     mine = rows[mesh.dp_rank]
-    loss0, g0, _ = _sp_run(mesh, arch, kind, mine, seed, lora, {}, fsdp)
-    loss1, g1, s_local = _sp_run(mesh, arch, kind, mine, seed, lora, feats, fsdp, other_rows=other[mesh.dp_rank])
+    base_feats = {"ckpt": True} if feats.get("offload") else {}  # offload is compared with checkpointing alone
+    loss0, g0, _, _ = _sp_run(mesh, arch, kind, mine, seed, lora, base_feats, fsdp)
+    loss1, g1, s_local, offloaded = _sp_run(mesh, arch, kind, mine, seed, lora, feats, fsdp,
+                                            other_rows=other[mesh.dp_rank])
     tiles = feats.get("tiles")
     return {
         "ref_loss": abs(loss1 - float(want.detach())), "ref_grad": _max_diff(g1, g_ref),
         "self_loss": abs(loss1 - loss0), "self_grad": _max_diff(g1, g0),
         "base_ref_grad": _max_diff(g0, g_ref), "value": float(want.detach()),
         "tiles": 0 if not tiles else (auto_tile_count(s_local, 32) if tiles is True else tiles),
+        "offloaded": offloaded,
     }
 
 
@@ -379,26 +385,12 @@ def _train_cfg(tmp_path, **over):
     return config_from_dict(c)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only runs")
-@pytest.mark.parametrize("over,match", [
-    ({"memory": {"activation_checkpointing": True, "offload_activations": True}}, "memory.offload_activations"),
-    ({"fsdp": {"offload": True}}, "fsdp.offload"),
-])
-def test_offload_refused_on_cpu_before_process_group(tmp_path, over, match):
-    from seqpar.train.run import train
-
-    with pytest.raises(SeqParError, match=match):
-        train(_train_cfg(tmp_path, **over))
-    assert not torch.distributed.is_initialized()
-
-
 def test_offload_needs_checkpointing_in_config(tmp_path):
     with pytest.raises(SeqParError, match="activation_checkpointing: true"):
         _train_cfg(tmp_path, memory={"offload_activations": True})
 
 
 @pytest.mark.parametrize("ck_kwargs,tiled,match", [
-    ({"offload": True}, False, "offload"),
     ({"use_reentrant": True}, False, "use_reentrant"),
     (None, 0, "tiled_mlp"),
     (None, "moe", "memory.tiled_mlp: false|tiled_mlp=False"),

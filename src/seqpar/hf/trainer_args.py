@@ -11,7 +11,8 @@ import torch
 
 from ..data import SequenceParallelCollator
 from ..errors import SeqParError
-from ..memory.checkpointing import checkpoint_kwargs, drop_input_require_grads, refuse_offload_on_cpu
+from ..memory.checkpointing import checkpoint_kwargs, drop_input_require_grads
+from ..memory.offload import install_activation_offload
 from ..memory.tiled_compute import tiled_layers
 from ..memory.tiled_mlp import decoder_mlps
 
@@ -75,9 +76,6 @@ def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int,
         raise SeqParError("gradient_checkpointing_kwargs must be a dict here, got a string")
     ds = getattr(args, "hf_deepspeed_config", None)
     ck = checkpoint_kwargs(user, zero3=bool(ds is not None and ds.is_zero3()))
-    if ck.get("offload"):
-        on_acc = not getattr(args, "use_cpu", False) and torch.accelerator.is_available()
-        refuse_offload_on_cpu("gradient_checkpointing_kwargs={'offload': True}", on_acc)
     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
         if hasattr(args, name):
             setattr(args, name, dict(ck))
@@ -91,8 +89,11 @@ def _drop_input_grads_after_enable(model: torch.nn.Module) -> None:
         enable = getattr(model, name, None)
         if callable(enable):
             def enable_then_drop(*a: Any, _enable: Any = enable, **kw: Any) -> Any:
+                offload = kw.pop("offload", False)  # seqpar's host store instead of transformers' save_on_cpu
                 out = _enable(*a, **kw)
                 drop_input_require_grads(model)
+                if offload:
+                    install_activation_offload(model)
                 return out
 
             setattr(model, name, enable_then_drop)

@@ -1,7 +1,7 @@
 """Per-decoder-layer activation checkpointing (non-reentrant), optionally with the kept layer inputs in host memory.
 
     enable_activation_checkpointing(model)                 # after apply_sequence_parallel / get_peft_model,
-    enable_activation_checkpointing(model, offload=True)   # before FSDP2's fully_shard; offload: accelerators only
+    enable_activation_checkpointing(model, offload=True)   # before FSDP2's fully_shard (memory.offload_activations)
 
 Why transformers' own switch (`PreTrainedModel.activation_checkpointing_enable`, the deprecated
 `gradient_checkpointing_enable` on older 5.x) rather than torch's checkpoint_wrapper: every decoder layer of
@@ -32,21 +32,13 @@ import torch
 
 from ..errors import SeqParError
 from ..unwrap import base_model as _base_model
+from .offload import install_activation_offload
 
 __all__ = ["CHECKPOINT_KWARGS", "checkpoint_kwargs", "enable_activation_checkpointing", "drop_input_require_grads",
-           "is_activation_checkpointing", "refuse_offload_on_cpu"]
+           "is_activation_checkpointing"]
 
 # What every checkpointed layer call gets (torch.utils.checkpoint.checkpoint keyword arguments).
 CHECKPOINT_KWARGS: dict[str, Any] = {"use_reentrant": False, "early_stop": False}
-
-
-def refuse_offload_on_cpu(what: str, on_accelerator: bool) -> None:
-    """Host offload on a CPU-only run would copy host memory to host memory: refuse it clearly."""
-    if not on_accelerator:
-        raise SeqParError(
-            f"{what} keeps tensors in host memory while they are not in use on the accelerator; this run has "
-            f"no accelerator (CPU only), so it would do nothing: turn {what} off"
-        )
 
 
 def checkpoint_kwargs(user: dict[str, Any] | None = None, *, zero3: bool = False) -> dict[str, Any]:
@@ -83,8 +75,9 @@ def checkpoint_kwargs(user: dict[str, Any] | None = None, *, zero3: bool = False
 def enable_activation_checkpointing(model: torch.nn.Module, *, offload: bool = False, every_n_layers: int = 1) -> None:
     """Checkpoint every `every_n_layers`-th decoder layer of `model` (a PEFT wrapper is fine); returns nothing.
 
-    offload: keep the checkpointed layers' inputs in pinned host memory (torch.autograd.graph.save_on_cpu
-    around each checkpointed call, via transformers); the caller refuses it on CPU-only runs.
+    offload: keep the checkpointed layers' inputs in host memory (seqpar.memory.offload; exercised on CPU,
+    side-stream copies and prefetch on accelerators) instead of transformers' save_on_cpu, whose copies
+    block the compute stream and which does nothing measurable on a CPU-only run.
     Apply before FSDP2's fully_shard.
     """
     base = _base_model(model)
@@ -97,16 +90,17 @@ def enable_activation_checkpointing(model: torch.nn.Module, *, offload: bool = F
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # the deprecated alias on some 5.x versions
         if enable is not None:
-            enable(activation_checkpointing_kwargs=checkpoint_kwargs(), every_n_layers=every_n_layers,
-                   offload=offload)
+            enable(activation_checkpointing_kwargs=checkpoint_kwargs(), every_n_layers=every_n_layers)
         else:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(),
-                                               every_n_layers=every_n_layers, offload=offload)
+                                               every_n_layers=every_n_layers)
     if not is_activation_checkpointing(model):
         raise SeqParError(
             f"{type(base).__name__} has no checkpointable decoder layers: set memory.activation_checkpointing: false"
         )
     drop_input_require_grads(model)
+    if offload:
+        install_activation_offload(base)
 
 
 def drop_input_require_grads(model: torch.nn.Module) -> None:

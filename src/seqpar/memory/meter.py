@@ -22,6 +22,10 @@ How the peak is counted:
   the start of the measurement), i.e. everything the caching allocator handed out, including
   kernel workspaces the tracker cannot see; the tracker's total stays in `tracked_peak_bytes`.
 - Elsewhere `peak_bytes == tracked_peak_bytes`.
+- Activation offload (seqpar.memory.offload, found on the model): the offloaded layer inputs are host
+  bytes outside the device count. `offloaded_peak_bytes` is the store's peak during the measurement,
+  `offloaded_at_peak_bytes` what it held at the moment of the device peak (tracker only), both 0 without
+  offload. On CPU the store's bytes are numpy buffers, which the tracker (torch ops only) does not see.
 
 Works with PEFT models, the SP-patched models and FSDP2 (DTensor parameters: the local shards are
 counted, plus the all-gathered unsharded parameters while they exist). The tracker costs Python
@@ -37,6 +41,8 @@ from typing import Any
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
+
+from .offload import ActivationOffload, offload_store
 
 __all__ = ["PeakMemoryMeter", "CATEGORIES", "MODEL_STATE_CATEGORIES", "activation_bytes"]
 
@@ -68,6 +74,9 @@ class _StepTracker(MemTracker):
         if self._depth > 0:
             super()._delete_callback(winfo, w_st)
 
+    offload: ActivationOffload | None = None
+    offloaded_at_peak: dict[Any, int]
+
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Upstream also walks every tracked module per aten op (per-module peaks we never read): that
         # walk is most of the tracker's cost on a 30-layer model. Same global peak logic as upstream.
@@ -75,6 +84,8 @@ class _StepTracker(MemTracker):
             if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
                 self._peak_mem[dev] = snap[_TOTAL]
                 self._peak_mem_snap[dev] = dict(snap)
+                if self.offload is not None:  # host bytes held at this device peak
+                    self.offloaded_at_peak[dev] = self.offload.current_bytes
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         # Gradient accumulation calls the root module once per micro-batch; upstream refuses a second
@@ -141,8 +152,13 @@ class PeakMemoryMeter:
         """Measure the block; fills `self.last` when it exits normally."""
         use_tracker = self.categories or not self._cuda()
         tracker = None
+        mods = (x for x in (self.model, *self.extra) if isinstance(x, torch.nn.Module))
+        store = next((s for s in map(offload_store, mods) if isinstance(s, ActivationOffload)), None)
+        if store is not None:
+            store.reset_peak()
         if use_tracker:
             tracker = _StepTracker()
+            tracker.offload, tracker.offloaded_at_peak = store, {}
             tracker.track_external(self.model, *(() if self.optimizer is None else (self.optimizer,)), *self.extra)
         if self._cuda():  # GPU-only path (untested in CI)
             torch.cuda.synchronize(self.device)
@@ -164,6 +180,9 @@ class PeakMemoryMeter:
         else:
             result["peak_bytes"] = result["tracked_peak_bytes"]
             result["source"] = "tensor_tracker"
+        result["offloaded_peak_bytes"] = store.peak_bytes if store is not None else 0
+        result["offloaded_at_peak_bytes"] = (sum(v for d, v in tracker.offloaded_at_peak.items()
+                                                 if d.type == self.device.type) if tracker is not None else 0)
         self.last = result
 
 
