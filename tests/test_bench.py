@@ -100,10 +100,12 @@ def test_independent_formulas(result):
     c = _case(result, "ring", 8, 2)
     blk = (s // p) * 2 * d
     assert c["measured_bytes"]["ring_fwd"] == (p - 1) * 2 * blk * 4
-    assert c["measured_bytes"]["ring_bwd"] == (p - 1) * 2 * blk * 4 + p * 2 * blk * 4
+    # dK/dV reduced in R-1 hops (reduce-scatter): exactly the strict lower bound.
+    assert c["measured_bytes"]["ring_bwd"] == (p - 1) * 2 * blk * 4 + (p - 1) * 2 * blk * 4
+    assert c["measured_bytes"]["ring_bwd"] == c["ring_bwd_lower_bound_plan_heads"]
     b = _case(result, "ring", 8, 2, "bfloat16")  # K/V travel in bf16, dK/dV in fp32
     assert b["measured_bytes"]["ring_fwd"] == (p - 1) * 2 * blk * 2
-    assert b["measured_bytes"]["ring_bwd"] == (p - 1) * 2 * blk * 2 + p * 2 * blk * 4
+    assert b["measured_bytes"]["ring_bwd"] == (p - 1) * 2 * blk * 2 + (p - 1) * 2 * blk * 4
     # 14q/2kv at P=4: 2 dummy q heads and KV replicated to 4 heads.
     c = _case(result, "ulysses", 14, 2)
     assert c["plan"] == {"padded_heads": 16, "expanded_kv_heads": 4, "kv_replicas": 2, "dummy_q_heads": 2}

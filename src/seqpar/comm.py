@@ -29,6 +29,7 @@ __all__ = [
     "group_size",
     "group_rank",
     "all_to_all",
+    "all_to_all_buffer",
     "all_reduce",
     "all_reduce_",
     "all_gather",
@@ -143,6 +144,28 @@ def all_to_all(
     if x.shape[scatter_dim] % group_size(group) != 0:
         raise ValueError(f"all_to_all: dim {scatter_dim} of size {x.shape[scatter_dim]} not divisible by group")
     return _AllToAll.apply(x, group, scatter_dim, gather_dim, stats, channel)
+
+
+def all_to_all_buffer(
+    send: torch.Tensor,
+    group: Any,
+    stats: CommStats | None = None,
+    channel: str = "a2a",
+    device: torch.device | None = None,
+    async_op: bool = False,
+) -> tuple[torch.Tensor, Any]:
+    """Raw equal-split all-to-all of a contiguous [P, ...] buffer: send[i] goes to rank i, recv[j] came
+    from rank j. Not differentiable (callers own the layout, e.g. Ulysses' fused q/k/v exchange).
+    Returns (recv, work): with async_op, call work.wait() before reading recv (work is None otherwise)."""
+    p = group_size(group)
+    check_device([send], device, "all_to_all_buffer")
+    if send.shape[0] != p or not send.is_contiguous():
+        raise ValueError(f"all_to_all_buffer: need a contiguous [P={p}, ...] buffer, got {tuple(send.shape)}")
+    if stats is not None:
+        stats.add(channel, _nbytes(send) * (p - 1) // p)
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return recv, work
 
 
 class _AllReduceSum(torch.autograd.Function):

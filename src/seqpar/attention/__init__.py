@@ -8,6 +8,7 @@ from ..errors import SeqParError
 from ..layout import check_length
 from ..mesh import SequenceParallelMesh
 from .kernels import default_scale, get_kernel
+from .ulysses import head_plan
 from .usp import usp_attention
 
 __all__ = ["attention", "validate_cu_seqlens"]
@@ -43,6 +44,7 @@ def attention(
     softmax_scale: float | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     kernel: str = "auto",
+    overlap_chunks: int = 1,
 ) -> torch.Tensor:
     """Exact softmax attention for sequence-parallel inputs.
 
@@ -50,6 +52,8 @@ def attention(
     made by `seqpar.shard`. Returns [B, S_local, Hq, D] in q's dtype, differentiable w.r.t. q, k, v.
     cu_seqlens: packed-document boundaries in the FULL sequence (B == 1); attention never crosses them.
     Mode (Ulysses / ring / USP) and layout come from the mesh. Accumulation is fp32 (fp64 for fp64).
+    overlap_chunks: pure Ulysses only: exchange the local kv heads in this many chunks so that chunk c's
+    kernel overlaps the other chunks' all-to-alls (exact for any value; must divide the local kv heads).
     All checks run before any communication, so bad input raises SeqParError on every rank.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -71,5 +75,19 @@ def attention(
         if b != 1:
             raise SeqParError(f"cu_seqlens (packed documents) needs batch size 1, got B={b}: pack rows into one")
         bounds = validate_cu_seqlens(cu_seqlens, seq_len)
+    _check_chunks(overlap_chunks, q.shape[2], k.shape[2], mesh)
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
-    return usp_attention(q, k, v, mesh, seq_len, causal, scale, get_kernel(q.device, kernel, q.dtype), bounds)
+    kern = get_kernel(q.device, kernel, q.dtype)
+    return usp_attention(q, k, v, mesh, seq_len, causal, scale, kern, bounds, overlap_chunks)
+
+
+def _check_chunks(chunks: int, hq: int, hkv: int, mesh: SequenceParallelMesh) -> None:
+    """overlap_chunks must split the local kv heads of pure Ulysses evenly (checked before any collective)."""
+    if chunks == 1:
+        return
+    local_kv = head_plan(hq, hkv, mesh.ulysses_degree).expanded_kv_heads // mesh.ulysses_degree
+    if mesh.ulysses_degree == 1 or mesh.ring_degree != 1 or chunks < 1 or local_kv % chunks:
+        raise SeqParError(
+            f"overlap_chunks={chunks} needs pure Ulysses (ring_degree 1, got {mesh.ring_degree}, ulysses_degree "
+            f"{mesh.ulysses_degree}) and must divide the {local_kv} kv heads each rank holds: use 1 or a divisor"
+        )

@@ -8,8 +8,9 @@ row ever happens, and zigzag's off-diagonal steps are exactly half blocks.
 
 The same code with ring size 1 is the local attention for Ulysses (per-document varlen pieces).
 Forward merges (out, lse) per piece in fp32 (fp64 for fp64 inputs). Backward reruns the ring and
-calls the kernel backward per piece with the FINAL out/lse; dQ accumulates locally, dK/dV travel
-the ring (in the accumulation dtype) and arrive at their owner after one extra hop.
+calls the kernel backward per piece with the FINAL out/lse; dQ accumulates locally. dK/dV are reduced
+in R-1 hops (the reduce-scatter bound): each rank keeps its own block's gradient, and the partial sum
+of block j starts at ring rank j+1, follows the KV ring and ends at j, where the own part is added.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=a, device=q.device)
         kk, vv = k, v
-        dk = dv = None
+        dk_own = dv_own = None
         for step in range(n):
             if step < n - 1:
                 kv_ring.start([kk, vv])
@@ -200,18 +201,21 @@ class _RingAttention(torch.autograd.Function):
                 dq[:, sq] += g_q
                 dk_blk[:, sk] += g_k
                 dv_blk[:, sk] += g_v
-            if step > 0:
-                dk_in, dv_in = dkv_ring.wait()  # block j's gradient from ring ranks j .. r-1
-                dk_blk += dk_in
-                dv_blk += dv_in
-            if n > 1:
-                dkv_ring.start([dk_blk, dv_blk])
+            if step == 0:
+                dk_own, dv_own = dk_blk, dv_blk  # own block: stays here, its partial sum comes home last
             else:
-                dk, dv = dk_blk, dv_blk
+                if step > 1:
+                    dk_in, dv_in = dkv_ring.wait()  # block j's partial sum from ring ranks j+1 .. r-1
+                    dk_blk += dk_in
+                    dv_blk += dv_in
+                dkv_ring.start([dk_blk, dv_blk])  # n-1 sends in all: the reduce-scatter bound
             if step < n - 1:
                 kk, vv = kv_ring.wait()
         if n > 1:
-            dk, dv = dkv_ring.wait()  # one last hop brings this rank's own block home
+            dk_in, dv_in = dkv_ring.wait()  # own block's sum over ring ranks r+1 .. r-1 (all others)
+            dk_own += dk_in
+            dv_own += dv_in
+        dk, dv = dk_own, dv_own
         none = (None,) * 9
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none)
 

@@ -1,6 +1,8 @@
 """USP: Ulysses all-to-all inside each ring rank's sequence, ring attention across ring ranks.
 
-Pure Ulysses is ring=1; pure ring is ulysses=1: one code path serves every mode.
+Pure Ulysses is ring=1; pure ring is ulysses=1. Ulysses' q/k/v go seq->heads in ONE fused all-to-all
+(ulysses_fused); pure Ulysses (ring=1) runs the local kernel inside the fused exchange, 2 collectives
+per pass (optionally split into `overlap_chunks` head chunks whose exchanges overlap compute).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from ..layout import ring_segments
 from ..mesh import SequenceParallelMesh
 from .kernels import AttentionKernel
 from .ring import ring_attention
-from .ulysses import head_plan, heads_to_seq, pad_heads, seq_to_heads, unpad_heads
+from .ulysses import head_plan, heads_to_seq, pad_heads, unpad_heads
+from .ulysses_fused import exchange_qkv, fused_ulysses_attention, local_pieces_disjoint
 
 __all__ = ["usp_attention"]
 
@@ -26,13 +29,20 @@ def usp_attention(
     scale: float,
     kernel: AttentionKernel,
     bounds: list[int] | None = None,
+    overlap_chunks: int = 1,
 ) -> torch.Tensor:
     """q [B, S/sp, Hq, D], k/v [B, S/sp, Hkv, D] in the mesh's layout -> out [B, S/sp, Hq, D]."""
     dev = mesh.comm_device
     if mesh.ulysses_degree > 1:
         plan = head_plan(q.shape[2], k.shape[2], mesh.ulysses_degree)
         q, k, v = pad_heads(q, k, v, plan)
-        q, k, v = (seq_to_heads(t, mesh.ulysses_group, mesh.stats, dev) for t in (q, k, v))
+        pieces = local_pieces_disjoint(seq_len, causal, bounds) if mesh.ring_degree == 1 else None
+        if pieces is not None:
+            out = fused_ulysses_attention(
+                q, k, v, mesh.ulysses_group, causal, scale, kernel, pieces, mesh.stats, dev, overlap_chunks
+            )
+            return unpad_heads(out, plan)
+        q, k, v = exchange_qkv(q, k, v, mesh.ulysses_group, mesh.stats, dev)
     layout = mesh.effective_layout
     all_segs = [ring_segments(seq_len, mesh.ring_degree, j, layout) for j in range(mesh.ring_degree)]
     out = ring_attention(

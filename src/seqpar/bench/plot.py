@@ -21,7 +21,7 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
         f"S={c0['seq_len']}, B=1, D={c0['head_dim']}; bytes per rank; ratio = measured / theory "
         "(the byte formulas of seqpar.attention.costs with the original heads / with the heads the Ulysses plan "
         "moves); strict bound = "
-        "the plan's heads with dK/dV reduced in R-1 ring hops instead of R."
+        "the plan's heads with dK/dV reduced in R-1 ring hops (a reduce-scatter)."
     )
     out.append("")
     out.append(
@@ -32,7 +32,7 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
     for c in cases:
         t, ro, rp = c["totals"], c["ratio_vs_original_heads"], c["ratio_vs_plan_heads"]
         heads = f"{c['plan']['padded_heads']}/{c['plan']['expanded_kv_heads']}" if c["ulysses_degree"] > 1 else "-"
-        # Strict bound: dK/dV reduced in R-1 hops instead of seqpar's R (the plan's heads).
+        # Strict bound: dK/dV reduced in R-1 hops (the plan's heads); seqpar's ring is at it.
         bound = c["theory_plan_heads"]["ulysses_bwd"] + c["ring_bwd_lower_bound_plan_heads"]
         out.append(
             f"| {_case_label(c)} | {heads} | {t['measured']['fwd']:,} | {t['theory_original_heads']['fwd']:,} "

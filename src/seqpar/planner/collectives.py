@@ -4,9 +4,9 @@ The time model charges each collective `calls x latency + bytes / bandwidth`, so
 much as the bytes when messages are small (gloo on a CPU: ~0.2-1.6 ms a call). They follow what
 `seqpar train`'s step runs (tests/test_planner.py checks every count against torch.profiler's c10d ops):
 
-- per decoder layer and forward pass: Ulysses 4 all-to-alls (q, k, v out; the output back), ring
-  2 (r-1) sends (K and V, r-1 hops); per backward: Ulysses 4 all-to-alls, ring 2 (r-1) K/V sends plus
-  2 r dK/dV sends (the gradients follow the KV ring and take one last hop home). Forward passes: the
+- per decoder layer and forward pass: Ulysses 2 all-to-alls (q, k, v fused out; the output back), ring
+  2 (r-1) sends (K and V, r-1 hops); per backward: Ulysses 2 all-to-alls, ring 2 (r-1) K/V sends plus
+  2 (r-1) dK/dV sends (a reduce-scatter ring: each rank keeps its own block's part). Forward passes: the
   policy's, its recomputation under activation checkpointing, and DPO's reference pass (no backward);
 - one small all-gather of position ids per model call (the ForwardPlan: all SP ranks decide alike);
 - gradients: without FSDP one flat all-reduce over sp and one over dp (fp32: bf16 runs reduce the
@@ -62,10 +62,10 @@ def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
     fwds, L, r = fwd_bwd + fwd_only, m.layers, lay.ring
     if lay.ulysses > 1:
         one = ulysses_theory(wl.seq_len // r, wl.rows, hq, hkv, m.head_dim, lay.ulysses, wl.elt)
-        out.append(Collective("ulysses", "all_to_all", "ulysses", 4 * L * (fwds + 1), one * L * (fwds + 1)))
+        out.append(Collective("ulysses", "all_to_all", "ulysses", 2 * L * (fwds + 1), one * L * (fwds + 1)))
     if r > 1:
         t = ring_theory(wl.seq_len, wl.rows, hkv, m.head_dim, r, wl.elt)
-        calls = L * (2 * (r - 1) * fwds + 2 * (r - 1) + 2 * r)
+        calls = L * (2 * (r - 1) * fwds + 2 * (r - 1) + 2 * (r - 1))
         out.append(Collective("ring", "p2p", "ring", calls, L * (t["fwd"] * fwds + t["bwd"]) // lay.ulysses))
     return out
 
