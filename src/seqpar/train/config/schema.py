@@ -204,7 +204,8 @@ class MemorySpec(_Strict):
     activation_checkpointing: recompute each decoder layer in backward (non-reentrant); only layer
       inputs stay alive between forward and backward.
     offload_activations: with activation_checkpointing, keep those layer inputs in host memory
-      (CUDA only; refused on CPU, where it would do nothing).
+      (seqpar.memory.offload: pinned buffers + side-stream copies on accelerators; on CPU a host store the
+      meter reports apart from the device bytes). Exact.
     fused_loss: lm_head + loss over chunks of tokens, so no [S_local, vocab] logits tensor exists.
     loss_chunk_tokens: tokens per loss chunk; None = as many as keep one chunk's fp32 logits <= 256 MB.
     tiled_mlp: run each decoder MLP over sequence tiles, recomputing tile by tile in backward;
@@ -244,7 +245,8 @@ class MemorySpec(_Strict):
 class FSDPSpec(_Strict):
     """`fsdp: true` or `fsdp: {enabled: true, offload: true}`; truthy when enabled.
 
-    offload: parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy; CUDA only).
+    offload: parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy; on a CPU-only
+      run it is host to host, unpinned: exact, no memory effect).
     """
 
     enabled: bool = False
