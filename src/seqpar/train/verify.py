@@ -78,6 +78,12 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
             f"use {cfg.sequence_parallel.size} or a multiple"
         )
     dp = nproc // cfg.sequence_parallel.size
+    if cfg.stage == "grpo" and dp > 1:  # refused here, before the SP run, not by the reference after it
+        raise SeqParError(
+            f"seqpar verify of stage: grpo needs dp = 1 (--nproc-per-node={nproc} with sequence_parallel.size="
+            f"{cfg.sequence_parallel.size} gives dp={dp}): the SP=1 reference cannot emulate several dp ranks' "
+            f"rollouts; use --nproc-per-node {cfg.sequence_parallel.size}"
+        )
     base = cfg.model_dump(mode="json")
     # verify owns its sp/ and ref/ folders: each run replaces the previous verify's results there.
     base.update(max_steps=steps, num_epochs=None, checkpoint={"every": 0, "save_final": False, "resume": False},
