@@ -61,7 +61,7 @@ if "lora" in opts:
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
                                              init_lora_weights=False))
 if mode == "sp":
-    sp = int(os.environ.get("SP", "2"))
+    sp = int(os.environ.get("SP", "2")) if os.environ.get("SP", "2") else None  # "": from a parallelism_config
     trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=ds, sequence_parallel_size=sp,
                                       tiled_mlp="tiled" in opts)
 else:
@@ -75,6 +75,7 @@ res = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                       for p in trainer.model_wrapped.parameters())}
 if mode == "sp":  # TrainingArguments.ddp_timeout reaches every group of seqpar's mesh
     m = trainer.sp_mesh
+    res["sp_size"] = m.sp_size
     res["timeouts"] = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
                        for g in (m.sp_group, m.dp_group, m.ring_group, m.ulysses_group)]
 if trainer.is_world_process_zero():
@@ -83,7 +84,7 @@ if trainer.is_world_process_zero():
 
 
 def _launch(tmp_path, name: str, mode: str, stack: str, opts: str, nproc: int, env: dict | None = None,
-            resume: str = "") -> dict:
+            resume: str = "", accelerate_config: str = "") -> dict:
     import os
 
     script = tmp_path / "script.py"
@@ -95,7 +96,12 @@ def _launch(tmp_path, name: str, mode: str, stack: str, opts: str, nproc: int, e
     out = tmp_path / name
     out.mkdir()
     cmd = [sys.executable, str(script), mode, stack, str(out), str(tmp_path / "model"), opts, resume]
-    if nproc > 1 or stack != "ddp":
+    if accelerate_config:  # the stack comes from `accelerate launch --config_file` (environment variables)
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(accelerate_config)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), "--main_process_port",
+               "0", *cmd[1:]]
+    elif nproc > 1 or stack != "ddp":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd[1:]]
     old = dict(os.environ)
     os.environ.update(env or {})
@@ -193,3 +199,73 @@ def test_fsdp2_sp2_resume_mid_run_is_exact(tmp_path):
     full, _ = _resume_case(tmp_path, "fsdp2")
     assert full["wrapped"].startswith("FSDP") and full["sharded"], full
     assert (tmp_path / "full" / "run" / "checkpoint-2" / "pytorch_model_fsdp.bin").is_file()
+
+
+# ----------------------------------------------------------------------------- accelerate launch --config_file
+ACCELERATE_FSDP2 = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_state_dict_type: FULL_STATE_DICT
+  fsdp_reshard_after_forward: true
+  fsdp_cpu_ram_efficient_loading: false
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+use_cpu: true
+"""
+
+ACCELERATE_ZERO3 = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 3
+  gradient_accumulation_steps: 2
+  gradient_clipping: 1.0
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: true
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+use_cpu: true
+"""
+
+
+def test_accelerate_config_file_fsdp2_matches_stock_trainer(tmp_path):
+    """`accelerate launch --config_file` with an FSDP2 config (no fsdp= in TrainingArguments): accelerate hands the
+    plugin over through environment variables; the drop-in must shard with it on CPU as on GPUs."""
+    ref = _launch(tmp_path, "plain", "plain", "ddp", "", 1)
+    sp = _launch(tmp_path, "sp", "sp", "accelerate", "ckpt", 2, accelerate_config=ACCELERATE_FSDP2)
+    _check(sp, ref)
+    assert sp["wrapped"].startswith("FSDP") and sp["sharded"], sp
+
+
+@pytest.mark.slow
+def test_accelerate_config_file_zero3_matches_stock_trainer(tmp_path):
+    """`accelerate launch --config_file` with accelerate's DeepSpeed plugin fields (ZeRO-3, zero3 init)."""
+    ref = _launch(tmp_path, "plain", "plain", "ddp", "", 1)
+    sp = _launch(tmp_path, "sp", "sp", "accelerate", "ckpt", 2, accelerate_config=ACCELERATE_ZERO3)
+    _check(sp, ref)
+    assert sp["wrapped"] == "DeepSpeedEngine" and sp["sharded"], sp
+
+
+@pytest.mark.slow
+def test_accelerate_config_file_parallelism_config_becomes_the_seqpar_mesh(tmp_path):
+    """The HF Ulysses recipe as an accelerate config file (DeepSpeed ZeRO-3 + parallelism_config sp_size 2,
+    sp_backend deepspeed) with only the trainer class swapped: seqpar's SP over 2 ranks, exact."""
+    pc = ("parallelism_config:\n  parallelism_config_dp_replicate_size: 1\n  parallelism_config_dp_shard_size: 1\n"
+          "  parallelism_config_tp_size: 1\n  parallelism_config_sp_size: 2\n"
+          "  parallelism_config_sp_backend: deepspeed\n")
+    ref = _launch(tmp_path, "plain", "plain", "ddp", "", 1)
+    sp = _launch(tmp_path, "sp", "sp", "accelerate", "", 2, env={"SP": ""}, accelerate_config=ACCELERATE_ZERO3 + pc)
+    _check(sp, ref)
+    assert sp["wrapped"] == "DeepSpeedEngine" and sp["sharded"] and sp["sp_size"] == 2, sp
+
+
+@pytest.mark.slow
+def test_accelerate_config_file_fsdp_v1_is_refused(tmp_path):
+    with pytest.raises(AssertionError, match=r"FSDP version 1 \(from the accelerate config file\) is not supported"):
+        _launch(tmp_path, "sp", "sp", "accelerate", "", 2,
+                accelerate_config=ACCELERATE_FSDP2.replace("fsdp_version: 2", "fsdp_version: 1"))

@@ -74,11 +74,21 @@ def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int,
     user = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
     if isinstance(user, str):
         raise SeqParError("gradient_checkpointing_kwargs must be a dict here, got a string")
-    ds = getattr(args, "hf_deepspeed_config", None)
-    ck = checkpoint_kwargs(user, zero3=bool(ds is not None and ds.is_zero3()))
+    ck = checkpoint_kwargs(user, zero3=deepspeed_stage(args) == 3)
     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
         if hasattr(args, name):
             setattr(args, name, dict(ck))
+
+
+def deepspeed_stage(args: Any) -> int | None:
+    """The ZeRO stage the Trainer will run (None: no DeepSpeed): from `TrainingArguments(deepspeed=...)` or from
+    accelerate's DeepSpeed plugin (`accelerate launch --config_file` with deepspeed_config fields)."""
+    ds = getattr(args, "hf_deepspeed_config", None)
+    if ds is None and getattr(args, "deepspeed_plugin", None) is not None:
+        ds = args.deepspeed_plugin.hf_ds_config
+    if ds is None:
+        return None
+    return int(ds.get_value("zero_optimization.stage", 0) or 0)
 
 
 def _drop_input_grads_after_enable(model: torch.nn.Module) -> None:

@@ -76,6 +76,11 @@ def map_parallelism_config(name: str, args: Any, sequence_parallel_size: int | N
     return sp
 
 
+def _fsdp_from_env() -> bool:
+    """`accelerate launch --config_file` with `distributed_type: FSDP` (and no fsdp= in TrainingArguments)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def check_stack_args(name: str, args: Any) -> None:
     """FSDP / DeepSpeed settings the drop-ins cannot run exactly, refused before any process group."""
     fsdp = getattr(args, "fsdp", None)
@@ -85,7 +90,13 @@ def check_stack_args(name: str, args: Any) -> None:
         if version != 2:
             raise SeqParError(f"{name}: FSDP version {version} is not supported: pass "
                               "fsdp_config={'fsdp_version': 2, ...} (FSDP2, per-parameter sharding)")
+    elif _fsdp_from_env() and int(os.environ.get("FSDP_VERSION", "1")) != 2:
+        raise SeqParError(f"{name}: FSDP version {os.environ.get('FSDP_VERSION', '1')} (from the accelerate config "
+                          "file) is not supported: set `fsdp_version: 2` under fsdp_config in that file (FSDP2, "
+                          "per-parameter sharding)")
     ds = getattr(args, "hf_deepspeed_config", None)
+    if ds is None and getattr(args, "deepspeed_plugin", None) is not None:  # accelerate launch --config_file
+        ds = args.deepspeed_plugin.hf_ds_config
     cfg = getattr(ds, "config", None) or {}
     if int(cfg.get("sequence_parallel_size", 1) or 1) > 1:
         raise SeqParError(f"{name}: the DeepSpeed config sets sequence_parallel_size="
@@ -103,14 +114,18 @@ def fsdp_on_cpu(trainer: Any) -> None:
     """
     state = trainer.accelerator.state
     plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
-    if plugin_args is None or getattr(state, "fsdp_plugin", None) is not None:
+    if plugin_args is None and not _fsdp_from_env():
         return
-    if state.distributed_type.name != "MULTI_CPU":
+    if getattr(state, "fsdp_plugin", None) is not None or state.distributed_type.name != "MULTI_CPU":
         return
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    state.fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    # No arguments: the plugin reads accelerate launch's FSDP_* variables, as accelerate does on GPUs.
+    plugin = FullyShardedDataParallelPlugin(**(plugin_args or {}))
+    if state.mixed_precision != "no":  # as accelerate does for its own FSDP plugin
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
     # Into PartialState's shared dict as well, as accelerate does on GPUs: every later AcceleratorState() (the
     # optimizer wrapper in prepare() makes one) copies it over the accelerator's, and with MULTI_CPU back there
