@@ -233,6 +233,7 @@ use_cpu: true
 """
 
 
+@pytest.mark.slow
 def test_accelerate_config_file_fsdp2_matches_stock_trainer(tmp_path):
     """`accelerate launch --config_file` with an FSDP2 config (no fsdp= in TrainingArguments): accelerate hands the
     plugin over through environment variables; the drop-in must shard with it on CPU as on GPUs."""
