@@ -270,3 +270,10 @@ def test_accelerate_config_file_fsdp_v1_is_refused(tmp_path):
     with pytest.raises(AssertionError, match=r"FSDP version 1 \(from the accelerate config file\) is not supported"):
         _launch(tmp_path, "sp", "sp", "accelerate", "", 2,
                 accelerate_config=ACCELERATE_FSDP2.replace("fsdp_version: 2", "fsdp_version: 1"))
+
+
+@pytest.mark.slow
+def test_fsdp2_sp2_resume_with_stateless_sgd(tmp_path):
+    """Plain SGD keeps no optimizer state: torch's FSDP2 optimizer-state loading fails on the empty state that
+    accelerate saved, so the drop-in loads only what there is (the learning rate comes from the scheduler)."""
+    _resume_case(tmp_path, "fsdp2", opts="")

@@ -73,6 +73,7 @@ from .trainer_stack import (
     check_stack_args,
     fsdp_on_cpu,
     is_zero3,
+    load_stateless_fsdp_optimizer,
     map_parallelism_config,
     prepare_reference,
     wrapper_factor,
@@ -170,6 +171,10 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         fsdp_on_cpu(self)  # accelerate keeps DDP on CPU even when FSDP is asked for
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not load_stateless_fsdp_optimizer(self, checkpoint):  # torch's FSDP2 loading fails on plain SGD
+            super()._load_optimizer_and_scheduler(checkpoint)
 
     # ------------------------------------------------------------------ hooks for the DPO subclass
     def _make_spec(self) -> StepSpec:

@@ -32,7 +32,7 @@ from ..memory.sharding import shard_over_world
 from ..memory.tiled_mlp import same_tile_count
 from ..mesh import SequenceParallelMesh
 
-__all__ = ["prepare_reference", "fsdp_on_cpu", "map_parallelism_config", "check_stack_args", "wrapper_factor",
+__all__ = ["prepare_reference", "fsdp_on_cpu", "load_stateless_fsdp_optimizer", "map_parallelism_config", "check_stack_args", "wrapper_factor",
            "agree_gathers", "is_zero3"]
 
 
@@ -132,6 +132,28 @@ def fsdp_on_cpu(trainer: Any) -> None:
     # get_state_dict (checkpoint saving) returned the sharded DTensors instead of the full weights.
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     trainer.is_fsdp_enabled = True
+
+
+def load_stateless_fsdp_optimizer(trainer: Any, checkpoint: str | None) -> bool:
+    """Resume an FSDP2 run whose optimizer keeps no state (plain SGD); True when done here.
+
+    torch's full-state-dict optimizer loading under FSDP2 (set_optimizer_state_dict, which the Trainer reaches
+    through accelerate) fails on a state without any tensor ("Expected device to be set"). There is nothing to
+    load but the groups' hyperparameters: those are copied and the scheduler is loaded as the Trainer does.
+    """
+    if checkpoint is None or not getattr(trainer, "is_fsdp_enabled", False):
+        return False
+    path = os.path.join(checkpoint, "optimizer.bin")  # accelerate's FULL_STATE_DICT file (SHARDED: a folder)
+    if not os.path.isfile(path):
+        return False
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    groups = trainer.optimizer.param_groups
+    if saved.get("state") or len(saved.get("param_groups", ())) != len(groups):
+        return False
+    for group, kept in zip(groups, saved["param_groups"]):
+        group.update({k: v for k, v in kept.items() if k != "params"})
+    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+    return True
 
 
 def prepare_reference(trainer: Any, ref: torch.nn.Module) -> torch.nn.Module:
