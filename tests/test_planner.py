@@ -140,7 +140,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize("argv,msg", [
     (["--model", "tiny:llama", "--gpu", "b300", "--seq-len", "1024"], "unknown GPU 'b300'"),
     (["--model", "tiny:llama", "--gpu-mem", "0", "--seq-len", "1024"], "must be positive"),
-    (["--model", "tiny:llama", "--gpus", "8", "--ulysses-degree", "8", "--seq-len", "1001"], "multiple of 8"),
+    (["--model", "tiny:llama", "--gpus", "8", "--ulysses-degree", "8", "--seq-len", "9000"], "--max-position N"),
     (["--model", "tiny:llama", "--gpus", "8", "--ulysses-degree", "3", "--seq-len", "1024"], "must divide --gpus 8"),
     (["--model", "no/such-model", "--seq-len", "1024"], "neither a bundled model"),
     (["--model", "tiny:llama", "--gpus", "0", "--seq-len", "1024"], "--gpus must be a positive"),

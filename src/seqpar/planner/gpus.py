@@ -36,6 +36,8 @@ class Cluster:
     attn_by_len: tuple[tuple[int, float], ...] = ()  # measured: (kernel length, TFLOP/s), log-interpolated
     # Measured clusters: (kind, latency s, GB/s) per collective kind, replacing latency_s / the bandwidths.
     per_kind: tuple[tuple[str, float, float], ...] = ()
+    host_bw: float = 25.0  # GB/s per GPU between device and pinned host memory (PCIe, one direction)
+    host_mem_bw: float = 100.0  # GB/s of host memory per node, shared by its GPUs' CPU optimizer steps
 
     def bw(self, group: int, stride: int = 1) -> float:
         """Bandwidth of a group of `group` ranks spaced `stride` apart (ranks fill nodes in order)."""
@@ -65,12 +67,15 @@ class Cluster:
 # A100 SXM 80GB: 312 dense bf16 TFLOP/s, 19.5 fp32 (156 tf32), NVLink3 ~240 GB/s achieved, 200 Gb/s IB per GPU.
 # H100 SXM: 989 dense bf16, 67 fp32, NVLink4 ~360 GB/s achieved, 400 Gb/s IB per GPU (~45 GB/s).
 # H200 SXM: H100 compute with 141 GB HBM3e.
+# host_bw: PCIe achieved per GPU and direction (Gen4 x16 ~25 GB/s on A100, Gen5 x16 ~50 GB/s on H100/H200);
+# host_mem_bw: what a node's CPUs stream in torch's AdamW over host tensors (a model: ~100 GB/s of a dual-socket
+# node's DDR bandwidth), shared by the node's ranks.
 # mem_bw: HBM peak (A100 2.0, H100 3.35, H200 4.8 TB/s); latency_s: 20 us per NCCL call (a model, inter-node
 # calls are slower). Memory-bound work is a small term at long lengths; the latency matters for small messages.
 GPU_PRESETS: dict[str, Cluster] = {
-    "a100-80g": Cluster(8, 8, 80 * GiB, 312.0, 19.5, 240.0, 22.0, "a100-80g", mem_bw=2039.0),
-    "h100": Cluster(8, 8, 80 * GiB, 989.0, 67.0, 360.0, 45.0, "h100", mem_bw=3350.0),
-    "h200": Cluster(8, 8, 141 * 10**9, 989.0, 67.0, 360.0, 45.0, "h200", mem_bw=4800.0),
+    "a100-80g": Cluster(8, 8, 80 * GiB, 312.0, 19.5, 240.0, 22.0, "a100-80g", mem_bw=2039.0, host_bw=25.0),
+    "h100": Cluster(8, 8, 80 * GiB, 989.0, 67.0, 360.0, 45.0, "h100", mem_bw=3350.0, host_bw=50.0),
+    "h200": Cluster(8, 8, 141 * 10**9, 989.0, 67.0, 360.0, 45.0, "h200", mem_bw=4800.0, host_bw=50.0),
 }
 
 

@@ -198,22 +198,51 @@ def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Featu
 
 
 def _param_bytes(m: ModelFacts, wl: Workload, feats: Features, world: int) -> tuple[int, int, int, int, int]:
-    """(resident params at peak, gradients, optimizer state, optimizer temp, one layer's gathered params)."""
+    """(resident params at peak, gradients at the optimizer step, optimizer state, optimizer temp, one layer's
+    gathered params), on the device. The optimizer always updates fp32 weights: FSDP2's fp32 shards, or
+    without FSDP in bf16 seqpar train's fp32 masters (train.model.precision.MasterWeights) beside the bf16
+    model, whose gradients are copied to fp32 ones on the masters before the update. With FSDP2 CPU offload
+    the shards, their gradients and AdamW's moments live on the host (`host_bytes`): the device keeps the
+    gathered root module and the gathered layers only."""
     e, n = wl.elt, m.num_params()
     layer = m.layer_params() * e
+    root = (m.embed_params() + m.lm_head_params() + m.hidden) * e  # the root module stays gathered
+    masters = e == 2 and not feats.fsdp  # bf16 without FSDP: fp32 copies of the trainable weights
     if wl.lora:
         t = m.lora_params(wl.lora_r, wl.lora_targets)
         base = n * e + t * e
+        if feats.fsdp and feats.offload_optimizer:
+            return root, 0, 0, 0, layer + t // m.layers * e
         if feats.fsdp:  # the adapters are sharded like every other parameter, and so are their moments
-            base = base // world + (m.embed_params() + m.lm_head_params() + m.hidden) * e
+            base = base // world + root
             return base, t * e // world, 2 * t * e // world, t * e // world, layer + t // m.layers * e
+        if masters:
+            return base + 4 * t, 4 * t, 8 * t, 4 * t, 0
         return base, t * e, 2 * t * e, t * e, 0
     if not feats.fsdp:
-        # pure bf16 (or fp32) weights, AdamW moments in the weights' dtype, one foreach temp of that size
-        return n * e, n * e, 2 * n * e, n * e, 0
-    shard = 0 if feats.offload_optimizer else n * 4 // world  # fp32 master shards
-    root = (m.embed_params() + m.lm_head_params() + m.hidden) * e  # the root module stays gathered
+        # the trained weights (fp32, or bf16 + fp32 masters), fp32 gradients and AdamW moments, one foreach temp
+        return n * e + (4 * n if masters else 0), 4 * n, 8 * n, 4 * n, 0
+    if feats.offload_optimizer:
+        return root, 0, 0, 0, layer
+    shard = n * 4 // world  # fp32 master shards
     return shard + root, shard, 2 * shard, shard, layer
+
+
+def host_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> dict[str, int]:
+    """Host (CPU) memory one rank fills: the offloaded checkpointed layer inputs (every layer's, e h bytes per
+    local token) and, with FSDP2 CPU offload, the fp32 parameter shards, their gradients and AdamW's two
+    moments (16 bytes per trainable parameter / world, frozen LoRA weights e bytes / world)."""
+    tokens = wl.rows * wl.seq_len // lay.sp
+    acts = m.layers * wl.elt * m.hidden * tokens if feats.offload_activations else 0
+    opt = 0
+    if feats.fsdp and feats.offload_optimizer:
+        n = m.num_params()
+        if wl.lora:
+            t = m.lora_params(wl.lora_r, wl.lora_targets)
+            opt = (n * wl.elt + 16 * t) // lay.world
+        else:
+            opt = 16 * n // lay.world
+    return {"activations": acts, "optimizer": opt, "total": acts + opt}
 
 
 def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> int:
@@ -286,11 +315,15 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
         per_layer, down = m.layer_params() * e, h * i * e
     in_flight = prefetch = 0
     if feats.fsdp:
-        in_flight, prefetch, per_layer = per_layer, gathered, per_layer // lay.world
+        # finished layers' gradient shards stay on the device, or go to the host with CPU offload
+        in_flight, prefetch = per_layer, gathered
+        per_layer = 0 if feats.offload_optimizer else per_layer // lay.world
     last = m.layers - 1
 
     def at(k: int, attention: bool) -> _Moment:  # k layers already done
-        a = acts + (ahead * (last - k) + ahead_full) * tokens
+        # offloaded layer inputs: only the next one, prefetched, is back on the device
+        ahead_n = min(1, last - k) if feats.offload_activations else last - k
+        a = acts + (ahead * ahead_n + ahead_full) * tokens
         rs = in_flight if k > 0 else 0
         if attention:
             return _Moment(a, head + k * per_layer, e * (h + m.q_dim + 2 * m.kv_dim) * tokens, comm + rs)
@@ -328,9 +361,7 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
     tokens = wl.rows * wl.seq_len // lay.sp
     params, grads, opt, opt_temp, layer = _param_bytes(m, wl, feats, lay.world)
     if not foreach and not (lay.world > 1 and not feats.fsdp):
-        opt_temp = min(opt_temp, max(m.embed_params(), m.hidden * m.intermediate) * wl.elt)
-    if feats.fsdp and feats.offload_optimizer:
-        params, grads, opt, opt_temp = params - (m.num_params() * 4 // lay.world), 0, 0, 0
+        opt_temp = min(opt_temp, max(m.embed_params(), m.hidden * m.intermediate) * 4)
     ref = m.num_params() * wl.elt if wl.stage == "dpo" and not wl.lora else 0  # frozen reference copy
     params += ref
     if feats.tiled_mlp and mlp_tiles(m, wl, lay) == 1:

@@ -37,6 +37,7 @@ class ModelFacts:
     max_positions: int | None = None
     qk_norm: bool = False
     qkv_bias: bool = False
+    sliding_window: int | None = None  # the window of the model's sliding-attention layers (None: none)
 
     @property
     def q_dim(self) -> int:
@@ -97,9 +98,32 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
         )
 
 
+def _trainer_view(name: str, c: dict[str, Any]) -> int | None:
+    """What `seqpar train` refuses from the config alone, by the trainer's own check (softcapped attention,
+    non-causal attention, encoder-decoders ...), raised here; returns the sliding window its attention
+    would refuse sequences longer than (seqpar.hf.attention, per forward), None without one."""
+    from transformers import AutoConfig
+
+    from ..train.model.checks import _refuse_non_causal
+
+    kw = {k: v for k, v in c.items() if not k.startswith("_") and k != "model_type"}
+    try:
+        hf = AutoConfig.for_model(str(c.get("model_type", "llama")), **kw)
+    except (ValueError, KeyError) as e:
+        raise SeqParError(f"model {name!r}: transformers cannot build its config ({str(e)[:100]}), so seqpar train "
+                          "could not load it either: give a config.json of a causal LM transformers knows") from None
+    _refuse_non_causal(hf, name)
+    window = getattr(hf, "sliding_window", None)
+    types = getattr(hf, "layer_types", None)
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return None  # e.g. Qwen2.5 with use_sliding_window: false: every layer attends in full
+    return int(window)
+
+
 def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
     _refuse_unmodelled(name, c)
     c = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
+    window = _trainer_view(name, c)
     try:
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         kv = int(c.get("num_key_value_heads") or heads)
@@ -110,7 +134,7 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
             vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
             max_positions=c.get("max_position_embeddings"),
             qk_norm=c.get("model_type") in QK_NORM_TYPES,
-            qkv_bias=bool(c.get("attention_bias", c.get("model_type") in QKV_BIAS_TYPES)),
+            qkv_bias=bool(c.get("attention_bias", c.get("model_type") in QKV_BIAS_TYPES)), sliding_window=window,
         )
     except KeyError as e:
         raise SeqParError(

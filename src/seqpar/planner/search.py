@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -11,10 +10,10 @@ import yaml
 
 from ..attention.ulysses import head_plan
 from ..errors import SeqParError
-from ..layout import required_multiple
 from ..mesh import divisors
 from .gpus import Cluster
-from .memory import Features, Layout, MemoryBreakdown, Workload, estimate_memory
+from .limits import Context, context_limit, padded, refuse_too_long, split_multiple
+from .memory import Features, Layout, MemoryBreakdown, Workload, estimate_memory, host_bytes
 from .model import ModelFacts
 from .time import TimeEstimate, estimate_time
 
@@ -44,6 +43,8 @@ class Request:
     offload_optimizer: bool = False
     fsdp: bool | None = None
     max_seq_len: bool = False
+    max_position: int | None = None  # an extended context (config.json's max_position_embeddings)
+    rope_scaling: float | None = None  # or a RoPE scaling factor on the model's own
 
 
 @dataclass
@@ -57,6 +58,19 @@ class Candidate:
     kv_replication: int
     seq_len: int
     max_seq_len: int | None = None
+    host_bytes: int = 0  # per rank: offloaded layer inputs + CPU-offloaded optimizer
+    capped_by: str | None = None  # --max-seq-len stopped at the context limit, not at memory
+    rows: int = 1  # rows per micro-batch and dp replica (DPO: chosen + rejected)
+
+    @property
+    def sequences(self) -> int:
+        """Rows one optimizer step processes over the whole cluster (each dp replica its own)."""
+        return self.layout.dp * self.rows
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Training tokens per second over the cluster: what dp > 1 and dp = 1 rows compare on."""
+        return self.sequences * self.seq_len / self.time.step_s if self.time.step_s > 0 else 0.0
 
     def as_json(self) -> dict[str, Any]:
         d = {"ulysses_degree": self.layout.ulysses, "ring_degree": self.layout.ring, "dp_size": self.layout.dp,
@@ -66,7 +80,10 @@ class Candidate:
              "exposed_comm_s": self.time.exposed_comm_s, "comm_bytes_per_layer": self.time.comm_bytes_per_layer,
              "step_time_parts_s": dict(self.time.parts),
              "dummy_heads": self.dummy_heads, "kv_replication": self.kv_replication, "seq_len": self.seq_len,
-             "fits": self.fits}
+             "sequences_per_step": self.sequences, "tokens_per_s": self.tokens_per_s,
+             "host_bytes_per_gpu": self.host_bytes, "fits": self.fits}
+        if self.capped_by:
+            d["capped_by"] = self.capped_by
         if self.max_seq_len is not None:
             d["max_seq_len"] = self.max_seq_len
         return d
@@ -108,8 +125,7 @@ def _layouts(m: ModelFacts, cl: Cluster, req: Request) -> list[Layout]:
     return out
 
 
-def _multiple(lay: Layout) -> int:
-    return required_multiple(lay.ring, lay.ulysses, "zigzag")
+_multiple = split_multiple
 
 
 def _evaluate(m: ModelFacts, cl: Cluster, wl: Workload, lay: Layout, f: Features) -> Candidate:
@@ -118,31 +134,31 @@ def _evaluate(m: ModelFacts, cl: Cluster, wl: Workload, lay: Layout, f: Features
     plan = head_plan(m.heads, m.kv_heads, lay.ulysses) if lay.ulysses > 1 else None
     dummy = plan.dummy_heads if plan else 0
     rep = (plan.expanded_kv_heads // m.kv_heads) if plan else 1
-    return Candidate(lay, f, mem, t, mem.total <= usable_bytes(cl), dummy, rep, wl.seq_len)
+    return Candidate(lay, f, mem, t, mem.total <= usable_bytes(cl), dummy, rep, wl.seq_len,
+                     host_bytes=host_bytes(m, wl, lay, f)["total"], rows=wl.rows)
 
 
-def _longest(m: ModelFacts, cl: Cluster, wl: Workload, lay: Layout, f: Features) -> Candidate:
-    """The longest multiple of the mesh's split that fits (memory grows with the length)."""
+def _longest(m: ModelFacts, cl: Cluster, wl: Workload, lay: Layout, f: Features, ctx: Context) -> Candidate:
+    """The longest multiple of the mesh's split that fits (memory grows with the length), at most the
+    model's context limit."""
     step = _multiple(lay)
+    top = (ctx.limit // step) if ctx.limit is not None else 2**40 // step
     lo, hi = 0, 1
-    while _evaluate(m, cl, replace(wl, seq_len=hi * step), lay, f).fits and hi < 2**40 // step:
+    while hi <= top and _evaluate(m, cl, replace(wl, seq_len=hi * step), lay, f).fits:
         lo, hi = hi, hi * 2
+    hi = min(hi, top + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if _evaluate(m, cl, replace(wl, seq_len=mid * step), lay, f).fits else (lo, mid)
     c = _evaluate(m, cl, replace(wl, seq_len=max(lo, 1) * step), lay, f)
     c.max_seq_len = lo * step
     c.fits = lo > 0
+    if lo > 0 and lo == top:
+        c.capped_by = ctx.reason
     return c
 
 
-TIE = 0.02  # step times within 2% of the fastest comparable candidate are a tie (the model's error is larger)
-
-
-def _speed_key(c: Candidate, fastest: dict[Any, float], group: Any) -> float:
-    """0 for candidates tied with the fastest of their group, else the step time."""
-    t = c.time.step_s
-    return 0.0 if t <= fastest[group] * (1 + TIE) else t
+TIE = 0.02  # throughputs within 2% of the best comparable candidate are a tie (the model's error is larger)
 
 
 def _intra_ulysses(c: Candidate, cl: Cluster) -> int:
@@ -151,38 +167,77 @@ def _intra_ulysses(c: Candidate, cl: Cluster) -> int:
     return c.layout.ulysses if c.layout.ulysses <= cl.gpus_per_node and c.dummy_heads == 0 else 0
 
 
-def plan(m: ModelFacts, cl: Cluster, req: Request) -> tuple[list[Candidate], int | None]:
-    """All candidates, best first, and the index of the recommended one (None if nothing fits)."""
+def _meshes(m: ModelFacts, cl: Cluster, req: Request, ctx: Context, notes: list[str]) -> list[tuple[Layout, int]]:
+    """(mesh, the length it runs) for a fixed --seq-len: a length a mesh cannot split is padded to its
+    multiple (the collator pads; dataset.max_length is that multiple), unless that passes the context limit."""
+    wl, out, dropped, pads = req.workload, [], [], {}
+    for lay in _layouts(m, cl, req):
+        n = padded(wl.seq_len, lay)
+        if ctx.limit is not None and n > ctx.limit:
+            dropped.append(f"u{lay.ulysses}r{lay.ring}d{lay.dp} (needs {n})")
+            continue
+        if n != wl.seq_len:
+            pads.setdefault(n, []).append(f"u{lay.ulysses}r{lay.ring}")
+        out.append((lay, n))
+    for n, which in sorted(pads.items()):
+        notes.append(f"--seq-len {wl.seq_len} is not a multiple of what {', '.join(sorted(set(which)))} split "
+                     f"(ulysses x ring, x2 for the zigzag ring): those rows run at {n} tokens, padding included "
+                     f"(seqpar's collator pads; dataset.max_length: {n})")
+    if dropped:
+        notes.append(f"dropped meshes whose padded length passes {ctx.limit} ({ctx.reason}): {', '.join(dropped)}")
+    if not out:
+        raise SeqParError(f"--seq-len {wl.seq_len} cannot run on any mesh asked for: padded to each mesh's split it "
+                          f"passes {ctx.limit} ({ctx.reason}); use a shorter --seq-len")
+    return out
+
+
+def _rank(cands: list[Candidate], cl: Cluster, max_len: bool) -> None:
+    """Fitting candidates by training tokens per second over the cluster (a dp = 2 row processes twice the
+    sequences of a dp = 1 row per step, so step times alone do not compare them); with --max-seq-len the
+    longest first. Throughputs within TIE of the best of their group are a tie, broken by the ulysses
+    degree that stays inside a node."""
+    best: dict[Any, float] = {}
+    group = (lambda c: c.max_seq_len) if max_len else (lambda c: None)  # noqa: E731
+    for c in cands:
+        if c.fits:
+            best[group(c)] = max(best.get(group(c), 0.0), c.tokens_per_s)
+
+    def speed(c: Candidate) -> float:  # 0 for the tied-best, else the shortfall in time per token
+        return 0.0 if c.tokens_per_s >= best[group(c)] / (1 + TIE) else 1.0 / max(c.tokens_per_s, 1e-30)
+
+    if max_len:
+        cands.sort(key=lambda c: (not c.fits, -(c.max_seq_len or 0), speed(c) if c.fits else 0.0,
+                                  -_intra_ulysses(c, cl)))
+    else:
+        cands.sort(key=lambda c: (not c.fits, speed(c) if c.fits else c.memory.total, -_intra_ulysses(c, cl),
+                                  -c.tokens_per_s, c.memory.total))
+
+
+def plan(m: ModelFacts, cl: Cluster, req: Request,
+         notes: list[str] | None = None) -> tuple[list[Candidate], int | None]:
+    """All candidates, best first, and the index of the recommended one (None if nothing fits). `notes`
+    (if given) receives what the table alone would not say: padded lengths, dropped meshes, the cap."""
+    notes = notes if notes is not None else []
     wl = req.workload
     if not req.max_seq_len and wl.seq_len < 1:
         raise SeqParError(f"--seq-len must be positive, got {wl.seq_len}")
     if usable_bytes(cl) <= 0:
         raise SeqParError(f"--gpu-mem {cl.mem_bytes} bytes leaves nothing after the planner's margin "
                           f"({MARGIN_FRACTION:.0%} + {MARGIN_BYTES / 2**30:.0f} GiB): give the real GPU memory")
-    layouts = _layouts(m, cl, req)
-    if not req.max_seq_len:
-        ok = [lay for lay in layouts if wl.seq_len % _multiple(lay) == 0]
-        if not ok:
-            need = sorted({_multiple(lay) for lay in layouts})
-            raise SeqParError(f"--seq-len {wl.seq_len} cannot be split over any mesh asked for: it must be a "
-                              f"multiple of {' or '.join(map(str, need))} (zigzag ring needs 2*ring*ulysses)")
-        layouts = ok
+    ctx = context_limit(m, req.max_position, req.rope_scaling)
     cands = []
-    for lay in layouts:
-        for f in _feature_sets(req):
-            cands.append(_longest(m, cl, wl, lay, f) if req.max_seq_len else _evaluate(m, cl, wl, lay, f))
-    fastest: dict[Any, float] = {}
-    group = (lambda c: c.max_seq_len) if req.max_seq_len else (lambda c: None)  # noqa: E731
-    for c in cands:
-        if c.fits:
-            fastest[group(c)] = min(fastest.get(group(c), math.inf), c.time.step_s)
     if req.max_seq_len:
-        cands.sort(key=lambda c: (not c.fits, -(c.max_seq_len or 0),
-                                  _speed_key(c, fastest, group(c)) if c.fits else 0.0, -_intra_ulysses(c, cl)))
+        for lay in _layouts(m, cl, req):
+            cands += [_longest(m, cl, wl, lay, f, ctx) for f in _feature_sets(req)]
+        if any(c.capped_by for c in cands):
+            notes.append(f"--max-seq-len capped at {ctx.limit}: {ctx.reason}" + (
+                "" if ctx.extended or "sliding" in ctx.reason else
+                "; a context-extended config (--max-position N or --rope-scaling FACTOR) may fit more"))
     else:
-        # fitting ones by speed; the others by how far they are from fitting
-        cands.sort(key=lambda c: (not c.fits, _speed_key(c, fastest, None) if c.fits else c.memory.total,
-                                  -_intra_ulysses(c, cl), c.time.step_s, c.memory.total))
+        refuse_too_long(ctx, wl.seq_len)
+        for lay, n in _meshes(m, cl, req, ctx, notes):
+            cands += [_evaluate(m, cl, replace(wl, seq_len=n), lay, f) for f in _feature_sets(req)]
+    _rank(cands, cl, req.max_seq_len)
     return cands, (0 if cands and cands[0].fits else None)
 
 
@@ -201,15 +256,31 @@ def why(m: ModelFacts, cl: Cluster, c: Candidate) -> str:
                      f"kv heads replicated x{c.kv_replication} (more bytes and FLOPs than a divisible degree)")
     feats = [k for k, v in c.features.as_dict().items() if v]
     parts.append("features: " + (", ".join(feats) or "none"))
+    if c.host_bytes:
+        parts.append(f"host memory {c.host_bytes / 2**30:.1f} GiB per GPU "
+                     f"({c.host_bytes * min(cl.gpus_per_node, cl.gpus) / 2**30:.0f} GiB per node)")
     parts.append(f"peak {c.memory.total / 2**30:.1f} GiB at {c.memory.phase} of {usable_bytes(cl) / 2**30:.1f} "
-                 f"usable; fastest predicted step among those that fit")
+                 f"usable; {c.sequences} sequence(s) of {c.seq_len} per step, {c.tokens_per_s:,.0f} tokens/s over "
+                 "the cluster: the highest predicted throughput among those that fit")
     return "; ".join(parts)
 
 
-def train_yaml(model_name: str, c: Candidate, wl: Workload, seq_len: int) -> str:
+def train_yaml(model_name: str, c: Candidate, wl: Workload, seq_len: int, ctx: Context | None = None) -> str:
+    """A `seqpar train` config for the candidate, loadable as printed (seqpar.train.config.load_config);
+    comment lines say what to fill in: the data, and the model (a hub id, or a local copy of it; for an
+    extended context a placeholder directory whose config.json carries the longer positions)."""
     f = c.features
+    name, head = model_name, ["# dataset.path: your data (JSONL / JSON / Parquet, see docs/training.md)"]
+    if ctx is not None and ctx.extended:
+        name = f"/path/to/{model_name.rstrip('/').split('/')[-1]}-{ctx.max_position}"
+        rope = (f" and its rope_scaling factor x{ctx.rope_factor:g}" if ctx.rope_factor else "")
+        head.append(f"# model.name: a copy of {model_name} whose config.json sets max_position_embeddings: "
+                    f"{ctx.max_position}{rope} (seqpar refuses longer rows than the config's positions)")
+    else:
+        head.append(f"# model.name: {model_name} is a hub id (downloaded on first use; gated models need access), "
+                    "or a local directory holding that model")
     cfg: dict[str, Any] = {
-        "model": {"name": model_name},
+        "model": {"name": name},
         "dataset": {"path": "data/train.jsonl", "max_length": seq_len, "packing": wl.stage == "sft"},
         "stage": wl.stage,
         "finetuning": {"method": wl.finetuning},
@@ -224,4 +295,4 @@ def train_yaml(model_name: str, c: Candidate, wl: Workload, seq_len: int) -> str
     }
     if wl.stage == "dpo" or wl.micro_batch_size > 1:
         cfg["dataset"]["packing"] = False
-    return yaml.safe_dump(cfg, sort_keys=False)
+    return "\n".join(head) + "\n" + yaml.safe_dump(cfg, sort_keys=False)

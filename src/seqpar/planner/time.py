@@ -19,6 +19,8 @@ Assumptions (stated in docs/planner.md; absolute GPU times are a model, the ORDE
   behind the attention of the previous block (only the excess is exposed), FSDP all-gathers /
   reduce-scatters behind the layers' compute. Without overlap (CPU / gloo: the same cores compute
   and communicate) everything is exposed. FSDP2 adds `Cluster.fsdp_param_s` per parameter tensor per step;
+- offload (`offload_s`): host copies over `Cluster.host_bw` overlap compute (the excess is exposed), the
+  CPU optimizer step of FSDP2 CPU offload is exposed;
 - host overhead: `Cluster.host_layer_s` per decoder layer and pass (0 on GPUs: kernels are enqueued
   ahead of the device, a model assumption; measured on the CPU).
 """
@@ -33,7 +35,8 @@ from .gpus import Cluster
 from .memory import Features, Layout, Workload, layer_bytes_per_token
 from .model import ModelFacts
 
-__all__ = ["TimeEstimate", "estimate_time", "comm_bytes_per_layer", "attention_flops", "step_flops", "DEFAULT_MFU"]
+__all__ = ["TimeEstimate", "estimate_time", "offload_s", "comm_bytes_per_layer", "attention_flops", "step_flops",
+           "DEFAULT_MFU"]
 
 DEFAULT_MFU = 0.45
 ADAMW_BYTES_PER_PARAM = 28  # fp32 param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written
@@ -89,7 +92,27 @@ def _memory_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> 
     acts = tokens * m.layers * layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp) * (fwd_bwd + fwd_only + 2)
     trained = m.num_params() if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
     shards = lay.world if feats.fsdp else 1
-    return acts + ADAMW_BYTES_PER_PARAM * trained / shards
+    on_device = not (feats.fsdp and feats.offload_optimizer)  # else the update runs on the host (offload_s)
+    return acts + (ADAMW_BYTES_PER_PARAM * trained / shards if on_device else 0)
+
+
+def offload_s(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, cl: Cluster) -> dict[str, float]:
+    """Seconds of host traffic: activation offload copies every layer input to the host in forward and back
+    in backward (2 L e h bytes per local token over `host_bw`, on a side stream: it overlaps compute);
+    FSDP2 CPU offload copies the fp32 shards to the device for each all-gather (forward and backward) and
+    the gradient shards back (3 x 4 bytes per parameter / world, overlapped with the layers' compute), and
+    runs AdamW on the host (28 bytes per parameter / world at the node's host memory bandwidth shared by its
+    ranks; serial: the step waits for it)."""
+    out: dict[str, float] = {}
+    tokens = wl.rows * wl.seq_len / lay.sp
+    if feats.offload_activations:
+        out["offload_acts"] = 2 * m.layers * wl.elt * m.hidden * tokens / (cl.host_bw * 1e9)
+    if feats.fsdp and feats.offload_optimizer:
+        n = m.num_params() if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
+        out["offload_params"] = 3 * 4 * m.num_params() / lay.world / (cl.host_bw * 1e9)
+        ranks = min(cl.gpus_per_node, lay.world)
+        out["host_adamw"] = ADAMW_BYTES_PER_PARAM * n / lay.world / (cl.host_mem_bw * 1e9 / ranks)
+    return out
 
 
 def _loss_s(m: ModelFacts, wl: Workload, lay: Layout, cl: Cluster) -> float:
@@ -138,6 +161,11 @@ def estimate_time(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, cl:
             exposed["fsdp"] = max(0.0, fsdp - compute)
     if feats.fsdp and lay.world > 1:
         exposed["fsdp_params"] = param_tensors(m) * cl.fsdp_param_s
+    host = offload_s(m, wl, lay, feats, cl)
+    if "host_adamw" in host:
+        exposed["host_adamw"] = host.pop("host_adamw")
+    for k, v in host.items():  # side-stream copies: only what compute cannot cover is exposed
+        exposed[k] = max(0.0, v - compute) if cl.overlap else v
     parts.update({f"comm_{k}": v for k, v in exposed.items()})
     cb = comm_bytes_per_layer(m, wl, lay)
     return TimeEstimate(compute, sum(exposed.values()), cb["ulysses"] + cb["ring"], linear + attn, parts)

@@ -1,0 +1,150 @@
+"""seqpar plan on GPU configurations (issue 21): offload modelled, masters counted, lengths the model and the
+mesh accept, a YAML that loads, throughput-ranked rows, and what seqpar train refuses refused here too."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from seqpar.cli.main import main
+from seqpar.errors import SeqParError
+from seqpar.planner import Features, Layout, Workload, estimate_memory, load_model_facts, make_cluster
+from seqpar.planner.search import Request, plan
+
+GiB = 2**30
+ALL = Features(activation_checkpointing=True, fused_loss=True, tiled_mlp=True, fsdp=True)
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _yaml(out: str) -> dict:
+    return yaml.safe_load(out.split("# seqpar train config (launch", 1)[1].split("\n", 1)[1])
+
+
+def test_offload_optimizer_keeps_only_gathered_params_on_device():
+    # FSDP2 CPU offload: fp32 shards, gradients and AdamW moments on the host, counted once there; the
+    # device keeps the gathered root module (embedding, head, final norm) in bf16, never a negative term.
+    m = load_model_facts("llama-3.1-8b")
+    wl = Workload(65536)
+    root = (m.embed_params() + m.lm_head_params() + m.hidden) * 2
+    for world in (1, 8):
+        lay = Layout(world, 1, 1)
+        off = estimate_memory(m, wl, lay, Features(activation_checkpointing=True, fsdp=True, offload_optimizer=True))
+        assert off.parameters == root and off.optimizer_state == 0
+        from seqpar.planner.memory import host_bytes
+
+        assert host_bytes(m, wl, lay, Features(fsdp=True, offload_optimizer=True))["optimizer"] == \
+            16 * m.num_params() // world
+        on = estimate_memory(m, wl, lay, Features(activation_checkpointing=True, fsdp=True))
+        assert on.parameters == root + 4 * m.num_params() // world  # fp32 shards when not offloaded
+
+
+def test_offload_activations_lowers_the_layer_backward_moment():
+    # Without offload the layer-backward moment holds every layer's checkpointed input (L e h per token);
+    # with it only the prefetched next one is back: (L - 2) e h per token less at the layer-backward peak
+    # (CPU optimizer offload: finished layers' gradients leave too, so gradients do not grow from layer to layer).
+    m = load_model_facts("llama-3.1-8b")
+    wl, lay = Workload(262144), Layout()
+    feats = Features(**{**ALL.__dict__, "offload_optimizer": True})
+    base = estimate_memory(m, wl, lay, feats)
+    off = estimate_memory(m, wl, lay, Features(**{**feats.__dict__, "offload_activations": True}))
+    assert base.phase == off.phase == "layer_backward"
+    assert base.activations - off.activations == (m.layers - 2) * 2 * m.hidden * 262144
+    from seqpar.planner.memory import host_bytes
+
+    assert host_bytes(m, wl, lay, Features(activation_checkpointing=True, offload_activations=True))[
+        "activations"] == m.layers * 2 * m.hidden * 262144
+
+
+def test_bf16_without_fsdp_counts_fp32_masters(capsys):
+    # seqpar train's bf16 without FSDP keeps fp32 masters (train.model.precision.MasterWeights): bf16 weights
+    # 2 + masters 4 + master gradients 4 + AdamW moments 8 + foreach temporary 4 = 22 bytes per parameter at
+    # the optimizer step; Qwen3-4B cannot fit that on an 80 GB H100 without FSDP.
+    m = load_model_facts("qwen3-4b")
+    mem = estimate_memory(m, Workload(32768), Layout(8, 1, 1), Features(activation_checkpointing=True))
+    assert mem.phases["optimizer"] == 22 * m.num_params()
+    rc, out, _ = _run(capsys, "--model", "qwen3-4b", "--gpus", "8", "--gpu", "h100", "--seq-len", "32768",
+                      "--no-fsdp")
+    assert rc == 1 and "nothing fits" in out
+
+
+def test_max_seq_len_capped_at_the_model_positions_unless_extended(capsys):
+    argv = ["--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100", "--max-seq-len", "--offload-optimizer",
+            "--offload-activations", "--tiled-mlp", "--json"]
+    rc, out, _ = _run(capsys, *argv)
+    d = json.loads(out)
+    best = d["candidates"][d["recommended"]]
+    assert rc == 0 and best["max_seq_len"] == 131072 and "max_position_embeddings" in best["capped_by"]
+    assert any("capped at 131072" in n for n in d["notes"])
+    rc, out, _ = _run(capsys, *argv, "--max-position", str(2**24))
+    d = json.loads(out)
+    assert d["candidates"][d["recommended"]]["max_seq_len"] > 131072
+    rc, _, err = _run(capsys, "--model", "llama-3.1-8b", "--seq-len", "262144")
+    assert rc == 2 and "exceeds 131072" in err and "--rope-scaling" in err
+
+
+def test_odd_length_padded_not_dropped_and_yaml_launches(capsys, tmp_path):
+    # 100001 tokens: every SP mesh pads to its split (the collator pads); the rows say the length they run
+    # at, a note explains it, and the YAML's max_length passes seqpar train's launch checks.
+    from seqpar.train.config import load_config, validate_for_launch
+
+    rc, out, _ = _run(capsys, "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "100001",
+                      "--json")
+    d = json.loads(out)
+    sp = [c for c in d["candidates"] if c["ulysses_degree"] * c["ring_degree"] > 1]
+    assert rc == 0 and sp and all(c["seq_len"] > 100001 and c["seq_len"] % 2 == 0 for c in sp)
+    assert any("padding included" in n for n in d["notes"])
+    rc, out, _ = _run(capsys, "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "100001",
+                      "--ulysses-degree", "8")
+    (tmp_path / "run.yaml").write_text(out.split("# seqpar train config (launch 8 processes):\n", 1)[1])
+    cfg = load_config(tmp_path / "run.yaml")
+    assert cfg.dataset.max_length == 100008 and cfg.model.name == "meta-llama/Llama-3.1-8B"
+    m = load_model_facts("llama-3.1-8b")
+    assert validate_for_launch(cfg, 8, num_heads=m.heads, num_kv_heads=m.kv_heads) == (8, 1)
+
+
+def test_extended_context_yaml_names_a_placeholder(capsys, tmp_path):
+    from seqpar.train.config import load_config
+
+    rc, out, _ = _run(capsys, "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "1048576",
+                      "--tiled-mlp", "--offload-activations", "--rope-scaling", "16")
+    assert rc == 0 and "max_position_embeddings: 2097152" in out
+    (tmp_path / "run.yaml").write_text(out.split("# seqpar train config (launch 8 processes):\n", 1)[1])
+    assert load_config(tmp_path / "run.yaml").model.name == "/path/to/Llama-3.1-8B-2097152"
+
+
+def test_dp_rows_compared_per_token():
+    # dp = 8 runs 8 sequences per step: its step is longer than ulysses = 8's but it trains more tokens per
+    # second; rows are ranked on tokens/s over the cluster, not on step time.
+    m = load_model_facts("llama-3.1-8b")
+    cands, rec = plan(m, make_cluster(8, 8, "h100"), Request(Workload(16384), activation_checkpointing=True,
+                                                              fsdp=True))
+    dp8 = next(c for c in cands if c.layout.dp == 8)
+    u8 = next(c for c in cands if c.layout.ulysses == 8)
+    assert dp8.time.step_s > u8.time.step_s and dp8.tokens_per_s > u8.tokens_per_s
+    assert dp8.sequences == 8 and cands.index(dp8) < cands.index(u8)
+    assert cands[rec].tokens_per_s >= max(c.tokens_per_s for c in cands if c.fits) / 1.02
+
+
+def test_trainer_refusals_planned_as_refused(tmp_path):
+    # Sliding windows shorter than the sequence (seqpar's attention refuses them) and Gemma2's softcapped
+    # attention (the trainer's own config check) are not planned.
+    m = load_model_facts("tiny:mistral", {"sliding_window": 1024})
+    assert m.sliding_window == 1024 and m.max_positions == 4096
+    with pytest.raises(SeqParError, match="sliding window"):
+        plan(m, make_cluster(2, 2, gpu_mem="80GiB"), Request(Workload(2048)))
+    cands, _ = plan(m, make_cluster(2, 2, gpu_mem="80GiB"), Request(Workload(0), max_seq_len=True))
+    assert max(c.max_seq_len for c in cands) == 1024 and all("sliding" in c.capped_by for c in cands)
+    gemma = {"model_type": "gemma2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512}
+    (tmp_path / "config.json").write_text(json.dumps(gemma))
+    with pytest.raises(SeqParError, match="softcapp"):
+        load_model_facts(str(tmp_path))
+    qwen25 = load_model_facts("qwen2.5-7b")  # use_sliding_window: false: every layer attends in full
+    assert qwen25.sliding_window is None
