@@ -74,6 +74,8 @@ def _train(case: dict, out: str, sp: int | None) -> dict[str, list[dict]]:
     args.per_device_eval_batch_size = 4 * per_rank  # an eval step: the same rows (10 = 8 + 2) on both sides
     data = _dataset(case["data"])  # 12 rows: dp=2 splits them evenly (no sampler wrap-around on either side)
     held_out = datasets.Dataset.from_list([data[i] for i in range(len(data) - 1, 1, -1)])  # 10 rows, other order
+    if case.get("compute_metrics"):  # evaluate() takes the full-logits path; TRL's eval metrics must still come
+        kw["compute_metrics"] = lambda p: {"rows": float(len(p.label_ids))}
     trainer = cls(model=_model(case["arch"], tok), args=args, train_dataset=data, eval_dataset=held_out,
                   processing_class=tok, **kw)
     trainer.train()
@@ -129,6 +131,8 @@ FAST = [
     {"name": "sft completion_only_loss, full logits", "stage": "sft", "arch": "qwen2", "data": "prompt_completion",
      "completion_only_loss": True, "fused": False},
     {"name": "dpo sigmoid, max_length cut", "stage": "dpo", "arch": "qwen2", "data": "pairs", "max_length": 24},
+    {"name": "sft with compute_metrics", "stage": "sft", "arch": "qwen2", "data": "prompt_completion",
+     "completion_only_loss": True, "compute_metrics": True},
 ]
 SLOW = [
     {"name": "sft dp=2 x sp=2 messages", "stage": "sft", "arch": "llama", "data": "messages", "dp": 2},

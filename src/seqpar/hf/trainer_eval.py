@@ -241,6 +241,7 @@ class SequenceParallelEvaluation:
         logits = forward_logits(model, batch)  # no fused request pending: the head returns real logits
         shift = batch["shift_labels"].to(logits.device)
         share = L.sft_loss_from_nll(L.token_nll(logits, shift), shift, 1, mesh=self.sp_mesh)
+        self._sp_eval_logits(logits, shift, batch, padding=not rows)
         if not rows:  # a padding batch: its whole SP group skips the gather together
             return share, []
         labels = torch.full((len(rows), shift.shape[1] * self.sp_mesh.sp_size), PAD_INDEX, dtype=torch.long)
@@ -254,6 +255,10 @@ class SequenceParallelEvaluation:
         dev = self.sp_mesh.comm_device
         preds = _nested(lambda t: unshard(t.to(dev), self.sp_mesh, dim=1).cpu(), preds)
         return share, [(_take_row(preds, i, ids.numel()), lab, ids) for i, (ids, lab) in enumerate(rows)]
+
+    def _sp_eval_logits(self, logits: torch.Tensor, labels: torch.Tensor, batch: dict, padding: bool) -> None:
+        """An eval batch's full local logits and shift_labels (compute_metrics= runs): for subclasses that log
+        their own eval metrics from them (the TRL drop-ins); padding: a batch that only keeps collectives matched."""
 
     def _sp_gather_rows(self, rows: list) -> list:
         """The rows of one eval step over all dp ranks, in dataset order: at step k dp rank d holds rows

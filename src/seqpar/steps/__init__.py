@@ -8,8 +8,8 @@ the mesh), so `import seqpar` never loads a trainer.
 """
 
 from .forward import forward_logits, forward_nll, forward_token_stats, model_inputs
-from .micro_batch import StepSpec, count_items, micro_batch_loss
+from .micro_batch import StepSpec, count_items, micro_batch_loss, sft_metric_sums
 from .reference import ReferenceLogps, ReferenceTokenLogps
 
 __all__ = ["StepSpec", "count_items", "model_inputs", "forward_logits", "forward_nll", "forward_token_stats",
-           "micro_batch_loss", "ReferenceLogps", "ReferenceTokenLogps"]
+           "micro_batch_loss", "sft_metric_sums", "ReferenceLogps", "ReferenceTokenLogps"]

@@ -21,7 +21,7 @@ from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 from .forward import forward_nll, forward_token_stats
 
-__all__ = ["StepSpec", "count_items", "micro_batch_loss"]
+__all__ = ["StepSpec", "count_items", "micro_batch_loss", "sft_metric_sums"]
 
 
 @dataclass
@@ -129,7 +129,7 @@ def micro_batch_loss(
     beta != 0 and the batch carries no per-token "ref_logps".
 
     spec.metric_sums (SFT / DPO): the metrics also hold "shard_sums" and "batch_sums", dicts of 0-dim float64
-    sums (see `_sft_sums` / `_dpo_sums`) from which seqpar.trl computes TRL's logged metrics; the per-token
+    sums (see `sft_metric_sums` / `_dpo_sums`) from which seqpar.trl computes TRL's logged metrics; the per-token
     statistics come from the same forward without gradient, so the loss and its gradient are unchanged.
     """
     if spec.stage == "grpo":
@@ -138,7 +138,7 @@ def micro_batch_loss(
     if spec.stage == "sft":
         nll, labels = forward_nll(model, batch, spec.fused_loss, spec.loss_chunk_tokens, metrics=tok)
         share = L.sft_loss_from_nll(nll, labels, num_items, mesh=mesh)
-        return share, ({} if tok is None else _sft_sums(tok, labels, batch))
+        return share, ({} if tok is None else sft_metric_sums(tok, labels, batch))
     ref_c, ref_r = _dpo_reference(batch, spec, reference)
     nll, labels = forward_nll(model, batch, spec.fused_loss, spec.loss_chunk_tokens, metrics=tok)
     logps, counts = L.sequence_logps_from_nll(nll, labels, mesh)
@@ -163,8 +163,9 @@ def _sum(x: torch.Tensor) -> torch.Tensor:
     return x.detach().double().sum()
 
 
-def _sft_sums(tok: dict[str, torch.Tensor], labels: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict:
-    """TRL SFT: entropy and top-1 hits over the supervised (shifted) targets, their count; the input tokens."""
+def sft_metric_sums(tok: dict[str, torch.Tensor], labels: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict:
+    """TRL SFT: entropy and top-1 hits over the supervised (shifted) targets, their count; the input tokens.
+    tok: the per-token seqpar.loss.TOKEN_METRICS (fused head's chunks or `L.token_metric_stats` of logits)."""
     mask = labels != L.IGNORE_INDEX
     shard = {"entropy": _sum(tok["entropy"]), "top1": _sum(tok["is_top1"]), "tokens": _sum(mask)}
     return {"shard_sums": shard, "batch_sums": {"input_tokens": _input_tokens(batch, mask.device)}}

@@ -35,13 +35,14 @@ import torch
 import trl
 
 from .. import comm
+from .. import loss as L
 from ..errors import SeqParError
 from ..hf.attention import is_sequence_parallel
 from ..hf.trainer import SequenceParallelDPOTrainer as _HFDPOTrainer
 from ..hf.trainer import SequenceParallelTrainer
 from ..hf.trainer_stack import is_zero3
 from ..mesh import SequenceParallelMesh
-from ..steps import StepSpec, micro_batch_loss
+from ..steps import StepSpec, micro_batch_loss, sft_metric_sums
 from .collators import TRLDPOCollator, TRLSFTCollator
 
 __all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer"]
@@ -142,7 +143,7 @@ class _TRLMetrics:
     rank issues the same two collectives), then turned into TRL's per-micro-batch ratios and handed to TRL's
     own log() through its `_metrics`, which averages them as stock. evaluate() does the same for the "eval"
     metrics of each eval step (a dp rank's discarded padding batch adds zeros); with compute_metrics= (SFT)
-    the eval forward produces full logits for the predictions instead, and the eval row gets no TRL metrics.
+    the eval forward produces full logits for the predictions instead, and the same sums come from them.
     """
 
     def _init_trl_metrics(self) -> None:
@@ -214,9 +215,17 @@ class _TRLMetrics:
         finally:
             self._sp_evaluating = False
 
+    def _sp_eval_logits(self, logits: torch.Tensor, labels: torch.Tensor, batch: dict, padding: bool) -> None:
+        """compute_metrics= (SFT): TRL's eval metrics from the full-logits forward, as stock TRL computes them."""
+        if not self._sp_evaluating:
+            return
+        tok = L.token_metric_stats(logits, labels, chunk_tokens=self._sp_spec.loss_chunk_tokens)
+        keys, vec = self._sp_sum_vector(sft_metric_sums(tok, labels, batch))
+        self._sp_trl_sums["eval"].append((keys, torch.zeros_like(vec) if padding else vec))
+
     def _sp_eval_forward(self, model: torch.nn.Module, batch: dict, rows: list | None,
                          want_preds: bool) -> tuple[torch.Tensor, list]:
-        if want_preds:  # compute_metrics: the full-logits forward of seqpar.hf.trainer_eval, no TRL metrics
+        if want_preds:  # compute_metrics: the full-logits forward of seqpar.hf.trainer_eval (_sp_eval_logits)
             return super()._sp_eval_forward(model, batch, rows, want_preds)
         share, metrics = micro_batch_loss(model, batch, 1, self.sp_mesh, self._sp_spec, self._sp_reference)
         if self._sp_evaluating:  # not predict(): it logs no row
