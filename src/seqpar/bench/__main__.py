@@ -1,5 +1,6 @@
 """CLI: python -m seqpar.bench attention [--out bench_results/attention.json] [--png FILE] [--quick]
-     python -m seqpar.bench memory [--out bench_results/memory.json] [--png FILE] [--quick] [--budget-gib 4]."""
+     python -m seqpar.bench memory [--out bench_results/memory.json] [--png FILE] [--quick] [--budget-gib 4]
+     python -m seqpar.bench layer-memory [--out bench_results/layer_memory.json] [--lengths 512,1024] [--quick]."""
 
 from __future__ import annotations
 
@@ -30,9 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--budget-gib", type=float, default=4.0, help="per-rank memory budget for the max length")
     mem.add_argument("--models", default=None, help="comma-separated subset: tiny,smollm2")
     mem.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
+    lay = sub.add_parser("layer-memory", help="per-component bytes per local token of a decoder layer, tiled or not")
+    lay.add_argument("--out", default="bench_results/layer_memory.json", help="JSON output path")
+    lay.add_argument("--lengths", default="512,1024", help="two local lengths S1,S2 (the slope between them)")
+    lay.add_argument("--quick", action="store_true", help="2 layers, 128 and 256 tokens (smoke test)")
     args = parser.parse_args(argv)
     if args.bench == "memory":
         return _memory(args)
+    if args.bench == "layer-memory":
+        return _layer_memory(args)
 
     from .attention import run
 
@@ -68,6 +75,19 @@ def _memory(args: argparse.Namespace) -> int:
 
         plot_memory(result, png)
         print(f"wrote {png}")
+    print("\n".join(summary_lines(result)))
+    return 0
+
+
+def _layer_memory(args: argparse.Namespace) -> int:
+    from .layer_memory import run, summary_lines
+
+    s1, s2 = (int(x) for x in args.lengths.split(","))
+    result = run(lengths=(s1, s2), quick=args.quick)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
     print("\n".join(summary_lines(result)))
     return 0
 

@@ -69,6 +69,10 @@ def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int,
             raise SeqParError(f"tiled_layer={tiled_layer!r}: use False, True (automatic tile count) or an int >= 1")
         if tiled_layer:
             tiled_layers(model)  # raises for decoder layers it cannot tile
+        ds = getattr(args, "hf_deepspeed_config", None)
+        if tiled_layer and ds is not None and ds.is_zero3():  # its per-call gathers vs one node's grads: untested
+            raise SeqParError("tiled_layer under DeepSpeed ZeRO-3 is not supported: use ZeRO 1/2 or FSDP2 "
+                              "(fsdp=...), or tiled_layer=False (tiled_mlp=True works under ZeRO-3)")
     if not getattr(args, "gradient_checkpointing", False):
         return
     user = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))

@@ -4,28 +4,30 @@
     apply_tiled_layer(model, 4)      # 4 tiles
 
 A pre-norm decoder layer (llama, qwen2, qwen3 with q_norm / k_norm, mistral) runs as three pieces:
-1. per sequence tile, under a non-reentrant `torch.utils.checkpoint`: input RMSNorm, q/k/v projections,
-   q_norm / k_norm, RoPE -> the tile's q, k, v. The tiles' outputs are concatenated into the attention
-   inputs; the only tensors saved for backward are the tile's inputs (views of the layer input and of
-   cos / sin), so no full-length norm output, fp32 norm intermediates or pre-RoPE projections exist;
+1. `SequenceTiled` over sequence tiles: input RMSNorm, q/k/v projections, q_norm / k_norm, RoPE -> q, k, v.
+   Saved for backward: its inputs only (the layer input, cos / sin), so no full-length norm output, fp32
+   norm intermediates or pre-RoPE projections exist;
 2. the model's own attention function (seqpar's SP attention) on the full local q, k, v;
-3. per tile, checkpointed: o_proj, the residual add, the post-attention RMSNorm, the MLP and the second
-   residual add. Saved: views of the attention output and of the layer input; the attention-block output
-   (the middle residual stream), the norm output and the MLP intermediates exist one tile at a time.
-Backward recomputes tile by tile; autograd sums each parameter's gradient over the tiles.
+3. `SequenceTiled`: o_proj, the residual add, the post-attention RMSNorm, the MLP and the second residual
+   add. Saved: the attention output and the layer input; the middle residual stream, the norm output and
+   the MLP intermediates exist one tile at a time.
+Forward runs the tiles without autograd; backward recomputes one tile at a time, writes the tile's input
+gradients into one full-length buffer per input (no per-tile gradient copies, no concatenation) and sums the
+parameter gradients over the tiles, returned as the node's own (each parameter is accumulated once per
+backward, as untiled: DDP's readiness hooks and FSDP2's gradient hooks see the usual graph).
 
 Exact: every op outside attention is per token, so tiling only reorders independent rows (matmuls over
 fewer rows may round differently in the last bit: ~1e-7 relative). The attention function gets the same
 arguments (layouts and strides included) as the model's own attention forward. LoRA-wrapped projections
 and FSDP2 work (the projections are called as modules inside the tiles; FSDP2 gathers per decoder layer,
-outside the tiles). No collective runs per tile, so tile counts may differ between ranks, except under
-DeepSpeed ZeRO-3 (gathers per module call): `seqpar.memory.tiled_mlp.same_tile_count` covers these layers
-too (they are `TiledForward`s).
+outside the tiles). No collective runs per tile, so tile counts may differ between ranks.
+DeepSpeed ZeRO-3 (gathers and releases parameters per module call, inside the tiles) is refused by the
+Trainer drop-ins; `same_tile_count` would still agree counts for these layers (they are `TiledForward`s).
 
 The override is instance-level (`layer.forward`): no module is replaced, state_dict keys are unchanged.
 transformers' GradientCheckpointingLayer wraps the CLASS forward, so the override re-does that wrapper
 (the layer's own `_gradient_checkpointing_func`, whatever checkpointing / offload installed). With a KV
-cache (generation, or `use_cache=True` forwards) the tile's k, v update the cache as in the model's forward.
+cache (generation, or `use_cache=True` forwards) the tiles' k, v update the cache as in the model's forward.
 Other layer structures (gemma2/3's extra norms, phi3's fused qkv, unknown archs) raise a SeqParError.
 """
 
@@ -36,7 +38,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..errors import SeqParError
 from ..unwrap import decoder_layers
@@ -116,10 +117,12 @@ class TiledLayerForward(TiledForward):
             return layer._gradient_checkpointing_func(partial(self.tiled, **kwargs), *args)
         return self.tiled(*args, **kwargs)
 
-    def _run(self, fn: Any, n: int, *tensors: torch.Tensor) -> list:
-        parts = [t.tensor_split(n, dim=1) for t in tensors]  # all [B or 1, S_local, ...]
-        grad = torch.is_grad_enabled() and n > 1
-        return [checkpoint(fn, *p, use_reentrant=False) if grad else fn(*p) for p in zip(*parts)]
+    def _run(self, fn: Any, n: int, dims: tuple[int, ...], inputs: tuple[torch.Tensor, ...],
+             modules: tuple[torch.nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+        if not torch.is_grad_enabled():
+            return _tiles_no_grad(fn, n, dims, inputs)
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        return SequenceTiled.apply(fn, n, dims, len(inputs), *inputs, *params)
 
     def tiled(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
               past_key_values: Any = None, use_cache: bool | None = False,
@@ -127,10 +130,9 @@ class TiledLayerForward(TiledForward):
         layer, attn, x = self.layer, self.layer.self_attn, hidden_states
         n = self.count(x)
         cos, sin = position_embeddings
-        qkv = self._run(partial(_attention_inputs, layer, self.rope), n, x, cos, sin)
-        q, k = (torch.cat([t[i] for t in qkv], dim=2) for i in (0, 1))
-        v = torch.cat([t[2] for t in qkv], dim=1).transpose(1, 2)
-        del qkv
+        pre = (layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, *_qk_norms(attn))
+        q, k, v = self._run(partial(_attention_inputs, layer, self.rope), n, (2, 2, 1), (x, cos, sin), pre)
+        v = v.transpose(1, 2)
         if past_key_values is not None:  # as the model's attention forward does (generation, use_cache=True)
             k, v = past_key_values.update(k, v, attn.layer_idx)
         iface = _attention_interface(attn, self.eager)
@@ -141,7 +143,68 @@ class TiledLayerForward(TiledForward):
         del q, k, v
         a = out.reshape(*x.shape[:-1], -1).contiguous()
         del out
-        return torch.cat(self._run(partial(_block_output, layer), n, a, x), dim=1)
+        post = (attn.o_proj, layer.post_attention_layernorm, layer.mlp)
+        return self._run(partial(_block_output, layer), n, (1,), (a, x), post)[0]
+
+
+def _qk_norms(attn: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    return (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()
+
+
+def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+def _tiles_no_grad(fn: Any, n: int, dims: tuple[int, ...], inputs: tuple[torch.Tensor, ...]) -> tuple:
+    outs = [_as_tuple(fn(*p)) for p in zip(*(t.tensor_split(n, dim=1) for t in inputs))]
+    return tuple(torch.cat([o[i] for o in outs], dim=d) for i, d in enumerate(dims))
+
+
+class SequenceTiled(torch.autograd.Function):
+    """fn over n sequence tiles (dim 1 of every input); saved for backward: the inputs only.
+
+    apply(fn, n, dims, n_inputs, *inputs, *params): output i is the tiles' output i concatenated along dims[i].
+    Backward recomputes one tile at a time, takes that tile's input and parameter gradients with
+    torch.autograd.grad, writes the input gradients into one full-length buffer per input and sums the
+    parameter gradients, which it returns as this node's: autograd accumulates each parameter once per
+    backward, as for an untiled layer (DDP's once-per-parameter readiness, FSDP2's hooks see the usual graph).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, fn: Any, n: int, dims: tuple[int, ...], n_inputs: int, *tensors: torch.Tensor) -> Any:
+        inputs = tensors[:n_inputs]
+        ctx.fn, ctx.n, ctx.dims, ctx.n_inputs = fn, n, dims, n_inputs
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():  # detached: module hooks (MemTracker's) see no grad-requiring tile views here
+            return _tiles_no_grad(fn, n, dims, tuple(t.detach() for t in inputs))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        saved = ctx.saved_tensors
+        inputs, params = saved[:ctx.n_inputs], saved[ctx.n_inputs:]
+        needs = ctx.needs_input_grad[4:4 + ctx.n_inputs]
+        in_grads = [torch.zeros_like(t) if need else None for t, need in zip(inputs, needs)]
+        p_grads: list[torch.Tensor | None] = [None] * len(params)
+        parts = [t.tensor_split(ctx.n, dim=1) for t in inputs]
+        g_parts = [g.tensor_split(ctx.n, dim=d) if g is not None else None for g, d in zip(grads, ctx.dims)]
+        for i in range(ctx.n):
+            with torch.enable_grad():
+                tin = [p[i].detach().requires_grad_(need) for p, need in zip(parts, needs)]
+                outs = _as_tuple(ctx.fn(*tin))
+            pairs = [(o, g[i]) for o, g in zip(outs, g_parts) if g is not None and o.requires_grad]
+            wrt = [t for t in tin if t.requires_grad] + list(params)
+            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+            k = 0
+            for j, t in enumerate(tin):
+                if t.requires_grad:
+                    if got[k] is not None:
+                        in_grads[j].tensor_split(ctx.n, dim=1)[i].copy_(got[k])
+                    k += 1
+            for j, g in enumerate(got[k:]):
+                if g is not None:
+                    p_grads[j] = g if p_grads[j] is None else p_grads[j].add_(g)
+            del outs, pairs, got
+        return (None, None, None, None, *in_grads, *p_grads)
 
 
 def _attention_interface(attn: torch.nn.Module, eager: Any) -> Any:
