@@ -177,3 +177,33 @@ def test_tiled_layer_lowers_the_activation_peak_per_token():
         slope[tiled] = (_step(tiled, 512)[0] - _step(tiled, 256)[0]) / 256 / (32 * 4)
     assert slope[True] < 0.96 * slope[False], slope
     print(f"activation bytes per token / (4 * hidden), tiled MLP / tiled layer: {slope}")
+
+
+# ----------------------------------------------------------------------------- wiring
+def test_config_and_trainer_dropin_wiring(tmp_path):
+    """memory.tiled_layer validates like tiled_mlp; SequenceParallelTrainer(tiled_layer=...) applies it and
+    refuses bad values and untileable layers before any process group."""
+    from transformers import TrainingArguments
+
+    from seqpar.hf.trainer import SequenceParallelTrainer
+    from seqpar.train.config.schema import MemorySpec
+
+    assert MemorySpec(tiled_layer=3).tiled_layer == 3 and MemorySpec().tiled_layer is False
+    with pytest.raises(ValueError, match="memory.tiled_layer=0"):
+        MemorySpec(tiled_layer=0)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    for arch, tiles, match in (("llama", 0, "tiled_layer=0"), ("gemma2", True, "tiled_layer=False")):
+        with pytest.raises(SeqParError, match=match):
+            SequenceParallelTrainer(model=tiny_model(arch, 4, 2, vocab_size=tmf.VOCAB), args=args,
+                                    train_dataset=[{"input_ids": [1, 2, 3]}], tiled_layer=tiles)
+    model = tiny_model("llama", 4, 2, vocab_size=tmf.VOCAB)
+    SequenceParallelTrainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2, 3]}], tiled_layer=2)
+    assert all(isinstance(layer.__dict__.get("forward"), TiledLayerForward) and layer.forward.tiles == 2
+               for layer in model.model.layers)
+
+
+@pytest.mark.slow
+def test_seqpar_train_with_tiled_layer(tmp_path):
+    """seqpar train, ring of 2, LoRA under FSDP2, checkpointing + 2-tile layers: 3 losses within 1e-5 of SP=1."""
+    tmf._check_train(tmp_path, 2, {"size": 2, "ring_degree": 2},
+                     {"activation_checkpointing": True, "tiled_layer": 2}, fsdp=True, method="lora")
