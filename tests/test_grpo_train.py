@@ -215,3 +215,36 @@ def test_grpo_hybrid_and_vl_sp2_match_reference(data, tmp_path, arch):
     worst = _compare(res[0]["losses"], res[0]["state"], ref_losses, ref_params, cfg)
     print(f"{arch} SP=2, 2 steps vs reference: losses {res[0]['losses']} vs {ref_losses}, max |param diff| = "
           f"{worst:.2e}")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen2_5_vl"])
+def test_generation_pause_lifts_linear_forwards_and_vl_hooks(arch):
+    """Fast guard: inside sequence_parallel_paused a Qwen3.5 (Gated DeltaNet forwards replaced by SP) and a
+    Qwen2.5-VL model (plan hook on its language model, input guard on its outer model) generate exactly as
+    the unpatched model; afterwards every replaced forward and hook is back (the same objects)."""
+    import copy
+
+    import seqpar
+    from seqpar.errors import SeqParError
+    from seqpar.hf import apply_sequence_parallel, tiny_model
+    from seqpar.hf.generation import sequence_parallel_paused
+    from seqpar.hf.linear_attention import find_linear_attention
+
+    model = tiny_model(arch, num_heads=4, num_kv_heads=2, seed=0).eval()
+    plain = copy.deepcopy(model)
+    apply_sequence_parallel(model, seqpar.init_mesh(1))
+    forwards = {id(m): m.__dict__["forward"] for m in find_linear_attention(model)}
+    hooks = [(d, dict(d)) for h in model._seqpar_state.handles for d in (h.hooks_dict_ref(),) if d is not None]
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=6, pad_token_id=0)
+    with sequence_parallel_paused(model):
+        got = model.generate(input_ids=x, **kw)
+    assert got.tolist() == plain.generate(input_ids=x, **kw).tolist()
+    assert {id(m): m.__dict__.get("forward") for m in find_linear_attention(model)} == forwards
+    assert all(dict(d) == saved and len(d) > 0 for d, saved in hooks)
+    if arch.endswith("_vl"):  # the SP input guard is active again
+        with pytest.raises(SeqParError, match="position_ids"):
+            model(input_ids=x)
+    else:  # the SP forward is back: a full-sequence forward with global positions runs through it
+        out = model(input_ids=x, position_ids=torch.arange(5)[None]).logits
+        assert torch.allclose(out, plain(input_ids=x).logits, atol=1e-5)
