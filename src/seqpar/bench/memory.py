@@ -6,8 +6,11 @@ live tensor bytes on each rank (seqpar.memory.meter; split by category at the pe
 It does not depend on machine load. Parts of the JSON document (see `run`):
 
 1. points: peak per (model, SP, feature set, S_local), with the split of the rank with the largest peak.
+   The peak is DEVICE bytes; with activation offload the layer inputs held in the host store are
+   reported apart (`offloaded_peak_bytes`: the store's peak; `offloaded_at_peak_bytes`: what it held at
+   the device peak), max over ranks. On CPU the store is numpy memory the meter does not count.
 2. fits: peak = a + b * S_local per (model, SP, feature set) by least squares, with residuals
-   (linearity); b = bytes per local token.
+   (linearity); b = device bytes per local token; `host_fits`: the same for the offloaded peak.
 3. max_length: the largest full sequence length whose predicted peak fits `budget_gib` per rank, per
    (model, SP, feature set); one of them confirmed by a measured step (`confirmation` says which).
 4. activation_ratio: activation bytes (peak minus parameters, buffers, gradients, optimizer state)
@@ -17,8 +20,10 @@ It does not depend on machine load. Parts of the JSON document (see `run`):
    (TIME_STEPS steps; the fastest step after the first is kept) at the largest S_local, all in the same
    benchmark run. Wall times on a shared machine are noisy: compare only numbers from one run.
 
-Feature sets are cumulative: none (fused_loss off too), checkpointing, + fused loss, + tiled MLP; they
-are `memory.*` config keys, so the numbers show whatever those features do in the installed seqpar.
+Feature sets are cumulative: none (fused_loss off too), checkpointing, + fused loss, + tiled MLP,
++ activation offload; they are `memory.*` config keys, so the numbers show whatever those features do in
+the installed seqpar. (The tiled decoder layer has its own benchmark, `python -m seqpar.bench layer-memory`;
+one more set here would cost every run of the quick smoke test in the default suite.)
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ FEATURE_SETS: dict[str, dict[str, Any]] = {
     "checkpointing": {"activation_checkpointing": True, "fused_loss": False, "tiled_mlp": False},
     "ckpt+fused_loss": {"activation_checkpointing": True, "fused_loss": True, "tiled_mlp": False},
     "ckpt+fused_loss+tiled_mlp": {"activation_checkpointing": True, "fused_loss": True, "tiled_mlp": True},
+    "ckpt+fused_loss+tiled_mlp+offload": {"activation_checkpointing": True, "fused_loss": True, "tiled_mlp": True,
+                                          "offload_activations": True},
 }
 SP_SIZES = (1, 2, 4)
 GIB = 2**30
@@ -145,6 +152,8 @@ def _point(mc: ModelCase, sp: int, fs: str, s_local: int, per_rank: list[dict[st
         "mesh": per_rank[0]["mesh"], "peak_bytes": readings[top]["peak_bytes"],
         "per_rank_peak_bytes": [r["peak_bytes"] for r in readings], "peak_rank": top,
         "by_category": readings[top]["by_category"], "activation_bytes": max(activation_bytes(r) for r in readings),
+        "offloaded_peak_bytes": max(r.get("offloaded_peak_bytes", 0) for r in readings),
+        "offloaded_at_peak_bytes": max(r.get("offloaded_at_peak_bytes", 0) for r in readings),
         "step_s_with_meter": max(r["step_s"] for r in per_rank), "source": readings[top]["source"],
     }
 
@@ -203,12 +212,15 @@ def _confirm(mc: ModelCase, sp: int, fs: str, ml: dict[str, Any], fit: dict[str,
 
 
 def _analyse(mc: ModelCase, points: list[dict], budget: float) -> dict[str, Any]:
-    fits, max_len, act = {}, {}, {}
+    fits, host_fits, max_len, act = {}, {}, {}, {}
     for sp in mc.sp_sizes:
         for fs in FEATURE_SETS:
             pts = sorted((p for p in points if p["sp"] == sp and p["feature_set"] == fs), key=lambda p: p["s_local"])
             fit = linear_fit([p["s_local"] for p in pts], [p["peak_bytes"] for p in pts])
             fits[f"sp{sp}/{fs}"] = fit
+            if any(p["offloaded_peak_bytes"] for p in pts):
+                host_fits[f"sp{sp}/{fs}"] = linear_fit([p["s_local"] for p in pts],
+                                                       [p["offloaded_peak_bytes"] for p in pts])
             max_len[f"sp{sp}/{fs}"] = _max_length(mc, sp, fit, budget)
     lo, hi = min(mc.sp_sizes), max(mc.sp_sizes)
     common = sorted({p["full_length"] for p in points if p["sp"] == lo} & {p["full_length"] for p in points
@@ -220,7 +232,7 @@ def _analyse(mc: ModelCase, points: list[dict], budget: float) -> dict[str, Any]
                                if p["sp"] == s and p["feature_set"] == fs and p["full_length"] == L) for s in (lo, hi))
             act[fs] = {"full_length": L, f"sp{lo}_bytes": a_lo, f"sp{hi}_bytes": a_hi, "ratio": a_hi / a_lo,
                        "ideal": lo / hi, "at_max_length": _ratio_at_max_length(points, max_len, fs, lo, hi)}
-    return {"fits": fits, "max_length": max_len, "activation_ratio": act}
+    return {"fits": fits, "host_fits": host_fits, "max_length": max_len, "activation_ratio": act}
 
 
 def _ratio_at_max_length(points: list[dict], max_len: dict[str, Any], fs: str, lo: int, hi: int) -> dict | None:
@@ -290,14 +302,17 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
     lines = []
     for name, m in res["models"].items():
         lines += [f"### {name}: {m['description']}", "",
-                  f"| SP | feature set | b (KiB / local token) | a (MiB) | max rel. residual | max full length "
-                  f"@ {res['budget_gib']:g} GiB/rank | time / none |", "|---:|---|---:|---:|---:|---:|---:|"]
+                  f"| SP | feature set | device b (KiB / local token) | a (MiB) | max rel. residual | host b (KiB / "
+                  f"local token) | max full length @ {res['budget_gib']:g} GiB/rank | time / none |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for key, fit in m["fits"].items():
             sp, fs = key.split("/", 1)
             ml = m["max_length"][key]["max_full_length"]
             tr = m["time"][sp]["ratio_vs_none"][fs]
+            host = m.get("host_fits", {}).get(key)
+            hb = f"{host['b_bytes_per_token'] / 1024:.1f}" if host else "0"
             lines.append(f"| {sp[2:]} | {fs} | {fit['b_bytes_per_token'] / 1024:.1f} | {fit['a_bytes'] / 2**20:.1f} | "
-                         f"{fit['max_rel_residual']:.2e} | {ml if ml is not None else 'unbounded'} | {tr:.2f} |")
+                         f"{fit['max_rel_residual']:.2e} | {hb} | {ml if ml is not None else 'unbounded'} | {tr:.2f} |")
         lines.append("")
         for fs, a in m["activation_ratio"].items():
             lo, hi = min(m["sp_sizes"]), max(m["sp_sizes"])

@@ -28,8 +28,12 @@ def plot_memory(res: dict[str, Any], path: str) -> str:
                              key=lambda p: p["s_local"])
                 ax.plot([p["s_local"] for p in pts], [p["peak_bytes"] / 2**20 for p in pts], _STYLES.get(sp, "-."),
                         marker="o", color=colors[fs], label=f"SP={sp} {fs}")
+                if any(p.get("offloaded_peak_bytes") for p in pts):  # activation offload: the host store's peak
+                    ax.plot([p["s_local"] for p in pts], [p["offloaded_peak_bytes"] / 2**20 for p in pts],
+                            _STYLES.get(sp, "-."), marker="x", color=colors[fs], alpha=0.5,
+                            label=f"SP={sp} {fs} (host)")
         ax.set_xlabel("S_local (tokens per rank)")
-        ax.set_ylabel("peak per rank (MiB, exact tensor bytes)")
+        ax.set_ylabel("peak per rank (MiB, exact tensor bytes; device, x = host store)")
         ax.set_title(f"{name}: peak vs S_local")
         ax.legend(fontsize=7, ncol=2)
         ax.grid(alpha=0.3)
