@@ -148,3 +148,13 @@ def test_trainer_refusals_planned_as_refused(tmp_path):
         load_model_facts(str(tmp_path))
     qwen25 = load_model_facts("qwen2.5-7b")  # use_sliding_window: false: every layer attends in full
     assert qwen25.sliding_window is None
+
+
+@pytest.mark.slow
+def test_offload_and_bf16_masters_match_memtracker():
+    """`seqpar plan --validate` rows for activation offload (8 layers x 1024 tokens, fp32 and bf16 with
+    ulysses 2) and bf16 with fp32 masters (full and LoRA), with offload and with no features: within 2%."""
+    from seqpar.planner.validate import REACH_GRID, TOLERANCE, format_rows, run_validation, with_features
+
+    rows = run_validation(with_features(REACH_GRID, ["none", "offload"]), timeout=900)
+    assert all(abs(r["rel_err"]) <= TOLERANCE for r in rows), format_rows(rows)

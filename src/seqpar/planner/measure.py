@@ -205,8 +205,12 @@ def _metered_step(loop: Any, model: Any, optimizer: Any, reference: Any, device:
 
     mt = _step_tracker()
     ref_model = getattr(reference, "ref_model", None)
+    # bf16 without FSDP: the fp32 masters are the optimizer's parameters but no tracked module's; MemTracker
+    # counts an optimizer's states only, so they are tracked as their own module (else 4 bytes per parameter
+    # the step holds go unseen)
+    masters = getattr(getattr(loop, "prec", None), "module", None)
     _skip_frozen_grad_hooks(mt, model, ref_model)
-    mt.track_external(model, optimizer, ref_model)
+    mt.track_external(*(x for x in (model, optimizer, ref_model, masters) if x is not None))
     with mt:
         train_step(loop, 1)
     snap = mt.get_tracker_snapshot("peak")

@@ -57,9 +57,12 @@ class Features:
     fsdp: bool = False
     offload_optimizer: bool = False  # FSDP CPU offload of parameters, gradients and optimizer state
     loss_chunk_tokens: int | None = None
+    # offload on an accelerator prefetches the next layer input during a layer's backward (a second input on
+    # the device); seqpar.memory.offload on CPU copies on demand (the validation runs)
+    offload_prefetch: bool = True
 
     def as_dict(self) -> dict[str, bool]:
-        return {k: v for k, v in self.__dict__.items() if k != "loss_chunk_tokens"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("loss_chunk_tokens", "offload_prefetch")}
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,7 @@ def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Featu
     if feats.fused_loss:
         once += e * m.hidden  # the supervised hidden states the loss chunks keep
     if feats.activation_checkpointing:
-        kept = 2 if feats.offload_activations else m.layers  # offload: ~current + prefetched layer input on GPU
+        kept = 0 if feats.offload_activations else m.layers  # offload: every layer input is in the host store
         return once + kept * e * m.hidden  # (layer 0's input is kept even when the embedding is frozen)
     if wl.lora:
         once -= 4 * m.hidden + 4  # a frozen embedding: layer 0's norm input needs no gradient
@@ -322,7 +325,7 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
 
     def at(k: int, attention: bool) -> _Moment:  # k layers already done
         # offloaded layer inputs: only the next one, prefetched, is back on the device
-        ahead_n = min(1, last - k) if feats.offload_activations else last - k
+        ahead_n = (min(1, last - k) * feats.offload_prefetch) if feats.offload_activations else last - k
         a = acts + (ahead * ahead_n + ahead_full) * tokens
         rs = in_flight if k > 0 else 0
         if attention:
