@@ -5,7 +5,8 @@ SP 1/2/4 in ulysses, ring and USP modes, two architectures (Llama; Qwen3 with q/
 (fp32 masters), 2 and 8 layers. Feature rows are the same cases with `memory` keys flipped (FEATURE_SETS:
 activation checkpointing, fused loss, tiled MLP, activation offload, all four). Offload on CPU keeps the
 layer inputs in seqpar.memory.offload's host store (not device bytes) and copies on demand (no prefetch:
-Features.offload_prefetch=False). FSDP2 CPU offload cannot be measured on CPU (host and device are one). The prediction knows each case's unsupervised positions per row (the fused loss computes
+Features.offload_prefetch=False). FSDP2 CPU offload cannot be measured on CPU (host and device are one).
+The prediction knows each case's unsupervised positions per row (the fused loss computes
 logits only for supervised ones): a SFT row's last position, a DPO row's prompt.
 `--validate-time` compares the ORDER of predicted step times with measured CPU step times.
 """
@@ -20,8 +21,9 @@ from .measure import Case, measure_case, unsupervised_tokens
 from .memory import Features, Layout, Workload, estimate_memory
 from .model import load_model_facts
 
-__all__ = ["GRID", "FAST_GRID", "REACH_GRID", "FEATURE_SETS", "predict_case", "run_validation", "format_rows", "with_features",
-           "TOLERANCE", "TIME_GRID", "FAST_TIME_GRID", "run_time_validation", "time_ordering", "format_time_rows"]
+__all__ = ["GRID", "FAST_GRID", "REACH_GRID", "FEATURE_SETS", "predict_case", "run_validation", "format_rows",
+           "with_features", "TOLERANCE", "TIME_GRID", "FAST_TIME_GRID", "run_time_validation", "time_ordering",
+           "format_time_rows"]
 
 TOLERANCE = 0.02
 NO_FEATURES: dict[str, Any] = {"fused_loss": False}
