@@ -138,6 +138,22 @@ def test_reward_module_resolved_in_every_launch_mode(tmp_path):
     assert "reward function 'cwdrewards:one' cannot be imported" in missing.stderr, missing.stderr[-2000:]
 
 
+def test_check_imports_reward_modules_from_config_folder(tmp_path, monkeypatch, capsys):
+    """Fast guard (in-process `seqpar check`): a module next to the config imports from another working
+    directory; a missing one exits 2 naming the function and the fix."""
+    from seqpar.cli.main import main
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    cfg = _write_run(tmp_path / "cfgdir", ["one"], module="guardrewards")
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", str(cfg)]) == 0
+    assert str(tmp_path / "cfgdir") in os.environ["PYTHONPATH"].split(os.pathsep)  # for the ranks it starts
+    bad = _write_run(tmp_path / "bad", ["guardrewards_missing:one"])
+    assert main(["check", str(bad)]) == 2
+    assert "reward function 'guardrewards_missing:one' cannot be imported" in capsys.readouterr().err
+
+
 def test_verify_refuses_grpo_dp2_before_the_sp_run(tmp_path):
     from seqpar.train.config import load_config
     from seqpar.train.verify import verify
