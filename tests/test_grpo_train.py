@@ -248,3 +248,20 @@ def test_generation_pause_lifts_linear_forwards_and_vl_hooks(arch):
     else:  # the SP forward is back: a full-sequence forward with global positions runs through it
         out = model(input_ids=x, position_ids=torch.arange(5)[None]).logits
         assert torch.allclose(out, plain(input_ids=x).logits, atol=1e-5)
+
+
+def test_hybrid_ring_refused_before_launch(data, tmp_path):
+    """A Gated DeltaNet model with an explicit ring degree: refused by the launch checks (`seqpar check`, before
+    any process starts), not by apply_sequence_parallel after the process group exists."""
+    from seqpar.errors import SeqParError
+    from seqpar.train.config import config_from_dict, validate_for_launch
+    from seqpar.train.model.load import model_heads, model_needs_full_sequence
+
+    model = {"name": "tiny:qwen3_5", "kwargs": {"num_heads": 4, "num_kv_heads": 2}}
+    cfg = config_from_dict(_cfg_dict(data, tmp_path / "run", {"size": 2, "ring_degree": 2}, model))
+    nh, nkv = model_heads(cfg)
+    assert model_needs_full_sequence(cfg)
+    with pytest.raises(SeqParError, match="ring_degree=1 / pure Ulysses"):
+        validate_for_launch(cfg, 2, num_heads=nh, num_kv_heads=nkv, ulysses_only=True)
+    ok = config_from_dict(_cfg_dict(data, tmp_path / "run", {"size": 2}, model))
+    assert validate_for_launch(ok, 2, num_heads=nh, num_kv_heads=nkv, ulysses_only=True) == (2, 1)

@@ -55,6 +55,12 @@ def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | N
         )
     u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads, ulysses_only=ulysses_only,
                               node_size=node_size)
+    if ulysses_only and r > 1:  # what apply_sequence_parallel refuses after launch (seqpar.hf.linear_attention)
+        raise SeqParError(
+            f"model.name={cfg.model.name!r} has linear-attention layers, which need the full sequence on one rank: "
+            f"use ring_degree=1 / pure Ulysses (got ulysses={u} x ring={r}; e.g. sequence_parallel: "
+            f"{{size: {sp}, ring_degree: 1}})"
+        )
     m = required_multiple(r, u, cfg.sequence_parallel.layout if r > 1 else "contiguous")
     for name, ds in (("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset)):
         L = ds.max_length if ds is not None else m
