@@ -1,13 +1,26 @@
 """Sampling completions for RL (GRPO) from a model that trains sequence-parallel.
 
-Generation is short-prompt, token-by-token work with a KV cache: sharding it over SP ranks would
-buy nothing and the SP attention refuses caches. So each SP group generates ONCE, on its first rank
-(sp_rank 0), with the model's ORIGINAL attention (`sequence_parallel_paused`), and broadcasts the
-completions over the SP group: every rank of a group then trains on identical rows, while dp groups
-sample their own prompts. Sampling is reproducible from (seed, step, dp rank) alone.
+Generation is short-prompt, token-by-token work with a KV cache: sharding the SEQUENCE over SP ranks
+would buy nothing and the SP attention refuses caches. So the PROMPTS are shared out instead: every
+rank of an SP group samples a contiguous share of the group's prompts (all their `num_generations`
+rows in one batched `generate`, left-padded, KV cache), with the model's ORIGINAL attention
+(`sequence_parallel_paused`), and the completions are all-gathered over the SP group: every rank then
+trains on identical rows, while dp groups sample their own prompts.
 
-Not for FSDP-sharded models: a sharded forward needs every rank, while only one rank per SP group
-generates here (the trainer refuses `stage: grpo` with FSDP).
+Sampling. seqpar builds the whole GenerationConfig (`sampling_config`: max_new_tokens, pad / eos, every
+logits processor and warper of generate() explicitly neutral) and puts it in place of the model's own
+`generation_config` for the call, so a checkpoint's extras (repetition_penalty, min_p, ...) are not
+applied: tokens are drawn from softmax(logits / T) restricted by top_k / top_p, the distribution the
+GRPO loss assumes. Temperature, top_k, top_p and the draw are `_RowSampler`'s (a logits processor, after
+generate()'s neutral ones; transformers' own warpers), which samples from one
+torch.Generator per completion row seeded from (seed, step, dp rank, prompt index, generation index):
+a completion does not depend on which SP rank drew it, on the batch it shared, or on SP size. What
+can differ: batching changes the logits by float rounding (another batch shape, left padding), which
+flips a draw only when a uniform lands within that rounding of a CDF boundary.
+
+FSDP2-sharded models: every forward all-gathers parameters over the whole world, so every rank must run
+the same number of forwards. Each rank makes exactly one `generate` call per rollout (a rank without
+prompts decodes one dummy row) with `synced_gpus=True`, which keeps every rank decoding until all are done.
 """
 
 from __future__ import annotations
@@ -17,13 +30,24 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from .. import comm
 from ..errors import SeqParError
+from ..memory.checkpointing import drop_input_require_grads
 from ..mesh import SequenceParallelMesh
 from ..unwrap import base_model as _base_model
 
-__all__ = ["sequence_parallel_paused", "generate_for_group", "sampling_seed", "group_source_rank"]
+__all__ = ["sequence_parallel_paused", "generate_for_group", "sampling_seed", "row_seed", "group_source_rank",
+           "sampling_config", "prompt_share", "is_sharded", "sample_rows", "checkpointing_kept", "fsdp_synced",
+           "share_rollout", "rng_states", "set_rng_states"]
 
 
 @contextlib.contextmanager
@@ -76,29 +100,99 @@ def sampling_seed(seed: int, step: int, dp_rank: int) -> int:
     return (int(seed) * 1_000_003 + int(step) * 7_919 + int(dp_rank) * 104_729) % (2**63 - 1)
 
 
+def row_seed(seed: int, step: int, dp_rank: int, prompt: int, generation: int) -> int:
+    """The seed of one completion row: generation `generation` of prompt `prompt` (index in the dp group's list)."""
+    return (sampling_seed(seed, step, dp_rank) * 1_000_033 + int(prompt) * 65_537 + int(generation)) % (2**63 - 1)
+
+
 def group_source_rank(mesh: SequenceParallelMesh) -> int:
     """Global rank of this SP group's first rank (seqpar.init_mesh numbers ranks dp-major)."""
     return mesh.dp_rank * mesh.sp_size
 
 
+def prompt_share(n: int, sp_size: int, sp_rank: int) -> range:
+    """The contiguous prompt indices SP rank `sp_rank` samples (shares differ by at most one prompt)."""
+    return range(n * sp_rank // sp_size, n * (sp_rank + 1) // sp_size)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any module of `model` is FSDP2-sharded (its forwards are collectives over the shard group)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def sampling_config(*, max_new_tokens: int, eos_token_id: int, pad_token_id: int) -> GenerationConfig:
+    """The complete GenerationConfig of a rollout: sampling with every logits processor and warper of
+    generate() explicitly neutral (none is filled in from a model's generation_config, which generate()
+    does for fields left None). Temperature, top_k and top_p are applied by `_RowSampler`, which draws."""
+    return GenerationConfig(
+        do_sample=True, temperature=1.0, top_p=1.0, top_k=0, min_p=None, top_h=None,
+        typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+        length_penalty=1.0, no_repeat_ngram_size=0, bad_words_ids=None, min_length=0, min_new_tokens=None,
+        suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
+        sequence_bias=None, guidance_scale=None, renormalize_logits=False, num_beams=1, num_return_sequences=1,
+        max_new_tokens=int(max_new_tokens), max_length=None, eos_token_id=int(eos_token_id),
+        pad_token_id=int(pad_token_id), bos_token_id=None, use_cache=True, watermarking_config=None,
+    )
+
+
+class _RowSampler(LogitsProcessor):
+    """The draw: softmax(logits / temperature) after top_k / top_p (transformers' own warpers), sampled from
+    one generator per row. Runs after generate()'s (neutral) processors; the scores it returns put all mass
+    on the drawn token, so generate()'s own multinomial can only return it."""
+
+    def __init__(self, generators: list[torch.Generator], temperature: float, top_k: int, top_p: float) -> None:
+        self.generators = generators
+        self.warpers = LogitsProcessorList([TemperatureLogitsWarper(float(temperature))])
+        if top_k:
+            self.warpers.append(TopKLogitsWarper(int(top_k)))
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(float(top_p)))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1).cpu()
+        drawn = torch.stack([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, drawn.to(scores.device), 0.0)
+
+
+@contextlib.contextmanager
+def _generation_config(model: torch.nn.Module, cfg: GenerationConfig) -> Iterator[None]:
+    """The model's own generation_config replaced by `cfg` for the block (generate() fills unset fields from it)."""
+    base = _base_model(model)
+    saved = getattr(base, "generation_config", None)
+    base.generation_config = cfg
+    try:
+        yield
+    finally:
+        base.generation_config = saved
+
+
 @torch.no_grad()
-def _sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], *, num_generations: int,
-            max_new_tokens: int, temperature: float, top_p: float, eos_token_id: int,
-            pad_token_id: int) -> list[list[int]]:
-    """num_generations completions per prompt, prompt by prompt (no padding: a completion does not
-    depend on which other prompts share the step). Each completion ends at its first EOS (kept)."""
+def sample_rows(model: torch.nn.Module, rows: Sequence[Sequence[int]], seeds: Sequence[int], cfg: GenerationConfig,
+                *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                synced: bool = False) -> list[list[int]]:
+    """One batched generate() over `rows` (left-padded, KV cache) with `cfg` (`sampling_config`), row i drawn
+    with a generator seeded seeds[i]; each completion ends at its first EOS (kept). `synced`: synced_gpus."""
     device = next(model.parameters()).device
-    out: list[list[int]] = []
-    for ids in prompt_ids:
-        x = torch.tensor([list(ids)], dtype=torch.long, device=device)
-        gen = model.generate(
-            input_ids=x, attention_mask=torch.ones_like(x), do_sample=True, temperature=temperature, top_p=top_p,
-            top_k=0, max_new_tokens=max_new_tokens, num_return_sequences=num_generations,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        )
-        for row in gen[:, x.shape[1]:].tolist():
-            out.append(row[: row.index(eos_token_id) + 1] if eos_token_id in row else row)
-    return out
+    width = max(len(r) for r in rows)
+    pad = cfg.pad_token_id
+    x = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    with _generation_config(model, cfg):
+        out = model.generate(input_ids=x, attention_mask=mask, generation_config=cfg, synced_gpus=synced,
+                             logits_processor=LogitsProcessorList([_RowSampler(gens, temperature, top_k, top_p)]))
+    eos = cfg.eos_token_id
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+
+
+def _local_rows(prompt_ids: Sequence[Sequence[int]], share: range, num_generations: int, seed: int, step: int,
+                dp_rank: int) -> tuple[list[list[int]], list[int]]:
+    rows = [list(prompt_ids[i]) for i in share for _ in range(num_generations)]
+    seeds = [row_seed(seed, step, dp_rank, i, k) for i in share for k in range(num_generations)]
+    return rows, seeds
 
 
 def generate_for_group(
@@ -110,6 +204,7 @@ def generate_for_group(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     seed: int = 0,
     step: int = 0,
     eos_token_id: int,
@@ -118,33 +213,121 @@ def generate_for_group(
     """Completions (token ids, up to and including the first EOS) for this SP group's prompts.
 
     Returns len(prompt_ids) * num_generations lists, prompt-major ([p0 g0, p0 g1, ..., p1 g0, ...]),
-    identical on every rank of the SP group. Only the group's first rank runs the model (in eval
-    mode, SP paused); the others wait for the broadcast. An error there reaches every rank of the
-    group as the same SeqParError.
+    identical on every rank of the SP group. Every SP rank samples its `prompt_share` (in eval mode,
+    SP paused) and the shares are all-gathered; an error on any rank reaches every rank of the group
+    as the same SeqParError (a sharded model: after its generate(), see the module docstring).
     """
     if num_generations < 1 or max_new_tokens < 1:
         raise SeqParError(f"num_generations={num_generations} and max_new_tokens={max_new_tokens} must be >= 1")
     if temperature <= 0:
         raise SeqParError(f"temperature={temperature} must be > 0 (sampling)")
-    result: Any = None
+    cfg = sampling_config(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    share = prompt_share(len(prompt_ids), mesh.sp_size, mesh.sp_rank)
+    rows, seeds = _local_rows(prompt_ids, share, num_generations, seed, step, mesh.dp_rank)
+    synced = is_sharded(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    result: Any = []
+    was_training = model.training
+    try:
+        model.eval()
+        with sequence_parallel_paused(model):
+            if rows:
+                result = sample_rows(model, rows, seeds, cfg, synced=synced, **warp)
+            elif synced:  # every rank of the shard group runs the same forwards: decode one dummy row
+                dummy = [list(prompt_ids[0]) if prompt_ids else [pad_token_id]]
+                sample_rows(model, dummy, [0], cfg, synced=True, **warp)
+    except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
+        result = SeqParError(f"generation failed on rank {group_source_rank(mesh) + mesh.sp_rank}: "
+                             f"{type(e).__name__}: {e}")
+    finally:
+        model.train(was_training)
+    parts = comm.all_gather_object(result, group=mesh.sp_group) if mesh.sp_size > 1 else [result]
+    for p in parts:
+        if isinstance(p, Exception):
+            raise SeqParError(str(p))
+    return [c for p in parts for c in p]
+
+
+# ----------------------------------------------------------------------------- TRL GRPO drop-in helpers
+def rng_states(device: torch.device) -> tuple[torch.Tensor, Any]:
+    dev = None if device.type == "cpu" else torch.get_device_module(device.type).get_rng_state()
+    return torch.get_rng_state(), dev
+
+
+def set_rng_states(states: tuple[torch.Tensor, Any], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:  # GPU path: untested on CPU CI
+        torch.get_device_module(device.type).set_rng_state(states[1])
+
+
+@contextlib.contextmanager
+def checkpointing_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Every module's layer-checkpointing state (flag and checkpoint function) put back after the block, and
+    transformers' input-grad hooks dropped again: TRL disables checkpointing for generation and re-enables it
+    with `gradient_checkpointing_kwargs`, which checkpoints EVERY layer (every_n_layers / offload are not
+    checkpoint-function kwargs), so each rank's backward would recompute other layers than configured."""
+    saved = [(m, m.gradient_checkpointing, getattr(m, "_gradient_checkpointing_func", None))
+             for m in _base_model(model).modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
+    try:
+        yield
+    finally:
+        for m, flag, fn in saved:
+            m.gradient_checkpointing = flag
+            if fn is not None:
+                m._gradient_checkpointing_func = fn
+        if any(flag for _, flag, _ in saved):
+            drop_input_require_grads(model)
+
+
+@contextlib.contextmanager
+def fsdp_synced(model: torch.nn.Module) -> Iterator[None]:
+    """An FSDP2-sharded model: transformers' generate() then keeps every rank decoding until all are done
+    (synced_gpus, which it turns on for a model marked `_is_fsdp_managed_module`), so every rank runs the
+    same forwards, each an all-gather over the shard group."""
+    base = _base_model(model)
+    if not is_sharded(model) or getattr(base, "_is_fsdp_managed_module", False):
+        yield
+        return
+    base._is_fsdp_managed_module = True
+    try:
+        yield
+    finally:
+        del base._is_fsdp_managed_module
+
+
+def share_rollout(run: Any, prompt_ids: list, num_generations: int, mesh: SequenceParallelMesh,
+                   device: torch.device, sharded: bool) -> Any:
+    """`run` on this SP rank's share of `prompt_ids` (whole prompt groups, `prompt_share`), then all-gathered.
+
+    RNG: SP rank 0 draws a base seed and its RNG state after the draw goes to the group (TRL shuffles the rows
+    next: the same permutation on every rank); each rank samples under torch.random.fork_rng seeded from
+    (base, its global shard index), so its draws depend on that seed only. A sharded model: every rank runs
+    one generate() (a rank without prompts decodes one dummy row and drops it)."""
+    n = len(prompt_ids)
+    unit = num_generations if n % num_generations == 0 else 1
+    share = prompt_share(n // unit, mesh.sp_size, mesh.sp_rank)
+    mine = list(prompt_ids[share.start * unit:share.stop * unit])
+    base = None
     if mesh.sp_rank == 0:
-        was_training = model.training
-        device = next(model.parameters()).device
-        devices = [device] if device.type != "cpu" else []
-        try:
-            with torch.random.fork_rng(devices=devices, device_type=device.type):
-                torch.manual_seed(sampling_seed(seed, step, mesh.dp_rank))
-                model.eval()
-                with sequence_parallel_paused(model):
-                    result = _sample(model, prompt_ids, num_generations=num_generations,
-                                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                     eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-        except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
-            result = SeqParError(f"generation failed on rank {group_source_rank(mesh)}: {type(e).__name__}: {e}")
-        finally:
-            model.train(was_training)
-    if mesh.sp_size > 1:
-        result = comm.broadcast_object(result, group_source_rank(mesh), mesh.comm_device, group=mesh.sp_group)
-    if isinstance(result, Exception):
-        raise result
-    return result
+        base = (int(torch.randint(0, 2**62, (1,))), rng_states(device))
+    base = comm.broadcast_object(base, group_source_rank(mesh), mesh.comm_device, group=mesh.sp_group)
+    set_rng_states(base[1], device)
+    result: Any = ([], None)
+    devices = [device] if device.type != "cpu" else []
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            torch.manual_seed((base[0] * 1_000_003 + group_source_rank(mesh) + mesh.sp_rank) % (2**63 - 1))
+            if mine:
+                result = run(mine)
+            elif sharded:
+                run(list(prompt_ids[:1]))
+    except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
+        result = SeqParError(f"generation failed on rank {group_source_rank(mesh) + mesh.sp_rank}: "
+                             f"{type(e).__name__}: {e}")
+    parts = comm.all_gather_object(result, group=mesh.sp_group)
+    for p in parts:
+        if isinstance(p, Exception):
+            raise SeqParError(str(p))
+    ids = [c for p in parts for c in p[0]]
+    logprobs = None if any(p[1] is None for p in parts if p[0]) else [x for p in parts for x in (p[1] or [])]
+    return ids, logprobs

@@ -9,9 +9,13 @@ models, group advantages (scale_rewards, multi_objective_aggregation), metrics a
 changes, under SP:
 - prompts go to DP ranks only: the sampler's batches are sharded over dp (accelerate's
   BatchSamplerShard with dp rank / size), so every rank of an SP group holds the same prompts;
-- generation runs once per SP group, on its first rank, with SP paused, and the completion ids
-  (and that rank's RNG state afterwards, so TRL's later row shuffle agrees) are broadcast to the
-  group: every SP rank scores and trains identical completions;
+- generation (TRL's transformers path, SP paused) is shared over the SP group: each rank samples a share
+  of the prompts (whole groups of num_generations rows) under its own seed, the completion ids are
+  all-gathered, and SP rank 0's RNG state goes to the group (TRL's later row shuffle agrees): every SP
+  rank scores and trains identical completions (seqpar.hf.generation.share_rollout). Image prompts:
+  one rank per SP group generates and broadcasts. FSDP2: every rank joins every generation forward
+  (synced_gpus); ZeRO-3 is refused at construction. Layer checkpointing is put back exactly after
+  each generation on every rank (TRL re-enables it with the stored kwargs: every layer);
 - TRL's gathers while scoring (`accelerator.gather`, `gather`, `gather_object`) and its
   `process_index` / `num_processes` see the dp ranks only: a gather over all ranks keeps the SP
   group's first rank's copy, so rewards and advantages are the SP group's first rank's values;
@@ -38,13 +42,23 @@ import trl
 from accelerate.data_loader import BatchSamplerShard
 from accelerate.utils import gather as _accelerate_gather
 from torch.utils.data import BatchSampler, DataLoader
+from transformers import ProcessorMixin
 from trl.trainer import grpo_trainer as _trl_grpo
 
 from .. import comm
 from .. import loss as L
 from ..data import SequenceParallelCollator
 from ..errors import SeqParError
-from ..hf.generation import group_source_rank, sequence_parallel_paused
+from ..hf.generation import (
+    checkpointing_kept,
+    fsdp_synced,
+    group_source_rank,
+    is_sharded,
+    rng_states,
+    sequence_parallel_paused,
+    set_rng_states,
+    share_rollout,
+)
 from ..hf.trainer import SequenceParallelTrainer, _pad_id
 from ..mesh import SequenceParallelMesh
 from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
@@ -150,17 +164,6 @@ def _dp_gather_object(obj: list) -> list:
 _CURRENT_SP = [1]  # SP size for _dp_gather_object while TRL scores (set only inside _dp_scoring)
 
 
-def _rng_states(device: torch.device) -> tuple[torch.Tensor, Any]:
-    dev = None if device.type == "cpu" else torch.get_device_module(device.type).get_rng_state()
-    return torch.get_rng_state(), dev
-
-
-def _set_rng_states(states: tuple[torch.Tensor, Any], device: torch.device) -> None:
-    torch.set_rng_state(states[0])
-    if states[1] is not None:  # GPU path: untested on CPU CI
-        torch.get_device_module(device.type).set_rng_state(states[1])
-
-
 def _rows(inputs: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
     """TRL's padded prompt / completion tensors -> unpadded rows, only completion tokens supervised."""
     out = []
@@ -173,14 +176,20 @@ def _rows(inputs: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
 
 
 def _refuse_sharded_generation(trainer: Any) -> None:
-    """Generation runs on one rank per SP group, but FSDP's and ZeRO-3's parameter gathers need every rank: the
-    others would wait in the SP broadcast while it waits in a gather (a hang). Refused before any rollout."""
+    """ZeRO-3: its parameter gathers during generation (GatheredParameters, then per-module fetches) are not
+    made to run the same number of times on every rank here: refused at construction, before any rollout
+    could hang. FSDP2 is supported (every rank joins every generation forward, `fsdp_synced`); with vision
+    inputs one rank per SP group generates, which a sharded forward cannot do: refused too."""
     ds = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if getattr(trainer, "is_fsdp_enabled", False) or (ds is not None and ds.zero_stage == 3):
-        raise _refuse(type(trainer).__name__, "FSDP / DeepSpeed ZeRO-3 through the TrainingArguments",
-                      "rollouts run on one rank per SP group while sharded parameters need every rank to gather "
-                      "them: the run would hang", "train GRPO with DDP or ZeRO-1/2 here (drop fsdp= / use ZeRO "
-                      "stage 1 or 2), or with `seqpar train` (stage: grpo)")
+    if ds is not None and ds.zero_stage == 3:
+        raise _refuse(type(trainer).__name__, "DeepSpeed ZeRO-3 through the TrainingArguments",
+                      "its parameter gathers during generation are not run the same number of times on every "
+                      "rank by seqpar's rollout: the run could hang", "use FSDP2 (fsdp='full_shard', "
+                      "fsdp_config={'fsdp_version': 2}) or ZeRO-1/2 here, or `seqpar train` (stage: grpo, fsdp)")
+    if getattr(trainer, "is_fsdp_enabled", False) and isinstance(trainer.processing_class, ProcessorMixin):
+        raise _refuse(type(trainer).__name__, "FSDP with a vision-language processor",
+                      "image prompts are generated on one rank per SP group, a sharded forward needs every rank",
+                      "train without fsdp= (DDP), or use a text-only tokenizer")
 
 
 class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
@@ -299,27 +308,37 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
 
     def _generate_single_turn(self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: int,
                               has_tool_images: bool = False) -> Any:
-        """TRL's generation on the SP group's first rank, SP paused; ids and RNG state broadcast to the group."""
-        mesh = self.sp_mesh
-        if mesh.sp_size == 1:
-            with sequence_parallel_paused(self.model):
-                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                     has_tool_images)
-        device = self.accelerator.device
+        """TRL's generation, SP paused, on every rank of the SP group: each samples a share of the prompts
+        (whole groups of num_generations rows) and the shares are all-gathered (see `_share_rollout`).
+        Every rank's layer checkpointing is put back exactly as it was afterwards (TRL re-enables it with the
+        stored kwargs, which would checkpoint every layer whatever every_n_layers said)."""
+        def run(ids: Any) -> Any:
+            with checkpointing_kept(self.model), sequence_parallel_paused(self.model), fsdp_synced(self.model):
+                return super(SequenceParallelGRPOTrainer, self)._generate_single_turn(
+                    ids, images, multimodal_fields, num_generations, has_tool_images)
+
+        if self.sp_mesh.sp_size == 1:
+            return run(prompt_ids)
+        if images is not None or multimodal_fields:  # image rows do not split by prompt: one rank generates
+            return self._rollout_on_first_rank(run, prompt_ids)
+        return share_rollout(run, prompt_ids, num_generations, self.sp_mesh, self.accelerator.device,
+                              is_sharded(self.model))
+
+    def _rollout_on_first_rank(self, run: Any, prompt_ids: Any) -> Any:
+        """Vision-language prompts: the SP group's first rank generates, ids and RNG state broadcast."""
+        mesh, device = self.sp_mesh, self.accelerator.device
         result: Any = None
         if mesh.sp_rank == 0:
             try:
-                with sequence_parallel_paused(self.model):
-                    ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
-                                                                  num_generations, has_tool_images)
-                result = (ids, logprobs, _rng_states(device))
+                ids, logprobs = run(prompt_ids)
+                result = (ids, logprobs, rng_states(device))
             except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
                 result = SeqParError(f"generation failed on rank {group_source_rank(mesh)}: {type(e).__name__}: {e}")
         result = comm.broadcast_object(result, group_source_rank(mesh), mesh.comm_device, group=mesh.sp_group)
         if isinstance(result, Exception):
             raise result
         ids, logprobs, rng = result
-        _set_rng_states(rng, device)  # TRL shuffles the rows next: the same permutation on every SP rank
+        set_rng_states(rng, device)  # TRL shuffles the rows next: the same permutation on every SP rank
         return ids, logprobs
 
     # ------------------------------------------------------------------ loss under SP

@@ -372,9 +372,6 @@ def _check_grpo(cfg: TrainConfig) -> None:
     if cfg.dataset.packing:
         raise ValueError("dataset.packing is not supported with stage: grpo (one advantage per row): "
                          "set packing: false")
-    if cfg.fsdp:
-        raise ValueError("fsdp is not supported with stage: grpo (generation runs on one rank per SP group, an "
-                         "FSDP-sharded forward needs every rank): set fsdp: false")
     need = g.max_prompt_length + g.max_completion_length
     if cfg.dataset.max_length < need:
         raise ValueError(f"dataset.max_length={cfg.dataset.max_length} < grpo.max_prompt_length + "
