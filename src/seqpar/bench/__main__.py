@@ -1,6 +1,7 @@
 """CLI: python -m seqpar.bench attention [--out bench_results/attention.json] [--png FILE] [--quick]
      python -m seqpar.bench memory [--out bench_results/memory.json] [--png FILE] [--quick] [--budget-gib 4]
-     python -m seqpar.bench layer-memory [--out bench_results/layer_memory.json] [--lengths 512,1024] [--quick]."""
+     python -m seqpar.bench layer-memory [--out bench_results/layer_memory.json] [--lengths 1152,2304]
+                                         [--configs A,B] [--quick]."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
     lay = sub.add_parser("layer-memory", help="per-component bytes per local token of a decoder layer, tiled or not")
     lay.add_argument("--out", default="bench_results/layer_memory.json", help="JSON output path")
-    lay.add_argument("--lengths", default="512,1024", help="two local lengths S1,S2 (the slope between them)")
+    lay.add_argument("--lengths", default="1152,2304", help="two local lengths S1,S2 (the slope between them)")
+    lay.add_argument("--configs", default=None, help="comma-separated subset of the feature sets")
     lay.add_argument("--quick", action="store_true", help="2 layers, 128 and 256 tokens (smoke test)")
     args = parser.parse_args(argv)
     if args.bench == "memory":
@@ -83,7 +85,7 @@ def _layer_memory(args: argparse.Namespace) -> int:
     from .layer_memory import run, summary_lines
 
     s1, s2 = (int(x) for x in args.lengths.split(","))
-    result = run(lengths=(s1, s2), quick=args.quick)
+    result = run(lengths=(s1, s2), quick=args.quick, configs=args.configs.split(",") if args.configs else None)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

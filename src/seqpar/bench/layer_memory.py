@@ -9,12 +9,12 @@ seqpar.memory.offload is present.
 
 Measured with seqpar.memory.meter (torch's MemTracker: the exact peak of live tensor bytes) and, in the
 same step, a labelling tracker (`ComponentTracker`) that attributes every live storage to the module that
-created it: norms, projections (q/k/v/o incl. LoRA), attention (RoPE, the attention function, layouts),
-mlp, residual (hidden-wide tensors the layer itself makes: residual adds, layer outputs = the checkpointed
-inputs of the next layer; other tensors the layer makes, e.g. a tiled layer's q / k / v, count as attention),
-head+loss, gradients
-(everything backward creates: activation gradients incl. the residual stream's, parameter gradients),
-other. Its snapshot is taken at its own peak; the two peaks agree (the JSON carries both).
+created it: parameters (and buffers: alive before the step), norms, projections (q/k/v/o incl. LoRA),
+attention (RoPE, the attention function, layouts), mlp, residual (hidden-wide tensors the layer itself
+makes: residual adds, layer outputs = the checkpointed inputs of the next layer; other tensors the layer
+makes, e.g. a tiled layer's q / k / v, count as attention), head+loss, gradients (everything backward
+creates: activation gradients incl. the residual stream's, parameter gradients), other. Its snapshot is
+taken at its own peak; the two peaks agree (the JSON carries both).
 Bytes per local token = (value at S2 - value at S1) / (S2 - S1), the slope between two lengths.
 """
 
@@ -33,7 +33,7 @@ __all__ = ["run", "summary_lines", "ComponentTracker"]
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                      num_hidden_layers=30, vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0,
                      tie_word_embeddings=True, max_position_embeddings=8192)
-COMPONENTS = ("norms", "projections", "attention", "mlp", "residual", "head+loss", "gradients", "other")
+COMPONENTS = ("parameters", "norms", "projections", "attention", "mlp", "residual", "head+loss", "gradients", "other")
 
 
 def _label(stack: list[torch.nn.Module], names: dict[int, str], backward: bool, width: int = -1,
@@ -71,6 +71,8 @@ class ComponentTracker(TorchDispatchMode):
         self.total = self.peak = 0
         self.at_peak: dict[str, int] = dict(self.live)
         self._seen: set[int] = set()
+        for t in (*model.parameters(), *model.buffers()):  # alive before the block: counted once, as the meter does
+            self._track(t.untyped_storage(), "parameters")
 
     def __enter__(self) -> ComponentTracker:
         from torch.nn.modules import module as M
@@ -100,18 +102,19 @@ class ComponentTracker(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
-            key = id(st)
-            if key in self._seen:
-                continue
-            label = _label(self.stack, self.names, backward, t.shape[-1] if t.dim() else -1, self.hidden)
-            n = st.nbytes()
-            self._seen.add(key)
-            self.live[label] += n
-            self.total += n
-            weakref.finalize(st, self._free, key, label, n)
-            if self.total > self.peak:
-                self.peak, self.at_peak = self.total, dict(self.live)
+            self._track(st, _label(self.stack, self.names, backward, t.shape[-1] if t.dim() else -1, self.hidden))
         return out
+
+    def _track(self, st: Any, label: str) -> None:
+        key, n = id(st), st.nbytes()
+        if key in self._seen:  # a view of a storage already counted
+            return
+        self._seen.add(key)
+        self.live[label] += n
+        self.total += n
+        weakref.finalize(st, self._free, key, label, n)
+        if self.total > self.peak:
+            self.peak, self.at_peak = self.total, dict(self.live)
 
 
 def _model(shape: dict, tiled_layer: bool, offload: bool) -> torch.nn.Module:
@@ -170,31 +173,36 @@ CONFIGS = {"ckpt+fused+tiled_mlp": (False, False), "+tiled_layer": (True, False)
            "+offload": (False, True), "+tiled_layer+offload": (True, True)}
 
 
-def run(lengths: tuple[int, int] = (512, 1024), quick: bool = False) -> dict[str, Any]:
-    """Two lengths per configuration; slopes per component; the tiled layer's loss / gradients vs the baseline."""
+def run(lengths: tuple[int, int] = (1152, 2304), quick: bool = False, configs: list[str] | None = None) -> dict:
+    """Two lengths per configuration; slopes per component; each tiled configuration's loss and gradients vs
+    its untiled counterpart (when both run). Lengths: multiples of hidden_size, so the automatic tile count
+    keeps the tile at the same size at both lengths (else the slope charges a growing tile to every token)."""
     import importlib.util
 
     shape = dict(SMOLLM2_SHAPE, num_hidden_layers=2) if quick else dict(SMOLLM2_SHAPE)
     if quick:
         lengths = (128, 256)
-    has_offload = importlib.util.find_spec("seqpar.memory.offload") is not None
+    names = configs or list(CONFIGS)
+    unknown = set(names) - set(CONFIGS)
+    if unknown:
+        raise ValueError(f"unknown configurations {sorted(unknown)}: choose from {list(CONFIGS)}")
+    if importlib.util.find_spec("seqpar.memory.offload") is None:
+        names = [n for n in names if not CONFIGS[n][1]]
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"shape": shape, "lengths": list(lengths), "dtype": "float32",
-                           "lora_r": 8, "configs": {}}
-    base_grads: dict[int, dict] = {}
-    for name, (tiled, offload) in CONFIGS.items():
-        if offload and not has_offload:
-            continue
+    out: dict[str, Any] = {"shape": shape, "lengths": list(lengths), "dtype": "float32", "lora_r": 8,
+                           "configs": {}}
+    results: dict[tuple[str, int], tuple[float, dict]] = {}
+    for name in names:
+        tiled, offload = CONFIGS[name]
         model = _model(shape, tiled, offload)
         points = [_step(model, s, shape["vocab_size"]) for s in lengths]
+        untiled = next((n for n, v in CONFIGS.items() if v == (False, offload)), None) if tiled else None
         for p in points:
-            grads = p.pop("_grads")
-            if name == "ckpt+fused+tiled_mlp":
-                base_grads[p["seq"]] = (p["loss"], grads)
-            else:
-                loss0, g0 = base_grads[p["seq"]]
-                p["vs_baseline"] = {"loss": abs(p["loss"] - loss0),
-                                    "grad": max(float((grads[k] - g0[k]).abs().max()) for k in g0)}
+            results[(name, p["seq"])] = (p["loss"], p.pop("_grads"))
+            if (untiled, p["seq"]) in results:
+                (loss0, g0), (loss1, g1) = results[(untiled, p["seq"])], results[(name, p["seq"])]
+                p["vs_untiled"] = {"config": untiled, "loss": abs(loss1 - loss0),
+                                   "grad": max(float((g1[k] - g0[k]).abs().max()) for k in g0)}
         a, b = points
         ds = b["seq"] - a["seq"]
         out["configs"][name] = {
