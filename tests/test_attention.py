@@ -23,11 +23,12 @@ def _inputs(seed, b, s, hq, hkv, d):
     return [torch.randn(b, s, h, d, generator=g) for h in (hq, hkv, hkv, hq)]  # q, k, v, dout
 
 
-def run_case(mesh, hq, hkv, causal, b, s, d=16, cu=None, dtype=torch.float32, seed=0, scale=None):
-    """Errors (out, dq, dk, dv) of seqpar vs the float64 reference, for one case on this mesh."""
+def run_case(mesh, hq, hkv, causal, b, s, d=16, cu=None, dtype=torch.float32, seed=0, scale=None, **kw):
+    """Errors (out, dq, dk, dv) of seqpar vs the float64 reference, for one case on this mesh
+    (kw: more seqpar.attention arguments, e.g. overlap_chunks)."""
     q, k, v, do = _inputs(seed + mesh.dp_rank, b, s, hq, hkv, d)
     ql, kl, vl = (seqpar.shard(t, mesh, 1).to(dtype).requires_grad_() for t in (q, k, v))
-    out = seqpar.attention(ql, kl, vl, mesh, causal=causal, cu_seqlens=cu, softmax_scale=scale)
+    out = seqpar.attention(ql, kl, vl, mesh, causal=causal, cu_seqlens=cu, softmax_scale=scale, **kw)
     assert out.dtype == dtype and out.shape == ql.shape
     out.backward(seqpar.shard(do, mesh, 1).to(dtype))
     for t in (ql, kl, vl):
@@ -184,6 +185,7 @@ def bad_input_world():
         lambda: seqpar.shard(torch.randn(1, 7, 2), mesh, 1),
         lambda: seqpar.init_mesh(3),
         lambda: seqpar.init_mesh(2, ulysses_degree=2, ring_degree=2),
+        lambda: seqpar.attention(q, k, k, mesh, overlap_chunks=2),  # 1 kv head per rank: cannot split in 2
     ]
     for c in cases:
         try:
@@ -198,4 +200,105 @@ def test_bad_input_raises_before_collectives():
     msgs = run_distributed(bad_input_world, 2, timeout=120)[0]
     assert all(m is not None for m in msgs), msgs
     assert "pad by 1 to 8" in msgs[6]
+    assert "overlap_chunks=2" in msgs[9] and "divide" in msgs[9]
     assert "use one of 1, 2" in msgs[7]
+
+
+# ----------------------------------------------------------------------------- fused exchange, overlap, ring bytes
+def test_fused_pack_layout_by_hand():
+    """The fused exchange's buffers, with the all-to-all done by hand for P simulated ranks: rank i gets
+    the full sequence of its heads of q, k and v (heads-major memory), and the way back restores the shards."""
+    from seqpar.attention import ulysses_fused as uf
+
+    p, b, s, hq, hk, d = 3, 2, 4, 6, 3, 5
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, p * s, h, d, generator=g) for h in (hq, hk, hk))
+    shard = [[t[:, i * s : (i + 1) * s] for t in (q, k, v)] for i in range(p)]
+    sends = [uf._pack_seq_shard([uf._heads(t, p, 0, t.shape[2] // p) for t in sh]) for sh in shard]
+    for i in range(p):
+        x = uf._as_full_seq(torch.stack([sends[j][i] for j in range(p)]))
+        assert x.transpose(1, 2).is_contiguous()  # heads-major, what the kernels read fastest
+        wq, wk = hq // p, hk // p
+        torch.testing.assert_close(x[:, :, :wq], q[:, :, i * wq : (i + 1) * wq], rtol=0, atol=0)
+        torch.testing.assert_close(x[:, :, wq : wq + wk], k[:, :, i * wk : (i + 1) * wk], rtol=0, atol=0)
+        torch.testing.assert_close(x[:, :, wq + wk :], v[:, :, i * wk : (i + 1) * wk], rtol=0, atol=0)
+    # the way back: rank i's head shard of q -> every rank's sequence shard with all heads, in head order
+    backs = [uf._pack_full_seq([q[:, :, i * (hq // p) : (i + 1) * (hq // p)]], p) for i in range(p)]
+    for j in range(p):
+        out = torch.empty(b, s, hq, d)
+        uf._unpack_into(out, torch.stack([backs[i][j] for i in range(p)]), 0)
+        torch.testing.assert_close(out, q[:, j * s : (j + 1) * s], rtol=0, atol=0)
+
+
+def _overlap_cases(sp, heads, chunks, s):
+    mesh = seqpar.init_mesh(sp, ulysses_degree=sp)
+    out = []
+    for hq, hkv in heads:
+        for causal in (True, False):
+            for b in (1, 2):
+                mesh.stats.reset()
+                errs = _run_chunked(mesh, hq, hkv, causal, b, s, chunks)
+                calls = dict(mesh.stats.calls)
+                out.append(((sp, hq, hkv, causal, b, chunks, "float32"), errs, calls))
+        errs = _run_chunked(mesh, hq, hkv, True, 1, s, chunks, cu=[0, 3, s - 5, s])
+        out.append(((sp, hq, hkv, "packed", 1, chunks, "float32"), errs, None))
+    return out
+
+
+def _run_chunked(mesh, hq, hkv, causal, b, s, chunks, cu=None):
+    """run_case with overlap_chunks: the async head-chunked path vs the float64 reference."""
+    return run_case(mesh, hq, hkv, causal, b, s, cu=cu, overlap_chunks=chunks)
+
+
+def overlap_world2():
+    res = _overlap_cases(2, [(8, 4), (12, 4), (4, 4)], 2, 24)  # 2 kv heads per rank -> 2 chunks
+    res += _overlap_cases(2, [(9, 3)], 2, 24)  # plan 12q/4kv: the dummy kv group is a chunk of its own
+    return res
+
+
+def overlap_world3():
+    return _overlap_cases(3, [(12, 6), (6, 6), (18, 6)], 2, 36)  # 2 kv heads per rank, GQA 3:1 / MHA
+
+
+def _check_overlap(results, chunks):
+    _check([(k, e) for k, e, _ in results])
+    for key, _, calls in results:
+        if calls is not None:  # every chunk: one all-to-all out and one back, per pass
+            assert calls == {"ulysses_fwd": 2 * chunks, "ulysses_bwd": 2 * chunks, "all_gather": 4}, (key, calls)
+
+
+def test_ulysses_fused_and_overlap_world2_fast():
+    """Fast guard: the fused exchange issues 2 all-to-alls per pass, overlap_chunks=2 issues 4, both exact."""
+    _check_overlap(_all_ranks_agree(run_distributed(overlap_world2, 2, timeout=200)), 2)
+
+
+@pytest.mark.slow
+def test_ulysses_overlap_world3():
+    _check_overlap(_all_ranks_agree(run_distributed(overlap_world3, 3, timeout=300)), 2)
+
+
+def fused_calls_world(sp):
+    """Pure Ulysses (fused): 2 all-to-alls per pass; ring: dK/dV in R-1 hops (2 (R-1) sends of dK, dV)."""
+    out = []
+    for u, r in ((sp, 1), (1, sp)):
+        mesh = seqpar.init_mesh(sp, ulysses_degree=u, ring_degree=r)
+        mesh.stats.reset()
+        errs = run_case(mesh, 6, 3, True, 1, 12 * sp)
+        out.append(((u, r), errs, dict(mesh.stats.calls), dict(mesh.stats.bytes)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [2, 3, 4])
+def test_collective_counts_fused_ulysses_and_ring_r_minus_1(sp):
+    from seqpar.attention.costs import ring_theory
+
+    for (u, r), errs, calls, nbytes in run_distributed(fused_calls_world, sp, sp, timeout=300)[0]:
+        assert max(errs) < FP32_TOL, errs
+        if u > 1:
+            assert calls["ulysses_fwd"] == calls["ulysses_bwd"] == 2, calls
+        else:
+            # K/V: 2 sends per hop, R-1 hops, fwd and bwd; dK/dV: 2 per hop, R-1 hops (not R)
+            assert calls["ring_fwd"] == 2 * (r - 1) and calls["ring_bwd"] == 4 * (r - 1), calls
+            th = ring_theory(12 * sp, 1, 3, 16, r, 4)
+            assert nbytes["ring_bwd"] == th["bwd_min"] == th["bwd"], (nbytes, th)

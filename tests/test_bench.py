@@ -45,11 +45,13 @@ def test_schema(result):
         assert set(c["measured_bytes"]) == {"ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd"}
         assert set(c["ratio_vs_plan_heads"]) == set(c["ratio_vs_original_heads"]) == {"fwd", "bwd"}
     t = result["timing"]
-    assert set(t["results"]) == {"ulysses", "ring", "single_process", "seqpar_one_process"}
+    assert set(t["results"]) == {"ulysses", "ulysses_overlap2", "ring", "single_process", "seqpar_one_process"}
     for v in t["results"].values():
         assert len(v["fwd_s"]) == len(v["bwd_s"]) == len(v["cpu_s_max_rank"]) == t["reps"]
         assert v["median_total_s"] > 0 and v["median_cpu_s_sum_ranks"] >= v["median_cpu_s_max_rank"] > 0
-    others = {"ulysses", "ring", "seqpar_one_process"}
+    others = {"ulysses", "ulysses_overlap2", "ring", "seqpar_one_process"}
+    for prof in t["profile_s"].values():  # where the time goes: the kernel and the exchange are both seen
+        assert prof["kernel"] > 0 and prof["all_to_all"] > 0, prof
     assert set(t["speedup_vs_single_process"]) == set(t["cpu_speedup_vs_single_process"]) == others
     assert set(t["best_rep_speedup_vs_single_process"]) == others
     assert result["peers"] == {"deepspeed": None}

@@ -55,7 +55,7 @@ class Sizes:
     @staticmethod
     def for_mode(quick: bool) -> Sizes:
         if quick:
-            return Sizes(64, 16, 256, 2, 16, 1, 256, 2, 16, 2)
+            return Sizes(64, 16, 256, 2, 16, 1, 256, 4, 16, 2)
         return Sizes(1024, 64, 4096, 8, 64, 5, 8192, 8, 64, 5)
 
 
@@ -324,6 +324,10 @@ def _rank_timing(seq: int, heads: int, d: int, reps: int, use_ds: bool) -> dict[
     }
     one = seqpar.init_mesh(1)  # dp=world, sp=1: every collective of seqpar.attention is a no-op
     calls = {m: (lambda q, k, v, mesh=mesh: seqpar.attention(q, k, v, mesh, causal=True)) for m, mesh in meshes.items()}
+    # Ulysses with 2 head chunks: chunk 2's all-to-all in flight during chunk 1's kernel (and back).
+    meshes["ulysses_overlap2"] = meshes["ulysses"]
+    uly = meshes["ulysses"]
+    calls["ulysses_overlap2"] = lambda q, k, v: seqpar.attention(q, k, v, uly, causal=True, overlap_chunks=2)
     alone = {
         "single_process": (_sdpa, True),
         "seqpar_one_process": (lambda q, k, v: seqpar.attention(q, k, v, one, causal=True), False),
@@ -361,7 +365,41 @@ def _rank_timing(seq: int, heads: int, d: int, reps: int, use_ds: bool) -> dict[
                         res[name][key].append(val)
             loads.append(os.getloadavg()[0])
         dist.barrier()
-    return {"runs": res, "loadavg_1min": loads}
+    profiled = [m for m in ("ulysses", "ulysses_overlap2", "deepspeed_ulysses") if m in calls]
+    profiles = {m: _profile(calls[m], *local[m][0], local[m][1]) for m in profiled}
+    return {"runs": res, "loadavg_1min": loads, "profile": profiles}
+
+
+_PROFILE_CATEGORIES = (
+    ("kernel", ("flash_attention",)),
+    ("all_to_all", ("alltoall", "all_to_all", "c10d::")),
+    ("copies", ("copy_", "aten::cat", "aten::stack", "aten::clone", "contiguous", "_to_copy", "index_select")),
+    ("alloc_fill", ("aten::empty", "aten::zeros", "aten::fill_", "aten::zero_", "new_zeros", "new_empty")),
+)
+
+
+def _profile_category(key: str) -> str:
+    for name, needles in _PROFILE_CATEGORIES:
+        if any(n in key for n in needles):
+            return name
+    return "other_ops" if key.startswith("aten::") else "python_and_wait"
+
+
+def _profile(call, q, k, v, dout) -> dict[str, float]:
+    """One fwd+bwd under torch.profiler on every rank: self time (s) per category, slowest rank's total.
+    python_and_wait: self time of non-aten frames (autograd Functions, Python glue, waiting on a peer)."""
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call(q, k, v).backward(dout)
+    cats: dict[str, float] = {}
+    for e in prof.key_averages():
+        c = _profile_category(e.key)
+        cats[c] = cats.get(c, 0.0) + e.self_cpu_time_total / 1e6
+    names = sorted(cats)
+    t = torch.tensor([cats[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # same category set on every rank (same code path)
+    return dict(zip(names, t.tolist()))
 
 
 def _measure_deepspeed(case: dict[str, Any], seq: int, d: int, mesh, raise_errors: bool = False) -> dict[str, Any]:
@@ -632,6 +670,7 @@ def run(quick: bool = False, timeout: float = 540.0, peers: str = "auto") -> dic
             "reps": sz.time_reps,
             "threads_per_rank": 1,
             "loadavg_1min_during": timing["loadavg_1min"],
+            "profile_s": timing["profile"],
             "results": summaries,
             "speedup_vs_single_process": {m: base / v["median_total_s"] for m, v in summaries.items() if m != base_key},
             "best_rep_speedup_vs_single_process": {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["plot_attention", "summary_lines"]
+__all__ = ["plot_attention", "plot_step", "summary_lines"]
 
 
 def _case_label(c: dict[str, Any]) -> str:
@@ -121,6 +121,7 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
             f"| {v['min_total_s']:.3f} | {x(bs)} | {v['median_cpu_s_max_rank']:.3f} | "
             f"{v['median_cpu_s_sum_ranks']:.3f} | {x(cs)} |"
         )
+    out += _vs_deepspeed_lines(t)
     mc = res["machine"]
     out += [
         "",
@@ -128,6 +129,30 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
         f"start {mc['loadavg_start'][0]:.2f}, end {mc['loadavg_end'][0]:.2f}, during timing "
         f"{', '.join(f'{x:.2f}' for x in t['loadavg_1min_during'])}. Total {res['elapsed_s']:.0f} s.",
     ]
+    return out
+
+
+def _vs_deepspeed_lines(t: dict[str, Any]) -> list[str]:
+    """seqpar Ulysses / DeepSpeed Ulysses ratios (same run, same shards) and the profile table."""
+    out: list[str] = []
+    res = t["results"]
+    if "deepspeed_ulysses" in res:
+        ds = res["deepspeed_ulysses"]
+        out += ["", "seqpar / DeepSpeed Ulysses, same run and shards (median fwd+bwd wall; median CPU s summed "
+                "over ranks):", "", "| seqpar run | wall ratio | best-rep wall ratio | CPU ratio (sum of ranks) |",
+                "|---|---:|---:|---:|"]
+        for name in ("ulysses", "ulysses_overlap2"):
+            v = res[name]
+            out.append(f"| {name} | {v['median_total_s'] / ds['median_total_s']:.3f} | "
+                       f"{v['min_total_s'] / ds['min_total_s']:.3f} | "
+                       f"{v['median_cpu_s_sum_ranks'] / ds['median_cpu_s_sum_ranks']:.3f} |")
+    prof = t.get("profile_s") or {}
+    if prof:
+        cats = sorted({c for p in prof.values() for c in p})
+        out += ["", "Where one fwd+bwd's time goes (torch.profiler self time, s, max over ranks; python_and_wait = "
+                "autograd Functions, Python glue and waiting on the peer):", "",
+                "| category | " + " | ".join(prof) + " |", "|---|" + "---:|" * len(prof)]
+        out += [f"| {c} | " + " | ".join(f"{p.get(c, 0.0):.3f}" for p in prof.values()) + " |" for c in cats]
     return out
 
 
@@ -199,6 +224,29 @@ def plot_attention(res: dict[str, Any], path: str) -> None:
     ax.set_title(f"fwd+bwd, S={t['seq_len']}, P={t['sp_size']} vs 1 process (fp32, 1 thread each)")
     ax.legend(fontsize=8)
 
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_step(res: dict[str, Any], path: str) -> None:
+    """Step benchmark: tokens/s at SP=1 and SP=2 per (fine-tuning, features), ratio on top of each pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(res["sp2_over_sp1_tokens_per_s"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, key in enumerate(keys):
+        t1, t2 = (res["points"][f"{key}/sp{sp}"]["tokens_per_s"] for sp in (1, 2))
+        ax.bar(i - 0.2, t1, 0.4, color="tab:gray", label="SP=1" if i == 0 else None)
+        ax.bar(i + 0.2, t2, 0.4, color="tab:blue", label="SP=2" if i == 0 else None)
+        ax.text(i + 0.2, t2, f"{res['sp2_over_sp1_tokens_per_s'][key]:.2f}x", ha="center", va="bottom")
+    ax.set_xticks(range(len(keys)), keys)
+    ax.set_ylabel("tokens / s (best step)")
+    ax.set_title(f"SFT step, S={res['seq_len']}, {res['model']['arch']}, 1 thread/rank")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
