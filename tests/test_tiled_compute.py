@@ -207,3 +207,17 @@ def test_seqpar_train_with_tiled_layer(tmp_path):
     """seqpar train, ring of 2, LoRA under FSDP2, checkpointing + 2-tile layers: 3 losses within 1e-5 of SP=1."""
     tmf._check_train(tmp_path, 2, {"size": 2, "ring_degree": 2},
                      {"activation_checkpointing": True, "tiled_layer": 2}, fsdp=True, method="lora")
+
+
+@pytest.mark.slow
+def test_layer_memory_bench_quick():
+    """python -m seqpar.bench layer-memory --quick's core: the component tracker's peak is the meter's peak
+    byte for byte, and the tiled configuration's loss / gradients match the untiled one (1e-6)."""
+    from seqpar.bench.layer_memory import run
+
+    res = run(quick=True, configs=["ckpt+fused+tiled_mlp", "+tiled_layer"])
+    for c in res["configs"].values():
+        for p in c["points"]:
+            assert p["tracker_peak"] == p["peak_bytes"] == sum(p["components"].values()), p
+    for p in res["configs"]["+tiled_layer"]["points"]:
+        assert p["vs_untiled"]["loss"] <= 1e-6 and p["vs_untiled"]["grad"] <= 1e-6, p
