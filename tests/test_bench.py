@@ -227,3 +227,18 @@ def test_memory_quick_sp_splits_activations_and_times(memory_result):
     for t in m["time"].values():
         assert set(t["ratio_vs_none"]) == set(FEATURE_SETS) and t["ratio_vs_none"]["none"] == 1.0
         assert all(v > 0 for v in t["step_s"].values())
+
+
+@pytest.mark.slow
+def test_step_benchmark_quick(tmp_path):
+    """`python -m seqpar.bench step --quick`: SP=1 and SP=2 side by side, every configuration, JSON + PNG."""
+    out = tmp_path / "step.json"
+    assert main(["step", "--quick", "--out", str(out), "--timeout", "600"]) == 0
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "step" and res["quick"] is True
+    assert set(res["sp2_over_sp1_tokens_per_s"]) == {"lora/none", "lora/memory", "full/none", "full/memory"}
+    for key, p in res["points"].items():
+        assert p["tokens_per_step"] == res["seq_len"] and p["tokens_per_s"] > 0, (key, p)
+        assert p["mesh"] == ("ulysses=1 ring=1" if key.endswith("sp1") else "ulysses=2 ring=1"), (key, p)
+    assert res["profile_per_step_s"]["sp2"]["collectives"] > 0 and "loadavg_start" in res["machine"]
+    assert out.with_suffix(".png").stat().st_size > 0
