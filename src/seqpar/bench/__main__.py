@@ -1,5 +1,6 @@
 """CLI: python -m seqpar.bench attention [--out bench_results/attention.json] [--png FILE] [--quick]
      python -m seqpar.bench memory [--out bench_results/memory.json] [--png FILE] [--quick] [--budget-gib 4]
+     python -m seqpar.bench rollout [--out bench_results/rollout.json] [--quick] [--sp 1,2,4]
      python -m seqpar.bench layer-memory [--out bench_results/layer_memory.json] [--lengths 1152,2304]
                                          [--configs A,B] [--quick]."""
 
@@ -37,7 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     lay.add_argument("--lengths", default="1152,2304", help="two local lengths S1,S2 (the slope between them)")
     lay.add_argument("--configs", default=None, help="comma-separated subset of the feature sets")
     lay.add_argument("--quick", action="store_true", help="2 layers, 128 and 256 tokens (smoke test)")
+    rol = sub.add_parser("rollout", help="GRPO rollout seconds at SP=1/2/4: shared over SP ranks vs rank 0 alone")
+    rol.add_argument("--out", default="bench_results/rollout.json", help="JSON output path")
+    rol.add_argument("--quick", action="store_true", help="tiny model, few tokens (smoke test)")
+    rol.add_argument("--sp", default="1,2,4", help="comma-separated SP sizes")
+    rol.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
     args = parser.parse_args(argv)
+    if args.bench == "rollout":
+        return _rollout(args)
     if args.bench == "memory":
         return _memory(args)
     if args.bench == "layer-memory":
@@ -86,6 +94,18 @@ def _layer_memory(args: argparse.Namespace) -> int:
 
     s1, s2 = (int(x) for x in args.lengths.split(","))
     result = run(lengths=(s1, s2), quick=args.quick, configs=args.configs.split(",") if args.configs else None)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    print("\n".join(summary_lines(result)))
+    return 0
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from .rollout import run, summary_lines
+
+    result = run(quick=args.quick, sp_sizes=tuple(int(x) for x in args.sp.split(",")), timeout=args.timeout)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
