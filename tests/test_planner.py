@@ -33,7 +33,7 @@ def test_param_counts_match_hf_and_published():
     assert load_model_facts("smollm2").num_params() == 134_515_008
     # The sizes the model cards publish (billions, rounded as they are printed there).
     published = {"llama-3.1-70b": 70.6, "qwen2.5-7b": 7.61, "qwen2.5-14b": 14.7, "qwen2.5-72b": 72.7,
-                 "qwen3-4b": 4.02, "qwen3-32b": 32.8}
+                 "qwen3-4b": 4.02, "qwen3-32b": 32.8, "qwen3-8b": 8.19, "qwen2.5-3b": 3.09}
     for name, billions in published.items():
         assert abs(load_model_facts(name).num_params() / 1e9 - billions) / billions < 0.005, name
     q3 = load_model_facts("Qwen/Qwen3-4B")

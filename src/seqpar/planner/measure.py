@@ -48,7 +48,10 @@ class Case:
 
     def label(self) -> str:
         feats = ",".join(f"{k}={v}" for k, v in sorted(self.memory.items())) or "none"
-        return (f"{self.arch} S={self.seq_len} {self.stage}/{self.finetuning}{'/fsdp' if self.fsdp else ''} "
+        prec = "" if self.precision == "fp32" else f"{self.precision}: "
+        shape = "" if self.num_layers == 2 else f" L={self.num_layers}"
+        fsdp = "/fsdp" if self.fsdp else ""
+        return (f"{prec}{self.arch}{shape} S={self.seq_len} {self.stage}/{self.finetuning}{fsdp} "
                 f"u{self.ulysses}r{self.ring}d{self.dp} mem[{feats}]")
 
     def __hash__(self) -> int:  # memory is a dict
