@@ -198,8 +198,9 @@ def test_grpo_ring2_and_sp1_same_step(data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "qwen2_5_vl", "qwen3_vl"])
-def test_grpo_hybrid_and_vl_sp2_match_reference(data, tmp_path, arch):
+@pytest.mark.parametrize("arch,fsdp", [("qwen3_5", False), ("qwen3_next", False), ("qwen2_5_vl", False),
+                                       ("qwen3_vl", False), ("qwen3_5", True)])
+def test_grpo_hybrid_and_vl_sp2_match_reference(data, tmp_path, arch, fsdp):
     """Qwen3.5 / Qwen3-Next (Gated DeltaNet under Ulysses) and Qwen2.5-VL / Qwen3-VL (text prompts): two GRPO
     steps at SP=2 (every SP rank generating with SP paused, KL on) vs the independent reference on the
     unpatched model; before the fix generation stopped at step 1 (linear-attention forward without a plan,
@@ -208,13 +209,14 @@ def test_grpo_hybrid_and_vl_sp2_match_reference(data, tmp_path, arch):
     in none of the completions, and step 1's rewards differ within a group (the policy moves)."""
     model = {"name": f"tiny:{arch}", "kwargs": {"num_heads": 4, "num_kv_heads": 2}}
     seed = 24 if arch.endswith("_vl") else 9
-    cfg = {**_cfg_dict(data, tmp_path / "run", {"size": 2, "ulysses_degree": 2}, model), "max_steps": 2, "seed": seed}
+    cfg = {**_cfg_dict(data, tmp_path / "run", {"size": 2, "ulysses_degree": 2}, model), "max_steps": 2, "seed": seed,
+           "fsdp": fsdp}  # FSDP2: every rank generates its share with synced forwards (all-gathers), SP paused
     cfg["grpo"] = {**cfg["grpo"], "max_completion_length": 6}
     res = run_distributed(_train_world, 2, cfg, timeout=600)
     ref_losses, ref_params = _reference(cfg, dp=1)
     worst = _compare(res[0]["losses"], res[0]["state"], ref_losses, ref_params, cfg)
-    print(f"{arch} SP=2, 2 steps vs reference: losses {res[0]['losses']} vs {ref_losses}, max |param diff| = "
-          f"{worst:.2e}")
+    print(f"{arch} SP=2 fsdp={fsdp}, 2 steps vs reference: losses {res[0]['losses']} vs {ref_losses}, "
+          f"max |param diff| = {worst:.2e}")
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen2_5_vl"])
