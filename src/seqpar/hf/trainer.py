@@ -33,7 +33,8 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
   shuffle come out as in the uninterrupted run); PEFT (LoRA) models train as with the stock Trainer.
 - `TrainingArguments(gradient_checkpointing=True)` is honoured, made non-reentrant with whole-layer
   recomputes (seqpar.memory.checkpointing.checkpoint_kwargs); `tiled_mlp=True | n` tiles every decoder
-  MLP (seqpar.memory.tiled_mlp). Host offload of checkpointed activations is refused on CPU-only runs.
+  MLP (seqpar.memory.tiled_mlp); gradient_checkpointing_kwargs={"offload": True} keeps the checkpointed layer
+  inputs in host memory (seqpar.memory.offload; on CPU too, where the meter shows the device bytes drop).
 Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); DPO rows hold
 "prompt_input_ids", "chosen_input_ids", "rejected_input_ids".
 """

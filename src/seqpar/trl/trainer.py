@@ -79,7 +79,7 @@ def _refuse_common(name: str, args: Any, data_collator: Any, kwargs: dict[str, A
                       "drop it; seqpar's fused chunked loss is on by default (fused_loss=True)")
     if getattr(args, "activation_offloading", False):
         raise _refuse(name, "activation_offloading=True", "untested with the SP attention collectives",
-                      "use gradient_checkpointing=True with gradient_checkpointing_kwargs={'offload': True} (GPU)")
+                      "use gradient_checkpointing=True with gradient_checkpointing_kwargs={'offload': True}")
     if kwargs.get("compute_loss_func") is not None:
         raise _refuse(name, "compute_loss_func=", "it would see sharded logits",
                       "drop it; the SFT loss is seqpar's global token-mean NLL")
