@@ -92,8 +92,9 @@ def predict(a: Anchor, everything: bool = False) -> float:
     if a.kind == "mem_at":
         req = replace(req, max_seq_len=False, workload=replace(req.workload, seq_len=a.seq_len))
     cands, _ = plan(m, cl, req)
-    if not everything:  # the peer's own mesh: its SP degree, the rest data-parallel
-        dp = a.gpus // ((req.ulysses_degree or 1) * (req.ring_degree or 1))
+    if not everything:  # the peer's own mesh: its SP degree (all GPUs when it names none), the rest data-parallel
+        fixed = (req.ulysses_degree or 1) * (req.ring_degree or 1)
+        dp = a.gpus // fixed if req.ulysses_degree or req.ring_degree else 1
         cands = [c for c in cands if c.layout.dp == dp] or cands
     if a.kind == "mem_at":
         return min(c.memory.total for c in cands) / 2**30
