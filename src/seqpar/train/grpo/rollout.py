@@ -1,9 +1,11 @@
 """`stage: grpo` for the plain loop: prompts -> completions -> rewards -> SP micro-batches.
 
 Per optimizer step and dp rank: micro_batch_size x grad_accum completion rows = that many /
-num_generations prompts (a prompt's completions never split over dp ranks). Each SP group
-generates once on its first rank (seqpar.hf.generation), scores there (grpo/rewards.py) and
-broadcasts, so every rank of a group builds the same rows; any failure (generation or a reward
+num_generations prompts (a prompt's completions never split over dp ranks). Every rank of an SP
+group samples a share of the group's prompts and the completions are all-gathered
+(seqpar.hf.generation.generate_for_group; with FSDP2 every rank joins every generation forward); the
+group's first rank scores them (grpo/rewards.py) and broadcasts, so every rank of a group builds the
+same rows; any failure (generation or a reward
 function) is agreed over dp and raised as the same SeqParError on every rank before the step's
 first training collective. Rows are prompt + completion with only completion tokens supervised,
 collated by seqpar.data.SequenceParallelCollator (the same padding, sharding and position_ids as
