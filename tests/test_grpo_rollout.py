@@ -59,9 +59,9 @@ def test_sampling_ignores_model_generation_config_extras():
     gc.repetition_penalty, gc.min_p, gc.top_k, gc.no_repeat_ngram_size = 3.0, 0.2, 2, 2
     mesh = init_mesh(1)
     for temperature, top_k in ((0.7, 0), (1.3, 5)):
-        got = generate_for_group(model, mesh, PROMPTS, num_generations=2, max_new_tokens=10, temperature=temperature,
+        got = generate_for_group(model, mesh, PROMPTS, num_generations=2, max_new_tokens=6, temperature=temperature,
                                  top_k=top_k, seed=4, step=2, eos_token_id=EOS, pad_token_id=PAD)
-        ref = [manual_sample(model, p, row_seed(4, 2, 0, i, k), 10, EOS, temperature, top_k)
+        ref = [manual_sample(model, p, row_seed(4, 2, 0, i, k), 6, EOS, temperature, top_k)
                for i, p in enumerate(PROMPTS) for k in range(2)]
         assert got == ref
         assert len({tuple(c) for c in got}) > 2  # sampled, not constant
