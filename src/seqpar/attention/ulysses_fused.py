@@ -159,9 +159,11 @@ class _FusedUlysses(torch.autograd.Function):
             buf = _pack_seq_shard([_heads(q, p, q0, qw), _heads(k, p, k0, kw), _heads(v, p, k0, kw)])
             sends.append(comm.all_to_all_buffer(buf, group, stats, "ulysses_fwd", device, async_op=True))
         backs, saved = [], []
-        for (_, qw, _, kw), (recv, work) in zip(plan, sends):
+        for c, (_, qw, _, kw) in enumerate(plan):
+            recv, work = sends[c]
             work.wait()
             x = _as_full_seq(recv)
+            sends[c] = recv = work = None  # free the exchange buffers before the kernel runs (peak memory)
             qh, kh, vh = x[:, :, :qw], x[:, :, qw : qw + kw], x[:, :, qw + kw :]
             oh, lse = _kernel_fwd(kernel, qh, kh, vh, pieces, scale)
             oh = oh.to(q.dtype)
@@ -169,9 +171,11 @@ class _FusedUlysses(torch.autograd.Function):
             backs.append(comm.all_to_all_buffer(back, group, stats, "ulysses_fwd", device, async_op=True))
             saved += [x, oh, lse]
         out = q.new_empty(q.shape)
-        for (q0, _, _, _), (recv, work) in zip(plan, backs):
+        for c, (q0, _, _, _) in enumerate(plan):
+            recv, work = backs[c]
             work.wait()
             _unpack_into(out, recv, q0)
+            backs[c] = recv = work = None
         ctx.save_for_backward(*saved)
         ctx.args = (group, stats, device, scale, kernel, pieces, plan, k.shape)
         return out
@@ -187,19 +191,24 @@ class _FusedUlysses(torch.autograd.Function):
             buf = _pack_seq_shard([_heads(dout, p, q0, qw)])
             douts.append(comm.all_to_all_buffer(buf, group, stats, "ulysses_bwd", device, async_op=True))
         backs = []
-        for c, ((_, qw, _, kw), (recv, work)) in enumerate(zip(plan, douts)):
+        for c, (_, qw, _, kw) in enumerate(plan):
+            recv, work = douts[c]
             work.wait()
+            douts[c] = work = None
             x, oh, lse = saved[3 * c : 3 * c + 3]
             qh, kh, vh = x[:, :, :qw], x[:, :, qw : qw + kw], x[:, :, qw + kw :]
             g = _kernel_bwd(kernel, _as_full_seq(recv), qh, kh, vh, oh, lse, pieces, scale)
+            recv = None
             send = _pack_full_seq([t.to(oh.dtype) for t in g], p)
             backs.append(comm.all_to_all_buffer(send, group, stats, "ulysses_bwd", device, async_op=True))
         dq, dk, dv = dout.new_empty(dout.shape), dout.new_empty(kv_shape), dout.new_empty(kv_shape)
-        for (q0, qw, k0, kw), (recv, work) in zip(plan, backs):
+        for c, (q0, qw, k0, kw) in enumerate(plan):
+            recv, work = backs[c]
             work.wait()
             _unpack_into(dq, recv[..., :qw, :], q0)
             _unpack_into(dk, recv[..., qw : qw + kw, :], k0)
             _unpack_into(dv, recv[..., qw + kw :, :], k0)
+            backs[c] = recv = work = None
         return dq, dk, dv, *(None,) * 8
 
 
