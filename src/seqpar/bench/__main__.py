@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     lay.add_argument("--lengths", default="1152,2304", help="two local lengths S1,S2 (the slope between them)")
     lay.add_argument("--configs", default=None, help="comma-separated subset of the feature sets")
     lay.add_argument("--quick", action="store_true", help="2 layers, 128 and 256 tokens (smoke test)")
+    stp = sub.add_parser("step", help="tokens/s of one SFT train step at SP=1 vs SP=2 (SmolLM2-135M sizes)")
+    stp.add_argument("--out", default="bench_results/step.json", help="JSON output path")
+    stp.add_argument("--png", default=None, help="PNG output path (default: next to --out); 'none' to skip")
+    stp.add_argument("--quick", action="store_true", help="tiny model, 128 tokens, one round (smoke test)")
+    stp.add_argument("--seq-len", type=int, default=None, help="full sequence length (default 1024)")
+    stp.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all configurations")
+    stp.add_argument("--timeout", type=float, default=3000.0, help="per spawned world, seconds")
     rol = sub.add_parser("rollout", help="GRPO rollout seconds at SP=1/2/4: shared over SP ranks vs rank 0 alone")
     rol.add_argument("--out", default="bench_results/rollout.json", help="JSON output path")
     rol.add_argument("--quick", action="store_true", help="tiny model, few tokens (smoke test)")
@@ -46,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.bench == "rollout":
         return _rollout(args)
+    if args.bench == "step":
+        return _step(args)
     if args.bench == "memory":
         return _memory(args)
     if args.bench == "layer-memory":
@@ -98,6 +107,24 @@ def _layer_memory(args: argparse.Namespace) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
+    print("\n".join(summary_lines(result)))
+    return 0
+
+
+def _step(args: argparse.Namespace) -> int:
+    from .step import run, summary_lines
+
+    result = run(quick=args.quick, rounds=args.rounds, seq_len=args.seq_len, timeout=args.timeout)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    if png.lower() != "none":
+        from .plot import plot_step
+
+        plot_step(result, png)
+        print(f"wrote {png}")
     print("\n".join(summary_lines(result)))
     return 0
 
