@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from ..attention.ulysses import head_plan
 from .model import ModelFacts
+from .tiled import tiled_saved_per_token, tiled_terms
 
 __all__ = ["Features", "Workload", "Layout", "MemoryBreakdown", "estimate_memory", "activation_bytes_per_token",
            "DEFAULT_LOSS_CHUNK_BYTES", "INDEX_BYTES_PER_TOKEN"]
@@ -54,6 +55,7 @@ class Features:
     offload_activations: bool = False
     fused_loss: bool = False
     tiled_mlp: bool = False
+    tiled_layer: bool = False  # the whole layer but attention in sequence tiles (planner.tiled)
     fsdp: bool = False
     offload_optimizer: bool = False  # FSDP CPU offload of parameters, gradients and optimizer state
     loss_chunk_tokens: int | None = None
@@ -195,6 +197,8 @@ def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Featu
     if feats.activation_checkpointing:
         kept = 0 if feats.offload_activations else m.layers  # offload: every layer input is in the host store
         return once + kept * e * m.hidden  # (layer 0's input is kept even when the embedding is frozen)
+    if feats.tiled_layer:
+        return once + m.layers * tiled_saved_per_token(m, e, u)
     if wl.lora:
         once -= 4 * m.hidden + 4  # a frozen embedding: layer 0's norm input needs no gradient
     return once + m.layers * layer_bytes_per_token(m, wl, u, feats.tiled_mlp)
@@ -308,6 +312,12 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
     else:
         current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
         ahead_full = 0
+    attn_temp, tiled = e * (h + m.q_dim + 2 * m.kv_dim), None
+    if feats.tiled_layer:  # planner.tiled: the layer keeps its input + attention's tensors; pieces run in tiles
+        tiled = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e)
+        ckpt = feats.activation_checkpointing
+        current, ahead = tiled.current - (e * h if ckpt else 0), (e * h if ckpt else tiled.current)
+        mlp_acts, mlp_temp, attn_temp = tiled.mlp_acts, tiled.mlp_temp - e * h * tokens, tiled.attn_temp
     acts = (2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN + current) * tokens
     if wl.lora and not feats.activation_checkpointing:
         acts -= (4 * h + 4) * tokens  # layer 0 keeps no norm input (frozen embedding)
@@ -315,7 +325,8 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
         head, per_layer, down = 0, m.lora_params(wl.lora_r, wl.lora_targets) // m.layers * e, 0
     else:
         head = (m.lm_head_params() or m.embed_params()) * e + h * e
-        per_layer, down = m.layer_params() * e, h * i * e
+        # tiled MLP: the tiles' backward accumulates gate, up and down gradients together (measured)
+        per_layer, down = m.layer_params() * e, (tiled.down if tiled else (3 if feats.tiled_mlp else 1) * h * i * e)
     in_flight = prefetch = 0
     if feats.fsdp:
         # finished layers' gradient shards stay on the device, or go to the host with CPU offload
@@ -329,7 +340,7 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
         a = acts + (ahead * ahead_n + ahead_full) * tokens
         rs = in_flight if k > 0 else 0
         if attention:
-            return _Moment(a, head + k * per_layer, e * (h + m.q_dim + 2 * m.kv_dim) * tokens, comm + rs)
+            return _Moment(a, head + k * per_layer, attn_temp * tokens, comm + rs)
         return _Moment(a + mlp_acts, head + k * per_layer + down, e * h * tokens + mlp_temp,
                        gathered + (prefetch if k < last else 0) + rs)
 

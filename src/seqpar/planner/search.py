@@ -39,6 +39,7 @@ class Request:
     activation_checkpointing: bool | None = None
     fused_loss: bool = True
     tiled_mlp: bool = False
+    tiled_layer: bool = False
     offload_activations: bool = False
     offload_optimizer: bool = False
     fsdp: bool | None = None
@@ -99,7 +100,7 @@ def _feature_sets(req: Request) -> list[Features]:
         if req.offload_optimizer and not f:
             continue
         out.append(Features(activation_checkpointing=a, offload_activations=req.offload_activations and a,
-                            fused_loss=req.fused_loss, tiled_mlp=req.tiled_mlp, fsdp=f,
+                            fused_loss=req.fused_loss, tiled_mlp=req.tiled_mlp, tiled_layer=req.tiled_layer, fsdp=f,
                             offload_optimizer=req.offload_optimizer and f))
     if not out:
         raise SeqParError("--offload-activations needs activation checkpointing and --offload-optimizer needs FSDP: "
@@ -289,7 +290,7 @@ def train_yaml(model_name: str, c: Candidate, wl: Workload, seq_len: int, ctx: C
         "fsdp": {"enabled": f.fsdp, "offload": f.offload_optimizer},
         "memory": {"activation_checkpointing": f.activation_checkpointing,
                    "offload_activations": f.offload_activations, "fused_loss": f.fused_loss,
-                   "tiled_mlp": f.tiled_mlp},
+                   "tiled_mlp": f.tiled_mlp, "tiled_layer": f.tiled_layer},
         "precision": wl.precision,
         "micro_batch_size": wl.micro_batch_size,
     }

@@ -80,7 +80,9 @@ def step_flops(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> tup
     trained_w = linear_w if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
     fwd_bwd, fwd_only = passes(wl, feats)
     linear = 2 * tokens * (linear_w * (fwd_bwd + fwd_only) + linear_w + trained_w)
-    if feats.tiled_mlp and not feats.activation_checkpointing:
+    if feats.tiled_layer:  # every tiled piece runs again, with autograd, in backward
+        linear += 2 * tokens * m.layers * (m.layer_params() - 2 * m.hidden)
+    elif feats.tiled_mlp and not feats.activation_checkpointing:
         linear += 2 * tokens * mlp_w * m.layers  # the MLP tiles run again in backward
     a_fwd = attention_flops(m, wl, lay) * m.layers
     return linear, a_fwd * (fwd_bwd + fwd_only + 2.5)

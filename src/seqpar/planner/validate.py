@@ -62,6 +62,7 @@ def _features(case: Case) -> Features:
     return Features(activation_checkpointing=bool(mem.get("activation_checkpointing", False)),
                     offload_activations=bool(mem.get("offload_activations", False)),
                     fused_loss=bool(mem.get("fused_loss", True)), tiled_mlp=bool(tiled), fsdp=case.fsdp,
+                    tiled_layer=bool(mem.get("tiled_layer", False)),
                     loss_chunk_tokens=mem.get("loss_chunk_tokens"), offload_prefetch=False)  # CPU: no prefetch
 
 

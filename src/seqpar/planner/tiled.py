@@ -1,0 +1,63 @@
+"""The tiled decoder layer's bytes (`memory.tiled_layer`, seqpar.memory.tiled_compute), per local token.
+
+A tiled layer runs norms, q/k/v (+ q/k norms, RoPE) in sequence tiles before attention and o_proj, the
+residual adds, the post-attention norm and the MLP in tiles after it; each tiled piece saves only its
+inputs and recomputes one tile at a time in backward. What stays for backward per token: the layer input
+(e h) and attention's own saved tensors (q, k, v, output, lse; with Ulysses the head-space copies and the
+sequence-space output the second piece takes as input). In a layer's backward (with checkpointing: after
+its recompute), the moments are
+- the second piece's backward (`TiledTerms.mlp_*`): the incoming gradient e h, the full-length gradient
+  buffers of the piece's inputs (attention output e q, layer input e h), one tile's recompute (fp32 norm
+  input and rsqrt, normalised x and output, the MLP's four [tile, I] tensors and three gradients of
+  them) and that piece's parameter gradients (o_proj, post-attention norm, MLP), summed over the tiles;
+- attention's backward (`attn_temp`): the attention-output gradient e q, dq dk dv e (q + 2 kv) and the
+  layer-input gradient buffer e h.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..attention.ulysses import head_plan
+from .model import ModelFacts
+
+__all__ = ["TiledTerms", "tiled_terms", "tiled_saved_per_token", "layer_tiles"]
+
+
+def tiled_saved_per_token(m: ModelFacts, elt: int, u: int) -> int:
+    """A tiled layer's saved bytes per local token: its input + attention's saved tensors."""
+    e, d = elt, m.head_dim
+    if u == 1:
+        attn = e * (2 * m.q_dim + 2 * m.kv_dim) + 4 * m.heads
+    else:
+        plan = head_plan(m.heads, m.kv_heads, u)
+        hq, hkv = plan.padded_heads, plan.expanded_kv_heads
+        attn = e * (2 * hq + 2 * hkv) * d + 4 * hq + e * m.q_dim  # head space + the sequence-space output
+    return e * m.hidden + attn
+
+
+def layer_tiles(m: ModelFacts, local_per_row: int) -> int:
+    """seqpar.memory.tiled_compute's automatic tile count: ceil(S_local / hidden), at least 1."""
+    return max(1, min(local_per_row, -(-local_per_row // m.hidden)))
+
+
+@dataclass(frozen=True)
+class TiledTerms:
+    current: int  # bytes per token: the layer's recompute (input + attention's saved tensors)
+    mlp_acts: int  # bytes: one tile's recompute of the second piece
+    mlp_temp: int  # bytes: its gradients and the full-length gradient buffers
+    down: int  # bytes: the second piece's parameter gradients (summed over the tiles)
+    attn_temp: int  # bytes per token at attention's backward
+
+
+def tiled_terms(m: ModelFacts, elt: int, u: int, rows: int, local_per_row: int, tokens: int,
+                weights_train: bool, elt_params: int) -> TiledTerms:
+    e, h, i = elt, m.hidden, m.intermediate
+    tile = rows * -(-local_per_row // layer_tiles(m, local_per_row))
+    norm = 4 * h + 4 + 2 * e * h  # fp32 input + rsqrt, normalised x, output
+    tile_acts = (norm + 4 * e * i + e * h) * tile  # + the middle residual stream of the tile
+    tile_grads = (3 * e * i + 2 * e * h) * tile
+    buffers = (e * h + e * m.q_dim + e * h) * tokens  # incoming gradient, attention-output and input buffers
+    down = (m.q_dim * h + 3 * h * i + h) * elt_params if weights_train else 0
+    return TiledTerms(tiled_saved_per_token(m, elt, u), tile_acts, tile_grads + buffers, down,
+                      e * (h + 2 * m.q_dim + 2 * m.kv_dim))
