@@ -56,15 +56,16 @@ def world(cases):
 
 L3, LA, CKL = {"layer": 3}, {"layer": True}, {"ckpt": True, "layer": True}
 
-FAST_W2 = [
+W2 = [
     ("ulysses2", "qwen3", "pad", {"ckpt": True, "layer": 3}, {"lora": True}),
     ("ring2", "llama", "packed", CKL, {}),
 ]
 
 
-def test_tiled_layer_world2_fast():
+@pytest.mark.slow
+def test_tiled_layer_world2():
     """Ulysses 2 (Qwen3 q_norm/k_norm, LoRA on q/v/down) and ring 2 (packed, auto tiles) vs references."""
-    res = run_distributed(world, 2, FAST_W2, timeout=600)
+    res = run_distributed(world, 2, W2, timeout=600)
     tmf._assert_results(res)
 
 
@@ -84,7 +85,7 @@ def test_tiled_layer_grid(world_size):
 
 
 def test_sp1_every_tileable_arch_in_process():
-    """SP=1 mesh: every tileable arch, checkpointing + 3 tiles, LoRA on two of them."""
+    """The fast guard (~8 s): SP=1 mesh, every tileable arch, checkpointing + 3 tiles, LoRA on two of them."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -168,6 +169,7 @@ def test_tiled_layer_norms_and_projections_never_full_length():
     print(f"widest rows per component, untiled: {plain}, tiled: {tiled}")
 
 
+@pytest.mark.slow
 def test_tiled_layer_lowers_the_activation_peak_per_token():
     """Exact meter, checkpointed 2-layer llama (hidden 32, vocab 32): the activation peak's growth per token
     between 256 and 512 tokens is lower with the tiled layer than with the tiled MLP alone (measured 12.2 vs
