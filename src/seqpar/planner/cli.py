@@ -146,6 +146,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     req = _request(args)
     notes: list[str] = []
     cands, rec = plan(m, cl, req, notes)
+    if args.tiled_layer:
+        notes.append("--tiled-layer is modelled from memory.tiled_layer's design but NOT validated: at the CPU "
+                     "validation shapes it predicts 7-14% less than measured (docs/planner.md, Not modelled yet)")
     if args.json:
         print(json.dumps({"model": args.model, "gpus": cl.gpus, "usable_bytes_per_gpu": usable_bytes(cl),
                           "notes": notes, "candidates": [c.as_json() for c in cands], "recommended": rec}, indent=1))
@@ -154,9 +157,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{m.heads} q / {m.kv_heads} kv heads x {m.head_dim}, vocab {m.vocab}; {cl.gpus} x {cl.name} "
           f"({cl.mem_bytes / GiB:.0f} GiB, {usable_bytes(cl) / GiB:.1f} usable), {cl.gpus_per_node} per node")
     print(_table(cands, args.top, args.max_seq_len))
-    if args.tiled_layer:
-        notes.append("--tiled-layer is modelled from memory.tiled_layer's design but NOT validated: at the CPU "
-                     "validation shapes it predicts 7-14% less than measured (docs/planner.md, Not modelled yet)")
     for n in notes:
         print(f"note: {n}")
     if rec is None:
