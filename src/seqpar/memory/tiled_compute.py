@@ -200,10 +200,11 @@ class SequenceTiled(torch.autograd.Function):
                     if got[k] is not None:
                         in_grads[j].tensor_split(ctx.n, dim=1)[i].copy_(got[k])
                     k += 1
-            for j, g in enumerate(got[k:]):
+            for j, g in enumerate(got[k:]):  # summed in fp32: bf16 tiles round once, as one untiled matmul
                 if g is not None:
-                    p_grads[j] = g if p_grads[j] is None else p_grads[j].add_(g)
+                    p_grads[j] = g.float() if p_grads[j] is None else p_grads[j].add_(g)
             del outs, pairs, got
+        p_grads = [g if g is None else g.to(p.dtype) for g, p in zip(p_grads, params)]
         return (None, None, None, None, *in_grads, *p_grads)
 
 
