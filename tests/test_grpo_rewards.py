@@ -162,3 +162,18 @@ def test_verify_refuses_grpo_dp2_before_the_sp_run(tmp_path):
     with pytest.raises(SeqParError, match="needs dp = 1"):
         verify(cfg, steps=1, nproc=4, out_dir=tmp_path / "verify")
     assert not (tmp_path / "verify" / "sp").exists() and not (tmp_path / "verify" / "sp_config.yaml").exists()
+
+
+def test_grpo_prompt_rows_with_images_refused(tmp_path):
+    """GRPO generates from text prompts: a row with images is refused, not trained as text with its images lost."""
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.dataset.prompts import load_prompts
+    from seqpar.train.model.tokenizers import ByteTokenizer
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a", "answer": "x"}\n{"prompt": "<image> b", "images": ["i.png"]}\n')
+    cfg = config_from_dict({"model": "tiny:llama", "dataset": {"path": str(tmp_path / "p.jsonl"), "max_length": 64},
+                            "stage": "grpo", "micro_batch_size": 2,
+                            "grpo": {"reward_funcs": ["seqpar:length"], "num_generations": 2, "max_prompt_length": 32,
+                                     "max_completion_length": 16}})
+    with pytest.raises(SeqParError, match="row 2 carries images/videos"):
+        load_prompts(cfg, ByteTokenizer())

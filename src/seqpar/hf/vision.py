@@ -132,6 +132,11 @@ def _image_embeddings(vlm: torch.nn.Module, mesh: SequenceParallelMesh, pixel_va
     return every[torch.tensor(index, dtype=torch.long, device=every.device)]
 
 
+# GRPO: a text-only policy can sample a placeholder id; the forward cannot embed a placeholder without its media.
+_SAMPLED_HINT = (". In GRPO, this happens when a completion samples the model's image/video placeholder token: "
+                 "such a rollout cannot be trained (lower the temperature, top_p or top_k so these ids are not drawn)")
+
+
 def _check_batch(vlm: torch.nn.Module, mesh: SequenceParallelMesh, input_ids: torch.Tensor,
                  pixel_values: torch.Tensor | None, grid: torch.Tensor | None) -> None:
     cfg = vlm.config
@@ -139,7 +144,8 @@ def _check_batch(vlm: torch.nn.Module, mesh: SequenceParallelMesh, input_ids: to
         raise SeqParError(f"input_ids must be the FULL batch [B, S], got shape {tuple(input_ids.shape)}")
     check_length(int(input_ids.shape[1]), mesh)
     if bool((input_ids == cfg.video_token_id).any()):
-        raise SeqParError("video tokens in input_ids: videos are not supported under SP (images are)")
+        raise SeqParError(f"video tokens (id {cfg.video_token_id}) in input_ids: videos are not supported under SP "
+                          f"(images are){_SAMPLED_HINT}")
     n_tok = int((input_ids == cfg.image_token_id).sum())
     if (pixel_values is None) != (grid is None):
         raise SeqParError("give pixel_values and image_grid_thw together (or neither)")
@@ -149,7 +155,7 @@ def _check_batch(vlm: torch.nn.Module, mesh: SequenceParallelMesh, input_ids: to
         raise SeqParError(
             f"input_ids hold {n_tok} image tokens but image_grid_thw describes {want} merged patches: the "
             "processor's expansion of each image placeholder and the images must match (no truncation inside "
-            "an image)"
+            f"an image){_SAMPLED_HINT}"
         )
     if grid is not None and int(grid.prod(-1).sum()) != int(pixel_values.shape[0]):
         raise SeqParError(f"pixel_values has {pixel_values.shape[0]} patches, image_grid_thw says "

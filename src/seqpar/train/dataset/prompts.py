@@ -47,6 +47,10 @@ def load_prompts(cfg: TrainConfig, tok: Any) -> tuple[list[PromptRow], dict[str,
         if "prompt" not in row:
             raise SeqParError(f"{cfg.dataset.path}: row {i} has no 'prompt' column: stage: grpo reads prompt rows "
                               f"(text or chat messages, plus any columns the reward functions read)")
+        if any(row.get(k) for k in ("images", "image", "videos", "video")):
+            raise SeqParError(f"{cfg.dataset.path}: row {i} carries images/videos, but stage: grpo generates from "
+                              "text prompts only (the images would be ignored): drop the image columns, or train "
+                              "on them with stage: sft / dpo")
         ids = _tokenize_prompt(row["prompt"], tok, i)
         if not ids:
             raise SeqParError(f"row {i}: the prompt is empty: remove the row")
