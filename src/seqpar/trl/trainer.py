@@ -240,7 +240,8 @@ class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTr
     """`trl.SFTTrainer` with exact sequence parallelism (see the module docstring).
 
     Extra keyword arguments as seqpar.hf.SequenceParallelTrainer: sequence_parallel_size (default:
-    world size), ulysses_degree, ring_degree, layout, mesh, fused_loss, loss_chunk_tokens, tiled_mlp.
+    world size), ulysses_degree, ring_degree, layout, mesh, fused_loss, loss_chunk_tokens, tiled_mlp,
+    tiled_layer (passed through to it).
     Packing, max_length and the masks come from the SFTConfig.
     """
 
