@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.seqpar-installed
-PYTEST_FLAGS ?= -q
+PYTEST_FLAGS ?= -q --durations=20
 
 .PHONY: setup test test-all demo lint bench bench-memory clean
 
