@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ... import loss as L
+from ...errors import SeqParError
 from ...mesh import SequenceParallelMesh
 from ...steps import StepSpec
 from ..config import TrainConfig
@@ -20,7 +21,7 @@ from .grads import fault_grad_scale
 from .optim import build_optimizer
 from .state import Loop
 
-__all__ = ["build_loop", "step_spec"]
+__all__ = ["build_loop", "step_spec", "refuse_partly_precomputed"]
 
 
 def step_spec(cfg: TrainConfig) -> StepSpec:
@@ -29,11 +30,27 @@ def step_spec(cfg: TrainConfig) -> StepSpec:
                     cfg.memory.loss_chunk_tokens)
 
 
+def refuse_partly_precomputed(cfg: TrainConfig, examples: list, eval_examples: list) -> None:
+    """Under FSDP2 the frozen DPO reference is sharded (model/build.py): its forward is collective, so every
+    rank must run it for every micro-batch. A batch with precomputed reference log-probs skips it; a dataset
+    where only some pairs have them could let one rank skip while another waits. Refused up front (the
+    examples are the same on every rank, so every rank raises here alike)."""
+    if not (cfg.fsdp and cfg.stage == "dpo" and cfg.dpo.loss_type != "simpo" and cfg.finetuning.method != "lora"):
+        return
+    rows = [r for r in (*examples, *eval_examples) if isinstance(r, dict)]
+    have = sum("ref_chosen_logps" in r for r in rows)
+    if 0 < have < len(rows):
+        raise SeqParError(f"{have} of {len(rows)} DPO pairs (train + eval) have precomputed ref_chosen_logps/"
+                          "ref_rejected_logps: under fsdp the reference forward is collective, so precompute them "
+                          "for every pair or for none")
+
+
 def build_loop(cfg: TrainConfig, mesh: SequenceParallelMesh, model: torch.nn.Module, tok: Any, examples: list,
                device: torch.device, world: int, rank: int, *, emulate_dp: int = 1, out: Path | None = None,
                eval_data: tuple[list, dict] | None = None) -> Loop:
     """Everything one rank's loop needs, built in a fixed order (identical on every rank and in the SP=1
     reference). FSDP averages gradients, seqpar's loss convention sums them: the loss factor undoes that."""
+    refuse_partly_precomputed(cfg, examples, eval_data[0] if eval_data else [])
     model, reference, prec = build_model(cfg, model, mesh, device, world)
     params = prec.masters if prec else [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = build_optimizer(cfg, params)

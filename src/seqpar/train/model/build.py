@@ -18,7 +18,8 @@ from ..config import TrainConfig
 from .load import apply_lora
 from .precision import MasterWeights
 
-__all__ = ["build_model", "build_reference", "check_memory_features", "apply_memory_features", "apply_fsdp"]
+__all__ = ["build_model", "build_reference", "check_memory_features", "apply_memory_features", "apply_fsdp",
+           "shard_reference"]
 
 
 def build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
@@ -52,6 +53,8 @@ def build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: tor
     if cfg.fsdp:
         apply_fsdp(model, device, world, cfg.precision == "bf16", offload=cfg.fsdp.offload,
                    timeout=cfg.collective_timeout)
+        if ref_model is not None:
+            shard_reference(cfg, ref_model, device, world)
     if cfg.memory.fused_loss:  # refuses an architecture it cannot fuse now, before any collective
         for m in (model, ref_model):
             if m is not None:
@@ -70,6 +73,23 @@ def build_reference(cfg: TrainConfig, mesh: Any, ref_model: torch.nn.Module | No
                 else ReferenceTokenLogps(policy=policy, **kw))
     return (ReferenceLogps(mesh, ref_model=ref_model, **kw) if ref_model is not None
             else ReferenceLogps(mesh, policy=policy, **kw))
+
+
+def shard_reference(cfg: TrainConfig, ref_model: torch.nn.Module, device: torch.device, world: int) -> None:
+    """The frozen reference of a full fine-tuning run under FSDP2, sharded over all ranks like the policy (per
+    decoder layer, then the root): it costs params/world per rank instead of a whole copy on every rank. Its
+    weights are already in the compute dtype (bf16 cast above), so no mixed-precision policy; host offload
+    follows fsdp.offload. Every rank runs each reference forward (FSDP2 all-gathers a layer at a time): the
+    step calls it once per micro-batch on every rank, as the policy's forward (train/loop/build.py refuses a
+    dataset whose precomputed reference log-probs would let some ranks skip it)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    # The root too: by default FSDP2 keeps the root's parameters (embeddings, head) gathered after forward for
+    # the backward that follows, which a no-grad reference forward never has: they would stay gathered.
+    kw: dict[str, Any] = {"reshard_after_forward": True}
+    if cfg.fsdp.offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
+    shard_over_world(ref_model, device.type, world, cfg.collective_timeout, **kw)
 
 
 def check_memory_features(cfg: TrainConfig, model: torch.nn.Module, on_accelerator: bool) -> None:
