@@ -14,7 +14,7 @@ from ...hf.vision import is_vlm
 from ..config import TrainConfig
 from .load import model_config
 
-__all__ = ["check_model", "refuse_unsupported_model", "max_token_id"]
+__all__ = ["check_model", "refuse_unsupported_model", "max_token_id", "position_limit"]
 
 # SmolLM2-135M-Instruct (bundled GGUF): read its config from the constants instead of the 100 MB file.
 SMOLLM2_LIMITS = {"vocab_size": 49152, "max_position_embeddings": 8192}
@@ -59,9 +59,20 @@ def _refuse_non_causal(c: Any, name: str) -> None:
                           f"seqpar supports causal LMs only (for BERT-like configs: is_decoder=True)")
 
 
+def _rope_dicts(c: Any) -> list[dict]:
+    """The config's RoPE parameter dicts: one, or one per layer type (e.g. Gemma 3)."""
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    return list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+
+
 def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
     """What the SP model would refuse, from the config alone; returns the config (None: smollm2)."""
     c = model_config(cfg)
+    text = c.text_config if is_vlm(c) else c
+    if text is not None and any("rope_theta" in p and p["rope_theta"] is None for p in _rope_dicts(text)):
+        # transformers 5: a rope_scaling / rope_parameters kwarg replaces the whole dict, rope_theta included
+        raise SeqParError("model.kwargs replace the config's RoPE parameters without rope_theta (the model would "
+                          "not build): give rope_parameters with rope_type, factor and rope_theta")
     if c is not None:
         _refuse_non_causal(c, cfg.model.name)
     if is_vlm(c) and cfg.fsdp:
@@ -76,13 +87,37 @@ def check_model(cfg: TrainConfig, examples: list) -> None:
     """The model is a supported causal LM, and the examples fit its vocabulary and positions."""
     c = refuse_unsupported_model(cfg)
     c = c.text_config if is_vlm(c) else c
-    limits = SMOLLM2_LIMITS if c is None else {
-        "vocab_size": int(c.vocab_size), "max_position_embeddings": getattr(c, "max_position_embeddings", None)}
+    vocab = SMOLLM2_LIMITS["vocab_size"] if c is None else int(c.vocab_size)
     top = max_token_id(examples)
-    if top >= limits["vocab_size"]:
-        raise SeqParError(f"the dataset has token id {top} but the model's vocabulary has {limits['vocab_size']} "
+    if top >= vocab:
+        raise SeqParError(f"the dataset has token id {top} but the model's vocabulary has {vocab} "
                           f"ids: tokenize with the model's tokenizer (or fix the tokenized rows)")
-    n_pos = limits["max_position_embeddings"]
-    if n_pos is not None and cfg.dataset.max_length > int(n_pos):
-        raise SeqParError(f"dataset.max_length={cfg.dataset.max_length} exceeds the model's max_position_embeddings="
-                          f"{n_pos}: use max_length <= {n_pos}")
+    smol = SMOLLM2_LIMITS["max_position_embeddings"]
+    limit, why = (smol, f"max_position_embeddings={smol}") if c is None else position_limit(c)
+    if limit is not None and cfg.dataset.max_length > limit:
+        raise SeqParError(f"dataset.max_length={cfg.dataset.max_length} exceeds the model's {why}: use max_length "
+                          f"<= {limit}, or extend the positions in model.kwargs (max_position_embeddings, "
+                          f"rope_scaling)")
+
+
+def position_limit(c: Any) -> tuple[int | None, str]:
+    """The longest sequence the config's positions cover, and what says so: max_position_embeddings, or more
+    where RoPE scaling extends it (factor x original_max_position_embeddings, or x max_position_embeddings
+    when the config names no original: linear / dynamic). Per-layer-type RoPE (e.g. Gemma 3): the smallest."""
+    n = getattr(c, "max_position_embeddings", None)
+    if n is None:
+        return None, "positions (no max_position_embeddings)"
+    n = int(n)
+    plain = (n, f"max_position_embeddings={n}")
+    params = _rope_dicts(c)
+    best = []
+    for p in params:
+        kind, f = p.get("rope_type", p.get("type", "default")), p.get("factor")
+        if kind == "default" or not f or float(f) <= 1:
+            best.append(plain)
+            continue
+        base = int(p.get("original_max_position_embeddings") or n)
+        ext = int(base * float(f))
+        best.append(plain if ext <= n else
+                    (ext, f"positions under rope_scaling ({kind}, factor {float(f):g} x {base})={ext}"))
+    return min(best) if best else plain

@@ -79,10 +79,18 @@ def model_config(cfg: TrainConfig) -> Any:
         return None
     from transformers import AutoConfig
 
+    # model.kwargs as load_model passes them to from_pretrained, which builds the config the same way: keys
+    # naming config attributes (max_position_embeddings, rope_scaling, ...) override config.json, hub keys
+    # (revision, trust_remote_code, ...) choose what is read, the rest is for the model (ignored here).
+    kw = {k: v for k, v in cfg.model.kwargs.items() if k not in _MODEL_ONLY_KWARGS}
     try:
-        return AutoConfig.from_pretrained(cfg.model.name)
+        return AutoConfig.from_pretrained(cfg.model.name, return_unused_kwargs=True, **kw)[0]
     except (OSError, ValueError) as e:
         raise unknown_model(cfg.model.name, e) from None
+
+
+# from_pretrained keeps these out of the config (dtype "auto", a quantization config of its own).
+_MODEL_ONLY_KWARGS = ("dtype", "torch_dtype", "quantization_config")
 
 
 def model_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
