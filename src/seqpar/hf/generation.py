@@ -21,6 +21,11 @@ flips a draw only when a uniform lands within that rounding of a CDF boundary.
 FSDP2-sharded models: every forward all-gathers parameters over the whole world, so every rank must run
 the same number of forwards. Each rank makes exactly one `generate` call per rollout (a rank without
 prompts decodes one dummy row) with `synced_gpus=True`, which keeps every rank decoding until all are done.
+DeepSpeed ZeRO-3 (TRL drop-in) the same way: one `generate` per rank per rollout, inside which TRL gathers
+the full weights once (`ds3_gather_for_generation=True`, its default: one GatheredParameters over all
+parameters, then generate without per-module fetches) or, with it False, ZeRO-3 fetches each module's
+weights at each call; transformers turns synced_gpus on under ZeRO-3 itself, so in both cases every rank
+issues the same gathers in the same order until the last rank's last token.
 """
 
 from __future__ import annotations
@@ -116,10 +121,13 @@ def prompt_share(n: int, sp_size: int, sp_rank: int) -> range:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether any module of `model` is FSDP2-sharded (its forwards are collectives over the shard group)."""
+    """Whether `model` is FSDP2-sharded or DeepSpeed ZeRO-3-partitioned: its forwards (FSDP2, ZeRO-3 per-module
+    fetches) or its generation-time gathers (TRL's GatheredParameters) are collectives over the shard group,
+    so every rank must generate, the same number of times."""
     from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(hasattr(p, "ds_id")
+                                                                          for p in model.parameters())
 
 
 def sampling_config(*, max_new_tokens: int, eos_token_id: int, pad_token_id: int) -> GenerationConfig:
@@ -281,9 +289,10 @@ def checkpointing_kept(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def fsdp_synced(model: torch.nn.Module) -> Iterator[None]:
-    """An FSDP2-sharded model: transformers' generate() then keeps every rank decoding until all are done
-    (synced_gpus, which it turns on for a model marked `_is_fsdp_managed_module`), so every rank runs the
-    same forwards, each an all-gather over the shard group."""
+    """An FSDP2-sharded (or ZeRO-3-partitioned) model: transformers' generate() then keeps every rank decoding
+    until all are done (synced_gpus, which it turns on for a model marked `_is_fsdp_managed_module`; under
+    ZeRO-3 also when the TrainingArguments' DeepSpeed config is alive), so every rank runs the same forwards,
+    each an all-gather over the shard group (ZeRO-3 with TRL's one-off gather: the same flag all-reduces)."""
     base = _base_model(model)
     if not is_sharded(model) or getattr(base, "_is_fsdp_managed_module", False):
         yield

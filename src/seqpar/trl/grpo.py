@@ -13,8 +13,10 @@ changes, under SP:
   of the prompts (whole groups of num_generations rows) under its own seed, the completion ids are
   all-gathered, and SP rank 0's RNG state goes to the group (TRL's later row shuffle agrees): every SP
   rank scores and trains identical completions (seqpar.hf.generation.share_rollout). Image prompts:
-  one rank per SP group generates and broadcasts. FSDP2: every rank joins every generation forward
-  (synced_gpus); ZeRO-3 is refused at construction. Layer checkpointing is put back exactly after
+  one rank per SP group generates and broadcasts. FSDP2 and DeepSpeed ZeRO-3: every rank makes exactly one
+  generate() per rollout (synced_gpus; ZeRO-3: inside TRL's one GatheredParameters, or its per-module
+  fetches with ds3_gather_for_generation=False); image prompts with either are refused at construction.
+  Layer checkpointing is put back exactly after
   each generation on every rank (TRL re-enables it with the stored kwargs: every layer);
 - TRL's gathers while scoring (`accelerator.gather`, `gather`, `gather_object`) and its
   `process_index` / `num_processes` see the dp ranks only: a gather over all ranks keeps the SP
@@ -60,6 +62,7 @@ from ..hf.generation import (
     share_rollout,
 )
 from ..hf.trainer import SequenceParallelTrainer, _pad_id
+from ..hf.trainer_stack import agree_gathers
 from ..mesh import SequenceParallelMesh
 from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
 from .trainer import _coerce_args, _instantiate, _refuse, _refuse_common, _refuse_moe_aux, _sp_kwargs
@@ -176,20 +179,17 @@ def _rows(inputs: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
 
 
 def _refuse_sharded_generation(trainer: Any) -> None:
-    """ZeRO-3: its parameter gathers during generation (GatheredParameters, then per-module fetches) are not
-    made to run the same number of times on every rank here: refused at construction, before any rollout
-    could hang. FSDP2 is supported (every rank joins every generation forward, `fsdp_synced`); with vision
-    inputs one rank per SP group generates, which a sharded forward cannot do: refused too."""
+    """Image prompts are generated on one rank per SP group; a sharded model (FSDP2, or DeepSpeed ZeRO-3 whose
+    generation gathers the weights) needs every rank in each generation: refused at construction, before any
+    rollout could hang. Text prompts: every rank generates (`share_rollout`, sharded)."""
     ds = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if ds is not None and ds.zero_stage == 3:
-        raise _refuse(type(trainer).__name__, "DeepSpeed ZeRO-3 through the TrainingArguments",
-                      "its parameter gathers during generation are not run the same number of times on every "
-                      "rank by seqpar's rollout: the run could hang", "use FSDP2 (fsdp='full_shard', "
-                      "fsdp_config={'fsdp_version': 2}) or ZeRO-1/2 here, or `seqpar train` (stage: grpo, fsdp)")
-    if getattr(trainer, "is_fsdp_enabled", False) and isinstance(trainer.processing_class, ProcessorMixin):
-        raise _refuse(type(trainer).__name__, "FSDP with a vision-language processor",
-                      "image prompts are generated on one rank per SP group, a sharded forward needs every rank",
-                      "train without fsdp= (DDP), or use a text-only tokenizer")
+    zero3 = ds is not None and ds.zero_stage == 3
+    if (zero3 or getattr(trainer, "is_fsdp_enabled", False)) and isinstance(trainer.processing_class,
+                                                                             ProcessorMixin):
+        raise _refuse(type(trainer).__name__, f"{'DeepSpeed ZeRO-3' if zero3 else 'FSDP'} with a vision-language "
+                      "processor", "image prompts are generated on one rank per SP group, a sharded model needs "
+                      "every rank in each generation", "train without fsdp= / ZeRO-3 (DDP or ZeRO-1/2), or use a "
+                      "text-only tokenizer")
 
 
 class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
@@ -352,6 +352,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         den = self._sp_den
         if den is None:
             raise SeqParError("GRPO compute_loss ran before a generation batch was scored")
+        agree_gathers(model, batch, self.sp_mesh)  # ZeRO-3: the same parameter gathers on every rank
         share, metrics = micro_batch_loss(model, batch, den, self.sp_mesh, self._sp_spec, self._sp_reference)
         mode = "train" if model.training else "eval"
         for k, v in metrics.items():
