@@ -269,14 +269,14 @@ from seqpar.hf import load_smollm2_tokenizer
 from seqpar.trl import SequenceParallelGRPOTrainer
 import datasets
 
-stack, out = sys.argv[1], sys.argv[2]
+stack, out, batch, beta = sys.argv[1], sys.argv[2], int(sys.argv[4]), float(sys.argv[5])
 zero3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-         "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0}
+         "train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0}
 kw = ({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if stack == "fsdp2" else
       {"deepspeed": zero3} if stack == "zero3" else
       {"deepspeed": zero3, "ds3_gather_for_generation": False} if stack == "zero3-fetch" else {})
-args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=2, report_to=[], use_cpu=True,
-                  max_completion_length=8, bf16=False, loss_type="grpo", beta=0.0, max_steps=2, seed=0,
+args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=2, report_to=[], use_cpu=True,
+                  max_completion_length=8, bf16=False, loss_type="grpo", beta=beta, max_steps=2, seed=0,
                   optim="sgd", learning_rate=0.1, logging_steps=1, save_strategy="no", disable_tqdm=True,
                   temperature=1.0, **kw)
 ds = datasets.Dataset.from_list([{"prompt": "ab" * (i + 1)} for i in range(8)])
@@ -323,7 +323,7 @@ if rank == "0":
 '''
 
 
-def _stack_run(tmp_path, stack: str):
+def _stack_run(tmp_path, stack: str, batch: int = 4, beta: float = 0.0):
     import sys
 
     from procs import run_script
@@ -336,12 +336,12 @@ def _stack_run(tmp_path, stack: str):
         with torch.no_grad():
             model.lm_head.weight.mul_(4.0)  # a peaked distribution (completions repeat tokens)
         model.save_pretrained(model_dir)
-    out = tmp_path / stack
+    out = tmp_path / f"{stack}-{batch}-{beta}"
     out.mkdir()
     script = tmp_path / "grpo_stack.py"
     script.write_text(GRPO_STACK_SCRIPT)
     run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-                stack, str(out), str(model_dir)], tmp_path, timeout=400)
+                stack, str(out), str(model_dir), str(batch), str(beta)], tmp_path, timeout=400)
     return out
 
 
@@ -353,15 +353,16 @@ def _init_params(tmp_path) -> dict:
 
 
 def _same_run(got: dict, ddp: dict, init: dict) -> None:
-    """Completions identical, losses and parameters within 1e-5 absolute, gradient norms 1e-5 relative, and the
+    """Completions identical, losses and parameters within 1e-5 absolute, gradient norms 1e-5 relative (absolute
+    below 1), and the
     parameters moved (so the comparison is not vacuous)."""
     print("losses", got["losses"], ddp["losses"], "grad norms", got["grad_norms"], ddp["grad_norms"],
           "max |dparam|", max(float((got["params"][k] - v).abs().max()) for k, v in ddp["params"].items()))
     assert len(got["losses"]) == 2 and got["completions"] == ddp["completions"]
     assert len(ddp["completions"]) == 2 and len({tuple(c) for step in ddp["completions"] for c in step}) > 1
     assert max(abs(a - b) for a, b in zip(got["losses"], ddp["losses"])) <= TOL
-    assert len(got["grad_norms"]) == 2 and max(abs(a - b) / b for a, b in zip(got["grad_norms"],
-                                                                           ddp["grad_norms"])) <= TOL
+    assert len(got["grad_norms"]) == 2 and all(abs(a - b) <= TOL * max(b, 1.0)  # a step can have no signal: 0
+                                               for a, b in zip(got["grad_norms"], ddp["grad_norms"]))
     assert got["params"].keys() == ddp["params"].keys()
     assert max(float((got["params"][k] - v).abs().max()) for k, v in ddp["params"].items()) <= TOL
     assert max(float((ddp["params"][k] - v).abs().max()) for k, v in init.items()) > 1e-3
@@ -379,16 +380,19 @@ def test_zero3_partitioned_model_generates_on_every_rank():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stack", ["zero3", "zero3-fetch"])
-def test_grpo_zero3_matches_ddp(tmp_path, stack):
+@pytest.mark.parametrize("stack, batch, beta", [("zero3", 4, 0.0), ("zero3-fetch", 4, 0.0), ("zero3", 2, 0.0),
+                                                ("zero3", 4, 0.2)])
+def test_grpo_zero3_matches_ddp(tmp_path, stack, batch, beta):
     """DeepSpeed ZeRO-3 through the TrainingArguments (refused before; it hung in the first rollout when only
     some ranks generated): SP=2 over 2 ranks, every rank samples one prompt group in one generate() (TRL's one
     GatheredParameters per rollout, or with ds3_gather_for_generation=False ZeRO-3's per-module fetches kept in
-    step by synced_gpus); two SGD steps with real sampling vs the same run with DDP: the same completion ids,
-    losses, gradient norms and parameters within 1e-5, no hang (spawn timeout)."""
+    step by synced_gpus); batch 2 = one prompt group for two ranks: SP rank 1 decodes a dummy row so that it
+    joins the gathers; beta 0.2: TRL's reference (reloaded by name, its own ZeRO-3 engine) run under SP. Two SGD
+    steps with real sampling vs the same run with DDP: the same completion ids, losses, gradient norms and
+    parameters within 1e-5, no hang (spawn timeout)."""
     pytest.importorskip("deepspeed")
-    got = torch.load(_stack_run(tmp_path, stack) / "result.pt")
-    ddp = torch.load(_stack_run(tmp_path, "ddp") / "result.pt")
+    got = torch.load(_stack_run(tmp_path, stack, batch, beta) / "result.pt")
+    ddp = torch.load(_stack_run(tmp_path, "ddp", batch, beta) / "result.pt")
     assert got["sharded"] and got["wrapped"] == "DeepSpeedEngine" and not ddp["sharded"]
     _same_run(got, ddp, _init_params(tmp_path))
 
