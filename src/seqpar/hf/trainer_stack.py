@@ -178,8 +178,10 @@ def prepare_reference(trainer: Any, ref: torch.nn.Module) -> torch.nn.Module:
         return engine
     if getattr(trainer, "is_fsdp_enabled", False):
         ref.to(trainer.args.device)
+        # reshard_after_forward: else FSDP2 keeps the root's weights (embeddings, norm, head) gathered after a
+        # no-grad forward, for good, as nothing runs a backward through the frozen reference.
         shard_over_world(ref, trainer.args.device.type, torch.distributed.get_world_size(),
-                         trainer.args.ddp_timeout_delta)
+                         trainer.args.ddp_timeout_delta, reshard_after_forward=True)
         return ref
     return ref.to(trainer.args.device)
 
