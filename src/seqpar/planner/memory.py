@@ -312,12 +312,14 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
     else:
         current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
         ahead_full = 0
-    attn_temp, tiled = e * (h + m.q_dim + 2 * m.kv_dim), None
+    attn_temp, tiled, attn_comm = e * (h + m.q_dim + 2 * m.kv_dim), None, comm
     if feats.tiled_layer:  # planner.tiled: the layer keeps its input + attention's tensors; pieces run in tiles
         tiled = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e)
         ckpt = feats.activation_checkpointing
         current, ahead = tiled.current - (e * h if ckpt else 0), (e * h if ckpt else tiled.current)
         mlp_acts, mlp_temp, attn_temp = tiled.mlp_acts, tiled.mlp_temp - e * h * tokens, tiled.attn_temp
+        if lay.ulysses > 1 and lay.ring == 1:  # the fused exchange's buffers are in attn_temp (planner.tiled)
+            attn_comm -= 2 * e * head_plan(m.heads, m.kv_heads, lay.ulysses).padded_heads * m.head_dim * tokens
     acts = (2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN + current) * tokens
     if wl.lora and not feats.activation_checkpointing:
         acts -= (4 * h + 4) * tokens  # layer 0 keeps no norm input (frozen embedding)
@@ -327,6 +329,8 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
         head = (m.lm_head_params() or m.embed_params()) * e + h * e
         # tiled MLP: the tiles' backward accumulates gate, up and down gradients together (measured)
         per_layer, down = m.layer_params() * e, (tiled.down if tiled else (3 if feats.tiled_mlp else 1) * h * i * e)
+    # tiled layer: at attention's backward the second piece's parameter gradients exist (measured)
+    post_attn = tiled.down if tiled and not wl.lora else 0
     in_flight = prefetch = 0
     if feats.fsdp:
         # finished layers' gradient shards stay on the device, or go to the host with CPU offload
@@ -340,7 +344,7 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
         a = acts + (ahead * ahead_n + ahead_full) * tokens
         rs = in_flight if k > 0 else 0
         if attention:
-            return _Moment(a, head + k * per_layer, attn_temp * tokens, comm + rs)
+            return _Moment(a, head + k * per_layer + post_attn, attn_temp * tokens, attn_comm + rs)
         return _Moment(a + mlp_acts, head + k * per_layer + down, e * h * tokens + mlp_temp,
                        gathered + (prefetch if k < last else 0) + rs)
 

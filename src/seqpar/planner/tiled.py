@@ -10,8 +10,15 @@ its recompute), the moments are
   buffers of the piece's inputs (attention output e q, layer input e h), one tile's recompute (fp32 norm
   input and rsqrt, normalised x and output, the MLP's four [tile, I] tensors and three gradients of
   them) and that piece's parameter gradients (o_proj, post-attention norm, MLP), summed over the tiles;
-- attention's backward (`attn_temp`): the attention-output gradient e q, dq dk dv e (q + 2 kv) and the
-  layer-input gradient buffer e h.
+- attention's backward (`attn_temp`, `attention_backward_temp`): the second piece's input-gradient buffers
+  (layer input e h, attention output e q) and seqpar's attention backward at its largest moment, every
+  tensor counted (measured with the exact meter, tiny Llama, fp32, u = 1 and 2):
+  ring path (u = 1; with u = 1 and ring = 1 the local attention is a one-block ring): the accumulators
+  dq, dk, dv in fp32 4 (q + 2 kv) and the kernel's outputs e (q + 2 kv) (bf16: plus their casts back,
+  another e (q + 2 kv), made while both are alive);
+  fused Ulysses (u > 1, ring = 1; Q, K the plan-padded head widths): dout's send buffer e Q, the kernel's
+  head-space gradients e (Q + 2 K), their packed send buffer, its receive buffer and the sequence-space
+  dq, dk, dv (each e (Q + 2 K)); the attention output `a` (saved by the second piece) is freed by then.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass
 from ..attention.ulysses import head_plan
 from .model import ModelFacts
 
-__all__ = ["TiledTerms", "tiled_terms", "tiled_saved_per_token", "layer_tiles"]
+__all__ = ["TiledTerms", "tiled_terms", "tiled_saved_per_token", "layer_tiles", "attention_backward_temp"]
 
 
 def tiled_saved_per_token(m: ModelFacts, elt: int, u: int) -> int:
@@ -39,6 +46,19 @@ def tiled_saved_per_token(m: ModelFacts, elt: int, u: int) -> int:
 def layer_tiles(m: ModelFacts, local_per_row: int) -> int:
     """seqpar.memory.tiled_compute's automatic tile count: ceil(S_local / hidden), at least 1."""
     return max(1, min(local_per_row, -(-local_per_row // m.hidden)))
+
+
+def attention_backward_temp(m: ModelFacts, elt: int, u: int) -> int:
+    """Bytes per local token seqpar's attention backward allocates beside its saved tensors, at its largest
+    moment (module docstring), with the incoming attention-output gradient e q. For u > 1 the saved
+    sequence-space output (the second piece's input, released with that piece's backward) is subtracted."""
+    e = elt
+    if u == 1:  # ring path: fp32 accumulators + the kernel's outputs (+ their casts back in bf16)
+        qkv = m.q_dim + 2 * m.kv_dim
+        return e * m.q_dim + 4 * qkv + (e if e == 4 else 2 * e) * qkv
+    plan = head_plan(m.heads, m.kv_heads, u)
+    wq, wkv = plan.padded_heads * m.head_dim, plan.expanded_kv_heads * m.head_dim
+    return e * m.q_dim + e * wq + 4 * e * (wq + 2 * wkv) - e * m.q_dim
 
 
 @dataclass(frozen=True)
@@ -60,4 +80,4 @@ def tiled_terms(m: ModelFacts, elt: int, u: int, rows: int, local_per_row: int, 
     buffers = (e * h + e * m.q_dim + e * h) * tokens  # incoming gradient, attention-output and input buffers
     down = (m.q_dim * h + 3 * h * i + h) * elt_params if weights_train else 0
     return TiledTerms(tiled_saved_per_token(m, elt, u), tile_acts, tile_grads + buffers, down,
-                      e * (h + 2 * m.q_dim + 2 * m.kv_dim))
+                      e * h + attention_backward_temp(m, e, u))
