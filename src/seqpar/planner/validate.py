@@ -21,9 +21,9 @@ from .measure import Case, measure_case, unsupervised_tokens
 from .memory import Features, Layout, Workload, estimate_memory
 from .model import load_model_facts
 
-__all__ = ["GRID", "FAST_GRID", "REACH_GRID", "FEATURE_SETS", "predict_case", "run_validation", "format_rows",
-           "with_features", "TOLERANCE", "TIME_GRID", "FAST_TIME_GRID", "run_time_validation", "time_ordering",
-           "format_time_rows"]
+__all__ = ["GRID", "FAST_GRID", "REACH_GRID", "TILED_GRID", "FEATURE_SETS", "predict_case", "run_validation",
+           "format_rows", "with_features", "TOLERANCE", "TIME_GRID", "FAST_TIME_GRID", "run_time_validation",
+           "time_ordering", "format_time_rows"]
 
 TOLERANCE = 0.02
 NO_FEATURES: dict[str, Any] = {"fused_loss": False}
@@ -35,6 +35,9 @@ FEATURE_SETS: dict[str, dict[str, Any]] = {
     "tiled": {"fused_loss": False, "tiled_mlp": True},
     "offload": {"fused_loss": True, "activation_checkpointing": True, "offload_activations": True},
     "all": {"fused_loss": True, "activation_checkpointing": True, "tiled_mlp": True, "offload_activations": True},
+    # every feature with the tiled decoder layer, 64-token loss chunks (the layer's backward is the peak)
+    "layer": {"fused_loss": True, "activation_checkpointing": True, "tiled_mlp": True, "offload_activations": True,
+              "tiled_layer": True, "loss_chunk_tokens": 64},
 }
 _B = Case(memory=NO_FEATURES)
 GRID: list[Case] = [
@@ -53,6 +56,10 @@ GRID: list[Case] = [
 ]
 # The rows `tests/test_planner_reach.py` measures for offload and bf16 masters (slow).
 REACH_GRID: list[Case] = GRID[-4:]
+# The tiled decoder layer's rows (`tests/test_planner_reach.py`, slow): 4 layers x 1024 tokens, SP 1 (fp32, bf16
+# with fp32 masters, LoRA) and ulysses 2: the peak is a layer's attention backward.
+_L = Case(num_layers=4, seq_len=1024, memory=FEATURE_SETS["layer"])
+TILED_GRID: list[Case] = [_L, replace(_L, precision="bf16"), replace(_L, finetuning="lora"), replace(_L, ulysses=2)]
 FAST_GRID: list[Case] = [_B, replace(_B, finetuning="lora"), replace(_B, ulysses=2), replace(_B, stage="dpo")]
 
 
