@@ -83,9 +83,12 @@ def _gradients(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
     gather_bytes = (gathered * (w - 1) // w) + (L * per_layer * wl.elt * (w - 1) // w)  # forward + backward
     reduce_units = L + (0 if wl.lora else 1)  # LoRA: the root (embeddings, head, norm) trains nothing
     reduce_bytes = (n_train if wl.lora else L * per_layer + root) * 4 * (w - 1) // w
-    return [Collective("fsdp_gather", "all_gather", "world", 2 * L + 1, gather_bytes),
-            Collective("fsdp_reduce", "reduce_scatter", "world", reduce_units, reduce_bytes),
-            Collective("bookkeeping", "all_reduce", "world", 1, SMALL)]  # the sharded gradient norm
+    out = [Collective("fsdp_gather", "all_gather", "world", 2 * L + 1, gather_bytes),
+           Collective("fsdp_reduce", "reduce_scatter", "world", reduce_units, reduce_bytes),
+           Collective("bookkeeping", "all_reduce", "world", 1, SMALL)]  # the sharded gradient norm
+    if wl.stage == "dpo" and not wl.lora:  # the sharded frozen reference: its forward gathers each layer + root
+        out.append(Collective("fsdp_ref_gather", "all_gather", "world", L + 1, gathered * (w - 1) // w))
+    return out
 
 
 def _bookkeeping(wl: Workload, lay: Layout) -> list[Collective]:

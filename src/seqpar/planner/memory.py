@@ -380,7 +380,8 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
     params, grads, opt, opt_temp, layer = _param_bytes(m, wl, feats, lay.world)
     if not foreach and not (lay.world > 1 and not feats.fsdp):
         opt_temp = min(opt_temp, max(m.embed_params(), m.hidden * m.intermediate) * 4)
-    ref = m.num_params() * wl.elt if wl.stage == "dpo" and not wl.lora else 0  # frozen reference copy
+    # The frozen reference copy of full-fine-tuning DPO; under FSDP2 sharded over all ranks like the policy.
+    ref = m.num_params() * wl.elt // (lay.world if feats.fsdp else 1) if wl.stage == "dpo" and not wl.lora else 0
     params += ref
     if feats.tiled_mlp and mlp_tiles(m, wl, lay) == 1:
         feats = replace(feats, tiled_mlp=False)  # one tile: the plain MLP runs, nothing is recomputed

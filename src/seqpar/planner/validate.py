@@ -49,6 +49,7 @@ GRID: list[Case] = [
     replace(_B, num_heads=6, num_kv_heads=2, ulysses=4),  # dummy heads + kv replication
     replace(_B, arch="qwen3", ulysses=2, ring=2, stage="dpo"),
     replace(_B, ulysses=2, dp=2), replace(_B, ring=2, finetuning="lora", fsdp=True),
+    replace(_B, ulysses=2, stage="dpo", fsdp=True),  # the frozen reference sharded like the policy
     # bf16 without FSDP: bf16 weights + fp32 masters (seqpar train's MasterWeights); 8 layers x 1024 tokens:
     # layer inputs (what checkpointing keeps and offload moves to the host) are a visible share of the peak
     replace(_B, precision="bf16"), replace(_B, precision="bf16", finetuning="lora"),
