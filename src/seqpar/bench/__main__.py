@@ -1,6 +1,7 @@
 """CLI: python -m seqpar.bench attention [--out bench_results/attention.json] [--png FILE] [--quick]
      python -m seqpar.bench memory [--out bench_results/memory.json] [--png FILE] [--quick] [--budget-gib 4]
      python -m seqpar.bench rollout [--out bench_results/rollout.json] [--quick] [--sp 1,2,4]
+     python -m seqpar.bench step [--out bench_results/step.json] [--png FILE] [--quick] [--rounds 2]
      python -m seqpar.bench layer-memory [--out bench_results/layer_memory.json] [--lengths 1152,2304]
                                          [--configs A,B] [--quick]."""
 
@@ -10,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,41 +63,33 @@ def main(argv: list[str] | None = None) -> int:
         return _layer_memory(args)
 
     from .attention import run
+    from .plot import plot_attention, summary_lines
 
     result = run(quick=args.quick, timeout=args.timeout, peers=args.peers)
+    return _report(args, result, summary_lines, plot_attention)
+
+
+def _report(args: argparse.Namespace, result: dict, summary_lines: Callable, plot: Callable | None = None) -> int:
+    """Every benchmark's ending: the JSON at --out, the PNG (--png, default next to it; 'none' skips), the summary."""
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
-    png = args.png or os.path.splitext(args.out)[0] + ".png"
-    if png.lower() != "none":
-        from .plot import plot_attention
-
-        plot_attention(result, png)
+    png = getattr(args, "png", None) or os.path.splitext(args.out)[0] + ".png"
+    if plot is not None and png.lower() != "none":
+        plot(result, png)
         print(f"wrote {png}")
-    from .plot import summary_lines
-
     print("\n".join(summary_lines(result)))
     return 0
 
 
 def _memory(args: argparse.Namespace) -> int:
     from .memory import run, summary_lines
+    from .plot_memory import plot_memory
 
     models = args.models.split(",") if args.models else None
     result = run(quick=args.quick, budget_gib=args.budget_gib, timeout=args.timeout, models=models)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
-    png = args.png or os.path.splitext(args.out)[0] + ".png"
-    if png.lower() != "none":
-        from .plot_memory import plot_memory
-
-        plot_memory(result, png)
-        print(f"wrote {png}")
-    print("\n".join(summary_lines(result)))
-    return 0
+    return _report(args, result, summary_lines, plot_memory)
 
 
 def _layer_memory(args: argparse.Namespace) -> int:
@@ -103,42 +97,22 @@ def _layer_memory(args: argparse.Namespace) -> int:
 
     s1, s2 = (int(x) for x in args.lengths.split(","))
     result = run(lengths=(s1, s2), quick=args.quick, configs=args.configs.split(",") if args.configs else None)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
-    print("\n".join(summary_lines(result)))
-    return 0
+    return _report(args, result, summary_lines)
 
 
 def _step(args: argparse.Namespace) -> int:
+    from .plot import plot_step
     from .step import run, summary_lines
 
     result = run(quick=args.quick, rounds=args.rounds, seq_len=args.seq_len, timeout=args.timeout)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
-    png = args.png or os.path.splitext(args.out)[0] + ".png"
-    if png.lower() != "none":
-        from .plot import plot_step
-
-        plot_step(result, png)
-        print(f"wrote {png}")
-    print("\n".join(summary_lines(result)))
-    return 0
+    return _report(args, result, summary_lines, plot_step)
 
 
 def _rollout(args: argparse.Namespace) -> int:
     from .rollout import run, summary_lines
 
     result = run(quick=args.quick, sp_sizes=tuple(int(x) for x in args.sp.split(",")), timeout=args.timeout)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
-    print("\n".join(summary_lines(result)))
-    return 0
+    return _report(args, result, summary_lines)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ from ..memory.sharding import shard_over_world
 from ..memory.tiled_mlp import same_tile_count
 from ..mesh import SequenceParallelMesh
 
-__all__ = ["prepare_reference", "fsdp_on_cpu", "load_stateless_fsdp_optimizer", "map_parallelism_config", "check_stack_args", "wrapper_factor",
-           "agree_gathers", "is_zero3"]
+__all__ = ["prepare_reference", "fsdp_on_cpu", "load_stateless_fsdp_optimizer", "map_parallelism_config",
+           "check_stack_args", "wrapper_factor", "agree_gathers", "is_zero3"]
 
 
 def _parallelism_config(args: Any) -> Any:
