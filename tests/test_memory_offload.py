@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import run_script
+from procs import SFT_ROWS_SCRIPT, run_script
 from test_memory_features import HEADS, VOCAB, _assert_results, world_cases
 
 from seqpar.hf import tiny_model
@@ -207,20 +207,7 @@ from seqpar.hf.trainer import SequenceParallelTrainer
 from seqpar.memory.offload import offload_store
 
 mode, out = sys.argv[1], sys.argv[2]
-g = torch.Generator().manual_seed(0)
-rows = []
-for i in range(8):
-    n = int(torch.randint(40, 90, (1,), generator=g))
-    ids = torch.randint(3, 64, (n,), generator=g).tolist()
-    rows.append({"input_ids": ids, "labels": [-100] * 5 + ids[5:]})
-ds = datasets.Dataset.from_list(rows)
-
-def pad_collate(batch):
-    m = max(len(r["input_ids"]) for r in batch)
-    ids = torch.tensor([r["input_ids"] + [0] * (m - len(r["input_ids"])) for r in batch])
-    lab = torch.tensor([r["labels"] + [-100] * (m - len(r["labels"])) for r in batch])
-    return {"input_ids": ids, "labels": lab}
-
+''' + SFT_ROWS_SCRIPT + r'''
 args = TrainingArguments(output_dir=f"{out}/o", per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          max_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
                          train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True,
