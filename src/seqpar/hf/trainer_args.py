@@ -59,18 +59,15 @@ def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int,
     gradient_checkpointing_kwargs): we make those non-reentrant with whole-layer recomputes, so its own call
     does what `seqpar train` does (memory.activation_checkpointing).
     """
-    if tiled_mlp is not False:
-        if not isinstance(tiled_mlp, bool) and (not isinstance(tiled_mlp, int) or tiled_mlp < 1):
-            raise SeqParError(f"tiled_mlp={tiled_mlp!r}: use False, True (automatic tile count) or an int >= 1")
-        if tiled_mlp:
-            decoder_mlps(model)  # raises for MLPs it cannot tile
-    if tiled_layer is not False:
-        if not isinstance(tiled_layer, bool) and (not isinstance(tiled_layer, int) or tiled_layer < 1):
-            raise SeqParError(f"tiled_layer={tiled_layer!r}: use False, True (automatic tile count) or an int >= 1")
-        if tiled_layer:
-            tiled_layers(model)  # raises for decoder layers it cannot tile
-        ds = getattr(args, "hf_deepspeed_config", None)
-        if tiled_layer and ds is not None and ds.is_zero3():  # its per-call gathers vs one node's grads: untested
+    for name, value in (("tiled_mlp", tiled_mlp), ("tiled_layer", tiled_layer)):
+        if not isinstance(value, bool) and (not isinstance(value, int) or value < 1):
+            raise SeqParError(f"{name}={value!r}: use False, True (automatic tile count) or an int >= 1")
+    if tiled_mlp:
+        decoder_mlps(model)  # raises for MLPs it cannot tile
+    if tiled_layer:
+        tiled_layers(model)  # raises for decoder layers it cannot tile
+        # its per-call gathers vs one node's grads: untested (ZeRO-3 from deepspeed= or accelerate's plugin)
+        if deepspeed_stage(args) == 3:
             raise SeqParError("tiled_layer under DeepSpeed ZeRO-3 is not supported: use ZeRO 1/2 or FSDP2 "
                               "(fsdp=...), or tiled_layer=False (tiled_mlp=True works under ZeRO-3)")
     if not getattr(args, "gradient_checkpointing", False):

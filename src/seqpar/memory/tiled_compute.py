@@ -41,7 +41,7 @@ import torch
 
 from ..errors import SeqParError
 from ..unwrap import decoder_layers
-from .tiled_mlp import TiledForward
+from .tiled_mlp import TiledForward, tile_count_arg
 
 __all__ = ["apply_tiled_layer", "remove_tiled_layer", "tiled_layers", "TiledLayerForward"]
 
@@ -220,14 +220,7 @@ def apply_tiled_layer(model: torch.nn.Module, tiles: bool | int = True) -> int:
     tiles: True = auto (ceil(S_local / hidden_size) per forward), an int >= 1 = that many tiles. Applying
     again changes the tile count.
     """
-    if isinstance(tiles, bool) or tiles is None:
-        if not tiles:
-            raise SeqParError("apply_tiled_layer(tiles=False): call remove_tiled_layer instead")
-        n = None
-    else:
-        n = int(tiles)
-        if n < 1:
-            raise SeqParError(f"tiled layer tile count {tiles}: use True (automatic) or an int >= 1")
+    n = tile_count_arg(tiles, "tiled layer", "apply_tiled_layer", "remove_tiled_layer")
     layers = tiled_layers(model)  # every check before any change
     for layer in layers:
         cur = layer.__dict__.get("forward")

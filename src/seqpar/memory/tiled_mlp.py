@@ -34,7 +34,7 @@ from .. import comm
 from ..errors import SeqParError
 from ..unwrap import decoder_layers
 
-__all__ = ["apply_tiled_mlp", "remove_tiled_mlp", "decoder_mlps", "auto_tile_count", "TiledForward",
+__all__ = ["tile_count_arg", "apply_tiled_mlp", "remove_tiled_mlp", "decoder_mlps", "auto_tile_count", "TiledForward",
            "same_tile_count"]
 
 _REFUSE = "set memory.tiled_mlp: false (or tiled_mlp=False for the Trainer drop-in)"
@@ -100,20 +100,25 @@ class TiledForward:
         return torch.cat(outs, dim=-2)
 
 
+def tile_count_arg(tiles: bool | int | None, what: str, apply_fn: str, remove_fn: str) -> int | None:
+    """An apply_tiled_* `tiles` argument: None for True (automatic count), else the int >= 1 it gives."""
+    if isinstance(tiles, bool) or tiles is None:
+        if not tiles:
+            raise SeqParError(f"{apply_fn}(tiles=False): call {remove_fn} instead")
+        return None
+    n = int(tiles)
+    if n < 1:
+        raise SeqParError(f"{what} tile count {tiles}: use True (automatic) or an int >= 1")
+    return n
+
+
 def apply_tiled_mlp(model: torch.nn.Module, tiles: bool | int = True) -> int:
     """Tile every decoder MLP of `model` (PEFT wrappers fine; before FSDP2). Returns the number of MLPs tiled.
 
     tiles: True = auto (ceil(S_local / hidden_size) per forward), an int >= 1 = that many tiles. Applying
     again changes the tile count.
     """
-    if isinstance(tiles, bool) or tiles is None:
-        if not tiles:
-            raise SeqParError("apply_tiled_mlp(tiles=False): call remove_tiled_mlp instead")
-        n = None
-    else:
-        n = int(tiles)
-        if n < 1:
-            raise SeqParError(f"tiled MLP tile count {tiles}: use True (automatic) or an int >= 1")
+    n = tile_count_arg(tiles, "tiled MLP", "apply_tiled_mlp", "remove_tiled_mlp")
     mlps = decoder_mlps(model)  # every check before any change
     for mlp in mlps:
         cur = mlp.__dict__.get("forward")
