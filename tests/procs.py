@@ -56,6 +56,21 @@ def run_script(cmd: list[str], cwd: Path, result: Path | None = None, timeout: f
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
 
 
+def plain_and_sp(script_text: str, tmp_path: Path, nproc: int = 2, timeout: float = 500) -> tuple[dict, dict]:
+    """Run `script_text` as `script plain OUT` in one process and `script sp OUT` under torchrun on `nproc` ranks;
+    each writes OUT/result.json as its last step. Returns (plain, sp) results."""
+    import json
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text(script_text)
+    for cmd in ([sys.executable, str(script), "plain", str(tmp_path / "plain")],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                 str(script), "sp", str(tmp_path / "sp")]):
+        run_script(cmd, tmp_path, result=Path(cmd[-1]) / "result.json", timeout=timeout)
+    return tuple(json.loads((tmp_path / m / "result.json").read_text()) for m in ("plain", "sp"))
+
+
 def run_verify(cfg: dict, tmp_path: Path, steps: int, nproc: int = 2, timeout: float = 600) -> dict:
     """Write `cfg` as tmp_path/cfg.yaml, run `seqpar verify` on it (nproc SP processes vs the in-process
     SP=1 reference) into tmp_path/verify; return its verify.json (fail with the output unless it exited 0)."""

@@ -19,12 +19,10 @@ or backward (and does see one without it).
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from procs import run_script
+from procs import SFT_ROWS_SCRIPT, plain_and_sp
 from test_hf_equivalence import _ref_dpo, _ref_sft
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -484,20 +482,7 @@ from seqpar.hf import tiny_model
 from seqpar.hf.trainer import SequenceParallelTrainer
 
 mode, out = sys.argv[1], sys.argv[2]
-g = torch.Generator().manual_seed(0)
-rows = []
-for i in range(8):
-    n = int(torch.randint(40, 90, (1,), generator=g))
-    ids = torch.randint(3, 64, (n,), generator=g).tolist()
-    rows.append({"input_ids": ids, "labels": [-100] * 5 + ids[5:]})
-ds = datasets.Dataset.from_list(rows)
-
-def pad_collate(batch):
-    m = max(len(r["input_ids"]) for r in batch)
-    ids = torch.tensor([r["input_ids"] + [0] * (m - len(r["input_ids"])) for r in batch])
-    lab = torch.tensor([r["labels"] + [-100] * (m - len(r["labels"])) for r in batch])
-    return {"input_ids": ids, "labels": lab}
-
+''' + SFT_ROWS_SCRIPT + r'''
 args = TrainingArguments(output_dir=f"{out}/o", per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          max_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
                          train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True,
@@ -521,14 +506,7 @@ if t.is_world_process_zero():
 def test_hf_trainer_dropin_gradient_checkpointing(tmp_path):
     """SequenceParallelTrainer(gradient_checkpointing=True, tiled_mlp=True) on a ring of 2 vs the stock Trainer
     without either: per-step losses within 1e-5; the layers were checkpointed non-reentrantly, whole layers."""
-    script = tmp_path / "s.py"
-    script.write_text(HF_SCRIPT)
-    for cmd in ([sys.executable, str(script), "plain", str(tmp_path / "plain")],
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-                 "sp", str(tmp_path / "sp")]):
-        run_script(cmd, tmp_path, result=Path(cmd[-1]) / "result.json", timeout=500)
-    plain = json.loads((tmp_path / "plain" / "result.json").read_text())
-    sp = json.loads((tmp_path / "sp" / "result.json").read_text())
+    plain, sp = plain_and_sp(HF_SCRIPT, tmp_path)
     assert sp["ckpt"] and not plain["ckpt"]
     assert ["early_stop", False] in sp["ckpt_kwargs"] and ["use_reentrant", False] in sp["ckpt_kwargs"]
     assert len(sp["losses"]) == len(plain["losses"]) == 2

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from procs import SFT_ROWS_SCRIPT, run_script
+from procs import SFT_ROWS_SCRIPT, plain_and_sp
 from test_memory_features import HEADS, VOCAB, _assert_results, world_cases
 
 from seqpar.hf import tiny_model
@@ -231,14 +230,7 @@ if t.is_world_process_zero():
 def test_hf_trainer_dropin_offload(tmp_path):
     """SequenceParallelTrainer(gradient_checkpointing_kwargs={"offload": True}) on a ring of 2 vs the stock
     Trainer without checkpointing: per-step losses within 1e-5; layer inputs went through the host store."""
-    script = tmp_path / "s.py"
-    script.write_text(HF_SCRIPT)
-    for cmd in ([sys.executable, str(script), "plain", str(tmp_path / "plain")],
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-                 "sp", str(tmp_path / "sp")]):
-        run_script(cmd, tmp_path, result=Path(cmd[-1]) / "result.json", timeout=500)
-    plain = json.loads((tmp_path / "plain" / "result.json").read_text())
-    sp = json.loads((tmp_path / "sp" / "result.json").read_text())
+    plain, sp = plain_and_sp(HF_SCRIPT, tmp_path)
     assert plain["packed"] == 0 and sp["packed"] >= 2 * 2 * 2  # 2 layers x 2 micro-batches x 2 steps
     assert len(sp["losses"]) == len(plain["losses"]) == 2
     assert max(abs(a - b) for a, b in zip(sp["losses"], plain["losses"])) <= 1e-5, (sp, plain)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import run_script
+from procs import SFT_ROWS_SCRIPT, plain_and_sp, run_script
 
 SCRIPT = r'''
 import json, sys
@@ -241,21 +241,7 @@ from seqpar.hf import tiny_model
 from seqpar.hf.trainer import SequenceParallelTrainer
 
 mode, out = sys.argv[1], sys.argv[2]
-g = torch.Generator().manual_seed(0)
-rows = []
-for i in range(8):
-    n = int(torch.randint(20, 60, (1,), generator=g))
-    ids = torch.randint(3, 64, (n,), generator=g).tolist()
-    rows.append({"input_ids": ids, "labels": [-100] * 5 + ids[5:]})
-ds = datasets.Dataset.from_list(rows)
-
-def pad_collate(batch):
-    m = max(len(r["input_ids"]) for r in batch)
-    ids = torch.tensor([r["input_ids"] + [0] * (m - len(r["input_ids"])) for r in batch])
-    lab = torch.tensor([r["labels"] + [-100] * (m - len(r["labels"])) for r in batch])
-    att = torch.tensor([[1] * len(r["input_ids"]) + [0] * (m - len(r["input_ids"])) for r in batch])
-    return {"input_ids": ids, "labels": lab, "attention_mask": att}
-
+''' + SFT_ROWS_SCRIPT + r'''  # its first 6 rows are the 3 steps' batches
 args = TrainingArguments(output_dir=f"{out}/lora", per_device_train_batch_size=2, gradient_accumulation_steps=1,
                          max_steps=3, learning_rate=0.5, optim="sgd", max_grad_norm=0.0,  # scale-sensitive
                          logging_steps=1, report_to=[], save_strategy="no",
@@ -282,13 +268,7 @@ def test_hf_trainer_lora_matches_plain_trainer(tmp_path):
     """A PEFT LoRA model (q/v/o, r=4) trained 3 steps (SGD lr 0.5, no clipping: a gradient-scale error would
     show) by SequenceParallelTrainer on 2 ranks (zigzag ring) equals the same script with the stock Trainer in
     one process: losses within 1e-5, every trainable LoRA parameter within 1e-6, the same parameters frozen."""
-    script = tmp_path / "lora.py"
-    script.write_text(LORA_SCRIPT)
-    _run([sys.executable, str(script), "plain", str(tmp_path / "plain")], tmp_path)
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), "sp",
-          str(tmp_path / "sp")], tmp_path)
-    plain = json.loads((tmp_path / "plain" / "result.json").read_text())
-    sp = json.loads((tmp_path / "sp" / "result.json").read_text())
+    plain, sp = plain_and_sp(LORA_SCRIPT, tmp_path)
     assert sp["mesh"] == [2, 2, 1]
     assert len(sp["losses"]) == len(plain["losses"]) == 3
     assert max(abs(a - b) for a, b in zip(sp["losses"], plain["losses"])) <= 1e-5, (sp["losses"], plain["losses"])
