@@ -105,13 +105,13 @@ def linear_fit(xs: list[float], ys: list[float]) -> dict[str, Any]:
             "note": "2 points: a line through them, residuals are 0 by construction" if len(xs) == 2 else ""}
 
 
-def _write_data(root: Path, full_len: int) -> Path:
-    """Two tokenized rows of exactly full_len tokens (ids valid for every model here), all supervised."""
-    path = root / f"rows_{full_len}.jsonl"
+def write_token_rows(root: Path, full_len: int, rows: int = 2) -> Path:
+    """`rows` tokenized rows of exactly full_len tokens (ids valid for every model here), all supervised."""
+    path = root / f"rows_{full_len}x{rows}.jsonl"
     if not path.exists():
         rng = random.Random(full_len)
         path.write_text("".join(json.dumps({"input_ids": [rng.randrange(3, 250) for _ in range(full_len)]}) + "\n"
-                                for _ in range(2)))
+                                for _ in range(rows)))
     return path
 
 
@@ -165,11 +165,11 @@ def _measure_grid(mc: ModelCase, sp: int, root: Path, timeout: float) -> tuple[l
     jobs = []
     for fs in FEATURE_SETS:
         for s in mc.s_locals:
-            data = _write_data(root, s * sp)
+            data = write_token_rows(root, s * sp)
             jobs.append((f"mem/{fs}/{s}", _cfg(mc, sp, s * sp, fs, data, root / f"{mc.name}_sp{sp}_{fs}_{s}", 1, True)))
     s_time = max(mc.s_locals)
     for fs in FEATURE_SETS:
-        data = _write_data(root, s_time * sp)
+        data = write_token_rows(root, s_time * sp)
         out = root / f"{mc.name}_sp{sp}_{fs}_t"
         jobs.append((f"time/{fs}", _cfg(mc, sp, s_time * sp, fs, data, out, TIME_STEPS, False)))
     ranks = run_distributed(_rank_runs, sp, jobs, timeout=timeout)
@@ -197,7 +197,7 @@ def _confirm(mc: ModelCase, sp: int, fs: str, ml: dict[str, Any], fit: dict[str,
     from seqpar.spawn import run_distributed
 
     full = min(ml["max_full_length"] or mc.confirm_cap, mc.confirm_cap) // ml["multiple"] * ml["multiple"]
-    data = _write_data(root, full)
+    data = write_token_rows(root, full)
     job = ("confirm", _cfg(mc, sp, full, fs, data, root / f"{mc.name}_confirm", 1, True))
     t0 = time.time()
     ranks = run_distributed(_rank_runs, sp, [job], timeout=timeout)

@@ -13,10 +13,8 @@ collectives, matmuls, other ops, and the rest: Python and waiting).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import random
 import re
 import tempfile
 import time
@@ -24,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .memory import write_token_rows
 
 __all__ = ["SMOLLM2_135M", "FEATURES", "run", "summary_lines"]
 
@@ -36,15 +36,6 @@ FEATURES = {
     "memory": {"activation_checkpointing": True, "fused_loss": True, "measure": False},
 }
 FINETUNING = {"lora": {"method": "lora", "r": 8, "alpha": 16}, "full": {"method": "full"}}
-
-
-def _data(root: Path, full_len: int) -> Path:
-    path = root / f"rows_{full_len}.jsonl"
-    if not path.exists():
-        rng = random.Random(full_len)
-        path.write_text("".join(json.dumps({"input_ids": [rng.randrange(3, 250) for _ in range(full_len)]}) + "\n"
-                                for _ in range(8)))
-    return path
 
 
 def _cfg(model: dict, ft: str, fs: str, sp: int, full_len: int, data: Path, out: Path, steps: int) -> dict:
@@ -115,7 +106,7 @@ def run(quick: bool = False, rounds: int = 2, steps: int = 3, seq_len: int | Non
     prof: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="seqpar_bench_step_") as tmp:
         root = Path(tmp)
-        data = _data(root, full_len)
+        data = write_token_rows(root, full_len, rows=8)
         for rnd in range(rounds):
             for sp in (1, 2):  # one world per SP size and round; the sizes alternate
                 jobs = [(f"{ft}/{fs}/sp{sp}", _cfg(model, ft, fs, sp, full_len, data, root / f"{ft}_{fs}_{sp}_{rnd}",
