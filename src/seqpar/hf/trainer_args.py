@@ -15,6 +15,7 @@ from ..memory.checkpointing import checkpoint_kwargs, drop_input_require_grads
 from ..memory.offload import install_activation_offload
 from ..memory.tiled_compute import tiled_layers
 from ..memory.tiled_mlp import decoder_mlps
+from .trainer_stack import deepspeed_stage
 
 __all__ = ["BF16_ON_CPU"]
 
@@ -79,17 +80,6 @@ def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int,
     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
         if hasattr(args, name):
             setattr(args, name, dict(ck))
-
-
-def deepspeed_stage(args: Any) -> int | None:
-    """The ZeRO stage the Trainer will run (None: no DeepSpeed): from `TrainingArguments(deepspeed=...)` or from
-    accelerate's DeepSpeed plugin (`accelerate launch --config_file` with deepspeed_config fields)."""
-    ds = getattr(args, "hf_deepspeed_config", None)
-    if ds is None and getattr(args, "deepspeed_plugin", None) is not None:
-        ds = args.deepspeed_plugin.hf_ds_config
-    if ds is None:
-        return None
-    return int(ds.get_value("zero_optimization.stage", 0) or 0)
 
 
 def _drop_input_grads_after_enable(model: torch.nn.Module) -> None:
