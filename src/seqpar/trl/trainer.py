@@ -215,24 +215,25 @@ class _TRLMetrics:
         finally:
             self._sp_evaluating = False
 
+    def _sp_keep_eval_sums(self, metrics: dict[str, Any], padding: bool) -> None:
+        """One eval step's metric sums (evaluate() only: predict() logs no row); a padding batch, which only
+        keeps the collectives matched, counts nothing."""
+        if self._sp_evaluating:
+            keys, vec = self._sp_sum_vector(metrics)
+            self._sp_trl_sums["eval"].append((keys, torch.zeros_like(vec) if padding else vec))
+
     def _sp_eval_logits(self, logits: torch.Tensor, labels: torch.Tensor, batch: dict, padding: bool) -> None:
         """compute_metrics= (SFT): TRL's eval metrics from the full-logits forward, as stock TRL computes them."""
-        if not self._sp_evaluating:
-            return
-        tok = L.token_metric_stats(logits, labels, chunk_tokens=self._sp_spec.loss_chunk_tokens)
-        keys, vec = self._sp_sum_vector(sft_metric_sums(tok, labels, batch))
-        self._sp_trl_sums["eval"].append((keys, torch.zeros_like(vec) if padding else vec))
+        if self._sp_evaluating:
+            tok = L.token_metric_stats(logits, labels, chunk_tokens=self._sp_spec.loss_chunk_tokens)
+            self._sp_keep_eval_sums(sft_metric_sums(tok, labels, batch), padding)
 
     def _sp_eval_forward(self, model: torch.nn.Module, batch: dict, rows: list | None,
                          want_preds: bool) -> tuple[torch.Tensor, list]:
         if want_preds:  # compute_metrics: the full-logits forward of seqpar.hf.trainer_eval (_sp_eval_logits)
             return super()._sp_eval_forward(model, batch, rows, want_preds)
         share, metrics = micro_batch_loss(model, batch, 1, self.sp_mesh, self._sp_spec, self._sp_reference)
-        if self._sp_evaluating:  # not predict(): it logs no row
-            keys, vec = self._sp_sum_vector(metrics)
-            if rows is not None:  # [] = a padding batch: it only keeps the collectives matched, and counts nothing
-                vec = torch.zeros_like(vec)
-            self._sp_trl_sums["eval"].append((keys, vec))
+        self._sp_keep_eval_sums(metrics, padding=rows is not None)  # rows == []: a padding batch
         return share, []
 
 
