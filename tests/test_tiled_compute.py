@@ -119,11 +119,6 @@ def _cached_logits(model: torch.nn.Module, seq: torch.Tensor, prompt_len: int) -
     return torch.stack(logits)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "OPEN BUG (reported in the issue note): passes alone and after any half of the suite, but inside the full "
-    "`make test` process the tiled model's cached decode logits differed from the untiled ones by up to 2.6 "
-    "(a logic difference, not rounding): some process-global state left by an earlier test changes the tiled "
-    "layer's generation path; not yet found"))
 def test_state_dict_remove_generate_and_tile_agreement():
     m = tiny_model("llama", 4, 2, vocab_size=tmf.VOCAB, seed=0).eval()
     keys = list(m.state_dict())
@@ -137,7 +132,11 @@ def test_state_dict_remove_generate_and_tile_agreement():
     assert all(isinstance(f, TiledLayerForward) and f.tiles == 2 and f.orig.__self__ is not None for f in fwds)
     assert list(m.state_dict()) == keys
     with torch.no_grad():
-        torch.testing.assert_close(_cached_logits(m, seq, 11), want, rtol=0, atol=1e-5)
+        got = _cached_logits(m, seq, 11)
+        # once seen off by up to 2.6 in one full-suite run and never reproduced since (full suite, thread counts,
+        # allocator garbage): on failure, say which step (0 = prefill, then each cached decode) went wrong
+        per_step = (got - want).abs().amax(dim=(1, 2)).tolist()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m: f"{m}\nmax |d| per step: {per_step}")
     assert m.generate(ids, max_new_tokens=5, do_sample=False).shape == seq.shape
     assert same_tile_count(m, 40, 32, [], torch.device("cpu")) == 2 and all(f.exact == 2 for f in fwds)
     remove_tiled_layer(m)
