@@ -205,19 +205,22 @@ def test_bad_input_raises_before_collectives():
 
 
 # ----------------------------------------------------------------------------- fused exchange, overlap, ring bytes
-def test_fused_pack_layout_by_hand():
+@pytest.mark.parametrize("b", [1, 2])
+def test_fused_pack_layout_by_hand(b):
     """The fused exchange's buffers, with the all-to-all done by hand for P simulated ranks: rank i gets
-    the full sequence of its heads of q, k and v (heads-major memory), and the way back restores the shards."""
+    the full sequence of its heads of q, k and v (sequence-major; for B == 1 the receive buffer itself, no
+    copy), and the way back restores the shards."""
     from seqpar.attention import ulysses_fused as uf
 
-    p, b, s, hq, hk, d = 3, 2, 4, 6, 3, 5
+    p, s, hq, hk, d = 3, 4, 6, 3, 5
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, p * s, h, d, generator=g) for h in (hq, hk, hk))
     shard = [[t[:, i * s : (i + 1) * s] for t in (q, k, v)] for i in range(p)]
     sends = [uf._pack_seq_shard([uf._heads(t, p, 0, t.shape[2] // p) for t in sh]) for sh in shard]
     for i in range(p):
-        x = uf._as_full_seq(torch.stack([sends[j][i] for j in range(p)]))
-        assert x.transpose(1, 2).is_contiguous()  # heads-major, what the kernels read fastest
+        recv = torch.stack([sends[j][i] for j in range(p)])
+        x = uf._as_full_seq(recv)
+        assert x.is_contiguous() and (x.data_ptr() == recv.data_ptr()) == (b == 1)
         wq, wk = hq // p, hk // p
         torch.testing.assert_close(x[:, :, :wq], q[:, :, i * wq : (i + 1) * wq], rtol=0, atol=0)
         torch.testing.assert_close(x[:, :, wq : wq + wk], k[:, :, i * wk : (i + 1) * wk], rtol=0, atol=0)

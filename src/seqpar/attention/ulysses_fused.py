@@ -1,11 +1,12 @@
 """Ulysses with one fused all-to-all per direction, written straight into the layout the kernel reads.
 
 q, k and v (after the head plan) are packed into ONE send buffer [P, B, S/P, hq+2hk, D] (rank i's slot
-holds its heads of all three) and exchanged with one all-to-all; one copy puts the received buffer
-into heads-major [B, hq+2hk, S, D] memory, the layout the kernels run fastest on, and the kernel reads
-q/k/v as views of it. One copy packs the output for the way back, one puts the received pieces into
-[B, S/P, Hq, D]. Backward mirrors it: dout in one all-to-all, dq/dk/dv packed into one buffer and back
-in one. A pure-Ulysses call issues 2 collectives forward and 2 backward (before, and DeepSpeed: 4 + 4).
+holds its heads of all three) and exchanged with one all-to-all; the received buffer IS the kernel's
+[B, S, hq+2hk, D] input for B == 1 (a view; one block copy for B > 1) and the kernel reads q/k/v as
+views of it. The kernel's output comes back sequence-major, so its send buffer is a view for B == 1;
+one copy puts the received pieces into [B, S/P, Hq, D]. Backward mirrors it: dout in one all-to-all,
+dq/dk/dv packed into one buffer (one copy) and back in one. A pure-Ulysses call issues 2 collectives
+forward and 2 backward (before, and DeepSpeed: 4 + 4).
 
 `chunks` > 1 splits the local kv heads (and their q groups) into that many groups, exchanged as
 separate all-to-alls, all posted at once (async): chunk c's kernel runs while chunks c+1.. are in
@@ -54,13 +55,15 @@ def _pack_full_seq(parts: list[torch.Tensor], p: int) -> torch.Tensor:
 
 
 def _as_full_seq(recv: torch.Tensor) -> torch.Tensor:
-    """[P, B, s, h, D] receive buffer -> [B, P*s, h, D] view of heads-major [B, h, P*s, D] memory (one copy).
+    """[P, B, s, h, D] receive buffer -> [B, P*s, h, D] in sequence-major memory, the layout the kernel reads.
 
-    The CPU flash kernel runs ~5-7% faster on heads-major q/k/v than on [B, S, H, D] strides (measured,
-    S=8192, D=64, 1 thread); the copy costs well under 1% of that kernel. Torch's CUDA kernels also read
-    [B, H, S, D] natively."""
+    B == 1 (packed rows, the long-context case): a free view, no copy. B > 1: one copy of whole [s, h, D]
+    blocks. (A heads-major copy, tried before, cost ~9x DeepSpeed's copies and the CPU flash kernel ran no
+    faster on it; the kernels' outputs and gradients come back sequence-major too.)"""
     p, b, s, h, d = recv.shape
-    return recv.permute(1, 3, 0, 2, 4).contiguous().view(b, h, p * s, d).transpose(1, 2)
+    if b == 1:
+        return recv.view(1, p * s, h, d)
+    return recv.transpose(0, 1).reshape(b, p * s, h, d)
 
 
 def _unpack_into(out: torch.Tensor, recv: torch.Tensor, lo: int) -> None:
