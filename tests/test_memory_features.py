@@ -342,6 +342,48 @@ def test_tiled_mlp_never_materialises_full_intermediate(arch, ckpt):
     assert largest[False] >= full, largest  # the check fails without tiling
 
 
+def _mlp_backward_peak(mlp, x, g, call) -> tuple[int, torch.Tensor]:
+    """Activation peak (exact meter) of call(x).backward(g), and x's gradient."""
+    from seqpar.memory.meter import PeakMemoryMeter, activation_bytes
+
+    x = x.detach().requires_grad_(True)
+    meter = PeakMemoryMeter(mlp, None, torch.device("cpu"), extra=(x, g))
+    with meter.measure():
+        call(x).backward(g)
+    return activation_bytes(meter.last), x.grad
+
+
+def test_tiled_mlp_backward_fills_one_input_gradient():
+    """The tiles' input gradients go into one full-length buffer as each tile's recompute finishes: the MLP
+    backward's activation peak is about 2 full-length hidden buffers below plain slices (each tile's gradient
+    kept until the last tile, then summed through full-length slice_backward buffers), and the gradients
+    are the untiled ones (fp32, 1e-6). Control: the plain-slices variant, written here."""
+    from torch.utils.checkpoint import checkpoint
+
+    mlp = tiny_model("llama", *HEADS, vocab_size=VOCAB, intermediate_size=64, seed=0).model.layers[0].mlp
+    s, n = 4096, 64
+    x = torch.randn(1, s, 32, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(1, s, 32, generator=torch.Generator().manual_seed(1))
+    full = x.numel() * 4  # one [S, hidden] fp32 buffer
+
+    def slices(t):
+        return torch.cat([checkpoint(mlp.forward, c, use_reentrant=False) for c in t.tensor_split(n, dim=-2)], -2)
+
+    peak_plain, grad_plain = _mlp_backward_peak(mlp, x, g, slices)
+    mlp.zero_grad(set_to_none=True)
+    peak_tiled, grad_tiled = _mlp_backward_peak(mlp, x, g, TiledForward(mlp.forward, n))
+    tiled_w = mlp.down_proj.weight.grad.clone()
+    mlp.zero_grad(set_to_none=True)
+    _, grad_ref = _mlp_backward_peak(mlp, x, g, mlp.forward)
+    torch.testing.assert_close(grad_tiled, grad_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad_plain, grad_ref, rtol=0, atol=1e-6)
+    ref_w = mlp.down_proj.weight.grad  # a sum over 4096 tokens in another order: fp32 rounding, 1e-6 of its size
+    assert float((tiled_w - ref_w).abs().max()) <= 1e-6 * float(ref_w.abs().max()), float(ref_w.abs().max())
+    assert peak_tiled <= peak_plain - 1.5 * full, (peak_tiled, peak_plain, full)
+    # x, its gradient g for the output, the output itself, the one input-gradient buffer, and one tile's tensors
+    assert peak_tiled <= 4.5 * full, (peak_tiled, peak_plain, full)
+
+
 def test_tiled_mlp_tile_counts_and_state_dict():
     assert auto_tile_count(96, 32) == 3 and auto_tile_count(10, 32) == 1 and auto_tile_count(0, 32) == 1
     m = tiny_model("llama", *HEADS, vocab_size=VOCAB, seed=0)
