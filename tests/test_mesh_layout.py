@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpar
-from seqpar.attention.ulysses import head_plan
+from seqpar.attention.ulysses import head_plan, rank_heads, sent_heads
 from seqpar.layout import local_positions, required_multiple
 from seqpar.mesh import SequenceParallelMesh, auto_degrees
 
@@ -128,3 +128,44 @@ def test_head_plan_moves_fewest_heads(shape, expect):
     plan = head_plan(*shape)
     assert (plan.padded_heads, plan.expanded_kv_heads) == expect
     assert plan.is_identity == (expect == shape[:2])
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,p",
+    [(14, 2, 4), (9, 3, 2), (9, 3, 4), (28, 4, 8), (32, 8, 16), (4, 1, 4), (6, 2, 4), (8, 8, 3), (5, 5, 2),
+     (6, 6, 4), (18, 6, 4), (12, 3, 4), (10, 2, 3), (15, 3, 2)],
+)
+def test_rank_heads_send_each_real_head_once_with_gqa_intact(hq, hkv, p):
+    """Pure Ulysses' per-rank head sets: every real q head exactly once, each rank's GQA groups uniform and
+    pairing every q head with its own kv head, never more heads than the padded plan moves."""
+    plan = head_plan(hq, hkv, p)
+    ranks = rank_heads(plan)
+    assert len(ranks) == p
+    assert sorted(h for r in ranks for h in r.q if h >= 0) == list(range(hq))
+    for r in ranks:
+        assert (len(r.q) == 0) == (len(r.kv) == 0) and all(kv >= 0 for kv in r.kv)
+        if r.kv:
+            g = len(r.q) // len(r.kv)
+            assert g * len(r.kv) == len(r.q)
+            assert all(h < 0 or r.kv[j // g] == h // (hq // hkv) for j, h in enumerate(r.q))
+    q, kv = sent_heads(plan)
+    assert q <= plan.padded_heads and kv <= plan.expanded_kv_heads
+    assert sent_heads(plan, ring_degree=2) == (plan.padded_heads, plan.expanded_kv_heads)
+
+
+@pytest.mark.parametrize(
+    "shape,q_per_rank,kv_per_rank,dummies",
+    [
+        ((14, 2, 4), [4, 3, 4, 3], [1, 1, 1, 1], 0),  # the plan's 2 dummy q heads are not sent
+        ((6, 6, 4), [2, 2, 2, 0], [2, 2, 2, 0], 0),  # the plan's 2 dummy kv groups are not sent
+        ((9, 3, 2), [6, 3], [2, 1], 0),
+        ((8, 8, 2), [4, 4], [4, 4], 0),  # identity plan: unchanged
+        ((18, 6, 4), [6, 6, 6, 0], [2, 2, 2, 0], 0),
+        # ranks 1 and 2 hold slots with 2 and 1 real q heads: a uniform GQA group keeps their dummies (zeros)
+        ((10, 2, 3), [4, 4, 4], [2, 2, 2], 2),
+    ],
+)
+def test_rank_heads_leave_out_dummies(shape, q_per_rank, kv_per_rank, dummies):
+    ranks = rank_heads(head_plan(*shape))
+    assert [len(r.q) for r in ranks] == q_per_rank and [len(r.kv) for r in ranks] == kv_per_rank
+    assert sum(h < 0 for r in ranks for h in r.q) == dummies

@@ -30,6 +30,7 @@ __all__ = [
     "group_rank",
     "all_to_all",
     "all_to_all_buffer",
+    "all_to_all_split",
     "all_reduce",
     "all_reduce_",
     "all_gather",
@@ -165,6 +166,31 @@ def all_to_all_buffer(
         stats.add(channel, _nbytes(send) * (p - 1) // p)
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return recv, work
+
+
+def all_to_all_split(
+    send: torch.Tensor,
+    send_sizes: Sequence[int],
+    recv_sizes: Sequence[int],
+    group: Any,
+    stats: CommStats | None = None,
+    channel: str = "a2a",
+    device: torch.device | None = None,
+    async_op: bool = False,
+) -> tuple[torch.Tensor, Any]:
+    """Raw all-to-all of a flat contiguous buffer in uneven pieces: send_sizes[i] elements (in rank order)
+    go to rank i, recv_sizes[j] elements come from rank j (recv_sizes[me] == send_sizes[me]). Not
+    differentiable. Returns (recv, work) as all_to_all_buffer does."""
+    me = group_rank(group)
+    check_device([send], device, "all_to_all_split")
+    if send.dim() != 1 or not send.is_contiguous() or send.numel() != sum(send_sizes):
+        raise ValueError(f"all_to_all_split: need a flat contiguous buffer of {sum(send_sizes)} elements, "
+                         f"got {tuple(send.shape)}")
+    if stats is not None:
+        stats.add(channel, (send.numel() - send_sizes[me]) * send.element_size())
+    recv = send.new_empty(sum(recv_sizes))
+    work = dist.all_to_all_single(recv, send, list(recv_sizes), list(send_sizes), group=group, async_op=async_op)
     return recv, work
 
 

@@ -21,7 +21,8 @@ import torch
 
 from .. import comm
 
-__all__ = ["HeadPlan", "head_plan", "pad_heads", "unpad_heads", "seq_to_heads", "heads_to_seq"]
+__all__ = ["HeadPlan", "RankHeads", "head_plan", "rank_heads", "sent_heads", "pad_heads", "unpad_heads", "seq_to_heads",
+           "heads_to_seq"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,56 @@ def head_plan(num_heads: int, num_kv_heads: int, degree: int) -> HeadPlan:
                 within = r * g + w
                 q_src.append(kv * g0 + within if real and within < g0 else -1)
     return HeadPlan(num_heads, num_kv_heads, degree, rep, g, tuple(q_src), tuple(kv_src))
+
+
+@dataclass(frozen=True)
+class RankHeads:
+    """The heads one rank gets in pure Ulysses' fused exchange: original q heads (-1: a dummy, sent as zeros)
+    and original kv heads (repeats: replicas); local q head j uses local kv head j // (len(q) // len(kv))."""
+
+    q: tuple[int, ...]
+    kv: tuple[int, ...]
+
+    @property
+    def width(self) -> int:
+        return len(self.q) + 2 * len(self.kv)
+
+    def chunk(self, c: int, chunks: int) -> RankHeads:
+        """Chunk c of `chunks` near-equal parts of the kv heads and their q groups (may be empty)."""
+        nk = len(self.kv)
+        g = len(self.q) // nk if nk else 0
+        a, b = c * nk // chunks, (c + 1) * nk // chunks
+        return RankHeads(self.q[a * g : b * g], self.kv[a:b])
+
+
+@lru_cache(maxsize=256)
+def rank_heads(plan: HeadPlan) -> tuple[RankHeads, ...]:
+    """Per rank, the plan's slots without what an uneven split can leave out (exact either way).
+
+    A slot is one (possibly replicated) kv head and its `plan.group` q heads, real ones first. Slots of dummy
+    kv groups (zeros, all their q heads dummies) and slots without a real q head are not sent at all; a rank
+    whose remaining slots hold the same number c of real q heads each gets just those (GQA group c). Only
+    where a rank's slots differ in that count do its dummy q heads stay (as zeros: a GQA group is uniform).
+    Example: Hq=Hkv=6, P=4 plans 8 kv groups (2 dummy) and sends 2, 2, 2, 0 heads instead of 2 per rank."""
+    p, g = plan.degree, plan.group
+    kw = plan.expanded_kv_heads // p
+    out = []
+    for i in range(p):
+        slots = [(plan.kv_src[j], plan.q_src[j * g : (j + 1) * g]) for j in range(i * kw, (i + 1) * kw)]
+        slots = [(kv, qs) for kv, qs in slots if kv >= 0 and qs[0] >= 0]
+        counts = {sum(h >= 0 for h in qs) for _, qs in slots}
+        keep = counts.pop() if len(counts) == 1 else g
+        out.append(RankHeads(tuple(h for _, qs in slots for h in qs[:keep]), tuple(kv for kv, _ in slots)))
+    return tuple(out)
+
+
+def sent_heads(plan: HeadPlan, ring_degree: int = 1) -> tuple[int, int]:
+    """(q heads, kv heads) Ulysses' exchange moves over all ranks: pure Ulysses sends `rank_heads`, with a
+    ring (USP) the padded plan."""
+    if ring_degree > 1:
+        return plan.padded_heads, plan.expanded_kv_heads
+    ranks = rank_heads(plan)
+    return sum(len(r.q) for r in ranks), sum(len(r.kv) for r in ranks)
 
 
 def _pad_index(src: tuple[int, ...], n: int, device) -> torch.Tensor:

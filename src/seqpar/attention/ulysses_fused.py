@@ -24,6 +24,7 @@ import torch
 from .. import comm
 from .kernels import AttentionKernel
 from .ring import plan_pieces
+from .ulysses import HeadPlan, RankHeads, rank_heads
 
 __all__ = ["exchange_qkv", "fused_ulysses_attention", "local_pieces_disjoint"]
 
@@ -113,13 +114,6 @@ def _kernel_bwd(kernel: AttentionKernel, dout, q, k, v, out, lse, pieces, scale)
     return dq, dk, dv
 
 
-def _chunk_heads(hq: int, hk: int, chunks: int) -> list[tuple[int, int, int, int]]:
-    """(q lo, q width, kv lo, kv width) per chunk of the local heads: whole kv groups per chunk (GQA)."""
-    g = hq // hk
-    per = hk // chunks
-    return [(c * per * g, per * g, c * per, per) for c in range(chunks)]
-
-
 class _ExchangeQKV(torch.autograd.Function):
     """q, k, v sequence shards -> head shards in ONE all-to-all (and dq, dk, dv back in one)."""
 
@@ -152,67 +146,150 @@ def exchange_qkv(q, k, v, group, stats=None, device=None):
     return _ExchangeQKV.apply(q, k, v, group, stats, device)
 
 
+def _runs(idx: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(position, source head, length) of the runs of consecutive heads in idx; source -1: a dummy run."""
+    runs: list[list[int]] = []
+    for j, h in enumerate(idx):
+        r = runs[-1] if runs else None
+        if r and ((h < 0 and r[1] < 0) or (h >= 0 and r[1] >= 0 and h == r[1] + r[2])):
+            r[2] += 1
+        else:
+            runs.append([j, h, 1])
+    return [(j, h, n) for j, h, n in runs]
+
+
+def _gather(dst: torch.Tensor, src: torch.Tensor, idx: tuple[int, ...]) -> None:
+    """dst[:, :, j] = src[:, :, idx[j]] (zeros for -1), copied in runs of consecutive heads."""
+    for j, h, n in _runs(idx):
+        if h < 0:
+            dst[:, :, j : j + n].zero_()
+        else:
+            dst[:, :, j : j + n].copy_(src[:, :, h : h + n])
+
+
+def _scatter(dst: torch.Tensor, src: torch.Tensor, idx: tuple[int, ...], add: bool) -> None:
+    """dst[:, :, idx[j]] = (or +=) src[:, :, j], skipping -1 (dummies), in runs of consecutive heads."""
+    for j, h, n in _runs(idx):
+        if h >= 0:
+            (dst[:, :, h : h + n].add_ if add else dst[:, :, h : h + n].copy_)(src[:, :, j : j + n])
+
+
+def _pack_to_ranks(parts: list[tuple[torch.Tensor, str]], ranks: list[RankHeads]) -> tuple[torch.Tensor, list[int]]:
+    """Sequence shards -> one flat send buffer: rank i's block [B, s, heads of rank i, D] holds, for each
+    (tensor, 'q' | 'kv') in parts, the heads rank i gets. Returns (buffer, elements per rank)."""
+    b, s, _, d = parts[0][0].shape
+    widths = [sum(len(r.q if kind == "q" else r.kv) for _, kind in parts) for r in ranks]
+    sizes = [b * s * w * d for w in widths]
+    buf = parts[0][0].new_empty(sum(sizes))
+    for r, w, off in zip(ranks, widths, _offsets(sizes)):
+        blk, lo = buf[off : off + b * s * w * d].view(b, s, w, d), 0
+        for t, kind in parts:
+            idx = r.q if kind == "q" else r.kv
+            _gather(blk[:, :, lo : lo + len(idx)], t, idx)
+            lo += len(idx)
+    return buf, sizes
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _blocks(recv: torch.Tensor, sizes: list[int], b: int, s: int, d: int) -> list[torch.Tensor]:
+    """A flat receive buffer of uneven per-rank pieces -> [B, s, w_i, D] views."""
+    return [recv[o : o + n].view(b, s, -1, d) for o, n in zip(_offsets(sizes), sizes)]
+
+
+def _even_recv(recv: torch.Tensor, p: int, b: int, s: int, d: int) -> torch.Tensor:
+    """A flat receive buffer of P equal pieces (this rank's heads of every rank's shard) -> [B, P*s, w, D]."""
+    return _as_full_seq(recv.view(p, b, s, -1, d))
+
+
 class _FusedUlysses(torch.autograd.Function):
+    """Pure Ulysses over `plan` = the RankHeads of every rank: q/k/v in one (uneven) all-to-all per chunk,
+    the kernel on this rank's heads, the output back in one; dummy heads are sent only where rank_heads
+    keeps them. The original (unpadded) q, k, v go in and out: no padded copies exist."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group, stats, device, causal, scale, kernel, pieces, chunks):
-        p = comm.group_size(group)
-        plan = _chunk_heads(q.shape[2] // p, k.shape[2] // p, chunks)
+    def forward(ctx, q, k, v, group, stats, device, causal, scale, kernel, pieces, chunks, ranks):
+        p, me = comm.group_size(group), comm.group_rank(group)
+        b, s, _, d = q.shape
+        plans = [[r.chunk(c, chunks) for r in ranks] for c in range(chunks)]
         sends = []
-        for q0, qw, k0, kw in plan:  # pack and post every chunk's exchange before any compute
-            buf = _pack_seq_shard([_heads(q, p, q0, qw), _heads(k, p, k0, kw), _heads(v, p, k0, kw)])
-            sends.append(comm.all_to_all_buffer(buf, group, stats, "ulysses_fwd", device, async_op=True))
+        for pl in plans:  # pack and post every chunk's exchange before any compute
+            buf, sizes = _pack_to_ranks([(q, "q"), (k, "kv"), (v, "kv")], pl)
+            mine = [sizes[me]] * p
+            sends.append(comm.all_to_all_split(buf, sizes, mine, group, stats, "ulysses_fwd", device, async_op=True))
         backs, saved = [], []
-        for c, (_, qw, _, kw) in enumerate(plan):
+        for c, pl in enumerate(plans):
             recv, work = sends[c]
             work.wait()
-            x = _as_full_seq(recv)
+            nq, nk = len(pl[me].q), len(pl[me].kv)
+            x = _even_recv(recv, p, b, s, d)
             sends[c] = recv = work = None  # free the exchange buffers before the kernel runs (peak memory)
-            qh, kh, vh = x[:, :, :qw], x[:, :, qw : qw + kw], x[:, :, qw + kw :]
-            oh, lse = _kernel_fwd(kernel, qh, kh, vh, pieces, scale)
-            oh = oh.to(q.dtype)
-            back = _pack_full_seq([oh], p)  # chunk c's output travels while chunk c+1 computes
-            backs.append(comm.all_to_all_buffer(back, group, stats, "ulysses_fwd", device, async_op=True))
+            if nq:
+                oh, lse = _kernel_fwd(kernel, x[:, :, :nq], x[:, :, nq : nq + nk], x[:, :, nq + nk :], pieces, scale)
+                oh = oh.to(q.dtype)
+            else:  # nothing for this rank in this chunk (dummy groups left out): it still takes part in the exchange
+                oh, lse = x[:, :, :0], x.new_empty(b, p * s, 0)
+            sizes = [b * s * len(r.q) * d for r in pl]
+            back = _pack_full_seq([oh], p).view(-1)  # chunk c's output travels while chunk c+1 computes
+            backs.append(comm.all_to_all_split(back, [back.numel() // p] * p, sizes, group, stats, "ulysses_fwd",
+                                               device, async_op=True))
             saved += [x, oh, lse]
         out = q.new_empty(q.shape)
-        for c, (q0, _, _, _) in enumerate(plan):
+        for c, pl in enumerate(plans):
             recv, work = backs[c]
             work.wait()
-            _unpack_into(out, recv, q0)
+            for r, blk in zip(pl, _blocks(recv, [b * s * len(r.q) * d for r in pl], b, s, d)):
+                _scatter(out, blk, r.q, add=False)
             backs[c] = recv = work = None
         ctx.save_for_backward(*saved)
-        ctx.args = (group, stats, device, scale, kernel, pieces, plan, k.shape)
+        ctx.args = (group, stats, device, scale, kernel, pieces, plans, k.shape)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        group, stats, device, scale, kernel, pieces, plan, kv_shape = ctx.args
-        p = comm.group_size(group)
+        group, stats, device, scale, kernel, pieces, plans, kv_shape = ctx.args
+        p, me = comm.group_size(group), comm.group_rank(group)
         saved = ctx.saved_tensors
         dout = dout.to(saved[1].dtype)
+        b, s, _, d = dout.shape
         douts = []
-        for q0, qw, _, _ in plan:
-            buf = _pack_seq_shard([_heads(dout, p, q0, qw)])
-            douts.append(comm.all_to_all_buffer(buf, group, stats, "ulysses_bwd", device, async_op=True))
+        for pl in plans:
+            buf, sizes = _pack_to_ranks([(dout, "q")], pl)
+            douts.append(comm.all_to_all_split(buf, sizes, [sizes[me]] * p, group, stats, "ulysses_bwd", device,
+                                               async_op=True))
         backs = []
-        for c, (_, qw, _, kw) in enumerate(plan):
+        for c, pl in enumerate(plans):
             recv, work = douts[c]
             work.wait()
             douts[c] = work = None
             x, oh, lse = saved[3 * c : 3 * c + 3]
-            qh, kh, vh = x[:, :, :qw], x[:, :, qw : qw + kw], x[:, :, qw + kw :]
-            g = _kernel_bwd(kernel, _as_full_seq(recv), qh, kh, vh, oh, lse, pieces, scale)
+            nq, nk = len(pl[me].q), len(pl[me].kv)
+            if nq:
+                qh, kh, vh = x[:, :, :nq], x[:, :, nq : nq + nk], x[:, :, nq + nk :]
+                g = _kernel_bwd(kernel, _even_recv(recv, p, b, s, d), qh, kh, vh, oh, lse, pieces, scale)
+                send = _pack_full_seq([t.to(oh.dtype) for t in g], p).view(-1)
+            else:
+                send = dout.new_empty(0)
             recv = None
-            send = _pack_full_seq([t.to(oh.dtype) for t in g], p)
-            backs.append(comm.all_to_all_buffer(send, group, stats, "ulysses_bwd", device, async_op=True))
-        dq, dk, dv = dout.new_empty(dout.shape), dout.new_empty(kv_shape), dout.new_empty(kv_shape)
-        for c, (q0, qw, k0, kw) in enumerate(plan):
+            sizes = [b * s * r.width * d for r in pl]
+            backs.append(comm.all_to_all_split(send, [send.numel() // p] * p, sizes, group, stats, "ulysses_bwd",
+                                               device, async_op=True))
+        # a kv head replicated on several ranks gets the sum of their gradients; else each head is written once
+        replicated = sum(len(r.kv) for pl in plans for r in pl) > kv_shape[2]
+        dq = dout.new_empty(dout.shape)
+        dk, dv = (dout.new_zeros(kv_shape) if replicated else dout.new_empty(kv_shape) for _ in range(2))
+        for c, pl in enumerate(plans):
             recv, work = backs[c]
             work.wait()
-            _unpack_into(dq, recv[..., :qw, :], q0)
-            _unpack_into(dk, recv[..., qw : qw + kw, :], k0)
-            _unpack_into(dv, recv[..., qw + kw :, :], k0)
+            for r, blk in zip(pl, _blocks(recv, [b * s * r.width * d for r in pl], b, s, d)):
+                nq, nk = len(r.q), len(r.kv)
+                _scatter(dq, blk[:, :, :nq], r.q, add=False)
+                _scatter(dk, blk[:, :, nq : nq + nk], r.kv, add=replicated)
+                _scatter(dv, blk[:, :, nq + nk :], r.kv, add=replicated)
             backs[c] = recv = work = None
-        return dq, dk, dv, *(None,) * 8
+        return dq, dk, dv, *(None,) * 9
 
 
 def fused_ulysses_attention(
@@ -220,6 +297,7 @@ def fused_ulysses_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     group: Any,
+    plan: HeadPlan,
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
@@ -228,8 +306,9 @@ def fused_ulysses_attention(
     device: torch.device | None = None,
     chunks: int = 1,
 ) -> torch.Tensor:
-    """Pure Ulysses on plan-padded q [B, s, Hq', D], k/v [B, s, Hkv', D] (Hkv' % P == 0) -> out [B, s, Hq', D].
+    """Pure Ulysses on the ORIGINAL q [B, s, Hq, D], k/v [B, s, Hkv, D] -> out [B, s, Hq, D], heads placed by
+    `plan` (ulysses.head_plan) as `rank_heads(plan)` says: no padded copies, dummies sent only where needed.
 
-    `pieces`: the local piece plan from `local_pieces_disjoint` (no q row in two pieces). `chunks` must
-    divide the local kv heads Hkv'/P (checked by the caller before any collective)."""
-    return _FusedUlysses.apply(q, k, v, group, stats, device, causal, scale, kernel, pieces, chunks)
+    `pieces`: the local piece plan from `local_pieces_disjoint` (no q row in two pieces). `chunks`: split
+    each rank's kv heads (with their q groups) into that many near-equal parts, exchanged separately."""
+    return _FusedUlysses.apply(q, k, v, group, stats, device, causal, scale, kernel, pieces, chunks, rank_heads(plan))

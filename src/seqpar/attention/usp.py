@@ -2,7 +2,9 @@
 
 Pure Ulysses is ring=1; pure ring is ulysses=1. Ulysses' q/k/v go seq->heads in ONE fused all-to-all
 (ulysses_fused); pure Ulysses (ring=1) runs the local kernel inside the fused exchange, 2 collectives
-per pass (optionally split into `overlap_chunks` head chunks whose exchanges overlap compute).
+per pass (optionally split into `overlap_chunks` head chunks whose exchanges overlap compute), on the
+original heads with uneven per-rank head sets (`ulysses.rank_heads`: dummy heads only where a GQA group
+needs them). With a ring, every ring rank's Ulysses group needs the same head layout: the padded plan.
 """
 
 from __future__ import annotations
@@ -35,13 +37,12 @@ def usp_attention(
     dev = mesh.comm_device
     if mesh.ulysses_degree > 1:
         plan = head_plan(q.shape[2], k.shape[2], mesh.ulysses_degree)
-        q, k, v = pad_heads(q, k, v, plan)
         pieces = local_pieces_disjoint(seq_len, causal, bounds) if mesh.ring_degree == 1 else None
-        if pieces is not None:
-            out = fused_ulysses_attention(
-                q, k, v, mesh.ulysses_group, causal, scale, kernel, pieces, mesh.stats, dev, overlap_chunks
+        if pieces is not None:  # the original heads go in: the exchange places (and pads only where needed)
+            return fused_ulysses_attention(
+                q, k, v, mesh.ulysses_group, plan, causal, scale, kernel, pieces, mesh.stats, dev, overlap_chunks
             )
-            return unpad_heads(out, plan)
+        q, k, v = pad_heads(q, k, v, plan)
         q, k, v = exchange_qkv(q, k, v, mesh.ulysses_group, mesh.stats, dev)
     layout = mesh.effective_layout
     all_segs = [ring_segments(seq_len, mesh.ring_degree, j, layout) for j in range(mesh.ring_degree)]

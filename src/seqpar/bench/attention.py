@@ -129,9 +129,11 @@ def _count_torch_collectives(sent: list[int]) -> Iterator[None]:
 
     def counting_a2a(output, input, *args, **kwargs):
         group = kwargs.get("group")
-        p = dist.get_world_size(group)
-        # Equal splits (seqpar's all-to-all): everything but this rank's own chunk leaves the rank.
-        sent.append(input.numel() * input.element_size() * (p - 1) // p)
+        p, me = dist.get_world_size(group), dist.get_rank(group)
+        splits = args[1] if len(args) > 1 else kwargs.get("input_split_sizes")
+        # everything but this rank's own chunk leaves the rank (equal chunks unless split sizes are given)
+        own = splits[me] if splits else input.numel() // p
+        sent.append((input.numel() - own) * input.element_size())
         return a2a(output, input, *args, **kwargs)
 
     def counting_batch(ops):
@@ -148,7 +150,7 @@ def _count_torch_collectives(sent: list[int]) -> Iterator[None]:
 def _measure_comm(case: dict[str, Any], seq: int, d: int, meshes: dict) -> dict[str, Any]:
     import seqpar
 
-    from ..attention.ulysses import head_plan
+    from ..attention.ulysses import head_plan, sent_heads
 
     u, r = case["ulysses_degree"], case["ring_degree"]
     mesh = meshes[(u, r)]
@@ -190,6 +192,7 @@ def _measure_comm(case: dict[str, Any], seq: int, d: int, meshes: dict) -> dict[
             "expanded_kv_heads": plan.expanded_kv_heads,
             "kv_replicas": plan.rep,
             "dummy_q_heads": plan.dummy_heads,
+            "sent_heads": list(sent_heads(plan, r)),
         },
     }
 
@@ -501,14 +504,18 @@ def _run_deepspeed_alone(cases, seq: int, d: int, timeout: float) -> dict[int, A
 
 
 def _assemble_comm(cases, per_rank, seq, d, alone=None) -> list[dict[str, Any]]:
-    from ..attention.ulysses import head_plan
+    from ..attention.ulysses import head_plan, sent_heads
 
     rows = []
     for i, case in enumerate(cases):
         ranks = [pr["comm"][i] for pr in per_rank]
-        measured = ranks[0]["bytes"]
+        # uneven head sets (pure Ulysses without dummies) send different bytes per rank: the mean over ranks
+        # is what the symmetric formula with the heads really sent gives
+        channels_all = {c for rk in ranks for c in rk["bytes"]}
+        measured = {c: sum(rk["bytes"].get(c, 0) for rk in ranks) / len(ranks) for c in channels_all}
+        measured = {c: int(b) if float(b).is_integer() else b for c, b in measured.items()}
         plan = head_plan(case["num_heads"], case["num_kv_heads"], case["ulysses_degree"])
-        th_plan = _theory_for(case, seq, d, plan.padded_heads, plan.expanded_kv_heads)
+        th_plan = _theory_for(case, seq, d, *sent_heads(plan, case["ring_degree"]))
         th_orig = _theory_for(case, seq, d, case["num_heads"], case["num_kv_heads"])
         channels = ("ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd")
         m = {c: measured.get(c, 0) for c in channels}
@@ -528,9 +535,12 @@ def _assemble_comm(cases, per_rank, seq, d, alone=None) -> list[dict[str, Any]]:
                 "measured_bytes": m,
                 "other_channels": {c: b for c, b in measured.items() if c not in channels},
                 "calls": ranks[0]["calls"],
-                "same_on_all_ranks": all(r["bytes"] == measured for r in ranks),
+                # pure Ulysses with uneven head sets: ranks send different bytes (the mean is compared above)
+                "same_on_all_ranks": all(r["bytes"] == ranks[0]["bytes"] for r in ranks),
+                "measured_per_rank": [{p: sum(b for c, b in r["bytes"].items() if c.endswith(p)) for p in FWD_BWD}
+                                      for r in ranks],
                 # Bytes seen at torch.distributed's entry points, for a check of the wrappers' own count.
-                "torch_distributed_bytes": ranks[0]["torch_distributed_bytes"],
+                "torch_distributed_bytes_per_rank": [r["torch_distributed_bytes"] for r in ranks],
                 "max_abs_err_vs_fp64_reference": max(r["max_abs_err_vs_fp64_reference"] for r in ranks),
                 "theory_plan_heads": {c: th_plan[c] for c in channels},
                 "theory_original_heads": {c: th_orig[c] for c in channels},

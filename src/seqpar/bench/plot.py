@@ -31,7 +31,7 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
     out.append("|---|---|---:|---:|---|---:|---:|---|---:|---:|")
     for c in cases:
         t, ro, rp = c["totals"], c["ratio_vs_original_heads"], c["ratio_vs_plan_heads"]
-        heads = f"{c['plan']['padded_heads']}/{c['plan']['expanded_kv_heads']}" if c["ulysses_degree"] > 1 else "-"
+        heads = "/".join(map(str, c["plan"]["sent_heads"])) if c["ulysses_degree"] > 1 else "-"
         # Strict bound: dK/dV reduced in R-1 hops (the plan's heads); seqpar's ring is at it.
         bound = c["theory_plan_heads"]["ulysses_bwd"] + c["ring_bwd_lower_bound_plan_heads"]
         out.append(
