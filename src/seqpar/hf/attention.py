@@ -237,7 +237,8 @@ def _make_linear_forward(state_ref: weakref.ReferenceType) -> Any:
                 f"{type(self).__name__} got B={b}, full length {s_loc * state.mesh.sp_size} but the forward plan "
                 f"says B={len(plan.row_bounds)}, length {plan.full_len}"
             )
-        # cache_params: never filled under SP (use_cache is forced off; filled caches are refused by the plan).
+        # cache_params (transformers >= 5.24: `cache`, in kwargs): never filled under SP (use_cache is forced off;
+        # filled caches are refused by the plan).
         return sp_gated_delta_forward(self, hidden_states, attention_mask, plan.row_bounds, state.mesh)
 
     return forward
@@ -298,9 +299,10 @@ def _make_plan(state: _SPState, kwargs: dict) -> ForwardPlan:
             "shard): pass position_ids=seqpar.shard(full_position_ids, mesh, 1) (the seqpar collator "
             "returns them; for one unpacked row use seqpar.local_positions(full_len, mesh))"
         )
-    past = kwargs.get("past_key_values")
+    past = next((kwargs[n] for n in ("cache", "past_key_values") if kwargs.get(n) is not None), None)  # >= 5.24
     if past is not None and (not hasattr(past, "get_seq_length") or past.get_seq_length() > 0):
-        raise SeqParError("a filled KV cache (past_key_values) is not supported under SP: generate without SP")
+        raise SeqParError("a filled KV cache (cache / past_key_values) is not supported under SP: generate without "
+                          "SP")
     if pos.dim() == 1:
         pos = pos[None]
     if pos.dim() == 3 and pos.shape[0] == 4:  # vision-language models: text positions, then multimodal RoPE ids

@@ -49,6 +49,7 @@ _REFUSE = "set memory.tiled_layer: false (or tiled_layer=False for the Trainer d
 # attention class -> how its forward passes sliding_window to the attention function (None: it does not)
 _ATTN = {"LlamaAttention": None, "Qwen2Attention": "self", "Qwen3Attention": "self", "MistralAttention": "config"}
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_CACHE_ARGS = ("cache", "past_key_values")  # the KV cache argument: transformers >= 5.24 / before
 
 
 def _check_layer(layer: torch.nn.Module) -> None:
@@ -112,8 +113,9 @@ class TiledLayerForward(TiledForward):
             # what GradientCheckpointingLayer's class-level wrapper does (it is bypassed by this override)
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False
-            if kwargs.get("past_key_values") is not None:
-                kwargs["past_key_values"] = None
+            for name in _CACHE_ARGS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
             return layer._gradient_checkpointing_func(partial(self.tiled, **kwargs), *args)
         return self.tiled(*args, **kwargs)
 
@@ -126,14 +128,19 @@ class TiledLayerForward(TiledForward):
 
     def tiled(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
               past_key_values: Any = None, use_cache: bool | None = False,
-              position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+              position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache: Any = None,
+              **kwargs: Any) -> torch.Tensor:
         layer, attn, x = self.layer, self.layer.self_attn, hidden_states
         n = self.count(x)
         cos, sin = position_embeddings
         pre = (layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, *_qk_norms(attn))
         q, k, v = self._run(partial(_attention_inputs, layer, self.rope), n, (2, 2, 1), (x, cos, sin), pre)
         v = v.transpose(1, 2)
-        if past_key_values is not None:  # as the model's attention forward does (generation, use_cache=True)
+        # as the model's attention forward does (generation, use_cache=True). transformers >= 5.24 names the
+        # cache `cache` (and hands the layer's kwargs to its update); before, `past_key_values`
+        if cache is not None:
+            k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        elif past_key_values is not None:
             k, v = past_key_values.update(k, v, attn.layer_idx)
         iface = _attention_interface(attn, self.eager)
         extra = {} if self.window is None else {"sliding_window": (
