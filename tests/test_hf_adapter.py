@@ -270,6 +270,10 @@ def test_refusals_at_forward():
     right = torch.ones(2, 24, dtype=torch.long)
     right[0, -3:] = 0
     m(input_ids=ids, position_ids=_pos(24, 2), attention_mask=right)  # right padding is harmless
+    filled = tiny_model("llama", 4, 2)(input_ids=ids, use_cache=True).past_key_values
+    for name in ("cache", "past_key_values"):  # transformers >= 5.24 / before (the newer one accepts both)
+        with pytest.raises(SeqParError, match="filled KV cache"):
+            m(input_ids=ids, position_ids=_pos(24, 2), **{name: filled})
     pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
     with pytest.raises(SeqParError, match="cu_seqlens and position_ids disagree"):
         m(input_ids=ids[:1], position_ids=pos, cu_seqlens=torch.tensor([0, 24]))
