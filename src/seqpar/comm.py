@@ -159,14 +159,11 @@ def all_to_all_buffer(
     from rank j. Not differentiable (callers own the layout, e.g. Ulysses' fused q/k/v exchange).
     Returns (recv, work): with async_op, call work.wait() before reading recv (work is None otherwise)."""
     p = group_size(group)
-    check_device([send], device, "all_to_all_buffer")
     if send.shape[0] != p or not send.is_contiguous():
         raise ValueError(f"all_to_all_buffer: need a contiguous [P={p}, ...] buffer, got {tuple(send.shape)}")
-    if stats is not None:
-        stats.add(channel, _nbytes(send) * (p - 1) // p)
-    recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
-    return recv, work
+    n = send.numel() // p
+    recv, work = all_to_all_split(send.view(-1), [n] * p, [n] * p, group, stats, channel, device, async_op)
+    return recv.view(send.shape), work
 
 
 def all_to_all_split(
