@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..attention.costs import ring_theory, ulysses_theory
-from ..attention.ulysses import head_plan
+from ..attention.ulysses import head_plan, sent_heads
 from .memory import Features, Layout, Workload
 from .model import ModelFacts
 
@@ -50,6 +50,14 @@ def heads_per_rank(m: ModelFacts, u: int) -> tuple[int, int]:
     return plan.padded_heads, plan.expanded_kv_heads
 
 
+def sent_ulysses_heads(m: ModelFacts, lay: Layout) -> tuple[int, int]:
+    """q and kv heads Ulysses' exchange moves over the group: pure Ulysses leaves the plan's dummies out
+    (ulysses.rank_heads), USP sends the padded plan."""
+    if lay.ulysses == 1:
+        return m.heads, m.kv_heads
+    return sent_heads(head_plan(m.heads, m.kv_heads, lay.ulysses), lay.ring)
+
+
 def passes(wl: Workload, feats: Features) -> tuple[int, int]:
     """(forward passes with a backward, forward passes without one) through the decoder per step."""
     return 1 + int(feats.activation_checkpointing), int(wl.stage == "dpo")
@@ -61,7 +69,7 @@ def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
     fwd_bwd, fwd_only = passes(wl, feats)
     fwds, L, r = fwd_bwd + fwd_only, m.layers, lay.ring
     if lay.ulysses > 1:
-        one = ulysses_theory(wl.seq_len // r, wl.rows, hq, hkv, m.head_dim, lay.ulysses, wl.elt)
+        one = ulysses_theory(wl.seq_len // r, wl.rows, *sent_ulysses_heads(m, lay), m.head_dim, lay.ulysses, wl.elt)
         out.append(Collective("ulysses", "all_to_all", "ulysses", 2 * L * (fwds + 1), one * L * (fwds + 1)))
     if r > 1:
         t = ring_theory(wl.seq_len, wl.rows, hkv, m.head_dim, r, wl.elt)

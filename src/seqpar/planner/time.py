@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..attention.costs import flops_per_rank, ring_theory, ulysses_theory
-from .collectives import heads_per_rank, passes, step_collectives
+from .collectives import heads_per_rank, passes, sent_ulysses_heads, step_collectives
 from .gpus import Cluster
 from .memory import Features, Layout, Workload, layer_bytes_per_token
 from .model import ModelFacts
@@ -65,9 +65,9 @@ def attention_flops(m: ModelFacts, wl: Workload, lay: Layout) -> float:
 
 def comm_bytes_per_layer(m: ModelFacts, wl: Workload, lay: Layout) -> dict[str, int]:
     """Bytes one rank sends per decoder layer for one forward + backward, from seqpar.attention.costs."""
-    hq, hkv = heads_per_rank(m, lay.ulysses)
+    _, hkv = heads_per_rank(m, lay.ulysses)  # the ring (USP) moves the padded plan's kv heads
     e, s, b = wl.elt, wl.seq_len, wl.rows
-    uly = 2 * ulysses_theory(s // lay.ring, b, hq, hkv, m.head_dim, lay.ulysses, e) if lay.ulysses > 1 else 0
+    uly = 2 * ulysses_theory(s // lay.ring, b, *sent_ulysses_heads(m, lay), m.head_dim, lay.ulysses, e)
     ring = ring_theory(s, b, hkv, m.head_dim, lay.ring, e) if lay.ring > 1 else {"fwd": 0, "bwd": 0}
     return {"ulysses": uly, "ring": (ring["fwd"] + ring["bwd"]) // lay.ulysses}
 
