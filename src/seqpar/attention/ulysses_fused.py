@@ -17,6 +17,7 @@ Every chunk is an exact slice of the heads, so the result is the same for any `c
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -146,8 +147,10 @@ def exchange_qkv(q, k, v, group, stats=None, device=None):
     return _ExchangeQKV.apply(q, k, v, group, stats, device)
 
 
-def _runs(idx: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(position, source head, length) of the runs of consecutive heads in idx; source -1: a dummy run."""
+@lru_cache(maxsize=1024)
+def _runs(idx: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(position, source head, length) of the runs of consecutive heads in idx; source -1: a dummy run.
+    Cached: the same few head sets recur in every layer's forward and backward."""
     runs: list[list[int]] = []
     for j, h in enumerate(idx):
         r = runs[-1] if runs else None
@@ -155,7 +158,7 @@ def _runs(idx: tuple[int, ...]) -> list[tuple[int, int, int]]:
             r[2] += 1
         else:
             runs.append([j, h, 1])
-    return [(j, h, n) for j, h, n in runs]
+    return tuple((j, h, n) for j, h, n in runs)
 
 
 def _gather(dst: torch.Tensor, src: torch.Tensor, idx: tuple[int, ...]) -> None:
@@ -233,14 +236,14 @@ class _FusedUlysses(torch.autograd.Function):
                 oh, lse = x[:, :, :0], x.new_empty(b, p * s, 0)
             sizes = [b * s * len(r.q) * d for r in pl]
             back = _pack_full_seq([oh], p).view(-1)  # chunk c's output travels while chunk c+1 computes
-            backs.append(comm.all_to_all_split(back, [back.numel() // p] * p, sizes, group, stats, "ulysses_fwd",
-                                               device, async_op=True))
+            backs.append((*comm.all_to_all_split(back, [back.numel() // p] * p, sizes, group, stats, "ulysses_fwd",
+                                                 device, async_op=True), sizes))
             saved += [x, oh, lse]
         out = q.new_empty(q.shape)
         for c, pl in enumerate(plans):
-            recv, work = backs[c]
+            recv, work, sizes = backs[c]
             work.wait()
-            for r, blk in zip(pl, _blocks(recv, [b * s * len(r.q) * d for r in pl], b, s, d)):
+            for r, blk in zip(pl, _blocks(recv, sizes, b, s, d)):
                 _scatter(out, blk, r.q, add=False)
             backs[c] = recv = work = None
         ctx.save_for_backward(*saved)
@@ -274,16 +277,16 @@ class _FusedUlysses(torch.autograd.Function):
                 send = dout.new_empty(0)
             recv = None
             sizes = [b * s * r.width * d for r in pl]
-            backs.append(comm.all_to_all_split(send, [send.numel() // p] * p, sizes, group, stats, "ulysses_bwd",
-                                               device, async_op=True))
+            backs.append((*comm.all_to_all_split(send, [send.numel() // p] * p, sizes, group, stats, "ulysses_bwd",
+                                                 device, async_op=True), sizes))
         # a kv head replicated on several ranks gets the sum of their gradients; else each head is written once
         replicated = sum(len(r.kv) for pl in plans for r in pl) > kv_shape[2]
         dq = dout.new_empty(dout.shape)
         dk, dv = (dout.new_zeros(kv_shape) if replicated else dout.new_empty(kv_shape) for _ in range(2))
         for c, pl in enumerate(plans):
-            recv, work = backs[c]
+            recv, work, sizes = backs[c]
             work.wait()
-            for r, blk in zip(pl, _blocks(recv, [b * s * r.width * d for r in pl], b, s, d)):
+            for r, blk in zip(pl, _blocks(recv, sizes, b, s, d)):
                 nq, nk = len(r.q), len(r.kv)
                 _scatter(dq, blk[:, :, :nq], r.q, add=False)
                 _scatter(dk, blk[:, :, nq : nq + nk], r.kv, add=replicated)

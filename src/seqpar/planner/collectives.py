@@ -65,7 +65,7 @@ def passes(wl: Workload, feats: Features) -> tuple[int, int]:
 
 def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
     out: list[Collective] = []
-    hq, hkv = heads_per_rank(m, lay.ulysses)
+    _, hkv = heads_per_rank(m, lay.ulysses)  # the ring (USP) moves the padded plan's kv heads
     fwd_bwd, fwd_only = passes(wl, feats)
     fwds, L, r = fwd_bwd + fwd_only, m.layers, lay.ring
     if lay.ulysses > 1:

@@ -319,7 +319,7 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
         current, ahead = tiled.current - (e * h if ckpt else 0), (e * h if ckpt else tiled.current)
         mlp_acts, mlp_temp, attn_temp = tiled.mlp_acts, tiled.mlp_temp - e * h * tokens, tiled.attn_temp
         if lay.ulysses > 1 and lay.ring == 1:  # the fused exchange's buffers are in attn_temp (planner.tiled)
-            attn_comm -= 2 * e * head_plan(m.heads, m.kv_heads, lay.ulysses).padded_heads * m.head_dim * tokens
+            attn_comm -= _ulysses_buffers(m, e, lay.ulysses, tokens)
     acts = (2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN + current) * tokens
     if wl.lora and not feats.activation_checkpointing:
         acts -= (4 * h + 4) * tokens  # layer 0 keeps no norm input (frozen embedding)
@@ -354,13 +354,17 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
     return mlp_moment, attn
 
 
+def _ulysses_buffers(m: ModelFacts, e: int, u: int, tokens: int) -> int:
+    """Ulysses' all-to-all send + receive buffers of the largest tensor (q, plan-padded heads)."""
+    return 2 * e * head_plan(m.heads, m.kv_heads, u).padded_heads * m.head_dim * tokens
+
+
 def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_params: int) -> int:
     """Transient communication buffers of one attention call (and FSDP's gathered layers)."""
     e, d = wl.elt, m.head_dim
     n = 0
     if lay.ulysses > 1:
-        plan = head_plan(m.heads, m.kv_heads, lay.ulysses)
-        n += 2 * e * plan.padded_heads * d * tokens  # all-to-all send + receive of the largest tensor (q)
+        n += _ulysses_buffers(m, e, lay.ulysses, tokens)
     if lay.ring > 1:
         kv_local = m.kv_dim if lay.ulysses == 1 else head_plan(m.heads, m.kv_heads, lay.ulysses).expanded_kv_heads * d
         ring_tokens = tokens * lay.ulysses  # a ring block holds the ulysses group's tokens, 1/u of the heads
