@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 from pathlib import Path
 
@@ -30,6 +31,15 @@ def pad_collate(batch):
     att = torch.tensor([[1] * len(r["input_ids"]) + [0] * (m - len(r["input_ids"])) for r in batch])
     return {"input_ids": ids, "labels": lab, "attention_mask": att}
 '''
+
+
+# 16 words for the JSONL fixtures' random phrases (the same draws in every test that uses them)
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+
+
+def phrase(rng: random.Random, lo: int, hi: int) -> str:
+    """lo..hi words of WORDS, drawn with rng."""
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
 
 def write_sft_rows(folder: Path) -> Path:

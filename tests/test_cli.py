@@ -13,12 +13,7 @@ import sys
 import pytest
 import torch
 import yaml
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
-
-
-def _phrase(rng, lo, hi):
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+from procs import phrase
 
 
 def _write_config(tmp_path, name, stage="sft", **over):
@@ -26,8 +21,8 @@ def _write_config(tmp_path, name, stage="sft", **over):
     data = tmp_path / f"{stage}.jsonl"
     with open(data, "w") as f:
         for _ in range(16):
-            row = ({"prompt": _phrase(rng, 1, 5), "chosen": _phrase(rng, 1, 6), "rejected": _phrase(rng, 2, 8)}
-                   if stage == "dpo" else {"instruction": _phrase(rng, 1, 6), "response": _phrase(rng, 2, 10)})
+            row = ({"prompt": phrase(rng, 1, 5), "chosen": phrase(rng, 1, 6), "rejected": phrase(rng, 2, 8)}
+                   if stage == "dpo" else {"instruction": phrase(rng, 1, 6), "response": phrase(rng, 2, 10)})
             f.write(json.dumps(row) + "\n")
     cfg = {
         "model": {"name": "tiny:qwen3", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 2}},

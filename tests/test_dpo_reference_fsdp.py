@@ -12,23 +12,19 @@ import random
 
 import pytest
 import torch
+from procs import phrase
 
 from seqpar.spawn import run_distributed
 
 TOL = 1e-6  # fp32: the all-gathered reference weights are the very same numbers
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("dpo_ref_fsdp")
     rng = random.Random(3)
-
-    def phrase(lo, hi):
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-
-    (d / "dpo.jsonl").write_text("".join(json.dumps({"prompt": phrase(1, 4), "chosen": phrase(1, 6),
-                                                     "rejected": phrase(2, 7)}) + "\n" for _ in range(8)))
+    (d / "dpo.jsonl").write_text("".join(json.dumps({"prompt": phrase(rng, 1, 4), "chosen": phrase(rng, 1, 6),
+                                                     "rejected": phrase(rng, 2, 7)}) + "\n" for _ in range(8)))
     return d
 
 

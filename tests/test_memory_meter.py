@@ -17,6 +17,7 @@ import random
 
 import pytest
 import torch
+from procs import phrase
 
 from seqpar.memory.meter import CATEGORIES, PeakMemoryMeter, activation_bytes
 from seqpar.spawn import run_distributed
@@ -96,7 +97,6 @@ def test_failed_block_keeps_last_reading():
 
 
 # ----------------------------------------------------------------------------- seqpar train, 2 ranks
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 CASES = {
     "ring_full": {},
     "ring_lora": {"finetuning": {"method": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}},
@@ -112,14 +112,10 @@ CASES = {
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("meter")
     rng = random.Random(0)
-
-    def phrase(lo, hi):
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-
-    (d / "sft.jsonl").write_text("".join(json.dumps({"instruction": phrase(1, 5), "response": phrase(2, 8)}) + "\n"
-                                         for _ in range(8)))
-    (d / "dpo.jsonl").write_text("".join(json.dumps({"prompt": phrase(1, 4), "chosen": phrase(1, 5),
-                                                     "rejected": phrase(2, 6)}) + "\n" for _ in range(8)))
+    (d / "sft.jsonl").write_text("".join(json.dumps({"instruction": phrase(rng, 1, 5),
+                                                     "response": phrase(rng, 2, 8)}) + "\n" for _ in range(8)))
+    (d / "dpo.jsonl").write_text("".join(json.dumps({"prompt": phrase(rng, 1, 4), "chosen": phrase(rng, 1, 5),
+                                                     "rejected": phrase(rng, 2, 6)}) + "\n" for _ in range(8)))
     return d
 
 

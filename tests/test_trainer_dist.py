@@ -20,17 +20,13 @@ import random
 
 import pytest
 import torch
+from procs import phrase
 
 from seqpar.spawn import run_distributed
 
 WORLD = 4
 STEPS = 5
 TOL = 1e-5
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
-
-
-def _phrase(rng, lo, hi):
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +35,11 @@ def data(tmp_path_factory):
     rng = random.Random(0)
     with open(d / "sft.jsonl", "w") as f:
         for _ in range(24):
-            f.write(json.dumps({"instruction": _phrase(rng, 1, 6), "response": _phrase(rng, 2, 10)}) + "\n")
+            f.write(json.dumps({"instruction": phrase(rng, 1, 6), "response": phrase(rng, 2, 10)}) + "\n")
     with open(d / "dpo.jsonl", "w") as f:
         for _ in range(24):
-            f.write(json.dumps({"prompt": _phrase(rng, 1, 5), "chosen": _phrase(rng, 1, 6),
-                                "rejected": _phrase(rng, 2, 8)}) + "\n")
+            f.write(json.dumps({"prompt": phrase(rng, 1, 5), "chosen": phrase(rng, 1, 6),
+                                "rejected": phrase(rng, 2, 8)}) + "\n")
     return d
 
 
