@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from ..attention.ulysses import head_plan
 from .model import ModelFacts
-from .tiled import tiled_saved_per_token, tiled_terms
+from .tiled import attention_backward_temp, tiled_saved_per_token, tiled_terms
 
 __all__ = ["Features", "Workload", "Layout", "MemoryBreakdown", "estimate_memory", "activation_bytes_per_token",
            "DEFAULT_LOSS_CHUNK_BYTES", "INDEX_BYTES_PER_TOKEN"]
@@ -312,7 +312,14 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
     else:
         current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
         ahead_full = 0
-    attn_temp, tiled, attn_comm = e * (h + m.q_dim + 2 * m.kv_dim), None, comm
+    attn_temp, tiled, attn_comm, attn_freed = e * (h + m.q_dim + 2 * m.kv_dim), None, comm, 0
+    if not feats.tiled_layer and (lay.ulysses == 1 or lay.ring == 1):
+        # seqpar's attention backward tensor by tensor (planner.tiled); the post-attention norm's tensors are
+        # consumed by then (measured)
+        attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses)
+        attn_freed = _norm(m, e, True, not wl.lora, feats.tiled_mlp or any(wl.trains(t) for t in ("gate_proj", "up_proj")))
+        if lay.ulysses > 1:  # the fused exchange's buffers are in attn_temp
+            attn_comm -= _ulysses_buffers(m, e, lay.ulysses, tokens)
     if feats.tiled_layer:  # planner.tiled: the layer keeps its input + attention's tensors; pieces run in tiles
         tiled = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e)
         ckpt = feats.activation_checkpointing
@@ -329,8 +336,8 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
         head = (m.lm_head_params() or m.embed_params()) * e + h * e
         # tiled MLP: the tiles' backward accumulates gate, up and down gradients together (measured)
         per_layer, down = m.layer_params() * e, (tiled.down if tiled else (3 if feats.tiled_mlp else 1) * h * i * e)
-    # tiled layer: at attention's backward the second piece's parameter gradients exist (measured)
-    post_attn = tiled.down if tiled and not wl.lora else 0
+    # at attention's backward the gradients of o_proj, the post-attention norm and the MLP exist (measured)
+    post_attn = (m.q_dim * h + 3 * h * i + h) * e if not wl.lora else 0
     in_flight = prefetch = 0
     if feats.fsdp:
         # finished layers' gradient shards stay on the device, or go to the host with CPU offload
@@ -338,20 +345,44 @@ def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, t
         per_layer = 0 if feats.offload_optimizer else per_layer // lay.world
     last = m.layers - 1
 
-    def at(k: int, attention: bool) -> _Moment:  # k layers already done
+    norm_acts = _input_norm_moment(m, wl, lay.ulysses) if feats.activation_checkpointing and not tiled else 0
+
+    def at(k: int, moment: str) -> _Moment:  # k layers already done
         # offloaded layer inputs: only the next one, prefetched, is back on the device
         ahead_n = (min(1, last - k) * feats.offload_prefetch) if feats.offload_activations else last - k
         a = acts + (ahead * ahead_n + ahead_full) * tokens
         rs = in_flight if k > 0 else 0
-        if attention:
-            return _Moment(a, head + k * per_layer + post_attn, attn_temp * tokens, attn_comm + rs)
+        if moment == "attention":
+            return _Moment(a - attn_freed * tokens, head + k * per_layer + post_attn, attn_temp * tokens, attn_comm + rs)
+        if moment == "norm":  # the whole layer's gradients exist (FSDP: unsharded, before its reduce-scatter)
+            a = (2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN + norm_acts + ahead * ahead_n) * tokens
+            grads = head + k * per_layer + (in_flight or per_layer)
+            return _Moment(a, grads, NORM_BACKWARD_TEMP * h * tokens, gathered + rs)
         return _Moment(a + mlp_acts, head + k * per_layer + down, e * h * tokens + mlp_temp,
                        gathered + (prefetch if k < last else 0) + rs)
 
     ks = {0, min(1, last), max(0, last - 1), last}
-    mlp_moment = max((at(k, False) for k in ks), key=lambda x: x.total)
-    attn = max((at(k, True) for k in ks), key=lambda x: x.total)
-    return mlp_moment, attn
+    mlp_moment = max((at(k, "mlp") for k in ks), key=lambda x: x.total)
+    attn = max((at(k, "attention") for k in ks), key=lambda x: x.total)
+    # a frozen embedding (LoRA): layer 0's input norm computes no input gradient
+    norm_ks = [k for k in ks if k < last or not wl.lora] if norm_acts else []
+    return mlp_moment, max([attn, *(at(k, "norm") for k in norm_ks)], key=lambda x: x.total)
+
+
+# HF's RMSNorm backward (fp32 internals): the gradients through x * rsqrt, mean and pow (x, 2x, their product)
+NORM_BACKWARD_TEMP = 5 * 4
+
+
+def _input_norm_moment(m: ModelFacts, wl: Workload, u: int) -> int:
+    """Activations per local token when a checkpointed, untiled layer's input norm runs its backward (the
+    largest moment of bf16 and LoRA layers, measured): attention's and the input norm's recompute (its fp32
+    input: the layer's kept input in fp32, a copy in bf16), the post-attention norm's fp32 input (in bf16
+    beside the residual stream itself) and the adapters' inputs stay alive until the layer's input gradient
+    is formed."""
+    e, h, full = wl.elt, m.hidden, not wl.lora
+    qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
+    post = 4 * h + (e * h if e == 2 else 0)
+    return _norm(m, e, True, full, qkv) + _attention(m, wl, u) + post + _lora(m, wl)
 
 
 def _ulysses_buffers(m: ModelFacts, e: int, u: int, tokens: int) -> int:
