@@ -61,7 +61,7 @@ def add_plan_parser(sub: Any) -> None:
     v.add_argument("--validate", action="store_true", help="predicted vs MemTracker-measured peak memory")
     v.add_argument("--features", default="none",
                    help="feature rows for --validate: none | all | ckpt,fused,tiled,offload,layer (layer: also the "
-                   "4-layer tiled_layer rows)")
+                   "4-layer rows with and without tiled_layer)")
     v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")
     p.set_defaults(func=cmd_plan)
 
@@ -111,13 +111,14 @@ def _table(cands: list[Any], top: int, max_len: bool) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .validate import FEATURE_SETS, GRID, TILED_GRID, TOLERANCE, format_rows, run_validation, with_features
+    from .validate import (FEATURE_SETS, GRID, TILED_GRID, TOLERANCE, UNTILED_GRID, format_rows, run_validation,
+                           with_features)
 
     names = list(FEATURE_SETS) if args.features == "all" else args.features.split(",")
     bad = [n for n in names if n not in FEATURE_SETS]
     if bad:
         raise SeqParError(f"--features {args.features!r}: unknown {bad}; use none, all or {','.join(FEATURE_SETS)}")
-    rows = run_validation(with_features(GRID, names) + (TILED_GRID if "layer" in names else []))
+    rows = run_validation(with_features(GRID, names) + (TILED_GRID + UNTILED_GRID if "layer" in names else []))
     print(format_rows(rows))
     return 0 if all(abs(r["rel_err"]) <= TOLERANCE for r in rows) else 1
 

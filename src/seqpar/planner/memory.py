@@ -23,97 +23,32 @@ The peak is the largest of these moments (`estimate_memory`'s `phases`):
   backward (its e-byte logits are upcast, or in fp32 the same tensor, and not saved); the loss keeps
   the supervised hidden states (e*h). Under FSDP2 the root's pre-backward hook has gathered the last
   layer before the fused chunks run backward (they are inside the model's forward).
-- layer_backward, the larger of two moments of one layer's backward (`_layer_backward`): the MLP
+- layer_backward, the largest of three moments of one layer's backward (planner.backward): the MLP
   product's backward (this layer's saved tensors or, with checkpointing, its recompute, less
   down_proj's consumed input; the layers ahead, or only their inputs with checkpointing; the
   residual-stream gradient e*h and three [*, I] gradients 3e*I; parameter gradients so far; FSDP2's
-  gathered + prefetched layers and the previous layer's reduce-scatter), and attention's backward
-  (the MLP's tensors gone; dq, dk, dv; the all-to-all / ring / FSDP buffers). With tiled MLP the
-  [*, I] terms are one tile's (recomputed); one tile (S_local <= hidden) runs the plain MLP.
+  gathered + prefetched layers and the previous layer's reduce-scatter), attention's backward (the MLP's
+  and the post-attention norm's tensors gone; seqpar's attention backward counted tensor by tensor; the
+  ring / FSDP buffers) and, checkpointed without the tiled layer, the input norm's backward (HF RMSNorm's
+  fp32 temporaries at the full local length). With tiled MLP the [*, I] terms are one tile's
+  (recomputed); one tile (S_local <= hidden) runs the plain MLP.
 - optimizer: parameters + gradients + AdamW moments + the step's temporary.
 Activation checkpointing keeps one layer input (e*h) per layer instead of its saved tensors.
 """
+
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from ..attention.ulysses import head_plan
+from .backward import layer_backward, ulysses_buffers
+from .layer import activation_bytes_per_token, layer_bytes_per_token, mlp_tiles
 from .model import ModelFacts
-from .tiled import attention_backward_temp, tiled_saved_per_token, tiled_terms
+from .workload import DEFAULT_LOSS_CHUNK_BYTES, INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
 __all__ = ["Features", "Workload", "Layout", "MemoryBreakdown", "estimate_memory", "activation_bytes_per_token",
-           "DEFAULT_LOSS_CHUNK_BYTES", "INDEX_BYTES_PER_TOKEN"]
-
-DEFAULT_LOSS_CHUNK_BYTES = 256 * 2**20  # MemorySpec.loss_chunk_tokens=None: one chunk's fp32 logits <= 256 MB
-INDEX_BYTES_PER_TOKEN = 24  # int64 position_ids / shift_labels / their long copies
-
-
-@dataclass(frozen=True)
-class Features:
-    activation_checkpointing: bool = False
-    offload_activations: bool = False
-    fused_loss: bool = False
-    tiled_mlp: bool = False
-    tiled_layer: bool = False  # the whole layer but attention in sequence tiles (planner.tiled)
-    fsdp: bool = False
-    offload_optimizer: bool = False  # FSDP CPU offload of parameters, gradients and optimizer state
-    loss_chunk_tokens: int | None = None
-    # offload on an accelerator prefetches the next layer input during a layer's backward (a second input on
-    # the device); seqpar.memory.offload on CPU copies on demand (the validation runs)
-    offload_prefetch: bool = True
-
-    def as_dict(self) -> dict[str, bool]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("loss_chunk_tokens", "offload_prefetch")}
-
-
-@dataclass(frozen=True)
-class Workload:
-    seq_len: int
-    stage: str = "sft"
-    finetuning: str = "full"
-    precision: str = "bf16"
-    micro_batch_size: int = 1
-    lora_r: int = 8
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    # positions per row without a label (prompt tokens, a row's last position): the fused loss computes
-    # logits only for supervised positions. 0 = every position supervised (the upper bound).
-    unsupervised_tokens: int = 0
-
-    @property
-    def elt(self) -> int:
-        return 2 if self.precision == "bf16" else 4
-
-    @property
-    def rows(self) -> int:
-        return self.micro_batch_size * (2 if self.stage == "dpo" else 1)  # DPO: chosen + rejected rows
-
-    @property
-    def lora(self) -> bool:
-        return self.finetuning == "lora"
-
-    def supervised(self, local_tokens: int) -> int:
-        """Supervised positions on the busiest rank: all its tokens, at most the rows' supervised total."""
-        return max(1, min(local_tokens, self.rows * (self.seq_len - self.unsupervised_tokens)))
-
-    def trains(self, module: str) -> bool:
-        """Whether a Linear keeps its input for a weight gradient (trained, or a LoRA target)."""
-        return not self.lora or module in self.lora_targets
-
-
-@dataclass(frozen=True)
-class Layout:
-    ulysses: int = 1
-    ring: int = 1
-    dp: int = 1
-
-    @property
-    def sp(self) -> int:
-        return self.ulysses * self.ring
-
-    @property
-    def world(self) -> int:
-        return self.sp * self.dp
+           "layer_bytes_per_token", "host_bytes", "DEFAULT_LOSS_CHUNK_BYTES", "INDEX_BYTES_PER_TOKEN"]
 
 
 @dataclass
@@ -138,70 +73,6 @@ class MemoryBreakdown:
                                                 "loss_chunk", "comm_buffers", "temp")}
         d["total"] = int(self.total)
         return d
-
-
-def _norm(m: ModelFacts, e: int, input_grad: bool, weight_trains: bool, consumer_saves: bool) -> int:
-    """Bytes one RMSNorm keeps per token: fp32 input + rsqrt, normalised x (weight grad), output (consumer)."""
-    n = (4 * m.hidden + 4) if input_grad else 0
-    return n + (e * m.hidden if weight_trains else 0) + (e * m.hidden if consumer_saves else 0)
-
-
-def _attention(m: ModelFacts, wl: Workload, u: int) -> int:
-    e, d = wl.elt, m.head_dim
-    n = 0
-    if m.qk_norm:
-        full = not wl.lora
-        n += 4 * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads) + (e * (m.q_dim + m.kv_dim) if full else 0)
-    if u == 1:
-        return n + e * (2 * m.q_dim + 2 * m.kv_dim) + 4 * m.heads
-    plan = head_plan(m.heads, m.kv_heads, u)
-    hq, hkv = plan.padded_heads, plan.expanded_kv_heads
-    # per LOCAL token: the head-space q, k, v, output and lse of P tokens x 1/P of the heads
-    n += e * (2 * hq + 2 * hkv) * d + 4 * hq
-    return n + (e * m.q_dim if wl.trains("o_proj") else 0)  # the sequence-space output o_proj keeps
-
-
-def _lora(m: ModelFacts, wl: Workload) -> int:
-    return wl.elt * wl.lora_r * sum(1 for t in wl.lora_targets) if wl.lora else 0
-
-
-def _mlp(m: ModelFacts, wl: Workload, tiled: bool) -> int:
-    if tiled:
-        return 0  # tiles are recomputed in backward: nothing [S, intermediate] stays alive
-    return wl.elt * m.intermediate * (3 + (1 if wl.trains("down_proj") else 0))
-
-
-def layer_bytes_per_token(m: ModelFacts, wl: Workload, u: int, tiled_mlp: bool = False) -> int:
-    """What one decoder layer keeps for backward, per local token (no checkpointing)."""
-    e, full = wl.elt, not wl.lora
-    qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
-    mlp_in = any(wl.trains(t) for t in ("gate_proj", "up_proj"))
-    return (_norm(m, e, True, full, qkv) + _attention(m, wl, u) + _norm(m, e, True, full, mlp_in or tiled_mlp)
-            + _mlp(m, wl, tiled_mlp) + _lora(m, wl))
-
-
-def mlp_tiles(m: ModelFacts, wl: Workload, lay: Layout) -> int:
-    """memory.tiled_mlp's automatic tile count (seqpar.memory.tiled_mlp.auto_tile_count) for one row of
-    this rank's shard; 1 tile runs the plain MLP (nothing is checkpointed)."""
-    local = max(1, wl.seq_len // lay.sp)
-    return max(1, min(local, -(-local // m.hidden)))
-
-
-def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features) -> int:
-    """Bytes alive per local token at the end of forward (loss working set excluded)."""
-    e, full = wl.elt, not wl.lora
-    once = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, int64 index tensors
-    once += _norm(m, e, True, full, full and not feats.fused_loss)  # final norm (lm_head keeps its output)
-    if feats.fused_loss:
-        once += e * m.hidden  # the supervised hidden states the loss chunks keep
-    if feats.activation_checkpointing:
-        kept = 0 if feats.offload_activations else m.layers  # offload: every layer input is in the host store
-        return once + kept * e * m.hidden  # (layer 0's input is kept even when the embedding is frozen)
-    if feats.tiled_layer:
-        return once + m.layers * tiled_saved_per_token(m, e, u)
-    if wl.lora:
-        once -= 4 * m.hidden + 4  # a frozen embedding: layer 0's norm input needs no gradient
-    return once + m.layers * layer_bytes_per_token(m, wl, u, feats.tiled_mlp)
 
 
 def _param_bytes(m: ModelFacts, wl: Workload, feats: Features, world: int) -> tuple[int, int, int, int, int]:
@@ -263,139 +134,12 @@ def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> in
     return 12 * m.vocab * min(chunk, wl.supervised(tokens))
 
 
-@dataclass(frozen=True)
-class _Moment:
-    """Bytes beside parameters and optimizer state at one moment of a layer's backward."""
-
-    activations: int
-    gradients: int
-    temp: int
-    comm: int
-
-    @property
-    def total(self) -> int:
-        return self.activations + self.gradients + self.temp + self.comm
-
-
-def _layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int,
-                    gathered: int, comm: int) -> tuple[_Moment, _Moment]:
-    """(the MLP moment, the attention moment) of the busiest layer backward.
-
-    MLP moment: backward has reached a layer's MLP, down_proj's backward is done, and the gradients of
-    silu(gate) and up are being formed. Alive then, per local token: RoPE cos/sin and the index tensors;
-    the saved tensors of the layers still ahead (without checkpointing), or their inputs (with it); this
-    layer's saved tensors (with checkpointing: its recompute, where the fp32 input of input_layernorm is
-    the kept input itself in fp32, a new fp32 copy in bf16) less down_proj's input, already consumed;
-    temporaries: the residual-stream gradient e h, down_proj's input gradient e I and the two product
-    gradients 2 e I (with tiled MLP the [*, I] terms, recompute included, are one tile's). Parameter
-    gradients: the head's, the layers done, this layer's down_proj. FSDP2: this layer gathered, the
-    next one prefetched, the previous layer's unsharded gradients in their reduce-scatter; finished
-    layers' gradients are shards, the root's (head) stay whole until the end of backward. Activations
-    fall and gradients grow from one layer to the next (linearly between the FSDP steps), so the
-    first, second, second-to-last and last layer cover the maximum.
-    Attention moment: the same, but the layer's MLP tensors are gone, dq, dk, dv (e (q + 2 kv)) and
-    the collectives' buffers (all-to-all, ring K/V, FSDP's two gathered layers) are alive.
-    """
-    e, h, i = wl.elt, m.hidden, m.intermediate
-    lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
-    down_in = e * i if wl.trains("down_proj") else 0
-    if feats.tiled_mlp:  # one tile's MLP tensors, recomputed for its backward
-        per_row = max(1, wl.seq_len // lay.sp)
-        tile = wl.rows * -(-per_row // mlp_tiles(m, wl, lay))
-        mlp_acts, mlp_temp = (_mlp(m, wl, False) - down_in) * tile, 3 * e * i * tile
-    else:
-        lb -= _mlp(m, wl, False)
-        mlp_acts, mlp_temp = (_mlp(m, wl, False) - down_in) * tokens, 3 * e * i * tokens
-    if feats.activation_checkpointing:
-        current, ahead = lb - (4 * h if e == 4 else 0), e * h  # recompute; the kept input of each layer ahead
-        ahead_full = ahead
-    else:
-        current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
-        ahead_full = 0
-    attn_temp, tiled, attn_comm, attn_freed = e * (h + m.q_dim + 2 * m.kv_dim), None, comm, 0
-    if not feats.tiled_layer and (lay.ulysses == 1 or lay.ring == 1):
-        # seqpar's attention backward tensor by tensor (planner.tiled); the post-attention norm's tensors are
-        # consumed by then (measured)
-        attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses)
-        attn_freed = _norm(m, e, True, not wl.lora, feats.tiled_mlp or any(wl.trains(t) for t in ("gate_proj", "up_proj")))
-        if lay.ulysses > 1:  # the fused exchange's buffers are in attn_temp
-            attn_comm -= _ulysses_buffers(m, e, lay.ulysses, tokens)
-    if feats.tiled_layer:  # planner.tiled: the layer keeps its input + attention's tensors; pieces run in tiles
-        tiled = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e)
-        ckpt = feats.activation_checkpointing
-        current, ahead = tiled.current - (e * h if ckpt else 0), (e * h if ckpt else tiled.current)
-        mlp_acts, mlp_temp, attn_temp = tiled.mlp_acts, tiled.mlp_temp - e * h * tokens, tiled.attn_temp
-        if lay.ulysses > 1 and lay.ring == 1:  # the fused exchange's buffers are in attn_temp (planner.tiled)
-            attn_comm -= _ulysses_buffers(m, e, lay.ulysses, tokens)
-    acts = (2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN + current) * tokens
-    if wl.lora and not feats.activation_checkpointing:
-        acts -= (4 * h + 4) * tokens  # layer 0 keeps no norm input (frozen embedding)
-    if wl.lora:
-        head, per_layer, down = 0, m.lora_params(wl.lora_r, wl.lora_targets) // m.layers * e, 0
-    else:
-        head = (m.lm_head_params() or m.embed_params()) * e + h * e
-        # tiled MLP: the tiles' backward accumulates gate, up and down gradients together (measured)
-        per_layer, down = m.layer_params() * e, (tiled.down if tiled else (3 if feats.tiled_mlp else 1) * h * i * e)
-    # at attention's backward the gradients of o_proj, the post-attention norm and the MLP exist (measured)
-    post_attn = (m.q_dim * h + 3 * h * i + h) * e if not wl.lora else 0
-    in_flight = prefetch = 0
-    if feats.fsdp:
-        # finished layers' gradient shards stay on the device, or go to the host with CPU offload
-        in_flight, prefetch = per_layer, gathered
-        per_layer = 0 if feats.offload_optimizer else per_layer // lay.world
-    last = m.layers - 1
-
-    norm_acts = _input_norm_moment(m, wl, lay.ulysses) if feats.activation_checkpointing and not tiled else 0
-
-    def at(k: int, moment: str) -> _Moment:  # k layers already done
-        # offloaded layer inputs: only the next one, prefetched, is back on the device
-        ahead_n = (min(1, last - k) * feats.offload_prefetch) if feats.offload_activations else last - k
-        a = acts + (ahead * ahead_n + ahead_full) * tokens
-        rs = in_flight if k > 0 else 0
-        if moment == "attention":
-            return _Moment(a - attn_freed * tokens, head + k * per_layer + post_attn, attn_temp * tokens, attn_comm + rs)
-        if moment == "norm":  # the whole layer's gradients exist (FSDP: unsharded, before its reduce-scatter)
-            a = (2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN + norm_acts + ahead * ahead_n) * tokens
-            grads = head + k * per_layer + (in_flight or per_layer)
-            return _Moment(a, grads, NORM_BACKWARD_TEMP * h * tokens, gathered + rs)
-        return _Moment(a + mlp_acts, head + k * per_layer + down, e * h * tokens + mlp_temp,
-                       gathered + (prefetch if k < last else 0) + rs)
-
-    ks = {0, min(1, last), max(0, last - 1), last}
-    mlp_moment = max((at(k, "mlp") for k in ks), key=lambda x: x.total)
-    attn = max((at(k, "attention") for k in ks), key=lambda x: x.total)
-    # a frozen embedding (LoRA): layer 0's input norm computes no input gradient
-    norm_ks = [k for k in ks if k < last or not wl.lora] if norm_acts else []
-    return mlp_moment, max([attn, *(at(k, "norm") for k in norm_ks)], key=lambda x: x.total)
-
-
-# HF's RMSNorm backward (fp32 internals): the gradients through x * rsqrt, mean and pow (x, 2x, their product)
-NORM_BACKWARD_TEMP = 5 * 4
-
-
-def _input_norm_moment(m: ModelFacts, wl: Workload, u: int) -> int:
-    """Activations per local token when a checkpointed, untiled layer's input norm runs its backward (the
-    largest moment of bf16 and LoRA layers, measured): attention's and the input norm's recompute (its fp32
-    input: the layer's kept input in fp32, a copy in bf16), the post-attention norm's fp32 input (in bf16
-    beside the residual stream itself) and the adapters' inputs stay alive until the layer's input gradient
-    is formed."""
-    e, h, full = wl.elt, m.hidden, not wl.lora
-    qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
-    post = 4 * h + (e * h if e == 2 else 0)
-    return _norm(m, e, True, full, qkv) + _attention(m, wl, u) + post + _lora(m, wl)
-
-
-def _ulysses_buffers(m: ModelFacts, e: int, u: int, tokens: int) -> int:
-    """Ulysses' all-to-all send + receive buffers of the largest tensor (q, plan-padded heads)."""
-    return 2 * e * head_plan(m.heads, m.kv_heads, u).padded_heads * m.head_dim * tokens
-
-
 def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_params: int) -> int:
     """Transient communication buffers of one attention call (and FSDP's gathered layers)."""
     e, d = wl.elt, m.head_dim
     n = 0
     if lay.ulysses > 1:
-        n += _ulysses_buffers(m, e, lay.ulysses, tokens)
+        n += ulysses_buffers(m, e, lay.ulysses, tokens)
     if lay.ring > 1:
         kv_local = m.kv_dim if lay.ulysses == 1 else head_plan(m.heads, m.kv_heads, lay.ulysses).expanded_kv_heads * d
         ring_tokens = tokens * lay.ulysses  # a ring block holds the ulysses group's tokens, 1/u of the heads
@@ -423,7 +167,7 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
     acts = activation_bytes_per_token(m, wl, lay.ulysses, feats) * tokens
     loss = _loss_bytes(m, wl, feats, tokens)
     comm = _comm_bytes(m, wl, lay, tokens, layer)
-    mlp_bwd, attn_bwd = _layer_backward(m, wl, lay, feats, tokens, layer, comm)
+    mlp_bwd, attn_bwd = layer_backward(m, wl, lay, feats, tokens, layer, comm)
     bwd = mlp_bwd if mlp_bwd.total >= attn_bwd.total else attn_bwd
     if feats.fused_loss and feats.fsdp:
         loss += layer  # FSDP2's pre-backward hook on the outputs gathers the last layer before the chunks run

@@ -1,0 +1,177 @@
+"""The busiest moments of one decoder layer's backward (planner.memory's `layer_backward` phase): the MLP
+product's backward, attention's backward and, for an untiled checkpointed layer, its input norm's backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..attention.ulysses import head_plan
+from .layer import attention_bytes, layer_bytes_per_token, lora_bytes, mlp_bytes, mlp_tiles, norm_bytes
+from .model import ModelFacts
+from .tiled import attention_backward_temp, tiled_terms
+from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
+
+__all__ = ["Moment", "layer_backward", "ulysses_buffers", "NORM_BACKWARD_TEMP"]
+
+
+@dataclass(frozen=True)
+class Moment:
+    """Bytes beside parameters and optimizer state at one moment of a layer's backward."""
+
+    activations: int
+    gradients: int
+    temp: int
+    comm: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.gradients + self.temp + self.comm
+
+
+@dataclass(frozen=True)
+class _Alive:
+    """What one layer's backward holds beside the layers ahead: bytes per local token unless named _bytes."""
+
+    current: int  # the layer's saved tensors / recompute at the MLP moment, + RoPE and indices
+    ahead: int  # each layer still ahead: its kept input (checkpointing) or its saved tensors
+    ahead_full: int  # this layer's kept input (checkpointing)
+    mlp_bytes: int  # the MLP's tensors (one tile's with tiled MLP)
+    mlp_temp_bytes: int  # their gradients (and the tiled layer's full-length buffers)
+    attn_temp: int  # attention's backward beside its saved tensors
+    attn_comm_bytes: int  # the collectives' buffers at attention's backward
+    attn_freed: int  # consumed before attention's backward: the post-attention norm's tensors
+    norm: int  # everything alive at the input norm's backward (untiled, checkpointed); 0: not a moment
+
+
+def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int, comm: int) -> _Alive:
+    e, h, i = wl.elt, m.hidden, m.intermediate
+    lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
+    down_in = e * i if wl.trains("down_proj") else 0
+    if feats.tiled_mlp:  # one tile's MLP tensors, recomputed for its backward
+        per_row = max(1, wl.seq_len // lay.sp)
+        tile = wl.rows * -(-per_row // mlp_tiles(m, wl, lay))
+    else:
+        lb -= mlp_bytes(m, wl, False)
+        tile = tokens
+    mlp_acts, mlp_temp = (mlp_bytes(m, wl, False) - down_in) * tile, 3 * e * i * tile
+    ckpt = feats.activation_checkpointing
+    if ckpt:  # recompute (in fp32 the input norm's fp32 input is the kept input); the kept input of each layer
+        current, ahead = lb - (4 * h if e == 4 else 0), e * h
+    else:
+        current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
+    fused = lay.ulysses > 1 and lay.ring == 1  # the fused exchange's buffers are counted in attn_temp
+    attn_comm = comm - (ulysses_buffers(m, e, lay.ulysses, tokens) if fused else 0)
+    base = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, index tensors
+    if feats.tiled_layer:  # planner.tiled: the layer keeps its input + attention's tensors; pieces run in tiles
+        t = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e)
+        current, ahead = t.current - (e * h if ckpt else 0), (e * h if ckpt else t.current)
+        return _Alive(base + current, ahead, e * h if ckpt else 0, t.mlp_acts, t.mlp_temp - e * h * tokens,
+                      t.attn_temp, attn_comm, 0, 0)
+    mlp_in = feats.tiled_mlp or any(wl.trains(t) for t in ("gate_proj", "up_proj"))
+    if lay.ulysses > 1 and lay.ring > 1:  # USP: the older count (dq, dk, dv); not traced tensor by tensor
+        attn_temp, attn_comm, freed = e * (h + m.q_dim + 2 * m.kv_dim), comm, 0
+    else:  # seqpar's attention backward tensor by tensor (planner.tiled)
+        attn_temp, freed = e * h + attention_backward_temp(m, e, lay.ulysses), norm_bytes(m, e, True, not wl.lora,
+                                                                                           mlp_in)
+    if wl.lora and not ckpt:
+        current -= 4 * h + 4  # layer 0 keeps no norm input (frozen embedding)
+    norm = base + input_norm_moment(m, wl, lay.ulysses) if ckpt else 0
+    return _Alive(base + current, ahead, e * h if ckpt else 0, mlp_acts, mlp_temp, attn_temp, attn_comm, freed, norm)
+
+
+@dataclass(frozen=True)
+class _Grads:
+    """Parameter-gradient bytes in a layer's backward (FSDP: finished layers as shards)."""
+
+    head: int  # lm_head / embedding + final norm (stay whole until the end of backward)
+    per_layer: int  # each finished layer
+    down: int  # the layer's own at the MLP moment
+    post_attn: int  # ... at attention's backward: o_proj, the post-attention norm, the MLP
+    in_flight: int  # FSDP: the previous layer's unsharded gradients in their reduce-scatter
+    prefetch: int  # FSDP: the next layer, gathered ahead
+
+
+def _grads(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, gathered: int) -> _Grads:
+    e, h, i = wl.elt, m.hidden, m.intermediate
+    if wl.lora:
+        head, per_layer, down, post_attn = 0, m.lora_params(wl.lora_r, wl.lora_targets) // m.layers * e, 0, 0
+    else:
+        head = (m.lm_head_params() or m.embed_params()) * e + h * e
+        post_attn = (m.q_dim * h + 3 * h * i + h) * e  # measured at attention's backward, tiled or not
+        # tiled MLP / layer: the tiles' backward accumulates gate, up and down gradients together (measured)
+        per_layer = m.layer_params() * e
+        down = post_attn if feats.tiled_layer else (3 if feats.tiled_mlp else 1) * h * i * e
+    if not feats.fsdp:
+        return _Grads(head, per_layer, down, post_attn, 0, 0)
+    # finished layers' gradient shards stay on the device, or go to the host with CPU offload
+    shard = 0 if feats.offload_optimizer else per_layer // lay.world
+    return _Grads(head, shard, down, post_attn, per_layer, gathered)
+
+
+def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int,
+                   gathered: int, comm: int) -> tuple[Moment, Moment]:
+    """(the MLP moment, the larger of the attention and input-norm moments) of the busiest layer backward.
+
+    MLP moment: backward has reached a layer's MLP, down_proj's backward is done, and the gradients of
+    silu(gate) and up are being formed. Alive then, per local token: RoPE cos/sin and the index tensors;
+    the saved tensors of the layers still ahead (without checkpointing), or their inputs (with it); this
+    layer's saved tensors (with checkpointing: its recompute, where the fp32 input of input_layernorm is
+    the kept input itself in fp32, a new fp32 copy in bf16) less down_proj's input, already consumed;
+    temporaries: the residual-stream gradient e h, down_proj's input gradient e I and the two product
+    gradients 2 e I (with tiled MLP the [*, I] terms, recompute included, are one tile's). Parameter
+    gradients: the head's, the layers done, this layer's down_proj. FSDP2: this layer gathered, the
+    next one prefetched, the previous layer's unsharded gradients in their reduce-scatter; finished
+    layers' gradients are shards, the root's (head) stay whole until the end of backward. Activations
+    fall and gradients grow from one layer to the next (linearly between the FSDP steps), so the
+    first, second, second-to-last and last layer cover the maximum.
+    Attention moment: the same, but the layer's MLP tensors and the post-attention norm's are gone, the
+    gradients of o_proj, the norm and the MLP exist, and seqpar's attention backward holds its tensors
+    (planner.tiled.attention_backward_temp: accumulators, kernel outputs, the all-to-all buffers) beside
+    the residual-stream gradient; the ring's K/V and FSDP's gathered layers are alive.
+    Input-norm moment (checkpointed, untiled layers; measured on the bf16 and LoRA rows): the recompute
+    of attention and of the input norm, the post-attention norm's fp32 input, the whole layer's gradients
+    and the norm backward's fp32 temporaries (`NORM_BACKWARD_TEMP`). LoRA: layer 0 (frozen embedding)
+    computes no input gradient, so it has no such moment.
+    """
+    alive, g = _alive(m, wl, lay, feats, tokens, comm), _grads(m, wl, lay, feats, gathered)
+    e, h, last = wl.elt, m.hidden, m.layers - 1
+
+    def at(k: int, moment: str) -> Moment:  # k layers already done
+        # offloaded layer inputs: only the next one, prefetched, is back on the device
+        ahead_n = (min(1, last - k) * feats.offload_prefetch) if feats.offload_activations else last - k
+        a = (alive.current + alive.ahead * ahead_n + alive.ahead_full) * tokens
+        rs, done = (g.in_flight if k > 0 else 0), g.head + k * g.per_layer
+        if moment == "attention":  # (FSDP: the first layer has no next one to prefetch)
+            return Moment(a - alive.attn_freed * tokens, done + g.post_attn, alive.attn_temp * tokens,
+                          alive.attn_comm_bytes - (g.prefetch if k == last else 0) + rs)
+        if moment == "norm":  # the whole layer's gradients exist (FSDP: unsharded, before its reduce-scatter)
+            return Moment((alive.norm + alive.ahead * ahead_n) * tokens, done + (g.in_flight or g.per_layer),
+                          NORM_BACKWARD_TEMP * h * tokens, gathered + rs)
+        return Moment(a + alive.mlp_bytes, done + g.down, e * h * tokens + alive.mlp_temp_bytes,
+                      gathered + (g.prefetch if k < last else 0) + rs)
+
+    ks = {0, min(1, last), max(0, last - 1), last}
+    norm_ks = [k for k in ks if k < last or not wl.lora] if alive.norm else []
+    mlp = max((at(k, "mlp") for k in ks), key=lambda x: x.total)
+    return mlp, max([*(at(k, "attention") for k in ks), *(at(k, "norm") for k in norm_ks)], key=lambda x: x.total)
+
+
+# HF's RMSNorm backward (fp32 internals): the gradients through x * rsqrt, mean and pow (x, 2x, their product)
+NORM_BACKWARD_TEMP = 5 * 4
+
+
+def input_norm_moment(m: ModelFacts, wl: Workload, u: int) -> int:
+    """Activations per local token when a checkpointed, untiled layer's input norm runs its backward (the
+    largest moment of bf16 and LoRA layers, measured): attention's and the input norm's recompute (its fp32
+    input: the layer's kept input in fp32, a copy in bf16), the post-attention norm's fp32 input (in bf16
+    beside the residual stream itself) and the adapters' inputs stay alive until the layer's input gradient
+    is formed."""
+    e, h, full = wl.elt, m.hidden, not wl.lora
+    qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
+    post = 4 * h + (e * h if e == 2 else 0)
+    return norm_bytes(m, e, True, full, qkv) + attention_bytes(m, wl, u) + post + lora_bytes(m, wl)
+
+
+def ulysses_buffers(m: ModelFacts, e: int, u: int, tokens: int) -> int:
+    """Ulysses' all-to-all send + receive buffers of the largest tensor (q, plan-padded heads)."""
+    return 2 * e * head_plan(m.heads, m.kv_heads, u).padded_heads * m.head_dim * tokens

@@ -1,0 +1,76 @@
+"""Bytes one decoder layer keeps for backward, per local token, tensor by tensor (see planner.memory's module
+docstring for the list), and what stays alive at the end of forward."""
+
+from __future__ import annotations
+
+from ..attention.ulysses import head_plan
+from .model import ModelFacts
+from .tiled import tiled_saved_per_token
+from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
+
+__all__ = ["norm_bytes", "attention_bytes", "lora_bytes", "mlp_bytes", "layer_bytes_per_token", "mlp_tiles",
+           "activation_bytes_per_token"]
+
+
+def norm_bytes(m: ModelFacts, e: int, input_grad: bool, weight_trains: bool, consumer_saves: bool) -> int:
+    """Bytes one RMSNorm keeps per token: fp32 input + rsqrt, normalised x (weight grad), output (consumer)."""
+    n = (4 * m.hidden + 4) if input_grad else 0
+    return n + (e * m.hidden if weight_trains else 0) + (e * m.hidden if consumer_saves else 0)
+
+
+def attention_bytes(m: ModelFacts, wl: Workload, u: int) -> int:
+    e, d = wl.elt, m.head_dim
+    n = 0
+    if m.qk_norm:
+        full = not wl.lora
+        n += 4 * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads) + (e * (m.q_dim + m.kv_dim) if full else 0)
+    if u == 1:
+        return n + e * (2 * m.q_dim + 2 * m.kv_dim) + 4 * m.heads
+    plan = head_plan(m.heads, m.kv_heads, u)
+    hq, hkv = plan.padded_heads, plan.expanded_kv_heads
+    # per LOCAL token: the head-space q, k, v, output and lse of P tokens x 1/P of the heads
+    n += e * (2 * hq + 2 * hkv) * d + 4 * hq
+    return n + (e * m.q_dim if wl.trains("o_proj") else 0)  # the sequence-space output o_proj keeps
+
+
+def lora_bytes(m: ModelFacts, wl: Workload) -> int:
+    return wl.elt * wl.lora_r * sum(1 for t in wl.lora_targets) if wl.lora else 0
+
+
+def mlp_bytes(m: ModelFacts, wl: Workload, tiled: bool) -> int:
+    if tiled:
+        return 0  # tiles are recomputed in backward: nothing [S, intermediate] stays alive
+    return wl.elt * m.intermediate * (3 + (1 if wl.trains("down_proj") else 0))
+
+
+def layer_bytes_per_token(m: ModelFacts, wl: Workload, u: int, tiled_mlp: bool = False) -> int:
+    """What one decoder layer keeps for backward, per local token (no checkpointing)."""
+    e, full = wl.elt, not wl.lora
+    qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
+    mlp_in = any(wl.trains(t) for t in ("gate_proj", "up_proj"))
+    return (norm_bytes(m, e, True, full, qkv) + attention_bytes(m, wl, u)
+            + norm_bytes(m, e, True, full, mlp_in or tiled_mlp) + mlp_bytes(m, wl, tiled_mlp) + lora_bytes(m, wl))
+
+
+def mlp_tiles(m: ModelFacts, wl: Workload, lay: Layout) -> int:
+    """memory.tiled_mlp's automatic tile count (seqpar.memory.tiled_mlp.auto_tile_count) for one row of
+    this rank's shard; 1 tile runs the plain MLP (nothing is checkpointed)."""
+    local = max(1, wl.seq_len // lay.sp)
+    return max(1, min(local, -(-local // m.hidden)))
+
+
+def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features) -> int:
+    """Bytes alive per local token at the end of forward (loss working set excluded)."""
+    e, full = wl.elt, not wl.lora
+    once = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, int64 index tensors
+    once += norm_bytes(m, e, True, full, full and not feats.fused_loss)  # final norm (lm_head keeps its output)
+    if feats.fused_loss:
+        once += e * m.hidden  # the supervised hidden states the loss chunks keep
+    if feats.activation_checkpointing:
+        kept = 0 if feats.offload_activations else m.layers  # offload: every layer input is in the host store
+        return once + kept * e * m.hidden  # (layer 0's input is kept even when the embedding is frozen)
+    if feats.tiled_layer:
+        return once + m.layers * tiled_saved_per_token(m, e, u)
+    if wl.lora:
+        once -= 4 * m.hidden + 4  # a frozen embedding: layer 0's norm input needs no gradient
+    return once + m.layers * layer_bytes_per_token(m, wl, u, feats.tiled_mlp)
