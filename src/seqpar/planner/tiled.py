@@ -74,8 +74,11 @@ def tiled_terms(m: ModelFacts, elt: int, u: int, rows: int, local_per_row: int, 
                 weights_train: bool, elt_params: int) -> TiledTerms:
     e, h, i = elt, m.hidden, m.intermediate
     tile = rows * -(-local_per_row // layer_tiles(m, local_per_row))
-    norm = 4 * h + 4 + 2 * e * h  # fp32 input + rsqrt, normalised x, output
-    tile_acts = (norm + 4 * e * i + e * h) * tile  # + the middle residual stream of the tile
+    if weights_train:  # fp32 input + rsqrt, normalised x, output; gate, silu(gate), up, their product
+        kept = 4 * h + 4 + 2 * e * h + 4 * e * i
+    else:  # frozen norm and MLP (LoRA on attention): rsqrt (+ the fp32 copy in bf16), gate, silu(gate), up (measured)
+        kept = 4 + (4 * h if e == 2 else 0) + 3 * e * i
+    tile_acts = (kept + e * h) * tile  # + the middle residual stream of the tile
     tile_grads = (3 * e * i + 2 * e * h) * tile
     buffers = (e * h + e * m.q_dim + e * h) * tokens  # incoming gradient, attention-output and input buffers
     down = (m.q_dim * h + 3 * h * i + h) * elt_params if weights_train else 0
