@@ -152,13 +152,14 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
     """Peak bytes on one rank: the largest of three moments of the step (see module docstring).
 
     foreach: AdamW's multi-tensor path (the default on GPUs) allocates one temporary the size of all
-    trainable parameters; the CPU single-tensor path only the largest tensor's. Without FSDP and with
+    trainable parameters; the CPU single-tensor path two of the largest tensor's (sqrt(v), then its quotient
+    by the bias correction; measured). Without FSDP and with
     more than one rank, seqpar.loss.sum_gradients flattens all gradients into one buffer first.
     """
     tokens = wl.rows * wl.seq_len // lay.sp
     params, grads, opt, opt_temp, layer = _param_bytes(m, wl, feats, lay.world)
     if not foreach and not (lay.world > 1 and not feats.fsdp):
-        opt_temp = min(opt_temp, max(m.embed_params(), m.hidden * m.intermediate) * 4)
+        opt_temp = min(opt_temp, 2 * max(m.embed_params(), m.hidden * m.intermediate) * 4)
     # The frozen reference copy of full-fine-tuning DPO; under FSDP2 sharded over all ranks like the policy.
     ref = m.num_params() * wl.elt // (lay.world if feats.fsdp else 1) if wl.stage == "dpo" and not wl.lora else 0
     params += ref
