@@ -76,15 +76,18 @@ def test_feature_terms():
 
 def test_fused_loss_chunk_counts_supervised_positions():
     # At log_softmax's backward one recomputed chunk holds its fp32 log-softmax, that gradient and the
-    # logits' gradient: 12 V bytes per supervised position, whatever the weights' dtype. DPO's micro-batch
-    # has 2 rows (chosen, rejected); the prompt positions get no logits.
+    # logits' gradient: 12 V bytes per supervised position, whatever the weights' dtype; every supervised
+    # position also has its int64 index and target and its NLL's fp32 gradient (20 B) and, once a second chunk
+    # runs backward, the gradient of its hidden state (e h). DPO's micro-batch has 2 rows (chosen,
+    # rejected); the prompt positions get no logits.
     m, lay = tiny(), Layout()
-    for prec in ("fp32", "bf16"):
+    n = 2 * (256 - 85)
+    for prec, e in (("fp32", 4), ("bf16", 2)):
         dpo = Workload(256, stage="dpo", precision=prec, unsupervised_tokens=85)
         whole = estimate_memory(m, dpo, lay, Features(fused_loss=True))
-        assert whole.phase == "loss_backward" and whole.loss_chunk == 12 * 512 * 2 * (256 - 85)
+        assert whole.phase == "loss_backward" and whole.loss_chunk == 12 * 512 * n + 20 * n
         chunked = estimate_memory(m, dpo, lay, Features(fused_loss=True, loss_chunk_tokens=32)).phases
-        assert whole.phases["loss_backward"] - chunked["loss_backward"] == 12 * 512 * (2 * (256 - 85) - 32)
+        assert whole.phases["loss_backward"] - chunked["loss_backward"] == 12 * 512 * (n - 32) - e * m.hidden * n
     # without the fused loss every position has logits, supervised or not
     dpo = Workload(256, stage="dpo", precision="fp32", unsupervised_tokens=85)
     assert estimate_memory(m, dpo, lay, Features()).loss_chunk == 12 * 512 * 2 * 256

@@ -186,38 +186,51 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=a, device=q.device)
         kk, vv = k, v
-        dk_own = dv_own = None
+        dkv_own = None
         for step in range(n):
             if step < n - 1:
                 kv_ring.start([kk, vv])
             j = (r - step) % n
-            dk_blk = torch.zeros(k.shape, dtype=a, device=k.device)
-            dv_blk = torch.zeros(v.shape, dtype=a, device=v.device)
-            for p in plan_pieces(all_segs[r], all_segs[j], causal, bounds):
-                sq, sk = slice(p.q0, p.q1), slice(p.k0, p.k1)
-                g_q, g_k, g_v = kernel.backward(
-                    dout[:, sq], q[:, sq], kk[:, sk], vv[:, sk], out[:, sq], lse[:, sq], p.causal, scale
-                )
-                dq[:, sq] += g_q
-                dk_blk[:, sk] += g_k
-                dv_blk[:, sk] += g_v
+            dkv = _block_grads(kernel, plan_pieces(all_segs[r], all_segs[j], causal, bounds), dout, q, kk, vv, out,
+                               lse, scale, dq)
             if step == 0:
-                dk_own, dv_own = dk_blk, dv_blk  # own block: stays here, its partial sum comes home last
+                dkv_own = dkv  # own block: stays here, its partial sum comes home last
             else:
                 if step > 1:
-                    dk_in, dv_in = dkv_ring.wait()  # block j's partial sum from ring ranks j+1 .. r-1
-                    dk_blk += dk_in
-                    dv_blk += dv_in
-                dkv_ring.start([dk_blk, dv_blk])  # n-1 sends in all: the reduce-scatter bound
+                    _add_received(dkv, dkv_ring)  # block j's partial sum from ring ranks j+1 .. r-1
+                dkv_ring.start(dkv)  # n-1 sends in all: the reduce-scatter bound
+            del dkv  # (a block in flight is held by its send until the next wait)
             if step < n - 1:
                 kk, vv = kv_ring.wait()
+        del kk, vv
         if n > 1:
-            dk_in, dv_in = dkv_ring.wait()  # own block's sum over ring ranks r+1 .. r-1 (all others)
-            dk_own += dk_in
-            dv_own += dv_in
-        dk, dv = dk_own, dv_own
+            _add_received(dkv_own, dkv_ring)  # own block's sum over ring ranks r+1 .. r-1 (all others)
+        dk, dv = dkv_own
         none = (None,) * 9
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none)
+
+
+def _block_grads(kernel: AttentionKernel, pieces: list[Piece], dout: torch.Tensor, q: torch.Tensor,
+                 kk: torch.Tensor, vv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
+                 dq: torch.Tensor) -> list[torch.Tensor]:
+    """One KV block's backward: dQ accumulates into dq; returns [dK, dV] of the block (accumulator dtype).
+    Each piece's kernel outputs are freed once added (they would otherwise stay alive through the sends)."""
+    dk = torch.zeros(kk.shape, dtype=dq.dtype, device=kk.device)
+    dv = torch.zeros(vv.shape, dtype=dq.dtype, device=vv.device)
+    for p in pieces:
+        sq, sk = slice(p.q0, p.q1), slice(p.k0, p.k1)
+        g_q, g_k, g_v = kernel.backward(dout[:, sq], q[:, sq], kk[:, sk], vv[:, sk], out[:, sq], lse[:, sq], p.causal,
+                                        scale)
+        dq[:, sq] += g_q
+        dk[:, sk] += g_k
+        dv[:, sk] += g_v
+    return [dk, dv]
+
+
+def _add_received(acc: list[torch.Tensor], ring: RingComm) -> None:
+    """acc += the partial sums the ring delivers (the receive buffers are freed on return)."""
+    for x, got in zip(acc, ring.wait()):
+        x += got
 
 
 def ring_attention(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..attention.ulysses import head_plan
 from .layer import attention_bytes, layer_bytes_per_token, lora_bytes, mlp_bytes, mlp_tiles, norm_bytes
 from .model import ModelFacts
-from .tiled import attention_backward_temp, tiled_terms
+from .tiled import attention_backward_temp, layer_tiles, tiled_terms
 from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
 __all__ = ["Moment", "layer_backward", "ulysses_buffers", "NORM_BACKWARD_TEMP"]
@@ -63,7 +63,7 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     attn_comm = comm - (ulysses_buffers(m, e, lay.ulysses, tokens) if fused else 0)
     base = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, index tensors
     if feats.tiled_layer:  # planner.tiled: the layer keeps its input + attention's tensors; pieces run in tiles
-        t = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e)
+        t = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e, lay.ring)
         current, ahead = t.current - (e * h if ckpt else 0), (e * h if ckpt else t.current)
         return _Alive(base + current, ahead, e * h if ckpt else 0, t.mlp_acts, t.mlp_temp - e * h * tokens,
                       t.attn_temp, attn_comm, 0, 0)
@@ -71,8 +71,8 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     if lay.ulysses > 1 and lay.ring > 1:  # USP: the older count (dq, dk, dv); not traced tensor by tensor
         attn_temp, attn_comm, freed = e * (h + m.q_dim + 2 * m.kv_dim), comm, 0
     else:  # seqpar's attention backward tensor by tensor (planner.tiled)
-        attn_temp, freed = e * h + attention_backward_temp(m, e, lay.ulysses), norm_bytes(m, e, True, not wl.lora,
-                                                                                           mlp_in)
+        attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses, lay.ring)
+        freed = norm_bytes(m, e, True, not wl.lora, mlp_in)
     if wl.lora and not ckpt:
         current -= 4 * h + 4  # layer 0 keeps no norm input (frozen embedding)
     norm = base + input_norm_moment(m, wl, lay.ulysses) if ckpt else 0
@@ -98,9 +98,11 @@ def _grads(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, gathered: 
     else:
         head = (m.lm_head_params() or m.embed_params()) * e + h * e
         post_attn = (m.q_dim * h + 3 * h * i + h) * e  # measured at attention's backward, tiled or not
-        # tiled MLP / layer: the tiles' backward accumulates gate, up and down gradients together (measured)
+        # tiled MLP / layer: the tiles' backward accumulates gate, up and down gradients together (measured);
+        # a tiled layer of one tile is one backward pass, where down_proj's comes first
         per_layer = m.layer_params() * e
-        down = post_attn if feats.tiled_layer else (3 if feats.tiled_mlp else 1) * h * i * e
+        tiles = layer_tiles(m, max(1, wl.seq_len // lay.sp)) if feats.tiled_layer else 0
+        down = post_attn if tiles > 1 else (3 if feats.tiled_mlp else 1) * h * i * e
     if not feats.fsdp:
         return _Grads(head, per_layer, down, post_attn, 0, 0)
     # finished layers' gradient shards stay on the device, or go to the host with CPU offload

@@ -111,8 +111,16 @@ def _table(cands: list[Any], top: int, max_len: bool) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .validate import (FEATURE_SETS, GRID, TILED_GRID, TOLERANCE, UNTILED_GRID, format_rows, run_validation,
-                           with_features)
+    from .validate import (
+        FEATURE_SETS,
+        GRID,
+        TILED_GRID,
+        TOLERANCE,
+        UNTILED_GRID,
+        format_rows,
+        run_validation,
+        with_features,
+    )
 
     names = list(FEATURE_SETS) if args.features == "all" else args.features.split(",")
     bad = [n for n in names if n not in FEATURE_SETS]

@@ -127,11 +127,15 @@ def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> in
     """At log_softmax's backward: the fp32 log-softmax (saved), its gradient and the logits' gradient,
     12 V bytes per token with logits. Without the fused loss every token has logits; with it only one
     checkpointed chunk of supervised tokens, recomputed in backward (its e-byte logits are upcast, or in
-    fp32 are the same tensor, and not saved)."""
+    fp32 are the same tensor, and not saved), plus per supervised token: their int64 positions and
+    targets (16 B), the fp32 gradient of the per-token NLL (4 B) and, from the second chunk's backward on,
+    the gradient the chunks' hidden-state slices accumulate into (e*h)."""
     if not feats.fused_loss:
         return 12 * m.vocab * tokens
     chunk = feats.loss_chunk_tokens or max(1, DEFAULT_LOSS_CHUNK_BYTES // (4 * m.vocab))
-    return 12 * m.vocab * min(chunk, wl.supervised(tokens))
+    supervised = wl.supervised(tokens)
+    accumulated = wl.elt * m.hidden * supervised if supervised > chunk else 0
+    return 12 * m.vocab * min(chunk, supervised) + 20 * supervised + accumulated
 
 
 def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_params: int) -> int:
@@ -140,7 +144,7 @@ def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_par
     n = 0
     if lay.ulysses > 1:
         n += ulysses_buffers(m, e, lay.ulysses, tokens)
-    if lay.ring > 1:
+    if lay.ring > 1 and lay.ulysses > 1:  # USP (older count); the pure ring's buffers: planner.tiled.ring_backward_temp
         kv_local = m.kv_dim if lay.ulysses == 1 else head_plan(m.heads, m.kv_heads, lay.ulysses).expanded_kv_heads * d
         ring_tokens = tokens * lay.ulysses  # a ring block holds the ulysses group's tokens, 1/u of the heads
         n += 2 * 2 * (e + 4) * kv_local // lay.ulysses * ring_tokens  # K,V in flight + fp32 dK,dV in flight

@@ -73,8 +73,11 @@ ANCHORS: list[Anchor] = [
            _req("dpo", fused=False, opt=True, r=8)),
     Anchor("360-LF DPO (ring 16, dp 2)", "qwen2.5-72b", 32, "a100-80g", "86K", 86_000, "max_len",
            _req("dpo", fused=False, opt=True, r=16)),
-    Anchor("ms-swift LoRA (ulysses 8)", "qwen2.5-3b", 8, "a100-80g", "64K at 40 GiB/GPU", 40.0, "mem_at",
-           _req("sft", "lora", u=8, mb=4, targets=_ALL_LINEAR, fsdp=False), seq_len=65_536),
+    # ms-swift's example: max_length 64K never binds (LongAlpaca-12k rows are <= 25,826 tokens); padding_free packs
+    # the micro-batch of 4 into one row (<= 103,304 tokens); 2 kv heads -> ulysses 2 x ring 4; its chunked CE
+    # still materialises the fp32 logits (no fused loss); 40 GiB is torch's max_memory_reserved over the run
+    Anchor("ms-swift LoRA (ulysses 2 x ring 4)", "qwen2.5-3b", 8, "a100-80g", "40 GiB/GPU reserved", 40.0, "mem_at",
+           _req("sft", "lora", u=2, r=4, fused=False, targets=_ALL_LINEAR, fsdp=False), seq_len=103_304),
 ]
 
 

@@ -15,7 +15,8 @@ its recompute), the moments are
   tensor counted (measured with the exact meter, tiny Llama, fp32, u = 1 and 2):
   ring path (u = 1; with u = 1 and ring = 1 the local attention is a one-block ring): the accumulators
   dq, dk, dv in fp32 4 (q + 2 kv) and the kernel's outputs e (q + 2 kv) (bf16: plus their casts back,
-  another e (q + 2 kv), made while both are alive);
+  another e (q + 2 kv), made while both are alive); with ring > 1 the zigzag ring's busiest step
+  (`ring_backward_temp`, measured with ring 2);
   fused Ulysses (u > 1, ring = 1; Q, K the plan-padded head widths): dout's send buffer e Q, the kernel's
   head-space gradients e (Q + 2 K), their packed send buffer, its receive buffer and the sequence-space
   dq, dk, dv (each e (Q + 2 K)); the attention output `a` (saved by the second piece) is freed by then.
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 from ..attention.ulysses import head_plan
 from .model import ModelFacts
 
-__all__ = ["TiledTerms", "tiled_terms", "tiled_saved_per_token", "layer_tiles", "attention_backward_temp"]
+__all__ = ["TiledTerms", "tiled_terms", "tiled_saved_per_token", "layer_tiles", "attention_backward_temp",
+           "ring_backward_temp"]
 
 
 def tiled_saved_per_token(m: ModelFacts, elt: int, u: int) -> int:
@@ -48,17 +50,36 @@ def layer_tiles(m: ModelFacts, local_per_row: int) -> int:
     return max(1, min(local_per_row, -(-local_per_row // m.hidden)))
 
 
-def attention_backward_temp(m: ModelFacts, elt: int, u: int) -> int:
+def attention_backward_temp(m: ModelFacts, elt: int, u: int, ring: int = 1) -> int:
     """Bytes per local token seqpar's attention backward allocates beside its saved tensors, at its largest
     moment (module docstring), with the incoming attention-output gradient e q. For u > 1 the saved
     sequence-space output (the second piece's input, released with that piece's backward) is subtracted."""
     e = elt
-    if u == 1:  # ring path: fp32 accumulators + the kernel's outputs (+ their casts back in bf16)
-        qkv = m.q_dim + 2 * m.kv_dim
-        return e * m.q_dim + 4 * qkv + (e if e == 4 else 2 * e) * qkv
+    if u == 1:  # ring path (ring 1: the local attention)
+        return e * m.q_dim + ring_backward_temp(m.q_dim, m.kv_dim, e, ring)
     plan = head_plan(m.heads, m.kv_heads, u)
     wq, wkv = plan.padded_heads * m.head_dim, plan.expanded_kv_heads * m.head_dim
     return e * m.q_dim + e * wq + 4 * e * (wq + 2 * wkv) - e * m.q_dim
+
+
+def ring_backward_temp(q: int, kv: int, e: int, n: int) -> int:
+    """Bytes per local token of the zigzag ring backward (causal, ring size n, widths q and kv) at its largest
+    moment over ranks and steps, beside the saved q, k, v, out, lse (seqpar.attention.ring, measured): the
+    fp32 dq accumulator; the K/V block being used and the next one arriving (e each); the fp32 dK/dV pairs:
+    this block's, from step 1 the own block's, from step 2 the previous block's in its send and the next
+    partial sum arriving; the kernel's outputs of one piece (full on the diagonal step, else a half block:
+    dK/dV of half the keys when the block is earlier than the rank's own, dQ of half the queries when it
+    is later; in bf16 with their fp32 casts)."""
+    acc, pair_kv, pair_acc = 4 * q, 2 * e * kv, 2 * 4 * kv
+    cast = 1 if e == 4 else 2
+    best = acc + (pair_kv if n > 1 else 0) + pair_acc + cast * e * (q + 2 * kv)  # step 0: the diagonal block
+    for r in range(n):
+        for s in range(1, n):
+            half = (q + kv) if (r - s) % n < r else (q // 2 + 2 * kv)
+            arriving = pair_kv if s < n - 1 else 0
+            best = max(best, acc + pair_kv + arriving + (4 if s >= 2 else 2) * pair_acc + cast * e * half,
+                       acc + pair_kv + arriving + 3 * pair_acc)  # computing / after the block's send started
+    return best
 
 
 @dataclass(frozen=True)
@@ -71,7 +92,7 @@ class TiledTerms:
 
 
 def tiled_terms(m: ModelFacts, elt: int, u: int, rows: int, local_per_row: int, tokens: int,
-                weights_train: bool, elt_params: int) -> TiledTerms:
+                weights_train: bool, elt_params: int, ring: int = 1) -> TiledTerms:
     e, h, i = elt, m.hidden, m.intermediate
     tile = rows * -(-local_per_row // layer_tiles(m, local_per_row))
     if weights_train:  # fp32 input + rsqrt, normalised x, output; gate, silu(gate), up, their product
@@ -83,4 +104,4 @@ def tiled_terms(m: ModelFacts, elt: int, u: int, rows: int, local_per_row: int, 
     buffers = (e * h + e * m.q_dim + e * h) * tokens  # incoming gradient, attention-output and input buffers
     down = (m.q_dim * h + 3 * h * i + h) * elt_params if weights_train else 0
     return TiledTerms(tiled_saved_per_token(m, elt, u), tile_acts, tile_grads + buffers, down,
-                      e * h + attention_backward_temp(m, e, u))
+                      e * h + attention_backward_temp(m, e, u, ring))

@@ -21,9 +21,9 @@ from .measure import Case, measure_case, unsupervised_tokens
 from .memory import Features, Layout, Workload, estimate_memory
 from .model import load_model_facts
 
-__all__ = ["GRID", "FAST_GRID", "REACH_GRID", "TILED_GRID", "UNTILED_GRID", "FEATURE_SETS", "predict_case", "run_validation",
-           "format_rows", "with_features", "TOLERANCE", "TIME_GRID", "FAST_TIME_GRID", "run_time_validation",
-           "time_ordering", "format_time_rows"]
+__all__ = ["GRID", "FAST_GRID", "REACH_GRID", "TILED_GRID", "UNTILED_GRID", "FEATURE_SETS", "predict_case",
+           "run_validation", "format_rows", "with_features", "TOLERANCE", "TIME_GRID", "FAST_TIME_GRID",
+           "run_time_validation", "time_ordering", "format_time_rows"]
 
 TOLERANCE = 0.02
 NO_FEATURES: dict[str, Any] = {"fused_loss": False}
@@ -58,12 +58,13 @@ GRID: list[Case] = [
 # The rows `tests/test_planner_reach.py` measures for offload and bf16 masters (slow).
 REACH_GRID: list[Case] = GRID[-4:]
 # The tiled decoder layer's rows (`tests/test_planner_reach.py`, slow): 4 layers x 1024 tokens, SP 1 (fp32, bf16
-# with fp32 masters, LoRA) and ulysses 2: the peak is a layer's attention backward.
+# with fp32 masters, LoRA), ulysses 2 and ring 2 (full, LoRA): the peak is a layer's attention backward.
 _L = Case(num_layers=4, seq_len=1024, memory=FEATURE_SETS["layer"])
-TILED_GRID: list[Case] = [_L, replace(_L, precision="bf16"), replace(_L, finetuning="lora"), replace(_L, ulysses=2)]
-# The same rows without the tiled layer (every other feature): the peak is the layer's input-norm backward (bf16,
+TILED_GRID: list[Case] = [_L, replace(_L, precision="bf16"), replace(_L, finetuning="lora"), replace(_L, ulysses=2),
+                          replace(_L, ring=2), replace(_L, ring=2, finetuning="lora")]
+# The first four without the tiled layer (every other feature): the peak is the layer's input-norm backward (bf16,
 # LoRA) or attention's backward (fp32, ulysses 2).
-UNTILED_GRID: list[Case] = [replace(c, memory={**c.memory, "tiled_layer": False}) for c in TILED_GRID]
+UNTILED_GRID: list[Case] = [replace(c, memory={**c.memory, "tiled_layer": False}) for c in TILED_GRID[:4]]
 FAST_GRID: list[Case] = [_B, replace(_B, finetuning="lora"), replace(_B, ulysses=2), replace(_B, stage="dpo")]
 
 
