@@ -145,7 +145,7 @@ def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_par
     if lay.ulysses > 1:
         n += ulysses_buffers(m, e, lay.ulysses, tokens)
     if lay.ring > 1 and lay.ulysses > 1:  # USP (older count); the pure ring's buffers: planner.tiled.ring_backward_temp
-        kv_local = m.kv_dim if lay.ulysses == 1 else head_plan(m.heads, m.kv_heads, lay.ulysses).expanded_kv_heads * d
+        kv_local = head_plan(m.heads, m.kv_heads, lay.ulysses).expanded_kv_heads * d
         ring_tokens = tokens * lay.ulysses  # a ring block holds the ulysses group's tokens, 1/u of the heads
         n += 2 * 2 * (e + 4) * kv_local // lay.ulysses * ring_tokens  # K,V in flight + fp32 dK,dV in flight
     return n + 2 * layer_params  # FSDP: the running and the prefetched layer

@@ -73,12 +73,12 @@ def ring_backward_temp(q: int, kv: int, e: int, n: int) -> int:
     acc, pair_kv, pair_acc = 4 * q, 2 * e * kv, 2 * 4 * kv
     cast = 1 if e == 4 else 2
     best = acc + (pair_kv if n > 1 else 0) + pair_acc + cast * e * (q + 2 * kv)  # step 0: the diagonal block
-    for r in range(n):
-        for s in range(1, n):
-            half = (q + kv) if (r - s) % n < r else (q // 2 + 2 * kv)
-            arriving = pair_kv if s < n - 1 else 0
-            best = max(best, acc + pair_kv + arriving + (4 if s >= 2 else 2) * pair_acc + cast * e * half,
-                       acc + pair_kv + arriving + 3 * pair_acc)  # computing / after the block's send started
+    # at every later step s some rank has an earlier block (ranks r >= s) and some a later one (r < s)
+    half = cast * e * max(q + kv, q // 2 + 2 * kv)
+    for s in range(1, n):
+        arriving = pair_kv if s < n - 1 else 0
+        best = max(best, acc + pair_kv + arriving + (4 if s >= 2 else 2) * pair_acc + half,
+                   acc + pair_kv + arriving + 3 * pair_acc)  # computing / after the block's send started
     return best
 
 
