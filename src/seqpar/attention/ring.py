@@ -168,6 +168,7 @@ class _RingAttention(torch.autograd.Function):
                 else:
                     merge_(out[:, p.q0 : p.q1], lse[:, p.q0 : p.q1], o_p, l_p)
                 untouched = _remove_range(untouched, p.q0, p.q1)
+                del o_p, l_p
             if step < n - 1:
                 kk, vv = ring.wait()
         out = out.to(q.dtype)
@@ -224,6 +225,7 @@ def _block_grads(kernel: AttentionKernel, pieces: list[Piece], dout: torch.Tenso
         dq[:, sq] += g_q
         dk[:, sk] += g_k
         dv[:, sk] += g_v
+        del g_q, g_k, g_v  # else they stay alive through the next piece's kernel call
     return [dk, dv]
 
 

@@ -112,6 +112,7 @@ def _kernel_bwd(kernel: AttentionKernel, dout, q, k, v, out, lse, pieces, scale)
         dq[:, sq] += g[0]
         dk[:, sk] += g[1]
         dv[:, sk] += g[2]
+        del g  # not alive through the next piece's kernel call
     return dq, dk, dv
 
 
