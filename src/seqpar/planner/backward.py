@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..attention.ulysses import head_plan
 from .layer import attention_bytes, layer_bytes_per_token, lora_bytes, mlp_bytes, mlp_tiles, norm_bytes
 from .model import ModelFacts
 from .tiled import attention_backward_temp, layer_tiles, tiled_terms
 from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
-__all__ = ["Moment", "layer_backward", "ulysses_buffers", "NORM_BACKWARD_TEMP"]
+__all__ = ["Moment", "layer_backward", "NORM_BACKWARD_TEMP"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class _Alive:
     mlp_bytes: int  # the MLP's tensors (one tile's with tiled MLP)
     mlp_temp_bytes: int  # their gradients (and the tiled layer's full-length buffers)
     attn_temp: int  # attention's backward beside its saved tensors
-    attn_comm_bytes: int  # the collectives' buffers at attention's backward
+    attn_comm_bytes: int  # FSDP's gathered layers at attention's backward
     attn_freed: int  # consumed before attention's backward: the post-attention norm's tensors
     norm: int  # everything alive at the input norm's backward (untiled, checkpointed); 0: not a moment
 
@@ -59,24 +58,22 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
         current, ahead = lb - (4 * h if e == 4 else 0), e * h
     else:
         current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
-    fused = lay.ulysses > 1 and lay.ring == 1  # the fused exchange's buffers are counted in attn_temp
-    attn_comm = comm - (ulysses_buffers(m, e, lay.ulysses, tokens) if fused else 0)
     base = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, index tensors
     if feats.tiled_layer:  # planner.tiled: the layer keeps its input + attention's tensors; pieces run in tiles
-        t = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e, lay.ring)
+        o_in = (e * m.q_dim + (e * wl.lora_r if wl.lora else 0)) if wl.trains("o_proj") else 0
+        t = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e, lay.ring,
+                        o_in)
         current, ahead = t.current - (e * h if ckpt else 0), (e * h if ckpt else t.current)
         return _Alive(base + current, ahead, e * h if ckpt else 0, t.mlp_acts, t.mlp_temp - e * h * tokens,
-                      t.attn_temp, attn_comm, 0, 0)
+                      t.attn_temp, comm, 0, 0)
     mlp_in = feats.tiled_mlp or any(wl.trains(t) for t in ("gate_proj", "up_proj"))
-    if lay.ulysses > 1 and lay.ring > 1:  # USP: the older count (dq, dk, dv); not traced tensor by tensor
-        attn_temp, attn_comm, freed = e * (h + m.q_dim + 2 * m.kv_dim), comm, 0
-    else:  # seqpar's attention backward tensor by tensor (planner.tiled)
-        attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses, lay.ring)
-        freed = norm_bytes(m, e, True, not wl.lora, mlp_in)
+    # seqpar's attention backward tensor by tensor (planner.tiled), its collectives' buffers included
+    attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses, lay.ring)
+    freed = norm_bytes(m, e, True, not wl.lora, mlp_in)
     if wl.lora and not ckpt:
         current -= 4 * h + 4  # layer 0 keeps no norm input (frozen embedding)
     norm = base + input_norm_moment(m, wl, lay.ulysses) if ckpt else 0
-    return _Alive(base + current, ahead, e * h if ckpt else 0, mlp_acts, mlp_temp, attn_temp, attn_comm, freed, norm)
+    return _Alive(base + current, ahead, e * h if ckpt else 0, mlp_acts, mlp_temp, attn_temp, comm, freed, norm)
 
 
 @dataclass(frozen=True)
@@ -99,10 +96,12 @@ def _grads(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, gathered: 
         head = (m.lm_head_params() or m.embed_params()) * e + h * e
         post_attn = (m.q_dim * h + 3 * h * i + h) * e  # measured at attention's backward, tiled or not
         # tiled MLP / layer: the tiles' backward accumulates gate, up and down gradients together (measured);
-        # a tiled layer of one tile is one backward pass, where down_proj's comes first
+        # a tiled layer of one tile is one backward pass, where down_proj's comes first; from the second tile
+        # on, the piece's summed gradients plus the tile's own down_proj gradient (its torch.autograd.grad
+        # call returns the tile's gradients together, at its end)
         per_layer = m.layer_params() * e
         tiles = layer_tiles(m, max(1, wl.seq_len // lay.sp)) if feats.tiled_layer else 0
-        down = post_attn if tiles > 1 else (3 if feats.tiled_mlp else 1) * h * i * e
+        down = post_attn + h * i * e if tiles > 1 else (3 if feats.tiled_mlp else 1) * h * i * e
     if not feats.fsdp:
         return _Grads(head, per_layer, down, post_attn, 0, 0)
     # finished layers' gradient shards stay on the device, or go to the host with CPU offload
@@ -173,7 +172,3 @@ def input_norm_moment(m: ModelFacts, wl: Workload, u: int) -> int:
     post = 4 * h + (e * h if e == 2 else 0)
     return norm_bytes(m, e, True, full, qkv) + attention_bytes(m, wl, u) + post + lora_bytes(m, wl)
 
-
-def ulysses_buffers(m: ModelFacts, e: int, u: int, tokens: int) -> int:
-    """Ulysses' all-to-all send + receive buffers of the largest tensor (q, plan-padded heads)."""
-    return 2 * e * head_plan(m.heads, m.kv_heads, u).padded_heads * m.head_dim * tokens

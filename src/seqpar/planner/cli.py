@@ -158,8 +158,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     notes: list[str] = []
     cands, rec = plan(m, cl, req, notes)
     if args.tiled_layer:
-        notes.append("--tiled-layer: validated on CPU against the meter (4-layer rows, SP 1 and ulysses 2, within 2%); "
-                     "ring / USP attention backward with it is modelled, not measured (docs/planner.md)")
+        notes.append("--tiled-layer: validated on CPU against the meter (4-layer rows: SP 1, ulysses 2, ring 2, "
+                     "USP 2 x 2; 2-layer rows with DPO, LoRA, FSDP: within 2%; docs/planner.md)")
     if args.json:
         print(json.dumps({"model": args.model, "gpus": cl.gpus, "usable_bytes_per_gpu": usable_bytes(cl),
                           "notes": notes, "candidates": [c.as_json() for c in cands], "recommended": rec}, indent=1))

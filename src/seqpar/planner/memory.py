@@ -41,8 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..attention.ulysses import head_plan
-from .backward import layer_backward, ulysses_buffers
+from .backward import layer_backward
 from .layer import activation_bytes_per_token, layer_bytes_per_token, mlp_tiles
 from .model import ModelFacts
 from .workload import DEFAULT_LOSS_CHUNK_BYTES, INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
@@ -138,19 +137,6 @@ def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> in
     return 12 * m.vocab * min(chunk, supervised) + 20 * supervised + accumulated
 
 
-def _comm_bytes(m: ModelFacts, wl: Workload, lay: Layout, tokens: int, layer_params: int) -> int:
-    """Transient communication buffers of one attention call (and FSDP's gathered layers)."""
-    e, d = wl.elt, m.head_dim
-    n = 0
-    if lay.ulysses > 1:
-        n += ulysses_buffers(m, e, lay.ulysses, tokens)
-    if lay.ring > 1 and lay.ulysses > 1:  # USP (older count); the pure ring's buffers: planner.tiled.ring_backward_temp
-        kv_local = head_plan(m.heads, m.kv_heads, lay.ulysses).expanded_kv_heads * d
-        ring_tokens = tokens * lay.ulysses  # a ring block holds the ulysses group's tokens, 1/u of the heads
-        n += 2 * 2 * (e + 4) * kv_local // lay.ulysses * ring_tokens  # K,V in flight + fp32 dK,dV in flight
-    return n + 2 * layer_params  # FSDP: the running and the prefetched layer
-
-
 def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *,
                     foreach: bool = True) -> MemoryBreakdown:
     """Peak bytes on one rank: the largest of three moments of the step (see module docstring).
@@ -171,7 +157,7 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
         feats = replace(feats, tiled_mlp=False)  # one tile: the plain MLP runs, nothing is recomputed
     acts = activation_bytes_per_token(m, wl, lay.ulysses, feats) * tokens
     loss = _loss_bytes(m, wl, feats, tokens)
-    comm = _comm_bytes(m, wl, lay, tokens, layer)
+    comm = 2 * layer  # FSDP2: the running and the prefetched gathered layer (attention's own: planner.tiled)
     mlp_bwd, attn_bwd = layer_backward(m, wl, lay, feats, tokens, layer, comm)
     bwd = mlp_bwd if mlp_bwd.total >= attn_bwd.total else attn_bwd
     if feats.fused_loss and feats.fsdp:

@@ -8,18 +8,23 @@ sequence-space output the second piece takes as input). In a layer's backward (w
 its recompute), the moments are
 - the second piece's backward (`TiledTerms.mlp_*`): the incoming gradient e h, the full-length gradient
   buffers of the piece's inputs (attention output e q, layer input e h), one tile's recompute (fp32 norm
-  input and rsqrt, normalised x and output, the MLP's four [tile, I] tensors and three gradients of
-  them) and that piece's parameter gradients (o_proj, post-attention norm, MLP), summed over the tiles;
+  input and rsqrt, normalised x and output, gate, silu(gate) and up, the tile's middle residual and its
+  output, o_proj's copy of a strided tile) at the product's backward (the product itself, down_proj's
+  input, is consumed: three [tile, I] gradients exist) and that piece's parameter gradients (o_proj,
+  post-attention norm, MLP), summed over the tiles, plus the tile's own down_proj gradient from the second
+  tile on (measured with the exact meter on 27 tiled rows, worst 1.03%);
 - attention's backward (`attn_temp`, `attention_backward_temp`): the second piece's input-gradient buffers
   (layer input e h, attention output e q) and seqpar's attention backward at its largest moment, every
-  tensor counted (measured with the exact meter, tiny Llama, fp32, u = 1 and 2):
+  tensor counted (measured with the exact meter, tiny Llama, fp32 and bf16, u = 1 and 2):
   ring path (u = 1; with u = 1 and ring = 1 the local attention is a one-block ring): the accumulators
-  dq, dk, dv in fp32 4 (q + 2 kv) and the kernel's outputs e (q + 2 kv) (bf16: plus their casts back,
-  another e (q + 2 kv), made while both are alive); with ring > 1 the zigzag ring's busiest step
+  dq, dk, dv in fp32 4 (q + 2 kv) and the kernel's outputs e (q + 2 kv) (bf16 outputs are added into the
+  fp32 accumulators without a cast copy); with ring > 1 the zigzag ring's busiest step
   (`ring_backward_temp`, measured with ring 2);
   fused Ulysses (u > 1, ring = 1; Q, K the plan-padded head widths): dout's send buffer e Q, the kernel's
   head-space gradients e (Q + 2 K), their packed send buffer, its receive buffer and the sequence-space
-  dq, dk, dv (each e (Q + 2 K)); the attention output `a` (saved by the second piece) is freed by then.
+  dq, dk, dv (each e (Q + 2 K)); the attention output `a` (saved by the second piece) is freed by then;
+  USP (u > 1, ring > 1): the head-space gradient e Q and the zigzag ring's busiest step on the head-space
+  widths (measured with u = 2, ring = 2).
 """
 
 from __future__ import annotations
@@ -59,22 +64,27 @@ def attention_backward_temp(m: ModelFacts, elt: int, u: int, ring: int = 1) -> i
         return e * m.q_dim + ring_backward_temp(m.q_dim, m.kv_dim, e, ring)
     plan = head_plan(m.heads, m.kv_heads, u)
     wq, wkv = plan.padded_heads * m.head_dim, plan.expanded_kv_heads * m.head_dim
-    return e * m.q_dim + e * wq + 4 * e * (wq + 2 * wkv) - e * m.q_dim
+    if ring > 1:  # USP: the gradient in head space (the sequence-space one is freed), then the ring on u x the
+        # tokens and 1/u of the heads (the same bytes per local token), sending a copy of its own K/V block
+        return e * wq + ring_backward_temp(wq, wkv, e, ring, send_copy=True) - e * m.q_dim
+    return e * wq + 4 * e * (wq + 2 * wkv)
 
 
-def ring_backward_temp(q: int, kv: int, e: int, n: int) -> int:
+def ring_backward_temp(q: int, kv: int, e: int, n: int, send_copy: bool = False) -> int:
     """Bytes per local token of the zigzag ring backward (causal, ring size n, widths q and kv) at its largest
     moment over ranks and steps, beside the saved q, k, v, out, lse (seqpar.attention.ring, measured): the
     fp32 dq accumulator; the K/V block being used and the next one arriving (e each); the fp32 dK/dV pairs:
     this block's, from step 1 the own block's, from step 2 the previous block's in its send and the next
-    partial sum arriving; the kernel's outputs of one piece (full on the diagonal step, else a half block:
-    dK/dV of half the keys when the block is earlier than the rank's own, dQ of half the queries when it
-    is later; in bf16 with their fp32 casts)."""
+    partial sum arriving; the kernel's outputs of one piece (the whole block for n = 1; on the diagonal step
+    a quarter block of each, a half per token; on later steps dK/dV of half the keys when the block is earlier
+    than the rank's own, dQ of half the queries when it is later).
+    send_copy: the own K/V block is not contiguous (USP's views into the exchange buffer), so its first send
+    copies it."""
     acc, pair_kv, pair_acc = 4 * q, 2 * e * kv, 2 * 4 * kv
-    cast = 1 if e == 4 else 2
-    best = acc + (pair_kv if n > 1 else 0) + pair_acc + cast * e * (q + 2 * kv)  # step 0: the diagonal block
+    piece = e * (q + 2 * kv) // (2 if n > 1 else 1)
+    best = acc + ((2 if send_copy else 1) * pair_kv if n > 1 else 0) + pair_acc + piece  # step 0: the diagonal
     # at every later step s some rank has an earlier block (ranks r >= s) and some a later one (r < s)
-    half = cast * e * max(q + kv, q // 2 + 2 * kv)
+    half = e * max(q + kv, q // 2 + 2 * kv)
     for s in range(1, n):
         arriving = pair_kv if s < n - 1 else 0
         best = max(best, acc + pair_kv + arriving + (4 if s >= 2 else 2) * pair_acc + half,
@@ -92,16 +102,20 @@ class TiledTerms:
 
 
 def tiled_terms(m: ModelFacts, elt: int, u: int, rows: int, local_per_row: int, tokens: int,
-                weights_train: bool, elt_params: int, ring: int = 1) -> TiledTerms:
+                weights_train: bool, elt_params: int, ring: int = 1, o_proj_in: int = 0) -> TiledTerms:
+    """o_proj_in: bytes per token o_proj (or its adapter) keeps of its input and adapter output, when training."""
     e, h, i = elt, m.hidden, m.intermediate
-    tile = rows * -(-local_per_row // layer_tiles(m, local_per_row))
-    if weights_train:  # fp32 input + rsqrt, normalised x, output; gate, silu(gate), up, their product
-        kept = 4 * h + 4 + 2 * e * h + 4 * e * i
+    tiles = layer_tiles(m, local_per_row)
+    tile = rows * -(-local_per_row // tiles)
+    if weights_train:  # fp32 input + rsqrt, normalised x, output; gate, silu(gate), up (their product, down_proj's
+        kept = 4 * h + 4 + 2 * e * h + 3 * e * i  # input, is consumed by then)
     else:  # frozen norm and MLP (LoRA on attention): rsqrt (+ the fp32 copy in bf16), gate, silu(gate), up (measured)
         kept = 4 + (4 * h if e == 2 else 0) + 3 * e * i
-    tile_acts = (kept + e * h) * tile  # + the middle residual stream of the tile
-    tile_grads = (3 * e * i + 2 * e * h) * tile
+    # + the tile's middle residual stream and its output (held until the tile's gradient call returns); with
+    # rows > 1 a tile is a strided slice, which o_proj copies to keep as its input
+    kept += 2 * e * h + (o_proj_in if rows > 1 and tiles > 1 else 0)
+    tile_grads = 3 * e * i * tile
     buffers = (e * h + e * m.q_dim + e * h) * tokens  # incoming gradient, attention-output and input buffers
     down = (m.q_dim * h + 3 * h * i + h) * elt_params if weights_train else 0
-    return TiledTerms(tiled_saved_per_token(m, elt, u), tile_acts, tile_grads + buffers, down,
+    return TiledTerms(tiled_saved_per_token(m, elt, u), kept * tile, tile_grads + buffers, down,
                       e * h + attention_backward_temp(m, e, u, ring))

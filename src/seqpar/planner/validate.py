@@ -58,10 +58,12 @@ GRID: list[Case] = [
 # The rows `tests/test_planner_reach.py` measures for offload and bf16 masters (slow).
 REACH_GRID: list[Case] = GRID[-4:]
 # The tiled decoder layer's rows (`tests/test_planner_reach.py`, slow): 4 layers x 1024 tokens, SP 1 (fp32, bf16
-# with fp32 masters, LoRA), ulysses 2 and ring 2 (full, LoRA): the peak is a layer's attention backward.
+# with fp32 masters, LoRA), ulysses 2, ring 2 (full, LoRA) and USP 2 x 2 (2048 tokens: 512 per rank, as ring 2's):
+# the peak is a layer's attention backward.
 _L = Case(num_layers=4, seq_len=1024, memory=FEATURE_SETS["layer"])
 TILED_GRID: list[Case] = [_L, replace(_L, precision="bf16"), replace(_L, finetuning="lora"), replace(_L, ulysses=2),
-                          replace(_L, ring=2), replace(_L, ring=2, finetuning="lora")]
+                          replace(_L, ring=2), replace(_L, ring=2, finetuning="lora"),
+                          replace(_L, ulysses=2, ring=2, seq_len=2048)]
 # The first four without the tiled layer (every other feature): the peak is the layer's input-norm backward (bf16,
 # LoRA) or attention's backward (fp32, ulysses 2).
 UNTILED_GRID: list[Case] = [replace(c, memory={**c.memory, "tiled_layer": False}) for c in TILED_GRID[:4]]
