@@ -37,12 +37,11 @@ class _Alive:
     mlp_bytes: int  # the MLP's tensors (one tile's with tiled MLP)
     mlp_temp_bytes: int  # their gradients (and the tiled layer's full-length buffers)
     attn_temp: int  # attention's backward beside its saved tensors
-    attn_comm_bytes: int  # FSDP's gathered layers at attention's backward
     attn_freed: int  # consumed before attention's backward: the post-attention norm's tensors
     norm: int  # everything alive at the input norm's backward (untiled, checkpointed); 0: not a moment
 
 
-def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int, comm: int) -> _Alive:
+def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int) -> _Alive:
     e, h, i = wl.elt, m.hidden, m.intermediate
     lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
     down_in = e * i if wl.trains("down_proj") else 0
@@ -65,7 +64,7 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
                         o_in)
         current, ahead = t.current - (e * h if ckpt else 0), (e * h if ckpt else t.current)
         return _Alive(base + current, ahead, e * h if ckpt else 0, t.mlp_acts, t.mlp_temp - e * h * tokens,
-                      t.attn_temp, comm, 0, 0)
+                      t.attn_temp, 0, 0)
     mlp_in = feats.tiled_mlp or any(wl.trains(t) for t in ("gate_proj", "up_proj"))
     # seqpar's attention backward tensor by tensor (planner.tiled), its collectives' buffers included
     attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses, lay.ring)
@@ -73,7 +72,7 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     if wl.lora and not ckpt:
         current -= 4 * h + 4  # layer 0 keeps no norm input (frozen embedding)
     norm = base + input_norm_moment(m, wl, lay.ulysses) if ckpt else 0
-    return _Alive(base + current, ahead, e * h if ckpt else 0, mlp_acts, mlp_temp, attn_temp, comm, freed, norm)
+    return _Alive(base + current, ahead, e * h if ckpt else 0, mlp_acts, mlp_temp, attn_temp, freed, norm)
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def _grads(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, gathered: 
 
 
 def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int,
-                   gathered: int, comm: int) -> tuple[Moment, Moment]:
+                   gathered: int) -> tuple[Moment, Moment]:
     """(the MLP moment, the larger of the attention and input-norm moments) of the busiest layer backward.
 
     MLP moment: backward has reached a layer's MLP, down_proj's backward is done, and the gradients of
@@ -134,7 +133,7 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
     and the norm backward's fp32 temporaries (`NORM_BACKWARD_TEMP`). LoRA: layer 0 (frozen embedding)
     computes no input gradient, so it has no such moment.
     """
-    alive, g = _alive(m, wl, lay, feats, tokens, comm), _grads(m, wl, lay, feats, gathered)
+    alive, g = _alive(m, wl, lay, feats, tokens), _grads(m, wl, lay, feats, gathered)
     e, h, last = wl.elt, m.hidden, m.layers - 1
 
     def at(k: int, moment: str) -> Moment:  # k layers already done
@@ -142,14 +141,14 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
         ahead_n = (min(1, last - k) * feats.offload_prefetch) if feats.offload_activations else last - k
         a = (alive.current + alive.ahead * ahead_n + alive.ahead_full) * tokens
         rs, done = (g.in_flight if k > 0 else 0), g.head + k * g.per_layer
-        if moment == "attention":  # (FSDP: the first layer has no next one to prefetch)
-            return Moment(a - alive.attn_freed * tokens, done + g.post_attn, alive.attn_temp * tokens,
-                          alive.attn_comm_bytes - (g.prefetch if k == last else 0) + rs)
+        # FSDP2: this layer gathered and the next one prefetched (the first layer, k == last, has none)
+        layers = gathered + (g.prefetch if k < last else 0) + rs
+        if moment == "attention":
+            return Moment(a - alive.attn_freed * tokens, done + g.post_attn, alive.attn_temp * tokens, layers)
         if moment == "norm":  # the whole layer's gradients exist (FSDP: unsharded, before its reduce-scatter)
             return Moment((alive.norm + alive.ahead * ahead_n) * tokens, done + (g.in_flight or g.per_layer),
                           NORM_BACKWARD_TEMP * h * tokens, gathered + rs)
-        return Moment(a + alive.mlp_bytes, done + g.down, e * h * tokens + alive.mlp_temp_bytes,
-                      gathered + (g.prefetch if k < last else 0) + rs)
+        return Moment(a + alive.mlp_bytes, done + g.down, e * h * tokens + alive.mlp_temp_bytes, layers)
 
     ks = {0, min(1, last), max(0, last - 1), last}
     norm_ks = [k for k in ks if k < last or not wl.lora] if alive.norm else []

@@ -157,8 +157,7 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
         feats = replace(feats, tiled_mlp=False)  # one tile: the plain MLP runs, nothing is recomputed
     acts = activation_bytes_per_token(m, wl, lay.ulysses, feats) * tokens
     loss = _loss_bytes(m, wl, feats, tokens)
-    comm = 2 * layer  # FSDP2: the running and the prefetched gathered layer (attention's own: planner.tiled)
-    mlp_bwd, attn_bwd = layer_backward(m, wl, lay, feats, tokens, layer, comm)
+    mlp_bwd, attn_bwd = layer_backward(m, wl, lay, feats, tokens, layer)
     bwd = mlp_bwd if mlp_bwd.total >= attn_bwd.total else attn_bwd
     if feats.fused_loss and feats.fsdp:
         loss += layer  # FSDP2's pre-backward hook on the outputs gathers the last layer before the chunks run
