@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..attention.ulysses import head_plan
 from .model import ModelFacts
-from .tiled import tiled_saved_per_token
+from .tiled import layer_tiles, tiled_saved_per_token
 from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
 __all__ = ["norm_bytes", "attention_bytes", "lora_bytes", "mlp_bytes", "layer_bytes_per_token", "mlp_tiles",
@@ -55,8 +55,7 @@ def layer_bytes_per_token(m: ModelFacts, wl: Workload, u: int, tiled_mlp: bool =
 def mlp_tiles(m: ModelFacts, wl: Workload, lay: Layout) -> int:
     """memory.tiled_mlp's automatic tile count (seqpar.memory.tiled_mlp.auto_tile_count) for one row of
     this rank's shard; 1 tile runs the plain MLP (nothing is checkpointed)."""
-    local = max(1, wl.seq_len // lay.sp)
-    return max(1, min(local, -(-local // m.hidden)))
+    return layer_tiles(m, max(1, wl.seq_len // lay.sp))  # the runtime's one rule for both tiled pieces
 
 
 def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features) -> int:
