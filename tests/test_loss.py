@@ -269,6 +269,39 @@ def test_losses_and_grads_match_reference_sp3():
     check_world(results, 3)
 
 
+def _many_tensors(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    big = 1 << 16
+    return [torch.randn(big + 5, generator=g),  # large: reduced in place
+            torch.randn(300, big // 256, generator=g).t(),  # large but strided: through the buffer
+            torch.randn(7, generator=g), torch.randn(3, 4, generator=g).to(torch.bfloat16),  # small, two dtypes
+            torch.randn(big, generator=g, dtype=torch.float64), torch.zeros(0)]
+
+
+def _many_worker() -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    from seqpar import comm
+
+    ts = _many_tensors(dist.get_rank())
+    views = [t for t in ts]  # the very objects must be updated in place
+    comm.all_reduce_many_(ts, dist.group.WORLD, device=torch.device("cpu"))
+    assert all(a is b for a, b in zip(ts, views))
+    return ts
+
+
+def test_all_reduce_many_sums_in_place_world3():
+    """Every tensor (large/in place, strided, small fp32/bf16, fp64, empty) equals the sum of the 3 ranks'
+    values, computed here without communication; exact up to fp32 summation order (bf16: its rounding)."""
+    results = run_distributed(_many_worker, 3, timeout=120)
+    want = [sum(t.double() for t in ts) for ts in zip(*(_many_tensors(r) for r in range(3)))]
+    for got in results:
+        for g, w in zip(got, want):
+            tol = 2e-2 if g.dtype == torch.bfloat16 else 1e-5
+            assert g.shape == w.shape and g.dtype in (torch.float32, torch.float64, torch.bfloat16)
+            torch.testing.assert_close(g.double(), w, atol=tol, rtol=tol)
+
+
 # ----------------------------------------------------------------------------- single process
 def test_chunked_ce_equals_plain_and_never_holds_all_logits():
     vocab = 500

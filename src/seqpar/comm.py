@@ -227,6 +227,36 @@ def all_reduce_(x: torch.Tensor, group: Any, op: Any = None, device: torch.devic
     return x
 
 
+IN_PLACE_MIN_NUMEL = 1 << 16  # elements: tensors this large are reduced where they are, smaller ones share a buffer
+
+
+def all_reduce_many_(tensors: Sequence[torch.Tensor], group: Any, device: torch.device | None = None) -> None:
+    """SUM-all-reduce many tensors in place (gradients): the large contiguous ones where they are (no copy, no
+    second buffer the size of all of them), the small ones coalesced per dtype/device into one buffer each.
+    All are posted asynchronously before the first wait, so the backend pipelines them."""
+    if group_size(group) <= 1 or not tensors:
+        return
+    check_device(list(tensors), device, "all_reduce_many_")
+    works, small = [], {}
+    for t in tensors:
+        if t.numel() >= IN_PLACE_MIN_NUMEL and t.is_contiguous():
+            works.append(dist.all_reduce(t, group=group, async_op=True))
+        else:
+            small.setdefault((t.dtype, t.device), []).append(t)
+    flats = []
+    for group_tensors in small.values():
+        flat = torch.cat([t.reshape(-1) for t in group_tensors])
+        works.append(dist.all_reduce(flat, group=group, async_op=True))
+        flats.append((flat, group_tensors))
+    for w in works:
+        w.wait()
+    for flat, group_tensors in flats:
+        off = 0
+        for t in group_tensors:
+            t.copy_(flat[off : off + t.numel()].view_as(t))
+            off += t.numel()
+
+
 def all_reduce_values(
     values: Sequence[float] | torch.Tensor, group: Any, device: torch.device, op: Any = None
 ) -> torch.Tensor:

@@ -102,7 +102,7 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh: SequenceParall
     """SUM .grad of replicated parameters over sp, then dp (i.e. over the whole world), in place.
 
     Parameters without a gradient get a zero one, so every rank issues the same collectives.
-    One flat buffer per dtype/device keeps it to a few all-reduces.
+    Large gradients are reduced in place, small ones through one buffer (`seqpar.comm.all_reduce_many_`).
     """
     params = [p for p in parameters if p.requires_grad]
     if mesh is None or mesh.world_size == 1:
@@ -110,18 +110,8 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh: SequenceParall
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    buckets: dict[tuple, list[torch.nn.Parameter]] = {}
-    for p in params:
-        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for group in buckets.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group])
-        comm.all_reduce_(flat, mesh.sp_group, device=mesh.comm_device)
-        comm.all_reduce_(flat, mesh.dp_group, device=mesh.comm_device)
-        off = 0
-        for p in group:
-            n = p.grad.numel()
-            p.grad.copy_(flat[off : off + n].view_as(p.grad))
-            off += n
+    for group in (mesh.sp_group, mesh.dp_group):
+        comm.all_reduce_many_([p.grad for p in params], group, device=mesh.comm_device)
 
 
 def global_loss(loss_share: torch.Tensor, mesh: SequenceParallelMesh | None) -> torch.Tensor:

@@ -9,8 +9,9 @@ much as the bytes when messages are small (gloo on a CPU: ~0.2-1.6 ms a call). T
   2 (r-1) dK/dV sends (a reduce-scatter ring: each rank keeps its own block's part). Forward passes: the
   policy's, its recomputation under activation checkpointing, and DPO's reference pass (no backward);
 - one small all-gather of position ids per model call (the ForwardPlan: all SP ranks decide alike);
-- gradients: without FSDP one flat all-reduce over sp and one over dp (fp32: bf16 runs reduce the
-  fp32 master gradients); with FSDP2 (one unit per decoder layer + the root) an all-gather per unit in
+- gradients: without FSDP, over sp and then over dp, one all-reduce per large trainable tensor (in place)
+  and one for all the small ones (fp32: bf16 runs reduce the fp32 master gradients); with FSDP2 (one unit
+  per decoder layer + the root) an all-gather per unit in
   forward and per layer in backward (the root stays gathered), a reduce-scatter per unit that has
   trainable parameters (fp32), and the gradient-norm all-reduce;
 - book-keeping all-reduces of a few numbers: the loss (sp, dp), token counts (dp, twice), the step's
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from ..attention.costs import ring_theory, ulysses_theory
 from ..attention.ulysses import head_plan, sent_heads
+from ..comm import IN_PLACE_MIN_NUMEL
 from .memory import Features, Layout, Workload
 from .model import ModelFacts
 
@@ -80,8 +82,11 @@ def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
 
 def _gradients(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
     n_train = m.num_params() if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
-    if not feats.fsdp:
-        return [Collective("grads", "all_reduce", g, 1, 2 * n_train * 4 * (k - 1) // k)
+    if not feats.fsdp:  # seqpar.comm.all_reduce_many_: large gradients in place, the small ones in one buffer
+        sizes = m.trainable_tensors(wl.lora_r if wl.lora else None, wl.lora_targets)
+        large = sum(1 for n in sizes if n >= IN_PLACE_MIN_NUMEL)
+        calls = large + (1 if large < len(sizes) else 0)
+        return [Collective("grads", "all_reduce", g, calls, 2 * n_train * 4 * (k - 1) // k)
                 for g, k in (("sp", lay.sp), ("dp", lay.dp)) if k > 1]
     w, L = lay.world, m.layers
     if w == 1:

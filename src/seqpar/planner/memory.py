@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..comm import IN_PLACE_MIN_NUMEL
 from .backward import layer_backward
 from .layer import activation_bytes_per_token, layer_bytes_per_token, mlp_tiles
 from .model import ModelFacts
@@ -143,13 +144,17 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
 
     foreach: AdamW's multi-tensor path (the default on GPUs) allocates one temporary the size of all
     trainable parameters; the CPU single-tensor path two of the largest tensor's (sqrt(v), then its quotient
-    by the bias correction; measured). Without FSDP and with
-    more than one rank, seqpar.loss.sum_gradients flattens all gradients into one buffer first.
+    by the bias correction; measured). Without FSDP on more than one rank, seqpar.loss.sum_gradients reduces
+    the large gradients in place and copies the small ones (below IN_PLACE_MIN_NUMEL elements) into one fp32
+    buffer first: the larger of that buffer and the step's temporary.
     """
     tokens = wl.rows * wl.seq_len // lay.sp
     params, grads, opt, opt_temp, layer = _param_bytes(m, wl, feats, lay.world)
-    if not foreach and not (lay.world > 1 and not feats.fsdp):
+    if not foreach:
         opt_temp = min(opt_temp, 2 * max(m.embed_params(), m.hidden * m.intermediate) * 4)
+    if lay.world > 1 and not feats.fsdp:
+        sizes = m.trainable_tensors(wl.lora_r if wl.lora else None, wl.lora_targets)
+        opt_temp = max(opt_temp, 4 * sum(n for n in sizes if n < IN_PLACE_MIN_NUMEL))
     # The frozen reference copy of full-fine-tuning DPO; under FSDP2 sharded over all ranks like the policy.
     ref = m.num_params() * wl.elt // (lay.world if feats.fsdp else 1) if wl.stage == "dpo" and not wl.lora else 0
     params += ref

@@ -47,14 +47,17 @@ class ModelFacts:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def layer_params(self) -> int:
-        h, q, kv = self.hidden, self.q_dim, self.kv_dim
-        n = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h
+    def _layer_tensors(self) -> list[int]:
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        t = [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h, h, h]  # q k v o, gate up down, two norms
         if self.qkv_bias:
-            n += q + 2 * kv
+            t += [q, kv, kv]
         if self.qk_norm:
-            n += 2 * self.head_dim
-        return n
+            t += [self.head_dim, self.head_dim]
+        return t
+
+    def layer_params(self) -> int:
+        return sum(self._layer_tensors())
 
     def embed_params(self) -> int:
         return self.vocab * self.hidden
@@ -63,14 +66,21 @@ class ModelFacts:
         return 0 if self.tied else self.vocab * self.hidden
 
     def num_params(self) -> int:
-        return self.embed_params() + self.layers * self.layer_params() + self.hidden + self.lm_head_params()
+        return sum(self.trainable_tensors())
 
     def lora_params(self, r: int, targets: tuple[str, ...]) -> int:
         """Trainable LoRA parameters (A: in x r, B: r x out) over all layers."""
-        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        return self.layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
+        return sum(self.trainable_tensors(r, targets))
+
+    def trainable_tensors(self, lora_r: int | None = None, targets: tuple[str, ...] = ()) -> list[int]:
+        """Element counts of the trained tensors: every parameter (full fine-tuning), or each LoRA A and B."""
+        if lora_r is not None:
+            h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+            shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                      "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+            return self.layers * [lora_r * n for t in targets if t in shapes for n in shapes[t]]
+        head = [self.lm_head_params()] if not self.tied else []
+        return [self.embed_params()] + self.layers * self._layer_tensors() + [self.hidden] + head
 
 
 def bundled_models() -> list[str]:
