@@ -84,7 +84,8 @@ def world6_grid():
 
 def world8_grid():
     modes = [(8, 1, "zigzag"), (4, 2, "zigzag"), (2, 4, "zigzag")]
-    return _grid(8, modes, [(28, 4), (32, 8)], 64, 64, [0, 9, 33, 64], bs=(1,))
+    # (6, 6) at ulysses 4: rank_heads gives Ulysses rank 3 no heads at all (its ring skips, the exchanges run)
+    return _grid(8, modes, [(28, 4), (32, 8), (6, 6), (14, 2)], 64, 64, [0, 9, 33, 64], bs=(1,))
 
 
 def _check(results, dtype_tol=DTYPE_TOL):
@@ -207,29 +208,38 @@ def test_bad_input_raises_before_collectives():
 # ----------------------------------------------------------------------------- fused exchange, overlap, ring bytes
 @pytest.mark.parametrize("b", [1, 2])
 def test_fused_pack_layout_by_hand(b):
-    """The fused exchange's buffers, with the all-to-all done by hand for P simulated ranks: rank i gets
-    the full sequence of its heads of q, k and v (sequence-major; for B == 1 the receive buffer itself, no
-    copy), and the way back restores the shards."""
+    """The exchanges' buffers with the uneven all-to-all done by hand for P simulated ranks (14q/2kv at P=4:
+    3 or 4 q heads per rank, the plan's dummies not sent): rank i gets the full sequence of exactly its
+    `rank_heads` of q, k and v (sequence-major; for B == 1 the receive buffer itself, no copy), and the way
+    back puts every head of every rank's output into its original place of the sequence shards."""
     from seqpar.attention import ulysses_fused as uf
+    from seqpar.attention.ulysses import head_plan, rank_heads
 
-    p, s, hq, hk, d = 3, 4, 6, 3, 5
+    p, s, hq, hk, d = 4, 3, 14, 2, 5
+    ranks = list(rank_heads(head_plan(hq, hk, p)))
+    assert [len(r.q) for r in ranks] == [4, 3, 4, 3]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, p * s, h, d, generator=g) for h in (hq, hk, hk))
-    shard = [[t[:, i * s : (i + 1) * s] for t in (q, k, v)] for i in range(p)]
-    sends = [uf._pack_seq_shard([uf._heads(t, p, 0, t.shape[2] // p) for t in sh]) for sh in shard]
-    for i in range(p):
-        recv = torch.stack([sends[j][i] for j in range(p)])
-        x = uf._as_full_seq(recv)
+    shard = [[t[:, j * s : (j + 1) * s] for t in (q, k, v)] for j in range(p)]
+    sends = [uf._pack_to_ranks([(sh[0], "q"), (sh[1], "kv"), (sh[2], "kv")], ranks) for sh in shard]
+    heads_of = []
+    for i, r in enumerate(ranks):
+        recv = torch.cat([buf[sum(sizes[:i]) : sum(sizes[: i + 1])] for buf, sizes in sends])
+        x = uf._even_recv(recv, p, b, s, d)
         assert x.is_contiguous() and (x.data_ptr() == recv.data_ptr()) == (b == 1)
-        wq, wk = hq // p, hk // p
-        torch.testing.assert_close(x[:, :, :wq], q[:, :, i * wq : (i + 1) * wq], rtol=0, atol=0)
-        torch.testing.assert_close(x[:, :, wq : wq + wk], k[:, :, i * wk : (i + 1) * wk], rtol=0, atol=0)
-        torch.testing.assert_close(x[:, :, wq + wk :], v[:, :, i * wk : (i + 1) * wk], rtol=0, atol=0)
-    # the way back: rank i's head shard of q -> every rank's sequence shard with all heads, in head order
-    backs = [uf._pack_full_seq([q[:, :, i * (hq // p) : (i + 1) * (hq // p)]], p) for i in range(p)]
+        nq, nk = len(r.q), len(r.kv)
+        torch.testing.assert_close(x[:, :, :nq], q[:, :, list(r.q)], rtol=0, atol=0)
+        torch.testing.assert_close(x[:, :, nq : nq + nk], k[:, :, list(r.kv)], rtol=0, atol=0)
+        torch.testing.assert_close(x[:, :, nq + nk :], v[:, :, list(r.kv)], rtol=0, atol=0)
+        heads_of.append(x[:, :, :nq])
+    # the way back: rank i's heads of the whole sequence -> every rank's sequence shard with all heads
+    backs = [uf._pack_full_seq([h], p).view(-1) for h in heads_of]
     for j in range(p):
-        out = torch.empty(b, s, hq, d)
-        uf._unpack_into(out, torch.stack([backs[i][j] for i in range(p)]), 0)
+        recv = torch.cat([bk[j * bk.numel() // p : (j + 1) * bk.numel() // p] for bk in backs])
+        out = torch.full((b, s, hq, d), float("nan"))
+        sizes = [b * s * len(r.q) * d for r in ranks]
+        for r, blk in zip(ranks, uf._blocks(recv, sizes, b, s, d)):
+            uf._scatter(out, blk, r.q, add=False)
         torch.testing.assert_close(out, q[:, j * s : (j + 1) * s], rtol=0, atol=0)
 
 

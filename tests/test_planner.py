@@ -122,11 +122,14 @@ def test_comm_and_flops_reuse_theory():
     assert cb["ulysses"] == 2 * ulysses_theory(512, 1, 4, 2, 16, 2, 2)
     r = ring_theory(1024, 1, 2, 16, 2, 2)
     assert cb["ring"] == (r["fwd"] + r["bwd"]) // 2
-    # pure Ulysses sends the heads ulysses.rank_heads gives (14q/2kv at P=4: 14 q and 4 kv replicas, no dummies);
-    # USP the padded plan
+    # Ulysses sends the heads ulysses.rank_heads gives (14q/2kv at P=4: 14 q and 4 kv replicas, no dummies),
+    # in pure Ulysses and USP alike; USP's ring moves the 4 kv replicas
     m14 = tiny(num_heads=14, num_kv_heads=2, head_dim=8)
     assert comm_bytes_per_layer(m14, wl, Layout(4, 1, 1))["ulysses"] == 2 * ulysses_theory(1024, 1, 14, 4, 8, 4, 2)
-    assert comm_bytes_per_layer(m14, wl, Layout(4, 2, 1))["ulysses"] == 2 * ulysses_theory(512, 1, 16, 4, 8, 4, 2)
+    usp = comm_bytes_per_layer(m14, wl, Layout(4, 2, 1))
+    assert usp["ulysses"] == 2 * ulysses_theory(512, 1, 14, 4, 8, 4, 2)
+    r14 = ring_theory(1024, 1, 4, 8, 2, 2)
+    assert usp["ring"] == (r14["fwd"] + r14["bwd"]) // 4
     # one rank, causal: 4 * H * D * S(S+1)/2
     assert attention_flops(m, wl, Layout()) == 4 * 4 * 16 * 1024 * 1025 / 2
     # zigzag ring of 4: every rank does a quarter of the (block-causal) work

@@ -8,7 +8,8 @@ head j maps to local kv head j // g, so GQA stays correct (padding q and kv inde
 360-LLaMA-Factory does, breaks that mapping). Dummy heads attend to zeros and are dropped after.
 Examples: Hq=14, Hkv=2, P=4 -> rep=2, g=4: 16 q (2 dummies) / 4 kv, 1 kv + 4 q per rank;
 Hq=Hkv=6, P=4 -> extra=2: 8 q / 8 kv; Hq=9, Hkv=3, P=2 -> extra=1, g=3: 12 q / 4 kv.
-(extra, rep) minimise the bytes moved per token (2*Hq' + 2*Hkv' heads).
+(extra, rep) minimise the bytes moved per token (2*Hq' + 2*Hkv' heads). The exchanges then send each rank
+only `rank_heads(plan)`: the plan's slots without the dummies an uneven split can leave out.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import torch
 
 from .. import comm
 
-__all__ = ["HeadPlan", "RankHeads", "head_plan", "rank_heads", "sent_heads", "pad_heads", "unpad_heads", "seq_to_heads",
-           "heads_to_seq"]
+__all__ = ["HeadPlan", "RankHeads", "head_plan", "rank_heads", "sent_heads", "seq_to_heads", "heads_to_seq"]
 
 
 @dataclass(frozen=True)
@@ -119,44 +119,10 @@ def rank_heads(plan: HeadPlan) -> tuple[RankHeads, ...]:
     return tuple(out)
 
 
-def sent_heads(plan: HeadPlan, ring_degree: int = 1) -> tuple[int, int]:
-    """(q heads, kv heads) Ulysses' exchange moves over all ranks: pure Ulysses sends `rank_heads`, with a
-    ring (USP) the padded plan."""
-    if ring_degree > 1:
-        return plan.padded_heads, plan.expanded_kv_heads
+def sent_heads(plan: HeadPlan) -> tuple[int, int]:
+    """(q heads, kv heads) Ulysses' exchange moves over all ranks: `rank_heads` (pure Ulysses and USP alike)."""
     ranks = rank_heads(plan)
     return sum(len(r.q) for r in ranks), sum(len(r.kv) for r in ranks)
-
-
-def _pad_index(src: tuple[int, ...], n: int, device) -> torch.Tensor:
-    """Gather index into a tensor extended by one zero head at position n (-1 = dummy)."""
-    return torch.tensor([h if h >= 0 else n for h in src], device=device)
-
-
-def _with_zero_head(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros(x.shape[0], x.shape[1], 1, x.shape[3])], dim=2)
-
-
-def pad_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: HeadPlan):
-    """[B,S,Hq,D],[B,S,Hkv,D] -> padded q [B,S,Hq',D] and expanded k, v [B,S,Hkv',D] (differentiable)."""
-    if plan.is_identity:
-        return q, k, v
-    q_idx = _pad_index(plan.q_src, plan.num_heads, q.device)
-    kv_idx = _pad_index(plan.kv_src, plan.num_kv_heads, q.device)
-    if -1 in plan.kv_src:
-        k, v = _with_zero_head(k), _with_zero_head(v)
-    return _with_zero_head(q).index_select(2, q_idx), k.index_select(2, kv_idx), v.index_select(2, kv_idx)
-
-
-def unpad_heads(out: torch.Tensor, plan: HeadPlan) -> torch.Tensor:
-    """Drop dummy heads: [B,S,Hq',D] -> [B,S,Hq,D] in the original head order."""
-    if plan.is_identity:
-        return out
-    keep = [0] * plan.num_heads
-    for i, h in enumerate(plan.q_src):
-        if h >= 0:
-            keep[h] = i
-    return out.index_select(2, torch.tensor(keep, device=out.device))
 
 
 def seq_to_heads(x: torch.Tensor, group, stats=None, device: torch.device | None = None) -> torch.Tensor:

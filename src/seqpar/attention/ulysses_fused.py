@@ -27,24 +27,7 @@ from .kernels import AttentionKernel
 from .ring import plan_pieces
 from .ulysses import HeadPlan, RankHeads, rank_heads
 
-__all__ = ["exchange_qkv", "fused_ulysses_attention", "local_pieces_disjoint"]
-
-
-def _heads(t: torch.Tensor, p: int, lo: int, w: int) -> torch.Tensor:
-    """Sequence shard [B, s, P*hl, D] -> view [B, s, P, w, D] of heads lo..lo+w inside each rank's slot."""
-    b, s, h, d = t.shape
-    return t.view(b, s, p, h // p, d)[:, :, :, lo : lo + w]
-
-
-def _pack_seq_shard(parts: list[torch.Tensor]) -> torch.Tensor:
-    """[B, s, P, w_i, D] views -> one contiguous [P, B, s, sum w_i, D] send buffer (one copy)."""
-    b, s, p, _, d = parts[0].shape
-    buf = parts[0].new_empty(p, b, s, sum(t.shape[3] for t in parts), d)
-    off = 0
-    for t in parts:
-        buf[:, :, :, off : off + t.shape[3]].copy_(t.permute(2, 0, 1, 3, 4))
-        off += t.shape[3]
-    return buf
+__all__ = ["from_rank_heads", "fused_ulysses_attention", "local_pieces_disjoint", "to_rank_heads"]
 
 
 def _pack_full_seq(parts: list[torch.Tensor], p: int) -> torch.Tensor:
@@ -66,12 +49,6 @@ def _as_full_seq(recv: torch.Tensor) -> torch.Tensor:
     if b == 1:
         return recv.view(1, p * s, h, d)
     return recv.transpose(0, 1).reshape(b, p * s, h, d)
-
-
-def _unpack_into(out: torch.Tensor, recv: torch.Tensor, lo: int) -> None:
-    """[P, B, s, w, D] receive buffer -> heads lo..lo+w of every rank's slot of out [B, s, P*hl, D]."""
-    p, b, s, w, d = recv.shape
-    out.view(b, s, p, -1, d)[:, :, :, lo : lo + w].copy_(recv.permute(1, 2, 0, 3, 4))
 
 
 def local_pieces_disjoint(seq_len: int, causal: bool, bounds: list[int] | None):
@@ -116,36 +93,92 @@ def _kernel_bwd(kernel: AttentionKernel, dout, q, k, v, out, lse, pieces, scale)
     return dq, dk, dv
 
 
-class _ExchangeQKV(torch.autograd.Function):
-    """q, k, v sequence shards -> head shards in ONE all-to-all (and dq, dk, dv back in one)."""
+def _scatter_qkv(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, blocks: list[torch.Tensor],
+                 ranks: list[RankHeads], replicated: bool) -> None:
+    """Every rank's [B, s, q + 2 kv heads, D] gradient block into dq, dk, dv (sequence shards, original heads);
+    a kv head replicated on several ranks gets the sum of their gradients."""
+    for r, blk in zip(ranks, blocks):
+        nq, nk = len(r.q), len(r.kv)
+        _scatter(dq, blk[:, :, :nq], r.q, add=False)
+        _scatter(dk, blk[:, :, nq : nq + nk], r.kv, add=replicated)
+        _scatter(dv, blk[:, :, nq + nk :], r.kv, add=replicated)
+
+
+def _grad_buffers(like: torch.Tensor, q_shape, kv_shape, ranks: list[RankHeads]):
+    """dq (every q head is written once) and dk, dv (zeros when some kv head is replicated: its parts add up)."""
+    replicated = sum(len(r.kv) for r in ranks) > kv_shape[2]
+    dq = like.new_empty(q_shape)
+    dk, dv = (like.new_zeros(kv_shape) if replicated else like.new_empty(kv_shape) for _ in range(2))
+    return dq, dk, dv, replicated
+
+
+class _ToHeads(torch.autograd.Function):
+    """USP: original q, k, v sequence shards -> this rank's `rank_heads` over the Ulysses group's whole
+    sequence [B, P*s, h, D], in ONE uneven all-to-all (no padded copies); dq, dk, dv back in one."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, stats, device):
-        p = comm.group_size(group)
-        hq, hk = q.shape[2] // p, k.shape[2] // p
-        buf = _pack_seq_shard([_heads(q, p, 0, hq), _heads(k, p, 0, hk), _heads(v, p, 0, hk)])
-        x = _as_full_seq(comm.all_to_all_buffer(buf, group, stats, "ulysses_fwd", device)[0])
-        ctx.args = (group, stats, device, hq, hk, q.shape, k.shape)
-        return x[:, :, :hq], x[:, :, hq : hq + hk], x[:, :, hq + hk :]
+    def forward(ctx, q, k, v, group, stats, device, ranks):
+        p, me = comm.group_size(group), comm.group_rank(group)
+        b, s, _, d = q.shape
+        buf, sizes = _pack_to_ranks([(q, "q"), (k, "kv"), (v, "kv")], ranks)
+        recv, _ = comm.all_to_all_split(buf, sizes, [sizes[me]] * p, group, stats, "ulysses_fwd", device)
+        x = _even_recv(recv, p, b, s, d)
+        nq, nk = len(ranks[me].q), len(ranks[me].kv)
+        ctx.args = (group, stats, device, ranks, q.shape, k.shape)
+        return x[:, :, :nq], x[:, :, nq : nq + nk], x[:, :, nq + nk :]
 
     @staticmethod
-    def backward(ctx, dq, dk, dv):
-        group, stats, device, hq, hk, q_shape, kv_shape = ctx.args
-        p = comm.group_size(group)
-        like = next(t for t in (dq, dk, dv) if t is not None)
+    def backward(ctx, dqh, dkh, dvh):
+        group, stats, device, ranks, q_shape, kv_shape = ctx.args
+        p, me = comm.group_size(group), comm.group_rank(group)
+        like = next(t for t in (dqh, dkh, dvh) if t is not None)
         b, n, _, d = like.shape
-        grads = [g if g is not None else like.new_zeros(b, n, h, d) for g, h in ((dq, hq), (dk, hk), (dv, hk))]
-        recv = comm.all_to_all_buffer(_pack_full_seq(grads, p), group, stats, "ulysses_bwd", device)[0]
-        out = [like.new_empty(q_shape), like.new_empty(kv_shape), like.new_empty(kv_shape)]
-        _unpack_into(out[0], recv[..., :hq, :], 0)
-        _unpack_into(out[1], recv[..., hq : hq + hk, :], 0)
-        _unpack_into(out[2], recv[..., hq + hk :, :], 0)
-        return *out, None, None, None
+        nq, nk = len(ranks[me].q), len(ranks[me].kv)
+        grads = [g if g is not None else like.new_zeros(b, n, h, d) for g, h in ((dqh, nq), (dkh, nk), (dvh, nk))]
+        send = _pack_full_seq(grads, p).view(-1)
+        sizes = [b * (n // p) * r.width * d for r in ranks]
+        recv, _ = comm.all_to_all_split(send, [send.numel() // p] * p, sizes, group, stats, "ulysses_bwd", device)
+        dq, dk, dv, replicated = _grad_buffers(like, q_shape, kv_shape, ranks)
+        _scatter_qkv(dq, dk, dv, _blocks(recv, sizes, b, n // p, d), ranks, replicated)
+        return dq, dk, dv, None, None, None, None
 
 
-def exchange_qkv(q, k, v, group, stats=None, device=None):
-    """Differentiable fused seq->heads exchange of q [B, s, Hq', D] and k/v [B, s, Hkv', D] (one all-to-all)."""
-    return _ExchangeQKV.apply(q, k, v, group, stats, device)
+class _FromHeads(torch.autograd.Function):
+    """USP: this rank's attention output [B, P*s, h, D] on its `rank_heads` -> the sequence shard [B, s, Hq, D]
+    (original heads, dummies dropped) in one uneven all-to-all; the gradient back in one."""
+
+    @staticmethod
+    def forward(ctx, oh, group, stats, device, ranks, q_shape):
+        p = comm.group_size(group)
+        b, s, _, d = q_shape
+        send = _pack_full_seq([oh], p).view(-1)
+        sizes = [b * s * len(r.q) * d for r in ranks]
+        recv, _ = comm.all_to_all_split(send, [send.numel() // p] * p, sizes, group, stats, "ulysses_fwd", device)
+        out = oh.new_empty(q_shape)
+        for r, blk in zip(ranks, _blocks(recv, sizes, b, s, d)):
+            _scatter(out, blk, r.q, add=False)
+        ctx.args = (group, stats, device, ranks)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        group, stats, device, ranks = ctx.args
+        p, me = comm.group_size(group), comm.group_rank(group)
+        b, s, _, d = dout.shape
+        buf, sizes = _pack_to_ranks([(dout.contiguous(), "q")], ranks)
+        recv, _ = comm.all_to_all_split(buf, sizes, [sizes[me]] * p, group, stats, "ulysses_bwd", device)
+        return _even_recv(recv, p, b, s, d), None, None, None, None, None
+
+
+def to_rank_heads(q, k, v, group, plan: HeadPlan, stats=None, device=None):
+    """Differentiable: original q [B, s, Hq, D], k/v [B, s, Hkv, D] -> this rank's (q, k, v) head shards of the
+    Ulysses group's sequence, as `rank_heads(plan)` places them (USP: the same layout on every ring rank)."""
+    return _ToHeads.apply(q, k, v, group, stats, device, rank_heads(plan))
+
+
+def from_rank_heads(oh, group, plan: HeadPlan, q_shape, stats=None, device=None):
+    """Differentiable inverse for the attention output: [B, P*s, h, D] head shard -> [B, s, Hq, D]."""
+    return _FromHeads.apply(oh, group, stats, device, rank_heads(plan), tuple(q_shape))
 
 
 @lru_cache(maxsize=1024)
@@ -280,18 +313,11 @@ class _FusedUlysses(torch.autograd.Function):
             sizes = [b * s * r.width * d for r in pl]
             backs.append((*comm.all_to_all_split(send, [send.numel() // p] * p, sizes, group, stats, "ulysses_bwd",
                                                  device, async_op=True), sizes))
-        # a kv head replicated on several ranks gets the sum of their gradients; else each head is written once
-        replicated = sum(len(r.kv) for pl in plans for r in pl) > kv_shape[2]
-        dq = dout.new_empty(dout.shape)
-        dk, dv = (dout.new_zeros(kv_shape) if replicated else dout.new_empty(kv_shape) for _ in range(2))
+        dq, dk, dv, replicated = _grad_buffers(dout, dout.shape, kv_shape, [r for pl in plans for r in pl])
         for c, pl in enumerate(plans):
             recv, work, sizes = backs[c]
             work.wait()
-            for r, blk in zip(pl, _blocks(recv, sizes, b, s, d)):
-                nq, nk = len(r.q), len(r.kv)
-                _scatter(dq, blk[:, :, :nq], r.q, add=False)
-                _scatter(dk, blk[:, :, nq : nq + nk], r.kv, add=replicated)
-                _scatter(dv, blk[:, :, nq + nk :], r.kv, add=replicated)
+            _scatter_qkv(dq, dk, dv, _blocks(recv, sizes, b, s, d), pl, replicated)
             backs[c] = recv = work = None
         return dq, dk, dv, *(None,) * 9
 

@@ -4,7 +4,9 @@ Pure Ulysses is ring=1; pure ring is ulysses=1. Ulysses' q/k/v go seq->heads in 
 (ulysses_fused); pure Ulysses (ring=1) runs the local kernel inside the fused exchange, 2 collectives
 per pass (optionally split into `overlap_chunks` head chunks whose exchanges overlap compute), on the
 original heads with uneven per-rank head sets (`ulysses.rank_heads`: dummy heads only where a GQA group
-needs them). With a ring, every ring rank's Ulysses group needs the same head layout: the padded plan.
+needs them). With a ring (USP) the same uneven head sets go through one all-to-all each way around the
+ring attention: Ulysses rank u holds the same heads on every ring rank, so the ring's blocks line up, and a
+Ulysses rank the plan leaves without heads skips the ring (its ring peers hold none either).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from ..layout import ring_segments
 from ..mesh import SequenceParallelMesh
 from .kernels import AttentionKernel
 from .ring import ring_attention
-from .ulysses import head_plan, heads_to_seq, pad_heads, unpad_heads
-from .ulysses_fused import exchange_qkv, fused_ulysses_attention, local_pieces_disjoint
+from .ulysses import head_plan
+from .ulysses_fused import from_rank_heads, fused_ulysses_attention, local_pieces_disjoint, to_rank_heads
 
 __all__ = ["usp_attention"]
 
@@ -42,13 +44,16 @@ def usp_attention(
             return fused_ulysses_attention(
                 q, k, v, mesh.ulysses_group, plan, causal, scale, kernel, pieces, mesh.stats, dev, overlap_chunks
             )
-        q, k, v = pad_heads(q, k, v, plan)
-        q, k, v = exchange_qkv(q, k, v, mesh.ulysses_group, mesh.stats, dev)
+        q_shape = q.shape
+        q, k, v = to_rank_heads(q, k, v, mesh.ulysses_group, plan, mesh.stats, dev)
     layout = mesh.effective_layout
     all_segs = [ring_segments(seq_len, mesh.ring_degree, j, layout) for j in range(mesh.ring_degree)]
-    out = ring_attention(
-        q, k, v, mesh.ring_group, all_segs, mesh.ring_rank, causal, scale, kernel, bounds, mesh.stats, dev
-    )
+    if q.shape[2] == 0:  # no heads here (nor on this rank's ring peers): the ring has nothing to do
+        out = q.clone()  # zero elements, but on the graph: backward still joins the Ulysses exchanges
+    else:
+        out = ring_attention(
+            q, k, v, mesh.ring_group, all_segs, mesh.ring_rank, causal, scale, kernel, bounds, mesh.stats, dev
+        )
     if mesh.ulysses_degree > 1:
-        out = unpad_heads(heads_to_seq(out, mesh.ulysses_group, mesh.stats, dev), plan)
+        out = from_rank_heads(out, mesh.ulysses_group, plan, q_shape, mesh.stats, dev)
     return out

@@ -192,7 +192,7 @@ def _measure_comm(case: dict[str, Any], seq: int, d: int, meshes: dict) -> dict[
             "expanded_kv_heads": plan.expanded_kv_heads,
             "kv_replicas": plan.rep,
             "dummy_q_heads": plan.dummy_heads,
-            "sent_heads": list(sent_heads(plan, r)),
+            "sent_heads": list(sent_heads(plan)),
         },
     }
 
@@ -515,7 +515,7 @@ def _assemble_comm(cases, per_rank, seq, d, alone=None) -> list[dict[str, Any]]:
         measured = {c: sum(rk["bytes"].get(c, 0) for rk in ranks) / len(ranks) for c in channels_all}
         measured = {c: int(b) if float(b).is_integer() else b for c, b in measured.items()}
         plan = head_plan(case["num_heads"], case["num_kv_heads"], case["ulysses_degree"])
-        th_plan = _theory_for(case, seq, d, *sent_heads(plan, case["ring_degree"]))
+        th_plan = _theory_for(case, seq, d, *sent_heads(plan))
         th_orig = _theory_for(case, seq, d, case["num_heads"], case["num_kv_heads"])
         channels = ("ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd")
         m = {c: measured.get(c, 0) for c in channels}

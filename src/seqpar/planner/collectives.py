@@ -53,11 +53,11 @@ def heads_per_rank(m: ModelFacts, u: int) -> tuple[int, int]:
 
 
 def sent_ulysses_heads(m: ModelFacts, lay: Layout) -> tuple[int, int]:
-    """q and kv heads Ulysses' exchange moves over the group: pure Ulysses leaves the plan's dummies out
-    (ulysses.rank_heads), USP sends the padded plan."""
+    """q and kv heads Ulysses' exchange moves over the group: the plan without the dummies an uneven split
+    leaves out (ulysses.rank_heads; pure Ulysses and USP alike)."""
     if lay.ulysses == 1:
         return m.heads, m.kv_heads
-    return sent_heads(head_plan(m.heads, m.kv_heads, lay.ulysses), lay.ring)
+    return sent_heads(head_plan(m.heads, m.kv_heads, lay.ulysses))
 
 
 def passes(wl: Workload, feats: Features) -> tuple[int, int]:
@@ -67,7 +67,7 @@ def passes(wl: Workload, feats: Features) -> tuple[int, int]:
 
 def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
     out: list[Collective] = []
-    _, hkv = heads_per_rank(m, lay.ulysses)  # the ring (USP) moves the padded plan's kv heads
+    _, hkv = sent_ulysses_heads(m, lay)  # the ring (USP) moves the kv heads the exchange placed
     fwd_bwd, fwd_only = passes(wl, feats)
     fwds, L, r = fwd_bwd + fwd_only, m.layers, lay.ring
     if lay.ulysses > 1:
