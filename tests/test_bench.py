@@ -60,8 +60,8 @@ def test_schema(result):
 
 def test_ranks_count_the_same_unless_head_sets_are_uneven(result):
     for c in result["comm_bytes"]["cases"]:
-        even = c["mode"] != "ulysses" or c["plan"]["sent_heads"] == [c["plan"]["padded_heads"],
-                                                                      c["plan"]["expanded_kv_heads"]]
+        even = c["mode"] == "ring" or c["plan"]["sent_heads"] == [c["plan"]["padded_heads"],
+                                                                   c["plan"]["expanded_kv_heads"]]
         assert c["same_on_all_ranks"] == even, c
         assert c["other_channels"] == {}, c  # attention itself must not all-gather or all-reduce
 
@@ -121,6 +121,11 @@ def test_independent_formulas(result):
     assert c["ratio_vs_original_heads"]["fwd"] == pytest.approx(36 / 32)
     c = _case(result, "ulysses", 6, 6)  # 2 dummy kv groups in the plan: not sent at all
     assert c["plan"]["sent_heads"] == [6, 6] and c["ratio_vs_original_heads"]["fwd"] == pytest.approx(1.0)
+    # USP 9q/3kv at ulysses 2: the plan pads to 12q/4kv (a dummy kv group), the exchange sends the original
+    # 9q/3kv (6q+2kv to one Ulysses rank, 3q+1kv to the other) and the ring moves the 3 kv heads placed
+    c = _case(result, "usp", 9, 3)
+    assert c["plan"]["padded_heads"] == 12 and c["plan"]["sent_heads"] == [9, 3]
+    assert c["ratio_vs_original_heads"] == {"fwd": 1.0, "bwd": 1.0}, c
 
 
 def test_theory_helpers():

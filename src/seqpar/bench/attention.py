@@ -105,7 +105,7 @@ def comm_cases(quick: bool) -> list[dict[str, Any]]:
         cases.append({"mode": "ulysses", "ulysses_degree": 4, "ring_degree": 1, "num_heads": hq, "num_kv_heads": hkv})
     for hq, hkv in heads[:3]:
         cases.append({"mode": "ring", "ulysses_degree": 1, "ring_degree": 4, "num_heads": hq, "num_kv_heads": hkv})
-    for hq, hkv in heads:
+    for hq, hkv in heads + [(9, 3)]:  # 9q/3kv at ulysses 2: the plan pads to 12/4, the exchange sends 9/3
         cases.append({"mode": "usp", "ulysses_degree": 2, "ring_degree": 2, "num_heads": hq, "num_kv_heads": hkv})
     for c in cases:
         c["dtype"] = "float32"
