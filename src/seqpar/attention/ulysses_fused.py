@@ -120,8 +120,7 @@ class _ToHeads(torch.autograd.Function):
     def forward(ctx, q, k, v, group, stats, device, ranks):
         p, me = comm.group_size(group), comm.group_rank(group)
         b, s, _, d = q.shape
-        buf, sizes = _pack_to_ranks([(q, "q"), (k, "kv"), (v, "kv")], ranks)
-        recv, _ = comm.all_to_all_split(buf, sizes, [sizes[me]] * p, group, stats, "ulysses_fwd", device)
+        recv, _ = _to_ranks([(q, "q"), (k, "kv"), (v, "kv")], ranks, group, stats, "ulysses_fwd", device)
         x = _even_recv(recv, p, b, s, d)
         nq, nk = len(ranks[me].q), len(ranks[me].kv)
         ctx.args = (group, stats, device, ranks, q.shape, k.shape)
@@ -136,8 +135,8 @@ class _ToHeads(torch.autograd.Function):
         nq, nk = len(ranks[me].q), len(ranks[me].kv)
         grads = [g if g is not None else like.new_zeros(b, n, h, d) for g, h in ((dqh, nq), (dkh, nk), (dvh, nk))]
         send = _pack_full_seq(grads, p).view(-1)
-        sizes = [b * (n // p) * r.width * d for r in ranks]
-        recv, _ = comm.all_to_all_split(send, [send.numel() // p] * p, sizes, group, stats, "ulysses_bwd", device)
+        recv, _, sizes = _back_to_seq(send, [r.width for r in ranks], b * (n // p) * d, group, stats, "ulysses_bwd",
+                                      device)
         dq, dk, dv, replicated = _grad_buffers(like, q_shape, kv_shape, ranks)
         _scatter_qkv(dq, dk, dv, _blocks(recv, sizes, b, n // p, d), ranks, replicated)
         return dq, dk, dv, None, None, None, None
@@ -152,8 +151,7 @@ class _FromHeads(torch.autograd.Function):
         p = comm.group_size(group)
         b, s, _, d = q_shape
         send = _pack_full_seq([oh], p).view(-1)
-        sizes = [b * s * len(r.q) * d for r in ranks]
-        recv, _ = comm.all_to_all_split(send, [send.numel() // p] * p, sizes, group, stats, "ulysses_fwd", device)
+        recv, _, sizes = _back_to_seq(send, [len(r.q) for r in ranks], b * s * d, group, stats, "ulysses_fwd", device)
         out = oh.new_empty(q_shape)
         for r, blk in zip(ranks, _blocks(recv, sizes, b, s, d)):
             _scatter(out, blk, r.q, add=False)
@@ -163,11 +161,9 @@ class _FromHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         group, stats, device, ranks = ctx.args
-        p, me = comm.group_size(group), comm.group_rank(group)
         b, s, _, d = dout.shape
-        buf, sizes = _pack_to_ranks([(dout.contiguous(), "q")], ranks)
-        recv, _ = comm.all_to_all_split(buf, sizes, [sizes[me]] * p, group, stats, "ulysses_bwd", device)
-        return _even_recv(recv, p, b, s, d), None, None, None, None, None
+        recv, _ = _to_ranks([(dout, "q")], ranks, group, stats, "ulysses_bwd", device)
+        return _even_recv(recv, comm.group_size(group), b, s, d), None, None, None, None, None
 
 
 def to_rank_heads(q, k, v, group, plan: HeadPlan, stats=None, device=None):
@@ -227,6 +223,27 @@ def _pack_to_ranks(parts: list[tuple[torch.Tensor, str]], ranks: list[RankHeads]
     return buf, sizes
 
 
+def _to_ranks(parts: list[tuple[torch.Tensor, str]], ranks: list[RankHeads], group: Any, stats, channel: str,
+              device, async_op: bool = False) -> tuple[torch.Tensor, Any]:
+    """Sequence shards -> every rank its heads (`_pack_to_ranks`) in one uneven all-to-all; this rank receives
+    an equal piece (its own heads of each rank's shard) from every rank. Returns (receive buffer, work)."""
+    buf, sizes = _pack_to_ranks(parts, ranks)
+    mine = [sizes[comm.group_rank(group)]] * comm.group_size(group)
+    return comm.all_to_all_split(buf, sizes, mine, group, stats, channel, device, async_op=async_op)
+
+
+def _back_to_seq(send: torch.Tensor, widths: list[int], per_head: int, group: Any, stats, channel: str, device,
+                 async_op: bool = False) -> tuple[torch.Tensor, Any, list[int]]:
+    """This rank's heads of every rank's shard (a flat `_pack_full_seq` buffer, equal pieces) -> each rank's
+    sequence shard of them; rank i holds widths[i] heads of `per_head` elements (B * s * D) each.
+    Returns (receive buffer, work, elements per rank)."""
+    p = comm.group_size(group)
+    sizes = [w * per_head for w in widths]
+    recv, work = comm.all_to_all_split(send, [send.numel() // p] * p, sizes, group, stats, channel, device,
+                                       async_op=async_op)
+    return recv, work, sizes
+
+
 def _offsets(sizes: list[int]) -> list[int]:
     return [sum(sizes[:i]) for i in range(len(sizes))]
 
@@ -253,9 +270,7 @@ class _FusedUlysses(torch.autograd.Function):
         plans = [[r.chunk(c, chunks) for r in ranks] for c in range(chunks)]
         sends = []
         for pl in plans:  # pack and post every chunk's exchange before any compute
-            buf, sizes = _pack_to_ranks([(q, "q"), (k, "kv"), (v, "kv")], pl)
-            mine = [sizes[me]] * p
-            sends.append(comm.all_to_all_split(buf, sizes, mine, group, stats, "ulysses_fwd", device, async_op=True))
+            sends.append(_to_ranks([(q, "q"), (k, "kv"), (v, "kv")], pl, group, stats, "ulysses_fwd", device, True))
         backs, saved = [], []
         for c, pl in enumerate(plans):
             recv, work = sends[c]
@@ -268,10 +283,9 @@ class _FusedUlysses(torch.autograd.Function):
                 oh = oh.to(q.dtype)
             else:  # nothing for this rank in this chunk (dummy groups left out): it still takes part in the exchange
                 oh, lse = x[:, :, :0], x.new_empty(b, p * s, 0)
-            sizes = [b * s * len(r.q) * d for r in pl]
             back = _pack_full_seq([oh], p).view(-1)  # chunk c's output travels while chunk c+1 computes
-            backs.append((*comm.all_to_all_split(back, [back.numel() // p] * p, sizes, group, stats, "ulysses_fwd",
-                                                 device, async_op=True), sizes))
+            backs.append(_back_to_seq(back, [len(r.q) for r in pl], b * s * d, group, stats, "ulysses_fwd", device,
+                                      True))
             saved += [x, oh, lse]
         out = q.new_empty(q.shape)
         for c, pl in enumerate(plans):
@@ -293,9 +307,7 @@ class _FusedUlysses(torch.autograd.Function):
         b, s, _, d = dout.shape
         douts = []
         for pl in plans:
-            buf, sizes = _pack_to_ranks([(dout, "q")], pl)
-            douts.append(comm.all_to_all_split(buf, sizes, [sizes[me]] * p, group, stats, "ulysses_bwd", device,
-                                               async_op=True))
+            douts.append(_to_ranks([(dout, "q")], pl, group, stats, "ulysses_bwd", device, True))
         backs = []
         for c, pl in enumerate(plans):
             recv, work = douts[c]
@@ -310,9 +322,8 @@ class _FusedUlysses(torch.autograd.Function):
             else:
                 send = dout.new_empty(0)
             recv = None
-            sizes = [b * s * r.width * d for r in pl]
-            backs.append((*comm.all_to_all_split(send, [send.numel() // p] * p, sizes, group, stats, "ulysses_bwd",
-                                                 device, async_op=True), sizes))
+            widths = [r.width for r in pl]
+            backs.append(_back_to_seq(send, widths, b * s * d, group, stats, "ulysses_bwd", device, True))
         dq, dk, dv, replicated = _grad_buffers(dout, dout.shape, kv_shape, [r for pl in plans for r in pl])
         for c, pl in enumerate(plans):
             recv, work, sizes = backs[c]

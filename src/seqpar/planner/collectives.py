@@ -67,11 +67,11 @@ def passes(wl: Workload, feats: Features) -> tuple[int, int]:
 
 def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
     out: list[Collective] = []
-    _, hkv = sent_ulysses_heads(m, lay)  # the ring (USP) moves the kv heads the exchange placed
+    hq, hkv = sent_ulysses_heads(m, lay)  # the ring (USP) moves the kv heads the exchange placed
     fwd_bwd, fwd_only = passes(wl, feats)
     fwds, L, r = fwd_bwd + fwd_only, m.layers, lay.ring
     if lay.ulysses > 1:
-        one = ulysses_theory(wl.seq_len // r, wl.rows, *sent_ulysses_heads(m, lay), m.head_dim, lay.ulysses, wl.elt)
+        one = ulysses_theory(wl.seq_len // r, wl.rows, hq, hkv, m.head_dim, lay.ulysses, wl.elt)
         out.append(Collective("ulysses", "all_to_all", "ulysses", 2 * L * (fwds + 1), one * L * (fwds + 1)))
     if r > 1:
         t = ring_theory(wl.seq_len, wl.rows, hkv, m.head_dim, r, wl.elt)
@@ -81,9 +81,9 @@ def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
 
 
 def _gradients(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
-    n_train = m.num_params() if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
+    sizes = wl.trained_tensors(m)
+    n_train = sum(sizes)
     if not feats.fsdp:  # seqpar.comm.all_reduce_many_: large gradients in place, the small ones in one buffer
-        sizes = m.trainable_tensors(wl.lora_r if wl.lora else None, wl.lora_targets)
         large = sum(1 for n in sizes if n >= IN_PLACE_MIN_NUMEL)
         calls = large + (1 if large < len(sizes) else 0)
         return [Collective("grads", "all_reduce", g, calls, 2 * n_train * 4 * (k - 1) // k)

@@ -153,8 +153,7 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
     if not foreach:
         opt_temp = min(opt_temp, 2 * max(m.embed_params(), m.hidden * m.intermediate) * 4)
     if lay.world > 1 and not feats.fsdp:
-        sizes = m.trainable_tensors(wl.lora_r if wl.lora else None, wl.lora_targets)
-        opt_temp = max(opt_temp, 4 * sum(n for n in sizes if n < IN_PLACE_MIN_NUMEL))
+        opt_temp = max(opt_temp, 4 * sum(n for n in wl.trained_tensors(m) if n < IN_PLACE_MIN_NUMEL))
     # The frozen reference copy of full-fine-tuning DPO; under FSDP2 sharded over all ranks like the policy.
     ref = m.num_params() * wl.elt // (lay.world if feats.fsdp else 1) if wl.stage == "dpo" and not wl.lora else 0
     params += ref

@@ -65,9 +65,9 @@ def attention_flops(m: ModelFacts, wl: Workload, lay: Layout) -> float:
 
 def comm_bytes_per_layer(m: ModelFacts, wl: Workload, lay: Layout) -> dict[str, int]:
     """Bytes one rank sends per decoder layer for one forward + backward, from seqpar.attention.costs."""
-    _, hkv = sent_ulysses_heads(m, lay)  # the ring (USP) moves the kv heads the exchange placed
+    hq, hkv = sent_ulysses_heads(m, lay)  # the ring (USP) moves the kv heads the exchange placed
     e, s, b = wl.elt, wl.seq_len, wl.rows
-    uly = 2 * ulysses_theory(s // lay.ring, b, *sent_ulysses_heads(m, lay), m.head_dim, lay.ulysses, e)
+    uly = 2 * ulysses_theory(s // lay.ring, b, hq, hkv, m.head_dim, lay.ulysses, e)
     ring = ring_theory(s, b, hkv, m.head_dim, lay.ring, e) if lay.ring > 1 else {"fwd": 0, "bwd": 0}
     return {"ulysses": uly, "ring": (ring["fwd"] + ring["bwd"]) // lay.ulysses}
 

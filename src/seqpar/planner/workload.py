@@ -4,6 +4,10 @@ memory features, as plain frozen dataclasses every planner module shares."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model import ModelFacts
 
 __all__ = ["Features", "Workload", "Layout", "DEFAULT_LOSS_CHUNK_BYTES", "INDEX_BYTES_PER_TOKEN"]
 
@@ -57,6 +61,10 @@ class Workload:
     def supervised(self, local_tokens: int) -> int:
         """Supervised positions on the busiest rank: all its tokens, at most the rows' supervised total."""
         return max(1, min(local_tokens, self.rows * (self.seq_len - self.unsupervised_tokens)))
+
+    def trained_tensors(self, m: ModelFacts) -> list[int]:
+        """Element counts of the tensors this workload trains: every parameter, or each LoRA A and B."""
+        return m.trainable_tensors(self.lora_r if self.lora else None, self.lora_targets)
 
     def trains(self, module: str) -> bool:
         """Whether a Linear keeps its input for a weight gradient (trained, or a LoRA target)."""
