@@ -311,7 +311,7 @@ def test_collective_counts_fused_ulysses_and_ring_r_minus_1(sp):
         if u > 1:
             assert calls["ulysses_fwd"] == calls["ulysses_bwd"] == 2, calls
         else:
-            # K/V: 2 sends per hop, R-1 hops, fwd and bwd; dK/dV: 2 per hop, R-1 hops (not R)
-            assert calls["ring_fwd"] == 2 * (r - 1) and calls["ring_bwd"] == 4 * (r - 1), calls
+            # K/V: 2 sends per hop, R-1 hops, fwd and bwd; dK/dV: 1 stacked send per hop, R-1 hops (not R)
+            assert calls["ring_fwd"] == 2 * (r - 1) and calls["ring_bwd"] == 3 * (r - 1), calls
             th = ring_theory(12 * sp, 1, 3, 16, r, 4)
             assert nbytes["ring_bwd"] == th["bwd_min"] == th["bwd"], (nbytes, th)

@@ -199,25 +199,26 @@ class _RingAttention(torch.autograd.Function):
             else:
                 if step > 1:
                     _add_received(dkv, dkv_ring)  # block j's partial sum from ring ranks j+1 .. r-1
-                dkv_ring.start(dkv)  # n-1 sends in all: the reduce-scatter bound
+                dkv_ring.start([dkv])  # n-1 sends in all: the reduce-scatter bound
             del dkv  # (a block in flight is held by its send until the next wait)
             if step < n - 1:
                 kk, vv = kv_ring.wait()
         del kk, vv
         if n > 1:
             _add_received(dkv_own, dkv_ring)  # own block's sum over ring ranks r+1 .. r-1 (all others)
-        dk, dv = dkv_own
+        dk, dv = dkv_own[0], dkv_own[1]
         none = (None,) * 9
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none)
 
 
 def _block_grads(kernel: AttentionKernel, pieces: list[Piece], dout: torch.Tensor, q: torch.Tensor,
                  kk: torch.Tensor, vv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
-                 dq: torch.Tensor) -> list[torch.Tensor]:
-    """One KV block's backward: dQ accumulates into dq; returns [dK, dV] of the block (accumulator dtype).
-    Each piece's kernel outputs are freed once added (they would otherwise stay alive through the sends)."""
-    dk = torch.zeros(kk.shape, dtype=dq.dtype, device=kk.device)
-    dv = torch.zeros(vv.shape, dtype=dq.dtype, device=vv.device)
+                 dq: torch.Tensor) -> torch.Tensor:
+    """One KV block's backward: dQ accumulates into dq; returns the block's [dK; dV] stacked in one
+    accumulator-dtype buffer (one message per ring hop, not two). Each piece's kernel outputs are freed
+    once added (they would otherwise stay alive through the sends)."""
+    dkv = torch.zeros((2, *kk.shape), dtype=dq.dtype, device=kk.device)
+    dk, dv = dkv[0], dkv[1]
     for p in pieces:
         sq, sk = slice(p.q0, p.q1), slice(p.k0, p.k1)
         g_q, g_k, g_v = kernel.backward(dout[:, sq], q[:, sq], kk[:, sk], vv[:, sk], out[:, sq], lse[:, sq], p.causal,
@@ -226,13 +227,13 @@ def _block_grads(kernel: AttentionKernel, pieces: list[Piece], dout: torch.Tenso
         dk[:, sk] += g_k
         dv[:, sk] += g_v
         del g_q, g_k, g_v  # else they stay alive through the next piece's kernel call
-    return [dk, dv]
+    return dkv
 
 
-def _add_received(acc: list[torch.Tensor], ring: RingComm) -> None:
-    """acc += the partial sums the ring delivers (the receive buffers are freed on return)."""
-    for x, got in zip(acc, ring.wait()):
-        x += got
+def _add_received(acc: torch.Tensor, ring: RingComm) -> None:
+    """acc += the partial sum the ring delivers (the receive buffer is freed on return)."""
+    (got,) = ring.wait()
+    acc += got
 
 
 def ring_attention(

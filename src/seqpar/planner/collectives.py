@@ -6,8 +6,9 @@ much as the bytes when messages are small (gloo on a CPU: ~0.2-1.6 ms a call). T
 
 - per decoder layer and forward pass: Ulysses 2 all-to-alls (q, k, v fused out; the output back), ring
   2 (r-1) sends (K and V, r-1 hops); per backward: Ulysses 2 all-to-alls, ring 2 (r-1) K/V sends plus
-  2 (r-1) dK/dV sends (a reduce-scatter ring: each rank keeps its own block's part). Forward passes: the
-  policy's, its recomputation under activation checkpointing, and DPO's reference pass (no backward);
+  r-1 dK/dV sends (one stacked buffer a hop; a reduce-scatter ring: each rank keeps its own block's
+  part). Forward passes: the policy's, its recomputation under activation checkpointing, and DPO's
+  reference pass (no backward);
 - one small all-gather of position ids per model call (the ForwardPlan: all SP ranks decide alike);
 - gradients: without FSDP, over sp and then over dp, one all-reduce per large trainable tensor (in place)
   and one for all the small ones (fp32: bf16 runs reduce the fp32 master gradients); with FSDP2 (one unit
@@ -75,7 +76,7 @@ def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
         out.append(Collective("ulysses", "all_to_all", "ulysses", 2 * L * (fwds + 1), one * L * (fwds + 1)))
     if r > 1:
         t = ring_theory(wl.seq_len, wl.rows, hkv, m.head_dim, r, wl.elt)
-        calls = L * (2 * (r - 1) * fwds + 2 * (r - 1) + 2 * (r - 1))
+        calls = L * (2 * (r - 1) * fwds + 2 * (r - 1) + (r - 1))
         out.append(Collective("ring", "p2p", "ring", calls, L * (t["fwd"] * fwds + t["bwd"]) // lay.ulysses))
     return out
 
