@@ -108,9 +108,9 @@ def test_layer_backward_moment_against_memtracker_readings():
     # (the lm_head and layer 1 gradients exist, layer 1's input is freed). FSDP2 ring 2: also the
     # gathered layer and the previous layer's unsharded gradients in their reduce-scatter.
     m, wl = tiny(), Workload(256, precision="fp32")
-    ckpt = estimate_memory(m, wl, Layout(), Features(activation_checkpointing=True), foreach=False)
+    ckpt = estimate_memory(m, wl, Layout(), Features(activation_checkpointing=True))
     assert ckpt.phases["layer_backward"] == pytest.approx(3474116, rel=1e-3)
-    fsdp = estimate_memory(m, wl, Layout(1, 2, 1), Features(activation_checkpointing=True, fsdp=True), foreach=False)
+    fsdp = estimate_memory(m, wl, Layout(1, 2, 1), Features(activation_checkpointing=True, fsdp=True))
     assert fsdp.phases["layer_backward"] == pytest.approx(2377540, rel=1e-3)
     assert fsdp.phase == "layer_backward" and fsdp.activations > 0 and fsdp.gradients > 0 and fsdp.comm_buffers > 0
 

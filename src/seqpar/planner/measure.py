@@ -41,6 +41,7 @@ class Case:
     micro_batch_size: int = 1
     precision: str = "fp32"
     memory: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "fused"  # seqpar train's optimizer.implementation
 
     @property
     def world(self) -> int:
@@ -51,8 +52,9 @@ class Case:
         prec = "" if self.precision == "fp32" else f"{self.precision}: "
         shape = "" if self.num_layers == 2 else f" L={self.num_layers}"
         fsdp = "/fsdp" if self.fsdp else ""
+        opt = "" if self.optimizer == "fused" else f" adamw:{self.optimizer}"
         return (f"{prec}{self.arch}{shape} S={self.seq_len} {self.stage}/{self.finetuning}{fsdp} "
-                f"u{self.ulysses}r{self.ring}d{self.dp} mem[{feats}]")
+                f"u{self.ulysses}r{self.ring}d{self.dp} mem[{feats}]{opt}")
 
     def __hash__(self) -> int:  # memory is a dict
         return hash(self.label())
@@ -77,6 +79,7 @@ def case_config(case: Case) -> Any:
         # No key = feature off (fused_loss defaults to on in TrainConfig; the planner names it explicitly).
         "memory": {"fused_loss": False, **case.memory},
         "precision": case.precision,
+        "optimizer": {"implementation": case.optimizer},
         "micro_batch_size": case.micro_batch_size,
         "max_steps": 8,
         "progress": False,

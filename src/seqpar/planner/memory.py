@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..comm import IN_PLACE_MIN_NUMEL
+from ..errors import SeqParError
 from .backward import layer_backward
 from .layer import activation_bytes_per_token, layer_bytes_per_token, mlp_tiles
 from .model import ModelFacts
@@ -98,7 +99,7 @@ def _param_bytes(m: ModelFacts, wl: Workload, feats: Features, world: int) -> tu
             return base + 4 * t, 4 * t, 8 * t, 4 * t, 0
         return base, t * e, 2 * t * e, t * e, 0
     if not feats.fsdp:
-        # the trained weights (fp32, or bf16 + fp32 masters), fp32 gradients and AdamW moments, one foreach temp
+        # the trained weights (fp32, or bf16 + fp32 masters), fp32 gradients, AdamW moments, a foreach temp
         return n * e + (4 * n if masters else 0), 4 * n, 8 * n, 4 * n, 0
     if feats.offload_optimizer:
         return root, 0, 0, 0, layer
@@ -139,19 +140,24 @@ def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> in
 
 
 def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *,
-                    foreach: bool = True) -> MemoryBreakdown:
+                    optimizer: str = "fused") -> MemoryBreakdown:
     """Peak bytes on one rank: the largest of three moments of the step (see module docstring).
 
-    foreach: AdamW's multi-tensor path (the default on GPUs) allocates one temporary the size of all
-    trainable parameters; the CPU single-tensor path two of the largest tensor's (sqrt(v), then its quotient
-    by the bias correction; measured). Without FSDP on more than one rank, seqpar.loss.sum_gradients reduces
-    the large gradients in place and copies the small ones (below IN_PLACE_MIN_NUMEL elements) into one fp32
-    buffer first: the larger of that buffer and the step's temporary.
+    optimizer: seqpar train's `optimizer.implementation`. "fused" (its default) updates every tensor in place
+    with no temporary; "foreach" allocates one temporary the size of all trainable parameters; "for_loop" two
+    of the largest tensor's (sqrt(v), then its quotient by the bias correction; measured). Without FSDP on
+    more than one rank, seqpar.loss.sum_gradients reduces the large gradients in place and copies the small
+    ones (below IN_PLACE_MIN_NUMEL elements) into one fp32 buffer first: the larger of that buffer and the
+    step's temporary.
     """
     tokens = wl.rows * wl.seq_len // lay.sp
     params, grads, opt, opt_temp, layer = _param_bytes(m, wl, feats, lay.world)
-    if not foreach:
+    if optimizer == "fused":
+        opt_temp = 0
+    elif optimizer == "for_loop":
         opt_temp = min(opt_temp, 2 * max(m.embed_params(), m.hidden * m.intermediate) * 4)
+    elif optimizer != "foreach":
+        raise SeqParError(f"unknown optimizer implementation {optimizer!r}: use fused, foreach or for_loop")
     if lay.world > 1 and not feats.fsdp:
         opt_temp = max(opt_temp, 4 * sum(n for n in wl.trained_tensors(m) if n < IN_PLACE_MIN_NUMEL))
     # The frozen reference copy of full-fine-tuning DPO; under FSDP2 sharded over all ranks like the policy.

@@ -20,9 +20,10 @@ its recompute), the moments are
   dq, dk, dv in fp32 4 (q + 2 kv) and the kernel's outputs e (q + 2 kv) (bf16 outputs are added into the
   fp32 accumulators without a cast copy); with ring > 1 the zigzag ring's busiest step
   (`ring_backward_temp`, measured with ring 2);
-  fused Ulysses (u > 1, ring = 1; Q, K the plan-padded head widths): dout's send buffer e Q, the kernel's
-  head-space gradients e (Q + 2 K), their packed send buffer, its receive buffer and the sequence-space
-  dq, dk, dv (each e (Q + 2 K)); the attention output `a` (saved by the second piece) is freed by then;
+  fused Ulysses (u > 1, ring = 1; Q, K the plan-padded head widths): the kernel's head-space gradients
+  e (Q + 2 K), their packed send buffer, its receive buffer and the sequence-space dq, dk, dv (each
+  e (Q + 2 K)); dout's send buffer and the received head-space dout are freed by then, and so is the
+  attention output `a` (saved by the second piece);
   USP (u > 1, ring > 1): the head-space gradient e Q and the zigzag ring's busiest step on the head-space
   widths (measured with u = 2, ring = 2).
 """
@@ -67,7 +68,7 @@ def attention_backward_temp(m: ModelFacts, elt: int, u: int, ring: int = 1) -> i
     if ring > 1:  # USP: the gradient in head space (the sequence-space one is freed), then the ring on u x the
         # tokens and 1/u of the heads (the same bytes per local token), sending a copy of its own K/V block
         return e * wq + ring_backward_temp(wq, wkv, e, ring, send_copy=True) - e * m.q_dim
-    return e * wq + 4 * e * (wq + 2 * wkv)
+    return 4 * e * (wq + 2 * wkv)
 
 
 def ring_backward_temp(q: int, kv: int, e: int, n: int, send_copy: bool = False) -> int:

@@ -88,12 +88,12 @@ def _unsupervised(case: Case) -> int:
 
 
 def predict_case(case: Case) -> int:
-    """The planner's peak bytes per rank for a validation case (CPU: AdamW without foreach)."""
+    """The planner's peak bytes per rank for a validation case."""
     m = model_facts(case)
     wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision, case.micro_batch_size,
                   unsupervised_tokens=_unsupervised(case))
     lay = Layout(case.ulysses, case.ring, case.dp)
-    return estimate_memory(m, wl, lay, _features(case), foreach=False).total
+    return estimate_memory(m, wl, lay, _features(case), optimizer=case.optimizer).total
 
 
 def with_features(cases: list[Case], names: list[str]) -> list[Case]:

@@ -154,7 +154,12 @@ class FinetuningSpec(_Strict):
 
 
 class OptimizerSpec(_Strict):
+    """implementation: torch's update path. "fused" (default): one in-place kernel per tensor on CPUs and GPUs,
+    no temporaries (on a CPU ~5x faster than the per-tensor loop, on a GPU the fastest); "foreach": the
+    multi-tensor path, one temporary the size of the trainable parameters; "for_loop": one tensor at a time."""
+
     name: Literal["adamw", "sgd"] = "adamw"
+    implementation: Literal["fused", "foreach", "for_loop"] = "fused"
     lr: float = Field(default=1e-4, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)

@@ -12,15 +12,23 @@ import torch
 
 from ..config import TrainConfig
 
-__all__ = ["build_optimizer", "lr_lambda"]
+__all__ = ["build_optimizer", "lr_lambda", "IMPLEMENTATIONS"]
+
+# optimizer.implementation -> torch.optim keyword arguments
+IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
+    "fused": {"fused": True},
+    "foreach": {"foreach": True},
+    "for_loop": {"foreach": False},
+}
 
 
 def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, Any]:
     o = cfg.optimizer
+    impl = IMPLEMENTATIONS[o.implementation]
     if o.name == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **impl)
     else:
-        optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
+        optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay, **impl)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
 
