@@ -156,7 +156,8 @@ class FinetuningSpec(_Strict):
 class OptimizerSpec(_Strict):
     """implementation: torch's update path. "fused" (default): one in-place kernel per tensor on CPUs and GPUs,
     no temporaries (on a CPU ~5x faster than the per-tensor loop, on a GPU the fastest); "foreach": the
-    multi-tensor path, one temporary the size of the trainable parameters; "for_loop": one tensor at a time."""
+    multi-tensor path, one temporary the size of the trainable parameters; "for_loop": one tensor at a time.
+    SGD under "fused" runs torch's default path (its fused kernel has no FSDP2 support)."""
 
     name: Literal["adamw", "sgd"] = "adamw"
     implementation: Literal["fused", "foreach", "for_loop"] = "fused"

@@ -28,7 +28,9 @@ def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple
     if o.name == "adamw":
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **impl)
     else:
-        optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay, **impl)
+        # torch's fused SGD has no DTensor (FSDP2) support: "fused" leaves SGD on torch's default path
+        sgd = {} if o.implementation == "fused" else impl
+        optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay, **sgd)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
 
