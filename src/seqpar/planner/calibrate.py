@@ -108,6 +108,9 @@ def _fsdp_param_s(kinds: list[tuple[str, float, float]]) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from ..train.config.schema import OptimizerSpec
+    from ..train.loop.optim import IMPLEMENTATIONS
+
     units, world = 4, torch.distributed.get_world_size()
     plain = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(units)])
     sharded = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(units)])
@@ -118,7 +121,7 @@ def _fsdp_param_s(kinds: list[tuple[str, float, float]]) -> float:
     x = torch.randn(8, 64)
 
     def step(model: torch.nn.Module) -> Callable[[], None]:
-        opt = torch.optim.AdamW(model.parameters(), fused=True)  # as seqpar train (optimizer.implementation)
+        opt = torch.optim.AdamW(model.parameters(), **IMPLEMENTATIONS[OptimizerSpec().implementation])  # as trained
 
         def run() -> None:
             model(x).sum().backward()
