@@ -33,6 +33,9 @@ __all__ = [
     "all_to_all_split",
     "all_reduce",
     "all_reduce_",
+    "all_reduce_async_",
+    "all_reduce_many_",
+    "in_place_reducible",
     "all_gather",
     "broadcast_object",
     "all_gather_object",
@@ -230,6 +233,20 @@ def all_reduce_(x: torch.Tensor, group: Any, op: Any = None, device: torch.devic
 IN_PLACE_MIN_NUMEL = 1 << 16  # elements: tensors this large are reduced where they are, smaller ones share a buffer
 
 
+def in_place_reducible(t: torch.Tensor) -> bool:
+    """Whether `all_reduce_many_` sums t where it is (large and contiguous) rather than in a shared buffer."""
+    return t.numel() >= IN_PLACE_MIN_NUMEL and t.is_contiguous()
+
+
+def all_reduce_async_(x: torch.Tensor, group: Any, device: torch.device | None = None) -> Any:
+    """Post a SUM all-reduce of x in place and return its work (x is the sum after work.wait()); None for a
+    group of one. Nothing may read or write x before the wait."""
+    if group_size(group) <= 1:
+        return None
+    check_device([x], device, "all_reduce_async_")
+    return dist.all_reduce(x, group=group, async_op=True)
+
+
 def all_reduce_many_(tensors: Sequence[torch.Tensor], group: Any, device: torch.device | None = None) -> None:
     """SUM-all-reduce many tensors in place (gradients): the large contiguous ones where they are (no copy, no
     second buffer the size of all of them), the small ones coalesced per dtype/device into one buffer each.
@@ -239,7 +256,7 @@ def all_reduce_many_(tensors: Sequence[torch.Tensor], group: Any, device: torch.
     check_device(list(tensors), device, "all_reduce_many_")
     works, small = [], {}
     for t in tensors:
-        if t.numel() >= IN_PLACE_MIN_NUMEL and t.is_contiguous():
+        if in_place_reducible(t):
             works.append(dist.all_reduce(t, group=group, async_op=True))
         else:
             small.setdefault((t.dtype, t.device), []).append(t)

@@ -9,7 +9,8 @@ Each rank returns its SHARE of the true global loss, built so that
 
 So after `loss_share.backward()` on every rank (and every grad-accumulation micro-batch), the
 parameter gradients must be SUMMED over the whole dp x sp world:
-- by hand: `seqpar.loss.sum_gradients(model.parameters(), mesh)`;
+- by hand: `seqpar.loss.sum_gradients(model.parameters(), mesh)` after backward, or
+  `seqpar.loss.OverlappedGradSum` (the same sums, posted during the last backward);
 - with DDP / FSDP over all dp x sp ranks, which AVERAGE: multiply each loss share by
   `gradient_reduction_factor(mesh)` (= dp_size * sp_size) before backward, so the average becomes
   the sum. (A wrapper that only spans dp must still have the sp ranks' gradients summed.)
@@ -34,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
+from .grad_sync import OverlappedGradSum
 from .grpo import GRPO_LOSS_TYPES, GRPODenominators, grpo_denominators, grpo_local_counts, grpo_loss
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "dpo_loss",
     "gradient_reduction_factor",
     "sum_gradients",
+    "OverlappedGradSum",
     "global_loss",
     "DPO_LOSS_TYPES",
     "GRPO_LOSS_TYPES",

@@ -15,10 +15,12 @@ Assumptions (stated in docs/planner.md; absolute GPU times are a model, the ORDE
   fp32 logit, or costs `Cluster.loss_elem_s` per logit where measured (CPU: exp/log bound);
 - communication: planner.collectives lists every collective of the step (calls and bytes); each costs
   calls x latency + bytes / bandwidth (`Cluster.collective_s`). With `Cluster.overlap` (GPUs: separate
-  streams) Ulysses all-to-alls, gradient all-reduces and book-keeping are exposed, ring K/V hops hide
-  behind the attention of the previous block (only the excess is exposed), FSDP all-gathers /
-  reduce-scatters behind the layers' compute. Without overlap (CPU / gloo: the same cores compute
-  and communicate) everything is exposed. FSDP2 adds `Cluster.fsdp_param_s` per parameter tensor per step;
+  streams) Ulysses all-to-alls and book-keeping are exposed, ring K/V hops hide behind the attention of
+  the previous block (only the excess is exposed), FSDP all-gathers / reduce-scatters behind the layers'
+  compute, the gradient all-reduces behind backward (seqpar.loss.OverlappedGradSum; not with bf16's fp32
+  master weights, whose gradients exist only after backward: there they are exposed). Without overlap
+  (CPU / gloo: the same cores compute and communicate) everything is exposed. FSDP2 adds
+  `Cluster.fsdp_param_s` per parameter tensor per step;
 - offload (`offload_s`): host copies over `Cluster.host_bw` overlap compute (the excess is exposed), the
   CPU optimizer step of FSDP2 CPU offload is exposed;
 - host overhead: `Cluster.host_layer_s` per decoder layer and pass (0 on GPUs: kernels are enqueued
@@ -39,6 +41,7 @@ __all__ = ["TimeEstimate", "estimate_time", "offload_s", "comm_bytes_per_layer",
            "DEFAULT_MFU"]
 
 DEFAULT_MFU = 0.45
+BACKWARD_SHARE = 2 / 3  # of a step's compute: backward's 2 matmuls per forward one, which gradient sums can hide behind
 ADAMW_BYTES_PER_PARAM = 28  # fp32 param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written
 
 
@@ -161,6 +164,8 @@ def estimate_time(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, cl:
         exposed.pop("fsdp_reduce", None)
         if fsdp:
             exposed["fsdp"] = max(0.0, fsdp - compute)
+        if "grads" in exposed and not (wl.precision == "bf16" and not feats.fsdp):
+            exposed["grads"] = max(0.0, comm["grads"] - compute * BACKWARD_SHARE)
     if feats.fsdp and lay.world > 1:
         exposed["fsdp_params"] = param_tensors(m) * cl.fsdp_param_s
     host = offload_s(m, wl, lay, feats, cl)

@@ -12,6 +12,7 @@ import torch
 
 from ... import loss as L
 from ...errors import SeqParError
+from ...loss.grad_sync import OverlappedGradSum
 from ...mesh import SequenceParallelMesh
 from ...steps import StepSpec
 from ..config import TrainConfig
@@ -56,7 +57,9 @@ def build_loop(cfg: TrainConfig, mesh: SequenceParallelMesh, model: torch.nn.Mod
     optimizer, scheduler = build_optimizer(cfg, params)
     streams, collator = build_data(cfg, mesh, tok, len(examples), emulate_dp)
     factor = (L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0) * fault_grad_scale(world)
+    # FSDP reduces its own shards; fp32 masters get their gradients only after backward: both sum afterwards.
+    grad_sum = OverlappedGradSum(params, mesh) if world > 1 and not cfg.fsdp and prec is None else None
     return Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples, step_spec(cfg),
-                reference, device, world, rank, out, factor=factor, prec=prec,
+                reference, device, world, rank, out, factor=factor, prec=prec, grad_sum=grad_sum,
                 eval_examples=eval_data[0] if eval_data else None,
                 eval_collator=make_collator(cfg, mesh, tok, cfg.eval_dataset) if eval_data else None)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...loss.grad_sync import OverlappedGradSum
 from ...steps import StepSpec
 from ..config import TrainConfig
 from ..dataset.streams import DataStream
@@ -62,3 +63,4 @@ class Loop:
     tensorboard: Any = None
     nonfinite_streak: int = 0  # consecutive skipped (non-finite) steps
     rollout: GRPORollout | None = None  # stage: grpo: builds each step's micro-batches (grpo/rollout.py)
+    grad_sum: OverlappedGradSum | None = None  # replicated gradients on > 1 rank: summed during backward

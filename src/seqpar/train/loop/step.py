@@ -19,7 +19,8 @@ from ...steps import count_items, micro_batch_loss
 from .grads import maybe_dump_grads
 from .state import Loop
 
-__all__ = ["train_step", "measured_step", "next_micro_batches", "apply_update", "peak_memory_mb"]
+__all__ = ["train_step", "measured_step", "next_micro_batches", "backward_micro_batches", "apply_update",
+           "peak_memory_mb"]
 
 
 def next_micro_batches(loop: Loop) -> list[dict[str, torch.Tensor]]:
@@ -42,19 +43,12 @@ def train_step(loop: Loop, step: int, prepared: tuple[list, dict] | None = None)
     micro, rollout_metrics = prepared if prepared is not None else (next_micro_batches(loop), {})
     # Global denominator first: all micro-batches of the step, then over dp (pitfalls 4 and 5).
     num_items = L.global_token_count(count_items(micro, cfg.stage), mesh)
-    share_sum = torch.zeros((), dtype=torch.float32)
-    dpo_metrics: dict[str, float] = {}
-    for j, b in enumerate(micro):
-        if cfg.fsdp:
-            loop.model.set_requires_gradient_sync(j == len(micro) - 1)
-        share, met = micro_batch_loss(loop.model, b, num_items, mesh, loop.spec, loop.reference)
-        (share * loop.factor).backward()
-        share_sum += share.detach().float().cpu()
-        for k, v in met.items():
-            dpo_metrics[k] = dpo_metrics.get(k, 0.0) + float(v) / len(micro)
+    share_sum, dpo_metrics = backward_micro_batches(loop, micro, num_items)
     if loop.prec:
         loop.prec.grads_to_masters()
-    if not cfg.fsdp:
+    if loop.grad_sum is not None:
+        loop.grad_sum.finish()
+    elif not cfg.fsdp:
         L.sum_gradients(loop.params, mesh)
     maybe_dump_grads(loop.model, loop.params, step, loop.rank)  # for `seqpar verify` (env-triggered)
     o = cfg.optimizer
@@ -76,6 +70,31 @@ def train_step(loop: Loop, step: int, prepared: tuple[list, dict] | None = None)
             "tokens": tokens, "supervised": int(num_items.reshape(-1)[-1]), "tokens_per_s": tokens / dt,
             "step_s": dt, "peak_mem_mb": float(stats[0]), "nonfinite": int(not finite), **dpo_metrics,
             **rollout_metrics}
+
+
+def backward_micro_batches(loop: Loop, micro: list[dict[str, torch.Tensor]],
+                           num_items: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Forward and backward of every micro-batch of the step (gradients accumulate; only the last backward
+    syncs: FSDP's reduce-scatter, or the overlapped gradient sum). Returns (sum of loss shares, metrics)."""
+    share_sum = torch.zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    try:
+        for j, b in enumerate(micro):
+            last = j == len(micro) - 1
+            if loop.cfg.fsdp:
+                loop.model.set_requires_gradient_sync(last)
+            if last and loop.grad_sum is not None:
+                loop.grad_sum.arm()
+            share, met = micro_batch_loss(loop.model, b, num_items, loop.mesh, loop.spec, loop.reference)
+            (share * loop.factor).backward()
+            share_sum += share.detach().float().cpu()
+            for k, v in met.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) / len(micro)
+    except BaseException:
+        if loop.grad_sum is not None:  # a later step's first backwards must not post sums
+            loop.grad_sum.disarm()
+        raise
+    return share_sum, metrics
 
 
 def apply_update(loop: Loop, loss: float, grad_norm: float) -> bool:
