@@ -13,6 +13,7 @@ import pytest
 
 from seqpar.attention.costs import flops_per_rank, ring_theory, ulysses_theory
 from seqpar.bench.__main__ import main
+from seqpar.bench.kernel_bound import causal_attention_flops, cpu_ratio_floor
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +127,32 @@ def test_independent_formulas(result):
     c = _case(result, "usp", 9, 3)
     assert c["plan"]["padded_heads"] == 12 and c["plan"]["sent_heads"] == [9, 3]
     assert c["ratio_vs_original_heads"] == {"fwd": 1.0, "bwd": 1.0}, c
+
+
+def test_kernel_bound(result):
+    """The kernel-rate figures are present and consistent, the useful-FLOP count matches an explicit count of
+    unmasked scores, and each profiled run's floor is its kernel share of the total."""
+    kb = result["timing"]["kernel_bound"]
+    r = kb["kernel_rate"]
+    assert r["shape"]["heads"] == result["timing"]["heads"] // result["timing"]["sp_size"]
+    fl = causal_attention_flops(r["shape"]["seq_len"], r["shape"]["heads"], r["shape"]["head_dim"])
+    assert r["fwd_gflops"] == pytest.approx(fl["fwd"] / r["fwd_s"] / 1e9)
+    assert r["fraction_of_matmul"] == pytest.approx(r["fwd_bwd_gflops"] / r["matmul_gflops"])
+    assert r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["matmul_gflops"] > 0
+    assert set(kb["cpu_ratio_floor"]) == set(result["timing"]["profile_s"])
+    for m, f in kb["cpu_ratio_floor"].items():
+        prof = result["timing"]["profile_s"][m]
+        assert f["total_s"] == pytest.approx(sum(prof.values())) and f["kernel_s"] == prof["kernel"]
+        assert 0 < f["floor"] < 1
+
+
+def test_causal_flops_count_unmasked_scores():
+    import torch
+
+    s, h, d = 7, 3, 4
+    unmasked = int(torch.ones(s, s).tril().sum()) * h
+    assert causal_attention_flops(s, h, d) == {"fwd": 4 * unmasked * d, "bwd": 10 * unmasked * d}
+    assert cpu_ratio_floor({"kernel": 3.0, "copies": 1.0})["floor"] == 0.75
 
 
 def test_theory_helpers():

@@ -94,3 +94,52 @@ def test_overlapped_sum_equals_sum_gradients_and_reference(world, sp):
         for n, want in ref.items():
             torch.testing.assert_close(res["grads"][n], want, rtol=1e-12, atol=1e-14,
                                        msg=lambda m, n=n, r=r: f"rank {r} {n}: {m}")
+
+
+def test_when_seqpar_train_overlaps():
+    """grad_sync: auto overlaps on CUDA meshes only; never under FSDP, fp32 masters, or one rank; overlap with
+    precision bf16 (fp32 masters, no FSDP) is refused when the config is read."""
+    from types import SimpleNamespace
+
+    from seqpar.errors import SeqParError
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.loop.build import overlaps_grad_sync
+
+    def cfg(**kw):
+        return config_from_dict({"model": "tiny:llama", "dataset": {"path": "x.jsonl", "max_length": 64}, **kw})
+
+    cpu, cuda = SimpleNamespace(comm_device=torch.device("cpu")), SimpleNamespace(comm_device=torch.device("cuda", 0))
+    assert not overlaps_grad_sync(cfg(), cpu, 2, False) and overlaps_grad_sync(cfg(), cuda, 2, False)
+    assert overlaps_grad_sync(cfg(grad_sync="overlap"), cpu, 2, False)
+    assert not overlaps_grad_sync(cfg(grad_sync="after_backward"), cuda, 2, False)
+    assert not overlaps_grad_sync(cfg(grad_sync="overlap"), cpu, 1, False)
+    assert not overlaps_grad_sync(cfg(grad_sync="overlap", fsdp=True), cpu, 2, False)
+    assert not overlaps_grad_sync(cfg(), cuda, 2, True)  # bf16 masters under auto: summed after backward
+    with pytest.raises(SeqParError, match="grad_sync: overlap.*bf16"):
+        cfg(grad_sync="overlap", precision="bf16")
+    assert overlaps_grad_sync(cfg(grad_sync="overlap", precision="bf16-pure"), cpu, 2, False)
+
+
+def _twice_worker() -> str:
+    import seqpar
+    from seqpar.errors import SeqParError
+    from seqpar.loss.grad_sync import OverlappedGradSum
+
+    mesh = seqpar.init_mesh(2, ulysses_degree=1, ring_degree=2)
+    model = Net()
+    gs = OverlappedGradSum(model.parameters(), mesh)
+    gs.arm()
+    loss_of(model, 0, 0).backward()
+    try:
+        loss_of(model, 0, 1).backward()  # a second armed backward: l2's gradient is already being summed
+    except SeqParError as e:
+        msg = str(e)
+    else:
+        msg = "no error"
+    gs.finish()  # every rank still completes the same collectives
+    return msg
+
+
+def test_second_armed_backward_is_refused():
+    for msg in run_distributed(_twice_worker, 2, timeout=60):
+        assert "accumulated again after its all-reduce was posted" in msg, msg

@@ -44,7 +44,7 @@ def data(tmp_path_factory):
 
 
 def _case(data, out, stage="sft", method="full", sp=None, fsdp=False, packing=False, loss_type="sigmoid",
-          optimizer=None, steps=STEPS, shuffle=True, save_final=False):
+          optimizer=None, steps=STEPS, shuffle=True, save_final=False, grad_sync="auto"):
     sp = sp or {"size": 1}
     return {
         "model": {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 2}},
@@ -56,6 +56,7 @@ def _case(data, out, stage="sft", method="full", sp=None, fsdp=False, packing=Fa
         "fsdp": fsdp,
         "micro_batch_size": 1 if packing else 2,
         "grad_accum": 2,
+        "grad_sync": grad_sync,
         "max_steps": steps,
         "optimizer": optimizer or {"lr": 1e-2},
         "checkpoint": {"save_final": save_final},
@@ -110,7 +111,10 @@ FAST_GRID = [
 # SGD (a gradient-scale error moves its loss): dp 2 x sp 2, grad_accum 2 x 2 rows, unshuffled so the
 # plain loop below can take the same rows; 3 steps = one epoch of the 24 rows.
 SGD = dict(optimizer={"name": "sgd", "lr": 0.5}, steps=3, shuffle=False, save_final=True)
-SGD_FAST = [("sft_full_ring2_dp2_fsdp_sgd", dict(sp=RING2, fsdp=True, **SGD))]
+# The second: replicated parameters whose sp sums are posted during the last backward (grad_sync: overlap; on a
+# CPU "auto" sums after backward, which the no-FSDP cases above and below run), the dp sum after it.
+SGD_FAST = [("sft_full_ring2_dp2_fsdp_sgd", dict(sp=RING2, fsdp=True, **SGD)),
+            ("sft_full_uly2_dp2_overlap_sgd", dict(sp=ULY2, grad_sync="overlap", **SGD))]
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +195,9 @@ def _initial_params(case: dict) -> dict[str, torch.Tensor]:
 
 
 def test_train_loop_matches_plain_pytorch_sgd(data, fast_world):
-    """dp 2 x sp 2 (zigzag ring), FSDP2, grad_accum 2, SGD lr 0.5, 3 steps: parameters and logged losses
-    equal the plain-PyTorch loop's within 1e-5 (a gradient-scale error moves both far past that)."""
+    """dp 2 x sp 2, grad_accum 2, SGD lr 0.5, 3 steps, under FSDP2 (zigzag ring) and with overlapped gradient
+    sums (Ulysses): parameters and logged losses equal the plain-PyTorch loop's within 1e-5 (a gradient-scale
+    error moves both far past that)."""
     root, results = fast_world
     for name, kw in SGD_FAST:
         dloss, dparam, moved = _check_vs_plain_loop(root, name, results[0][name], _case(data, root / name, **kw))

@@ -11,7 +11,9 @@ Three parts, all written to one JSON document (see `run`):
    time at R=4 (a timing kernel wraps the CPU flash kernel, so only attention compute is counted).
 3. timing: fwd+bwd wall and CPU time of SP (P=2, 1 thread per rank; seqpar Ulysses, ring, and
    DeepSpeed Ulysses when installed) vs torch SDPA and seqpar in one process (1 thread), interleaved
-   in the same run so all see the same machine load; medians over repeats.
+   in the same run so all see the same machine load; medians over repeats. Plus the kernel's own
+   GFLOP/s next to a matmul's, and the CPU ratio a glue-free rival on the same kernel would reach
+   (`kernel_bound.py`).
 
 The formulas live in `seqpar.attention.costs`, the optional DeepSpeed peer in `peers.py`, rendering in `plot.py`.
 """
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.costs import flops_per_rank, load_balance_table, usp_theory
+from .kernel_bound import cpu_ratio_floor, kernel_rate
 
 __all__ = ["Sizes", "comm_cases", "run"]
 
@@ -373,7 +376,10 @@ def _rank_timing(seq: int, heads: int, d: int, reps: int, use_ds: bool) -> dict[
         dist.barrier()
     profiled = [m for m in ("ulysses", "ulysses_overlap2", "deepspeed_ulysses") if m in calls]
     profiles = {m: _profile(calls[m], *local[m][0], local[m][1]) for m in profiled}
-    return {"runs": res, "loadavg_1min": loads, "profile": profiles}
+    # The kernel alone at one Ulysses rank's shape, on rank 0 while rank 1 waits (one busy core).
+    rate = kernel_rate(seq, max(1, heads // world), d) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return {"runs": res, "loadavg_1min": loads, "profile": profiles, "kernel_rate": rate}
 
 
 _PROFILE_CATEGORIES = (
@@ -684,6 +690,9 @@ def run(quick: bool = False, timeout: float = 540.0, peers: str = "auto") -> dic
             "threads_per_rank": 1,
             "loadavg_1min_during": timing["loadavg_1min"],
             "profile_s": timing["profile"],
+            # the same kernel on both sides: its rate, and the CPU ratio a glue-free rival would reach
+            "kernel_bound": {"kernel_rate": timing["kernel_rate"],
+                             "cpu_ratio_floor": {m: cpu_ratio_floor(p) for m, p in timing["profile"].items()}},
             "results": summaries,
             "speedup_vs_single_process": {m: base / v["median_total_s"] for m, v in summaries.items() if m != base_key},
             "best_rep_speedup_vs_single_process": {

@@ -146,6 +146,7 @@ def _vs_deepspeed_lines(t: dict[str, Any]) -> list[str]:
             out.append(f"| {name} | {v['median_total_s'] / ds['median_total_s']:.3f} | "
                        f"{v['min_total_s'] / ds['min_total_s']:.3f} | "
                        f"{v['median_cpu_s_sum_ranks'] / ds['median_cpu_s_sum_ranks']:.3f} |")
+    out += _kernel_bound_lines(t.get("kernel_bound"))
     prof = t.get("profile_s") or {}
     if prof:
         cats = sorted({c for p in prof.values() for c in p})
@@ -153,6 +154,27 @@ def _vs_deepspeed_lines(t: dict[str, Any]) -> list[str]:
                 "autograd Functions, Python glue and waiting on the peer):", "",
                 "| category | " + " | ".join(prof) + " |", "|---|" + "---:|" * len(prof)]
         out += [f"| {c} | " + " | ".join(f"{p.get(c, 0.0):.3f}" for p in prof.values()) + " |" for c in cats]
+    return out
+
+
+def _kernel_bound_lines(kb: dict[str, Any] | None) -> list[str]:
+    """The kernel's rate against a matmul's, and each profiled run's kernel share (the glue-free floor)."""
+    if not kb:
+        return []
+    r, out = kb["kernel_rate"], []
+    if r:
+        s = r["shape"]
+        out += ["", f"The CPU flash kernel alone at one Ulysses rank's shape ({s['heads']} heads x {s['seq_len']} x "
+                f"{s['head_dim']}, fp32, causal, {r['threads']} thread, best of 3): fwd {r['fwd_gflops']:.1f}, bwd "
+                f"{r['bwd_gflops']:.1f}, fwd+bwd {r['fwd_bwd_gflops']:.1f} useful GFLOP/s = "
+                f"{r['fraction_of_matmul']:.2f} x this thread's fp32 matmul ({r['matmul_size']}^2: "
+                f"{r['matmul_gflops']:.1f} GFLOP/s)."]
+    floors = kb["cpu_ratio_floor"]
+    if floors:
+        out += ["", "Kernel share of each profiled fwd+bwd (self s): the CPU ratio against that run which the same "
+                "kernel with no glue at all would give:", "", "| run | kernel s | glue s | kernel share (floor) |",
+                "|---|---:|---:|---:|"]
+        out += [f"| {m} | {f['kernel_s']:.3f} | {f['glue_s']:.3f} | {f['floor']:.3f} |" for m, f in floors.items()]
     return out
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import comm
+from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 
 __all__ = ["OverlappedGradSum"]
@@ -56,7 +57,12 @@ class OverlappedGradSum:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._armed:
-            self._ready[self.slot[id(p)]] = True
+            i = self.slot[id(p)]
+            if i < self._next:  # its sum is in flight: accumulating again would race with it
+                raise SeqParError(
+                    f"a gradient of shape {tuple(p.shape)} was accumulated again after its all-reduce was posted: "
+                    "arm() only right before the step's last backward, and run that backward once")
+            self._ready[i] = True
             self._advance()
 
     def _advance(self) -> None:

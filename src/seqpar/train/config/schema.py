@@ -277,6 +277,11 @@ class TrainConfig(_Strict):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     micro_batch_size: int = Field(default=1, ge=1)
     grad_accum: int = Field(default=1, ge=1)
+    # When replicated gradients (no FSDP) are summed over dp x sp: "overlap" posts each gradient's all-reduce
+    # during the step's last backward (seqpar.loss.OverlappedGradSum), "after_backward" sums them all after it,
+    # "auto" overlaps where collectives run beside compute (CUDA / NCCL streams) and sums after backward on
+    # CPU / gloo, where the transfers take the cores backward computes on (measured slower there).
+    grad_sync: Literal["auto", "overlap", "after_backward"] = "auto"
     # Exactly one of max_steps / num_epochs (neither: max_steps 10); see steps_for_epochs for the rule.
     max_steps: int | None = Field(default=None, ge=1)
     num_epochs: float | None = Field(default=None, gt=0)
@@ -353,6 +358,11 @@ class TrainConfig(_Strict):
             )
         if self.stage == "grpo" or self.grpo is not None:
             _check_grpo(self)
+        if self.grad_sync == "overlap" and self.precision == "bf16" and not self.fsdp.enabled:
+            raise ValueError(
+                "grad_sync: overlap needs each gradient while backward runs, but precision: bf16 sums the fp32 "
+                "master gradients made after it: set grad_sync: auto (or after_backward), or precision: bf16-pure"
+            )
         if self.dataset.packing and self.micro_batch_size != 1:
             raise ValueError(
                 "with dataset.packing, a micro-batch is one packed row of up to max_length tokens: "
