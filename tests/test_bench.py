@@ -280,5 +280,9 @@ def test_step_benchmark_quick(tmp_path):
     for key, p in res["points"].items():
         assert p["tokens_per_step"] == res["seq_len"] and p["tokens_per_s"] > 0, (key, p)
         assert p["mesh"] == ("ulysses=1 ring=1" if key.endswith("sp1") else "ulysses=2 ring=1"), (key, p)
+        assert len(p["step_cpu_s"]) == len(p["step_s"]) and p["best_step_cpu_s"] == min(p["step_cpu_s"]) > 0, p
+    for key, ratio in res["sp1_over_sp2_step_cpu_s"].items():  # the CPU view of the same pairs
+        want = res["points"][f"{key}/sp1"]["best_step_cpu_s"] / res["points"][f"{key}/sp2"]["best_step_cpu_s"]
+        assert ratio == pytest.approx(want) and ratio > 0
     assert res["profile_per_step_s"]["sp2"]["collectives"] > 0 and "loadavg_start" in res["machine"]
     assert out.with_suffix(".png").stat().st_size > 0

@@ -68,7 +68,8 @@ def _verify(tmp_path, name, stage, nproc, tol=1e-5, grad_tol=(1e-4, 1e-5), env=N
     assert min(rep["ref_grad_norm"]) > 0 and math.isfinite(rep["max_abs_dgrad_step1"])
     assert "PASS" in r.stdout and str(out / "verify_loss.png") in r.stdout
     row = json.loads((out / "sp" / "metrics.jsonl").read_text().splitlines()[-1])
-    for key in ("loss", "lr", "grad_norm", "tokens", "supervised", "tokens_per_s", "peak_mem_mb", "peak_alloc_mb"):
+    for key in ("loss", "lr", "grad_norm", "tokens", "supervised", "tokens_per_s", "step_cpu_s", "peak_mem_mb",
+                "peak_alloc_mb"):
         assert key in row and row[key] > 0, (key, row)
     assert (out / "sp" / "loss.png").stat().st_size > 5_000
     return rep

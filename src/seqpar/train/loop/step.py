@@ -39,7 +39,7 @@ def train_step(loop: Loop, step: int, prepared: tuple[list, dict] | None = None)
     """One optimizer step (all micro-batches of every dp slot this process plays); returns its metrics row.
     prepared: (micro-batches, extra metrics) built beforehand (stage: grpo, see measured_step)."""
     cfg, mesh = loop.cfg, loop.mesh
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     micro, rollout_metrics = prepared if prepared is not None else (next_micro_batches(loop), {})
     # Global denominator first: all micro-batches of the step, then over dp (pitfalls 4 and 5).
     num_items = L.global_token_count(count_items(micro, cfg.stage), mesh)
@@ -58,7 +58,8 @@ def train_step(loop: Loop, step: int, prepared: tuple[list, dict] | None = None)
     loss_val = float(L.global_loss(share_sum, mesh))
     finite = apply_update(loop, loss_val, float(gnorm))
     tokens = int(L.global_token_count(sum(int(b["num_input_tokens"]) for b in micro), mesh))
-    stats = [peak_memory_mb(loop.device)]
+    # process CPU s of the step (every thread: gloo's transfers too, not waiting): the work, whatever the load
+    stats = [peak_memory_mb(loop.device), time.process_time() - c0]
     if loop.world > 1:
         # Host-side numbers travel on the mesh's communication device (NCCL refuses CPU tensors).
         stats = comm.all_reduce_values(stats, dist.group.WORLD, mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
@@ -68,7 +69,7 @@ def train_step(loop: Loop, step: int, prepared: tuple[list, dict] | None = None)
     dt = time.perf_counter() - t0
     return {"step": step + 1, "loss": loss_val, "lr": loop.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
             "tokens": tokens, "supervised": int(num_items.reshape(-1)[-1]), "tokens_per_s": tokens / dt,
-            "step_s": dt, "peak_mem_mb": float(stats[0]), "nonfinite": int(not finite), **dpo_metrics,
+            "step_s": dt, "step_cpu_s": float(stats[1]), "peak_mem_mb": float(stats[0]), "nonfinite": int(not finite), **dpo_metrics,
             **rollout_metrics}
 
 
