@@ -69,8 +69,8 @@ def train_step(loop: Loop, step: int, prepared: tuple[list, dict] | None = None)
     dt = time.perf_counter() - t0
     return {"step": step + 1, "loss": loss_val, "lr": loop.scheduler.get_last_lr()[0], "grad_norm": float(gnorm),
             "tokens": tokens, "supervised": int(num_items.reshape(-1)[-1]), "tokens_per_s": tokens / dt,
-            "step_s": dt, "step_cpu_s": float(stats[1]), "peak_mem_mb": float(stats[0]), "nonfinite": int(not finite), **dpo_metrics,
-            **rollout_metrics}
+            "step_s": dt, "step_cpu_s": float(stats[1]), "peak_mem_mb": float(stats[0]), "nonfinite": int(not finite),
+            **dpo_metrics, **rollout_metrics}
 
 
 def backward_micro_batches(loop: Loop, micro: list[dict[str, torch.Tensor]],
