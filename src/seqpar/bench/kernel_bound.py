@@ -59,7 +59,7 @@ def kernel_rate(seq: int, heads: int, head_dim: int, reps: int = 3, mm_size: int
     rate = (fl["fwd"] + fl["bwd"]) / (t_fwd + t_bwd) / 1e9
     return {
         "shape": {"seq_len": seq, "heads": heads, "head_dim": head_dim, "dtype": "float32", "causal": True},
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "reps": reps,
         "fwd_s": t_fwd, "bwd_s": t_bwd,
         "fwd_gflops": fl["fwd"] / t_fwd / 1e9, "bwd_gflops": fl["bwd"] / t_bwd / 1e9, "fwd_bwd_gflops": rate,
         "matmul_size": mm_size, "matmul_gflops": mm_rate, "fraction_of_matmul": rate / mm_rate,

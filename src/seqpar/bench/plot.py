@@ -165,8 +165,8 @@ def _kernel_bound_lines(kb: dict[str, Any] | None) -> list[str]:
     if r:
         s = r["shape"]
         out += ["", f"The CPU flash kernel alone at one Ulysses rank's shape ({s['heads']} heads x {s['seq_len']} x "
-                f"{s['head_dim']}, fp32, causal, {r['threads']} thread, best of 3): fwd {r['fwd_gflops']:.1f}, bwd "
-                f"{r['bwd_gflops']:.1f}, fwd+bwd {r['fwd_bwd_gflops']:.1f} useful GFLOP/s = "
+                f"{s['head_dim']}, fp32, causal, {r['threads']} thread, best of {r['reps']}): fwd "
+                f"{r['fwd_gflops']:.1f}, bwd {r['bwd_gflops']:.1f}, fwd+bwd {r['fwd_bwd_gflops']:.1f} useful GFLOP/s = "
                 f"{r['fraction_of_matmul']:.2f} x this thread's fp32 matmul ({r['matmul_size']}^2: "
                 f"{r['matmul_gflops']:.1f} GFLOP/s)."]
     floors = kb["cpu_ratio_floor"]

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
-from .grad_sync import OverlappedGradSum
+from .grad_sync import OverlappedGradSum, fill_missing_grads
 from .grpo import GRPO_LOSS_TYPES, GRPODenominators, grpo_denominators, grpo_local_counts, grpo_loss
 
 __all__ = [
@@ -110,9 +110,7 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh: SequenceParall
     params = [p for p in parameters if p.requires_grad]
     if mesh is None or mesh.world_size == 1:
         return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    fill_missing_grads(params)
     for group in (mesh.sp_group, mesh.dp_group):
         comm.all_reduce_many_([p.grad for p in params], group, device=mesh.comm_device)
 

@@ -21,7 +21,14 @@ from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 
-__all__ = ["OverlappedGradSum"]
+__all__ = ["OverlappedGradSum", "fill_missing_grads"]
+
+
+def fill_missing_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    """A zero gradient for every parameter backward left without one, so every rank sums the same tensors."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 class OverlappedGradSum:
@@ -81,9 +88,7 @@ class OverlappedGradSum:
         if self.group is None:
             return
         self.posted_in_backward = len(self._works)
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        fill_missing_grads(self.params)
         self._ready = [True] * len(self.order)
         self._advance()
         for w in self._works:
