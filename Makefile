@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.seqpar-installed
 PYTEST_FLAGS ?= -q --durations=20
 
-.PHONY: setup test test-all demo lint bench bench-memory clean
+.PHONY: setup test test-all test-gpu bench-gpu demo lint bench bench-memory clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,16 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest $(PYTEST_FLAGS)
+
+# On a machine with a CUDA GPU: its own python3 and torch (no venv, no network), seqpar from src/ (docs/gpu.md).
+GPU_ENV := PYTHONPATH=$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH)) PYTHONUNBUFFERED=1
+
+test-gpu:
+	$(GPU_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider -o addopts="" --durations=5 \
+		tests/test_gpu_attention.py tests/test_cuda_kernels_meta.py tests/test_kernels_merge.py
+
+bench-gpu:
+	$(GPU_ENV) $(PYTHON) -m seqpar.bench gpu --out bench_results/gpu.json
 
 lint: setup
 	$(PY) -m ruff check src tests

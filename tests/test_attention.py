@@ -27,7 +27,7 @@ def run_case(mesh, hq, hkv, causal, b, s, d=16, cu=None, dtype=torch.float32, se
     """Errors (out, dq, dk, dv) of seqpar vs the float64 reference, for one case on this mesh
     (kw: more seqpar.attention arguments, e.g. overlap_chunks)."""
     q, k, v, do = _inputs(seed + mesh.dp_rank, b, s, hq, hkv, d)
-    ql, kl, vl = (seqpar.shard(t, mesh, 1).to(dtype).requires_grad_() for t in (q, k, v))
+    ql, kl, vl = (seqpar.shard(t, mesh, 1).to(dtype).clone().requires_grad_() for t in (q, k, v))
     out = seqpar.attention(ql, kl, vl, mesh, causal=causal, cu_seqlens=cu, softmax_scale=scale, **kw)
     assert out.dtype == dtype and out.shape == ql.shape
     out.backward(seqpar.shard(do, mesh, 1).to(dtype))

@@ -96,63 +96,56 @@ def test_cpu_path_imports_nothing_cuda_only():
 
 
 # ----------------------------------------------------------------------------- kernel routing (GPU-free)
-def test_auto_routing_by_device_and_dtype():
-    from seqpar.attention.kernels import kernel_name_for
+def test_auto_routing_by_device_dtype_head_dim_and_gpu():
+    from seqpar.attention.kernel_choice import kernel_name_for
 
     f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
     # torch's CUDA flash op takes fp16/bf16 only: fp32 (the default) must go to the efficient op, fp64 to math.
-    assert [kernel_name_for("cuda", d) for d in (f16, bf16, f32, f64)] == ["cuda", "cuda", "cuda_efficient", "math"]
+    assert [kernel_name_for("cuda", d) for d in (f16, bf16, f32, f64)] == ["flash", "flash", "efficient", "math"]
     assert {kernel_name_for("cpu", d) for d in (f16, bf16, f32, f64)} == {"cpu"}
     assert {kernel_name_for("mps", d) for d in (f16, f32)} == {"math"}
+    assert kernel_name_for("cuda", bf16, 128, (9, 0)) == "flash"
+    assert kernel_name_for("cuda", bf16, 128, (7, 5)) == "efficient"  # pre-Ampere: no flash
+    assert kernel_name_for("cuda", bf16, 320, (9, 0)) == "efficient"  # flash takes head_dim <= 256
+    assert kernel_name_for("cuda", bf16, 36, (9, 0)) == "math"  # no fused kernel takes head_dim 36 in bf16
+    assert kernel_name_for("cuda", f32, 36, (9, 0)) == "efficient"  # fp32: a multiple of 4 is enough
+    assert kernel_name_for("cuda", f32, 128, (5, 2)) == "efficient"
+    # Hopper with cuDNN 9: cudnn (1.7x flash on an H200), unless FA3/FA4 is active or cuDNN is old / unknown
+    assert kernel_name_for("cuda", bf16, 128, (9, 0), 91900) == "cudnn"
+    assert kernel_name_for("cuda", bf16, 128, (9, 0), 91900, "FA3") == "flash"
+    assert kernel_name_for("cuda", bf16, 128, (9, 0), 8900) == "flash"
+    assert kernel_name_for("cuda", bf16, 128, (8, 0), 91900) == "flash"
+    assert kernel_name_for("cuda", bf16, 256, (9, 0), 91900) == "flash"  # cudnn: head_dim <= 128
+    assert kernel_name_for("cuda", f32, 128, (9, 0), 91900) == "efficient"
 
 
-def test_explicit_kernel_refuses_unsupported_dtype():
+def test_explicit_kernel_refuses_what_it_cannot_run():
     from seqpar import SeqParError
     from seqpar.attention.kernels import get_kernel
 
     cuda = torch.device("cuda")
-    with pytest.raises(SeqParError, match="'cuda' does not support torch.float32.*cuda_efficient"):
-        get_kernel(cuda, "cuda", torch.float32)
-    with pytest.raises(SeqParError, match="'cuda_efficient' does not support torch.float64.*'math'"):
+    with pytest.raises(SeqParError, match="'flash' does not support torch.float32.*picks 'efficient'"):
+        get_kernel(cuda, "cuda", torch.float32)  # 'cuda': the old name of 'flash'
+    with pytest.raises(SeqParError, match="'efficient' does not support torch.float64.*'math'"):
         get_kernel(cuda, "cuda_efficient", torch.float64)
+    with pytest.raises(SeqParError, match="'flash' needs head_dim a multiple of 8, got 12"):
+        get_kernel(cuda, "flash", torch.bfloat16, head_dim=12)
+    with pytest.raises(SeqParError, match="'cudnn' takes head_dim <= 128, got 256"):
+        get_kernel(cuda, "cudnn", torch.bfloat16, head_dim=256)
+    with pytest.raises(SeqParError, match="'flash' runs on cuda tensors, not cpu"):
+        get_kernel(torch.device("cpu"), "flash", torch.bfloat16)
+    with pytest.raises(SeqParError, match="unknown attention kernel 'fa9'"):
+        get_kernel(cuda, "fa9", torch.bfloat16)
     assert get_kernel(cuda, "auto", torch.float64).name == "math"
     assert get_kernel(torch.device("cpu"), "auto", torch.float32).name == "cpu"
 
 
-@pytest.mark.parametrize("name,dtype", [("cuda", torch.bfloat16), ("cuda_efficient", torch.float32)])
-def test_cuda_kernel_plumbing_on_meta(name, dtype):
-    """The GPU wrappers' op arguments and output shapes, on torch's meta implementations of the same ops."""
-    from seqpar.attention.kernels import get_kernel
+def test_kernel_choice_line_names_the_flash_implementation():
+    from seqpar.attention.kernel_choice import describe_choice
 
-    kern = get_kernel(torch.device("cuda"), "auto", dtype)
-    assert kern.name == name
-    b, s, hq, hkv, d = 2, 40, 6, 2, 8  # S not a multiple of 32: the efficient op pads its lse
-    q = torch.empty(b, s, hq, d, device="meta", dtype=dtype)
-    k = torch.empty(b, s, hkv, d, device="meta", dtype=dtype)
-    out, lse = kern.forward(q, k, k, True, 0.3)
-    assert out.shape == (b, s, hq, d) and out.dtype == dtype
-    assert lse.shape == (b, s, hq) and lse.dtype == torch.float32
-    dq, dk, dv = kern.backward(out, q, k, k, out, lse, True, 0.3)
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only kernels (never run in CI)")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2), (torch.float64, 1e-10)])
-def test_cuda_kernels_forward_backward(dtype, tol):
-    from seqpar.attention.kernels import get_kernel
-
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, 40, h, 16, generator=g) for h in (6, 2, 2))
-    do = torch.randn(2, 40, 6, 16, generator=g)
-    kern = get_kernel(torch.device("cuda"), "auto", dtype)
-    ql, kl, vl, dol = (t.to("cuda", dtype) for t in (q, k, v, do))
-    out, lse = kern.forward(ql, kl, vl, True, default_scale(16))
-    dq, dk, dv = kern.backward(dol, ql, kl, vl, out, lse, True, default_scale(16))
-    qr, kr, vr = (t.to(dtype).double().requires_grad_() for t in (q, k, v))
-    ref = reference_attention(qr, kr, vr, True)
-    ref.backward(do.to(dtype).double())
-    for got, want in ((out, ref), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
-        assert (got.double().cpu() - want).abs().max() < tol
+    line = describe_choice(torch.device("cuda"), "auto", torch.bfloat16, 128)
+    assert line.startswith("attention kernel: flash (auto; cuda") and "flash implementation FA2" in line
+    assert "efficient (forced" in describe_choice(torch.device("cuda"), "efficient", torch.float32, 64)
 
 
 # ----------------------------------------------------------------------------- no import cycle

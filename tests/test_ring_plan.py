@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from seqpar.attention.ring import plan_pieces
+from seqpar.attention.pieces import plan_pieces
 from seqpar.layout import ring_segments
 
 

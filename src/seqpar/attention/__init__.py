@@ -7,7 +7,7 @@ import torch
 from ..errors import SeqParError
 from ..layout import check_length
 from ..mesh import SequenceParallelMesh
-from .kernels import default_scale, get_kernel
+from .kernels import AttentionKernel, default_scale, get_kernel
 from .ulysses import head_plan
 from .usp import usp_attention
 
@@ -43,7 +43,7 @@ def attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
-    kernel: str = "auto",
+    kernel: str | AttentionKernel = "auto",
     overlap_chunks: int = 1,
 ) -> torch.Tensor:
     """Exact softmax attention for sequence-parallel inputs.
@@ -52,6 +52,8 @@ def attention(
     made by `seqpar.shard`. Returns [B, S_local, Hq, D] in q's dtype, differentiable w.r.t. q, k, v.
     cu_seqlens: packed-document boundaries in the FULL sequence (B == 1); attention never crosses them.
     Mode (Ulysses / ring / USP) and layout come from the mesh. Accumulation is fp32 (fp64 for fp64).
+    kernel: 'auto' (attention.kernel_choice), a kernel name ('flash', 'cudnn', 'efficient', 'cpu', 'math'), or
+    an AttentionKernel object.
     overlap_chunks: pure Ulysses only: exchange the local kv heads in this many chunks so that chunk c's
     kernel overlaps the other chunks' all-to-alls (exact for any value; must divide the local kv heads).
     All checks run before any communication, so bad input raises SeqParError on every rank.
@@ -77,7 +79,7 @@ def attention(
         bounds = validate_cu_seqlens(cu_seqlens, seq_len)
     _check_chunks(overlap_chunks, q.shape[2], k.shape[2], mesh)
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
-    kern = get_kernel(q.device, kernel, q.dtype)
+    kern = get_kernel(q.device, kernel, q.dtype, head_dim=d)
     return usp_attention(q, k, v, mesh, seq_len, causal, scale, kern, bounds, overlap_chunks)
 
 

@@ -62,8 +62,8 @@ def usp_theory(
 
 def flops_per_rank(seq: int, r: int, layout: str, heads: int, d: int, batch: int = 1) -> list[float]:
     """Causal forward attention FLOPs each ring rank executes, from ring.plan_pieces (what the ring runs)."""
-    from ..attention.ring import piece_flops, plan_pieces
     from ..layout import ring_segments
+    from .pieces import piece_flops, plan_pieces
 
     segs = [ring_segments(seq, r, j, layout) for j in range(r)]
     return [

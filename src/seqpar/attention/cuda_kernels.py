@@ -1,98 +1,188 @@
-"""GPU-only local kernels. NOT run in CI: the project's machines have no GPU.
+"""GPU-only local kernels: seqpar's kernel interface mapped onto torch's CUDA SDPA ops, which return the
+log-sum-exp the ring merge needs. Deliberately thin: every decision (which kernel, which pieces go into
+one call, gathers, merges) is made in CPU-tested code; here only layouts and op arguments.
 
-Kept deliberately thin: they map seqpar's kernel interface onto torch's CUDA SDPA ops, which return
-the log-sum-exp the ring merge needs. Which one runs is decided by `kernels.kernel_name_for`:
-- `CudaSdpaKernel` ("cuda"): the flash op, fp16/bf16 only;
-- `CudaEfficientKernel` ("cuda_efficient"): the memory-efficient op, which also takes fp32
-  (seqpar's default precision); it pads its lse to a multiple of 32 along the sequence.
-What CI does check on CPU (tests/test_kernels_merge.py): the routing decision, that nothing on the
-CPU path imports this module, and these wrappers' argument plumbing and shapes on the 'meta'
-device (torch's meta implementations of the same ops). Numerics need a GPU:
-tests/test_kernels_merge.py::test_cuda_kernels_forward_backward compares both kernels with a float64
-reference and is skipped when CUDA is not available (always, in CI).
+- `FlashKernel` ("flash"): torch's flash op (FlashAttention-2, or the FA3 / FA4 the user activated),
+  fp16/bf16. GQA native (K/V keep their heads; dK/dV come back at the KV heads). Varlen form:
+  `aten._flash_attention_forward/_backward` on [T, H, D] rows with int32 cum_seq, lse [H, T].
+- `CudnnKernel` ("cudnn"): cuDNN attention, fp16/bf16, GQA native, lse [B, H, S, 1], for dense calls (1.7x
+  flash's speed on an H200: docs/gpu.md); packed calls go to flash's varlen op.
+- `EfficientKernel` ("efficient"): the memory-efficient op (also fp32). It needs equal head counts and no
+  strided view can give a q head its KV head (head h reads kv h // G: not an affine map), so K/V are
+  repeated (a copy) and dK/dV folded back; its lse is padded to a multiple of 32 rows.
+
+Backward calls pass what the forward op returned for the arguments that describe the call (undefined
+cum_seq for dense calls, the forward's philox seed/offset tensors), as torch's own autograd does: a defined
+cum_seq selects FlashAttention's varlen path, which demands int32 (the crash of every bf16 step before).
+Dropout is always 0, so every forward of one kernel object returns the same kind of seed/offset; the object
+keeps the last ones for its backward calls (the ring's backward runs on the merged out/lse, not on one
+forward's). CI checks all of it on meta tensors under tests/cuda_op_spy.py (the CUDA ops' argument rules);
+numerics run on a GPU (tests/gpu, `make test-gpu`).
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
 from .kernel_utils import bhsd, fold_kv_grad, repeat_kv
 
-__all__ = ["CudaSdpaKernel", "CudaEfficientKernel"]
+__all__ = ["FlashKernel", "CudnnKernel", "EfficientKernel", "CUDA_KERNELS"]
 
 _LSE_ALIGN = 32  # the memory-efficient op's lse is [B, H, ceil(Sq / 32) * 32]
+aten = torch.ops.aten
 
 
-class CudaSdpaKernel:
-    name = "cuda"
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The fused kernels read rows with any stride but need unit stride along head_dim."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@lru_cache(maxsize=512)
+def _cu_seqlens(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 cumulative lengths on the device, made once per distinct plan (every layer reuses them)."""
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+class FlashKernel:
+    name = "flash"
+    varlen = True
+
+    def __init__(self) -> None:
+        self._dense_aux = None  # (cum_seq_q, cum_seq_k, philox seed, philox offset) of the last dense forward
+        self._varlen_aux = None  # (philox seed, philox offset) of the last varlen forward
 
     def forward(self, q, k, v, causal, scale):
-        groups = q.shape[2] // k.shape[2]
-        # The flash op wants equal head counts: expand KV for GQA (gradients are folded back below).
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            bhsd(q), bhsd(repeat_kv(k, groups)), bhsd(repeat_kv(v, groups)), 0.0, causal, False, scale=scale
-        )
-        out, lse = res[0], res[1]
-        return bhsd(out), bhsd(lse.float())
+        res = aten._scaled_dot_product_flash_attention(bhsd(q), bhsd(k), bhsd(v), 0.0, causal, False, scale=scale)
+        self._dense_aux = (res[2], res[3], res[6], res[7])
+        return bhsd(res[0]), bhsd(res[1])
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        groups = q.shape[2] // k.shape[2]
-        sq, sk = q.shape[1], k.shape[1]
-        kk, vv = repeat_kv(k, groups), repeat_kv(v, groups)
-        empty = torch.empty(0, device=q.device, dtype=torch.int64)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            bhsd(dout.to(q.dtype)).contiguous(),
-            bhsd(q),
-            bhsd(kk),
-            bhsd(vv),
-            bhsd(out.to(q.dtype)),
-            bhsd(lse).float().contiguous(),
-            empty,
-            empty,
-            sq,
-            sk,
-            0.0,
-            causal,
-            empty,
-            empty,
+        cum_q, cum_k, seed, offset = self._dense_aux
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            bhsd(_last_contiguous(dout.to(q.dtype))), bhsd(q), bhsd(k), bhsd(v),
+            bhsd(_last_contiguous(out.to(q.dtype))), bhsd(lse).float().contiguous(), cum_q, cum_k, q.shape[1],
+            k.shape[1], 0.0, causal, seed, offset, scale=scale,
+        )
+        return bhsd(dq), bhsd(dk), bhsd(dv)
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        out, lse, seed, offset, _ = aten._flash_attention_forward(
+            q, k, v, _cu_seqlens(cu_q, q.device), _cu_seqlens(cu_k, q.device), max_q, max_k, 0.0, causal, False,
             scale=scale,
         )
-        return bhsd(dq), fold_kv_grad(bhsd(dk), groups), fold_kv_grad(bhsd(dv), groups)
+        self._varlen_aux = (seed, offset)
+        return out, lse.t()
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        seed, offset = self._varlen_aux
+        return aten._flash_attention_backward(
+            _last_contiguous(dout.to(q.dtype)), q, k, v, _last_contiguous(out.to(q.dtype)),
+            lse.t().float().contiguous(), _cu_seqlens(cu_q, q.device), _cu_seqlens(cu_k, q.device), max_q, max_k,
+            0.0, causal, seed, offset, scale=scale,
+        )
 
 
-class CudaEfficientKernel:
-    name = "cuda_efficient"
+class CudnnKernel:
+    """cuDNN attention for dense calls. Calls that pack several documents run flash's varlen op (torch does
+    not expose cuDNN's ragged form on every version), and a 1-key piece (a 1-token document) runs the math
+    kernel: cuDNN refuses s_q = s_kv = 1 ("cuDNN Frontend error", seen on torch 2.11)."""
+
+    name = "cudnn"
+    varlen = True
+
+    def __init__(self) -> None:
+        self._aux = None  # (philox seed, philox offset, cum_seq_q, cum_seq_k) of the last forward
+        self._flash = FlashKernel()
+        self._math = None
+
+    def _tiny(self):
+        if self._math is None:
+            from .kernels import MathKernel
+
+            self._math = MathKernel()
+        return self._math
+
+    def forward(self, q, k, v, causal, scale):
+        if k.shape[1] == 1:
+            return self._tiny().forward(q, k, v, causal, scale)
+        res = aten._scaled_dot_product_cudnn_attention(bhsd(q), bhsd(k), bhsd(v), None, True, 0.0, causal, False,
+                                                       scale=scale)
+        self._aux = (res[6], res[7], res[2], res[3])
+        return bhsd(res[0]), bhsd(res[1].squeeze(-1))
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        if k.shape[1] == 1:
+            return self._tiny().backward(dout, q, k, v, out, lse, causal, scale)
+        seed, offset, cum_q, cum_k = self._aux
+        # cuDNN reads out in the layout its forward allocated (q's dimension order, dense) and grad_out with out's
+        # very strides; anything else gives wrong gradients without an error (torch 2.11): copy only then.
+        o = bhsd(out.to(q.dtype))
+        if not _dense_in_order_of(o, bhsd(q)):
+            o = _alloc_in_order_of(bhsd(q), o.shape, q.dtype).copy_(o)
+        do = bhsd(dout.to(q.dtype))
+        if do.stride() != o.stride():
+            do = torch.empty_like(o).copy_(do)
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            do, bhsd(q), bhsd(k), bhsd(v), o, bhsd(lse).float().unsqueeze(-1).contiguous(), seed, offset, None,
+            cum_q, cum_k, q.shape[1], k.shape[1], 0.0, causal, scale=scale,
+        )
+        return bhsd(dq), bhsd(dk), bhsd(dv)
+
+    def varlen_forward(self, *args):
+        return self._flash.varlen_forward(*args)
+
+    def varlen_backward(self, *args):
+        return self._flash.varlen_backward(*args)
+
+
+def _order(ref: torch.Tensor) -> list[int]:
+    return sorted(range(ref.dim()), key=lambda i: -ref.stride(i))
+
+
+def _dense_in_order_of(t: torch.Tensor, ref: torch.Tensor) -> bool:
+    """t is dense with its dimensions in memory in ref's order (what cuDNN's forward would have allocated)."""
+    return t.permute(_order(ref)).is_contiguous()
+
+
+def _alloc_in_order_of(ref: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """An uninitialised dense tensor of `shape` whose dimensions lie in memory in ref's order (outermost stride
+    first), as cuDNN's forward allocates its output for q."""
+    order = _order(ref)
+    buf = torch.empty([shape[i] for i in order], dtype=dtype, device=ref.device)
+    return buf.permute([order.index(i) for i in range(ref.dim())])
+
+
+class EfficientKernel:
+    name = "efficient"
+    varlen = False
+
+    def __init__(self) -> None:
+        self._aux = None  # (philox seed, philox offset) of the last forward
 
     def forward(self, q, k, v, causal, scale):
         groups = q.shape[2] // k.shape[2]
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
             bhsd(q), bhsd(repeat_kv(k, groups)), bhsd(repeat_kv(v, groups)), None, True, 0.0, causal, scale=scale
         )
-        return bhsd(out), bhsd(lse[..., : q.shape[1]].float())
+        self._aux = (seed, offset)
+        return bhsd(out), bhsd(lse[..., : q.shape[1]])
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
+        seed, offset = self._aux
         groups = q.shape[2] // k.shape[2]
-        kk, vv = repeat_kv(k, groups), repeat_kv(v, groups)
-        # Give the op its lse in the padded layout it produced; padded rows hold +inf (probability 0).
+        # The op's lse in the padded layout it produced; padded rows hold +inf (probability 0).
         lse_h = bhsd(lse).float()
         pad = -lse_h.shape[-1] % _LSE_ALIGN
         if pad:
             lse_h = torch.nn.functional.pad(lse_h, (0, pad), value=float("inf"))
-        # dropout is 0, so the philox seed/offset are never read.
-        seed = torch.empty((), device=q.device, dtype=torch.int64)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            bhsd(dout.to(q.dtype)).contiguous(),
-            bhsd(q),
-            bhsd(kk),
-            bhsd(vv),
-            None,
-            bhsd(out.to(q.dtype)),
-            lse_h.contiguous(),
-            seed,
-            seed,
-            0.0,
-            [True, True, True, False],
-            causal,
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            bhsd(dout.to(q.dtype)).contiguous(), bhsd(q), bhsd(repeat_kv(k, groups)), bhsd(repeat_kv(v, groups)), None,
+            bhsd(out.to(q.dtype)), lse_h.contiguous(), seed, offset, 0.0, [True, True, True, False], causal,
             scale=scale,
         )
         return bhsd(dq), fold_kv_grad(bhsd(dk), groups), fold_kv_grad(bhsd(dv), groups)
+
+
+CUDA_KERNELS = {"flash": FlashKernel, "cudnn": CudnnKernel, "efficient": EfficientKernel}

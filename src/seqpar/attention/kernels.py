@@ -5,11 +5,18 @@ uses kv head j // (Hq // Hkv)); out [B, Sq, Hq, D] in the input dtype; lse [B, S
 accumulation dtype (float32, or float64 for float64 inputs). `causal` is top-left aligned and is
 only ever used with Sq == Sk by seqpar's callers. No kernel is ever called with a fully-masked row.
 
+A kernel with `varlen = True` also runs several sequences in one call (`varlen_forward` /
+`varlen_backward`): q [T, Hq, D], k/v [Tk, Hkv, D] packed back to back, sequence i being rows
+cu_q[i]:cu_q[i+1] of q against rows cu_k[i]:cu_k[i+1] of k/v (cu_* are Python tuples of ints); out
+[T, Hq, D], lse [T, Hq]. Callers use that form only to run several pieces at once (attention.pieces).
+
 - "cpu": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu (+ _backward). CI-tested.
 - "math": plain matmul/softmax in the accumulation dtype; any device and dtype. CI-tested.
-- "cuda": torch's CUDA flash SDPA ops, fp16/bf16 only. GPU-only, NOT CI-tested; imported lazily.
-- "cuda_efficient": torch's CUDA memory-efficient SDPA ops (fp32, fp16, bf16). GPU-only, NOT CI-tested.
-'auto' routes by (device type, dtype): see `kernel_name_for` (CI-tested as a pure function).
+- "flash", "cudnn", "efficient": torch's CUDA SDPA ops (attention.cuda_kernels, imported lazily); their
+  argument plumbing is CI-tested on meta tensors against the CUDA ops' rules, their numerics on a GPU
+  (`make test-gpu`). Which one 'auto' picks: attention.kernel_choice.
+`VarlenByLoop` gives any kernel a varlen form by looping over the sequences (CPU tests of the varlen
+call paths; the same results as the pieces one by one).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from ..errors import SeqParError
+from .kernel_choice import resolve_kernel_name
 from .kernel_utils import acc_dtype, default_scale
 from .kernel_utils import bhsd as _bhsd
 from .kernel_utils import fold_kv_grad as _fold_kv_grad
@@ -28,8 +35,7 @@ __all__ = [
     "AttentionKernel",
     "CpuFlashKernel",
     "MathKernel",
-    "KERNEL_NAMES",
-    "kernel_name_for",
+    "VarlenByLoop",
     "get_kernel",
     "acc_dtype",
     "default_scale",
@@ -38,6 +44,7 @@ __all__ = [
 
 class AttentionKernel(Protocol):
     name: str
+    varlen: bool
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
@@ -60,6 +67,7 @@ class CpuFlashKernel:
     """The CPU flash-attention op. Handles GQA natively; lse comes back float32 (float64 for float64)."""
 
     name = "cpu"
+    varlen = False
 
     def forward(self, q, k, v, causal, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -87,6 +95,7 @@ class MathKernel:
     """Plain math in the accumulation dtype: S = QK^T*scale, P = exp(S - lse). Any device."""
 
     name = "math"
+    varlen = False
 
     def _scores(self, q, k, causal, scale):
         a = acc_dtype(q.dtype)
@@ -128,53 +137,59 @@ class MathKernel:
         )
 
 
-# dtypes each kernel accepts (None: any floating dtype). torch's CUDA flash op takes half precision only;
-# its memory-efficient op also takes fp32 but not fp64 (fp64 on CUDA goes to the math kernel).
-_KERNEL_DTYPES: dict[str, tuple[torch.dtype, ...] | None] = {
-    "cpu": None,
-    "math": None,
-    "cuda": (torch.float16, torch.bfloat16),
-    "cuda_efficient": (torch.float32, torch.float16, torch.bfloat16),
-}
-KERNEL_NAMES = tuple(_KERNEL_DTYPES)
 
 
-def kernel_name_for(device_type: str, dtype: torch.dtype) -> str:
-    """What 'auto' picks for a (device type, dtype): a pure function, so the routing is testable without a GPU.
+class VarlenByLoop:
+    """A dense kernel with a varlen form made of one dense call per sequence: exact (each sequence is what the
+    dense kernel gives it), no faster. It lets CPU tests run every varlen call path that CUDA's flash kernel
+    takes (gathered rows, the [T, H] lse, per-sequence gradients scattered back)."""
 
-    cpu -> 'cpu' (every dtype); cuda -> 'cuda' (flash) for fp16/bf16, 'cuda_efficient' for fp32,
-    'math' for anything else (fp64); other devices -> 'math'.
+    varlen = True
+
+    def __init__(self, inner: AttentionKernel):
+        self.inner = inner
+        self.name = f"{inner.name}+varlen_loop"
+
+    def forward(self, q, k, v, causal, scale):
+        return self.inner.forward(q, k, v, causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        return self.inner.backward(dout, q, k, v, out, lse, causal, scale)
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        outs, lses = [], []
+        for i in range(len(cu_q) - 1):
+            sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            o, lse = self.inner.forward(q[None, sq], k[None, sk], v[None, sk], causal, scale)
+            outs.append(o[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for i in range(len(cu_q) - 1):
+            sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            g = self.inner.backward(dout[None, sq], q[None, sq], k[None, sk], v[None, sk], out[None, sq],
+                                    lse[None, sq], causal, scale)
+            dq[sq], dk[sk], dv[sk] = g[0][0], g[1][0], g[2][0]
+        return dq, dk, dv
+
+
+def get_kernel(device: torch.device, name: str | AttentionKernel = "auto", dtype: torch.dtype | None = None,
+               head_dim: int | None = None) -> AttentionKernel:
+    """The kernel for `name` ('auto', a kernel name, or an AttentionKernel instance, used as is).
+
+    'auto' and the refusals (a kernel that cannot take this device, dtype or head_dim raises SeqParError
+    before any communication: the check needs no data) are kernel_choice.resolve_kernel_name's.
     """
-    if device_type == "cpu":
-        return "cpu"
-    if device_type == "cuda":
-        for name in ("cuda", "cuda_efficient"):
-            if dtype in _KERNEL_DTYPES[name]:
-                return name
-    return "math"
-
-
-def get_kernel(device: torch.device, name: str = "auto", dtype: torch.dtype | None = None) -> AttentionKernel:
-    """Pick a kernel by name; 'auto' routes by (device type, dtype) with `kernel_name_for`.
-
-    Without `dtype`, 'auto' assumes half precision on CUDA. With `dtype`, an explicit name that
-    cannot take it raises SeqParError (before any communication: the check needs no data).
-    """
-    if name == "auto":
-        name = kernel_name_for(device.type, dtype if dtype is not None else torch.bfloat16)
-    if name not in _KERNEL_DTYPES:
-        raise ValueError(f"unknown attention kernel {name!r}: use 'auto' or one of {KERNEL_NAMES}")
-    ok = _KERNEL_DTYPES[name]
-    if dtype is not None and ok is not None and dtype not in ok:
-        raise SeqParError(
-            f"attention kernel {name!r} does not support {dtype} (it takes {', '.join(map(str, ok))}): "
-            f"use kernel='auto' (picks {kernel_name_for(device.type, dtype)!r} here) or 'math'"
-        )
+    if not isinstance(name, str):
+        return name
+    name = resolve_kernel_name(device, name, dtype, head_dim)
     if name == "cpu":
         return CpuFlashKernel()
     if name == "math":
         return MathKernel()
     # GPU-only, imported lazily: nothing on the CPU path loads cuda_kernels.
-    from .cuda_kernels import CudaEfficientKernel, CudaSdpaKernel
+    from .cuda_kernels import CUDA_KERNELS
 
-    return CudaSdpaKernel() if name == "cuda" else CudaEfficientKernel()
+    return CUDA_KERNELS[name]()

@@ -1,135 +1,27 @@
 """Ring attention over the ring group: Q stays, K/V blocks travel r -> r+1.
 
-Each ring rank holds a list of global segments (layout.ring_segments). For every (Q, KV-block)
-pair the work is planned as "pieces": maximal (q range, kv range) rectangles of one document that
-are either fully visible (non-causal) or an exact causal diagonal. With grid-aligned segments
-(contiguous or zigzag chunks) no other case exists, so no masked kernel call and no fully-masked
-row ever happens, and zigzag's off-diagonal steps are exactly half blocks.
-
-The same code with ring size 1 is the local attention for Ulysses (per-document varlen pieces).
-Forward merges (out, lse) per piece in fp32 (fp64 for fp64 inputs). Backward reruns the ring and
-calls the kernel backward per piece with the FINAL out/lse; dQ accumulates locally. dK/dV are reduced
-in R-1 hops (the reduce-scatter bound): each rank keeps its own block's gradient, and the partial sum
-of block j starts at ring rank j+1, follows the KV ring and ends at j, where the own part is added.
+Each ring rank holds a list of global segments (layout.ring_segments). For every (Q, KV-block) pair the
+work is planned by `pieces.plan_calls`: the pieces (one document's fully visible rectangle or exact causal
+diagonal) and the kernel calls that run them (one varlen call per causal flag where the kernel has that
+form, else one call per piece). Forward merges each call's (out, lse) per q range in fp32 (fp64 for fp64
+inputs). Backward reruns the ring and calls the kernel backward per call with the FINAL out/lse; dQ
+accumulates locally. dK/dV are reduced in R-1 hops (the reduce-scatter bound): each rank keeps its own
+block's gradient, and the partial sum of block j starts at ring rank j+1, follows the KV ring and ends at j,
+where the own part is added. A world of 1 never comes here (attention.local: no merge, no fp32 copy).
 """
 
 from __future__ import annotations
-
-import bisect
-from dataclasses import dataclass
 
 import torch
 
 from ..comm import CommStats, RingComm
 from ..layout import Segment
+from .calls import call_backward, call_forward, put_rows, varlen_ok
 from .kernels import AttentionKernel, acc_dtype
 from .merge import merge_
+from .pieces import KernelCall, Piece, piece_flops, plan_calls, plan_pieces
 
-__all__ = ["Piece", "plan_pieces", "ring_attention"]
-
-
-@dataclass(frozen=True)
-class Piece:
-    q0: int  # local q offsets [q0, q1)
-    q1: int
-    k0: int  # local kv offsets [k0, k1) within the KV block
-    k1: int
-    causal: bool
-
-
-def _with_offsets(segs: list[Segment]) -> list[tuple[int, int, int]]:
-    out, off = [], 0
-    for g, n in segs:
-        out.append((g, n, off))
-        off += n
-    return out
-
-
-def _doc_ranges(lo: int, hi: int, bounds: list[int] | None) -> list[tuple[int, int]]:
-    """Split global [lo, hi) at document boundaries."""
-    if not bounds:
-        return [(lo, hi)]
-    cuts = [lo] + [b for b in bounds if lo < b < hi] + [hi]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def _doc_id(pos: int, bounds: list[int] | None) -> int:
-    return bisect.bisect_right(bounds, pos) if bounds else 0
-
-
-def plan_pieces(
-    q_segs: list[Segment], kv_segs: list[Segment], causal: bool, bounds: list[int] | None = None
-) -> list[Piece]:
-    """Pieces of work between a Q block and a KV block (both given as global segments).
-
-    `bounds` are the inner document boundaries (cu_seqlens without its first and last entry).
-    """
-    pieces: list[Piece] = []
-    for gq, nq, oq in _with_offsets(q_segs):
-        for qa, qb in _doc_ranges(gq, gq + nq, bounds):
-            doc = _doc_id(qa, bounds)
-            for gk, nk, ok in _with_offsets(kv_segs):
-                for da, db in _doc_ranges(gk, gk + nk, bounds):
-                    if _doc_id(da, bounds) != doc:
-                        continue
-                    p = _classify(qa, qb, da, db, causal)
-                    if p is None:
-                        continue
-                    pieces.append(Piece(qa - gq + oq, qb - gq + oq, da - gk + ok, db - gk + ok, p))
-    return _merge_pieces(pieces)
-
-
-def _classify(qa: int, qb: int, ka: int, kb: int, causal: bool) -> bool | None:
-    """None: no interaction; False: fully visible; True: causal diagonal (identical ranges)."""
-    if not causal:
-        return False
-    if (qa, qb) == (ka, kb):
-        return True
-    if kb - 1 <= qa:
-        return False
-    if ka > qb - 1:
-        return None
-    raise AssertionError(f"segments not grid-aligned: q [{qa},{qb}) vs kv [{ka},{kb})")
-
-
-def _merge_pieces(pieces: list[Piece]) -> list[Piece]:
-    """Fuse fully-visible pieces that share a q range and touch in kv, then those sharing a kv range
-    and touching in q (e.g. zigzag's off-diagonal half blocks become one kernel call)."""
-
-    def fuse(items: list[Piece], same, touch, join) -> list[Piece]:
-        out: list[Piece] = []
-        for p in items:
-            last = out[-1] if out else None
-            if last is not None and not last.causal and not p.causal and same(last, p) and touch(last, p):
-                out[-1] = join(last, p)
-            else:
-                out.append(p)
-        return out
-
-    pieces = fuse(
-        sorted(pieces, key=lambda p: (p.q0, p.q1, p.k0)),
-        lambda a, b: (a.q0, a.q1) == (b.q0, b.q1),
-        lambda a, b: a.k1 == b.k0,
-        lambda a, b: Piece(a.q0, a.q1, a.k0, b.k1, False),
-    )
-    return fuse(
-        sorted(pieces, key=lambda p: (p.k0, p.k1, p.q0)),
-        lambda a, b: (a.k0, a.k1) == (b.k0, b.k1),
-        lambda a, b: a.q1 == b.q0,
-        lambda a, b: Piece(a.q0, b.q1, a.k0, a.k1, False),
-    )
-
-
-def piece_flops(pieces: list[Piece], batch: int, heads: int, head_dim: int) -> float:
-    """Forward matmul FLOPs of a list of pieces (causal pieces count half)."""
-    total = 0.0
-    for p in pieces:
-        area = (p.q1 - p.q0) * (p.k1 - p.k0)
-        if p.causal:
-            n = p.q1 - p.q0
-            area = n * (n + 1) / 2
-        total += 4.0 * batch * heads * head_dim * area
-    return total
+__all__ = ["Piece", "plan_pieces", "piece_flops", "block_forward", "block_backward", "ring_attention"]
 
 
 def _remove_range(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -159,16 +51,8 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:
                 ring.start([kk, vv])  # next block's transfer overlaps this block's compute
             j = (r - step) % n
-            for p in plan_pieces(all_segs[r], all_segs[j], causal, bounds):
-                o_p, l_p = kernel.forward(q[:, p.q0 : p.q1], kk[:, p.k0 : p.k1], vv[:, p.k0 : p.k1], p.causal, scale)
-                if any(a0 <= p.q0 and p.q1 <= a1 for a0, a1 in untouched):
-                    # First result for all these rows: a copy, not a merge into an empty accumulator.
-                    out[:, p.q0 : p.q1] = o_p
-                    lse[:, p.q0 : p.q1] = l_p
-                else:
-                    merge_(out[:, p.q0 : p.q1], lse[:, p.q0 : p.q1], o_p, l_p)
-                untouched = _remove_range(untouched, p.q0, p.q1)
-                del o_p, l_p
+            calls = plan_calls(all_segs[r], all_segs[j], causal, bounds, varlen_ok(kernel, q.shape[0]))
+            untouched = block_forward(kernel, calls, q, kk, vv, scale, out, lse, untouched)
             if step < n - 1:
                 kk, vv = ring.wait()
         out = out.to(q.dtype)
@@ -192,8 +76,8 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:
                 kv_ring.start([kk, vv])
             j = (r - step) % n
-            dkv = _block_grads(kernel, plan_pieces(all_segs[r], all_segs[j], causal, bounds), dout, q, kk, vv, out,
-                               lse, scale, dq)
+            calls = plan_calls(all_segs[r], all_segs[j], causal, bounds, varlen_ok(kernel, q.shape[0]))
+            dkv = block_backward(kernel, calls, dout, q, kk, vv, out, lse, scale, dq)
             if step == 0:
                 dkv_own = dkv  # own block: stays here, its partial sum comes home last
             else:
@@ -211,22 +95,40 @@ class _RingAttention(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none)
 
 
-def _block_grads(kernel: AttentionKernel, pieces: list[Piece], dout: torch.Tensor, q: torch.Tensor,
+def block_forward(kernel: AttentionKernel, calls: tuple[KernelCall, ...], q: torch.Tensor, kk: torch.Tensor,
+                  vv: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
+                  untouched: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """One KV block's forward: each call's (out, lse) merged into the accumulators per q range (a copy where no
+    earlier result exists: `untouched`, the rows nothing has written yet; returned updated)."""
+    for call in calls:
+        o_c, l_c = call_forward(kernel, call, q, kk, vv, scale)
+        t = 0
+        for a0, a1 in call.q_ranges:
+            o_p, l_p = o_c[:, t : t + a1 - a0], l_c[:, t : t + a1 - a0]
+            if any(u0 <= a0 and a1 <= u1 for u0, u1 in untouched):
+                out[:, a0:a1] = o_p  # first result for all these rows: a copy, not a merge into an empty one
+                lse[:, a0:a1] = l_p
+            else:
+                merge_(out[:, a0:a1], lse[:, a0:a1], o_p, l_p)
+            untouched = _remove_range(untouched, a0, a1)
+            t += a1 - a0
+        del o_c, l_c, o_p, l_p  # not alive through the next call's kernel
+    return untouched
+
+
+def block_backward(kernel: AttentionKernel, calls: tuple[KernelCall, ...], dout: torch.Tensor, q: torch.Tensor,
                  kk: torch.Tensor, vv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
                  dq: torch.Tensor) -> torch.Tensor:
     """One KV block's backward: dQ accumulates into dq; returns the block's [dK; dV] stacked in one
-    accumulator-dtype buffer (one message per ring hop, not two). Each piece's kernel outputs are freed
+    accumulator-dtype buffer (one message per ring hop, not two). Each call's kernel outputs are freed
     once added (they would otherwise stay alive through the sends)."""
     dkv = torch.zeros((2, *kk.shape), dtype=dq.dtype, device=kk.device)
-    dk, dv = dkv[0], dkv[1]
-    for p in pieces:
-        sq, sk = slice(p.q0, p.q1), slice(p.k0, p.k1)
-        g_q, g_k, g_v = kernel.backward(dout[:, sq], q[:, sq], kk[:, sk], vv[:, sk], out[:, sq], lse[:, sq], p.causal,
-                                        scale)
-        dq[:, sq] += g_q
-        dk[:, sk] += g_k
-        dv[:, sk] += g_v
-        del g_q, g_k, g_v  # else they stay alive through the next piece's kernel call
+    for call in calls:
+        g_q, g_k, g_v = call_backward(kernel, call, dout, q, kk, vv, out, lse, scale)
+        put_rows(dq, g_q, call.q_ranges, add=True)
+        put_rows(dkv[0], g_k, call.k_ranges, add=True)
+        put_rows(dkv[1], g_v, call.k_ranges, add=True)
+        del g_q, g_k, g_v  # else they stay alive through the next call's kernel
     return dkv
 
 

@@ -24,10 +24,10 @@ import torch
 
 from .. import comm
 from .kernels import AttentionKernel
-from .ring import plan_pieces
+from .local import local_backward, local_forward
 from .ulysses import HeadPlan, RankHeads, rank_heads
 
-__all__ = ["from_rank_heads", "fused_ulysses_attention", "local_pieces_disjoint", "to_rank_heads"]
+__all__ = ["from_rank_heads", "fused_ulysses_attention", "to_rank_heads"]
 
 
 def _pack_full_seq(parts: list[torch.Tensor], p: int) -> torch.Tensor:
@@ -49,48 +49,6 @@ def _as_full_seq(recv: torch.Tensor) -> torch.Tensor:
     if b == 1:
         return recv.view(1, p * s, h, d)
     return recv.transpose(0, 1).reshape(b, p * s, h, d)
-
-
-def local_pieces_disjoint(seq_len: int, causal: bool, bounds: list[int] | None):
-    """The local (ring size 1) pieces, or None when some q row is in two of them (then it needs a merge)."""
-    pieces = plan_pieces([(0, seq_len)], [(0, seq_len)], causal, bounds)
-    rows = sorted((p.q0, p.q1) for p in pieces)
-    if any(a[1] > b[0] for a, b in zip(rows, rows[1:])):
-        return None
-    return pieces
-
-
-def _whole(pieces, n: int) -> bool:
-    """One piece covering the whole sequence (no packed documents): one kernel call, no copies."""
-    return len(pieces) == 1 and (pieces[0].q0, pieces[0].q1, pieces[0].k0, pieces[0].k1) == (0, n, 0, n)
-
-
-def _kernel_fwd(kernel: AttentionKernel, q, k, v, pieces, scale):
-    if _whole(pieces, q.shape[1]):
-        return kernel.forward(q, k, v, pieces[0].causal, scale)
-    out = q.new_zeros(q.shape)
-    lse = None
-    for pc in pieces:
-        o, l_ = kernel.forward(q[:, pc.q0 : pc.q1], k[:, pc.k0 : pc.k1], v[:, pc.k0 : pc.k1], pc.causal, scale)
-        if lse is None:
-            lse = o.new_full(q.shape[:3], float("-inf"), dtype=l_.dtype)
-        out[:, pc.q0 : pc.q1] = o
-        lse[:, pc.q0 : pc.q1] = l_
-    return out, lse
-
-
-def _kernel_bwd(kernel: AttentionKernel, dout, q, k, v, out, lse, pieces, scale):
-    if _whole(pieces, q.shape[1]):
-        return kernel.backward(dout, q, k, v, out, lse, pieces[0].causal, scale)
-    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    for pc in pieces:
-        sq, sk = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
-        g = kernel.backward(dout[:, sq], q[:, sq], k[:, sk], v[:, sk], out[:, sq], lse[:, sq], pc.causal, scale)
-        dq[:, sq] += g[0]
-        dk[:, sk] += g[1]
-        dv[:, sk] += g[2]
-        del g  # not alive through the next piece's kernel call
-    return dq, dk, dv
 
 
 def _scatter_qkv(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, blocks: list[torch.Tensor],
@@ -264,7 +222,7 @@ class _FusedUlysses(torch.autograd.Function):
     keeps them. The original (unpadded) q, k, v go in and out: no padded copies exist."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, stats, device, causal, scale, kernel, pieces, chunks, ranks):
+    def forward(ctx, q, k, v, group, stats, device, causal, scale, kernel, calls, chunks, ranks):
         p, me = comm.group_size(group), comm.group_rank(group)
         b, s, _, d = q.shape
         plans = [[r.chunk(c, chunks) for r in ranks] for c in range(chunks)]
@@ -279,7 +237,7 @@ class _FusedUlysses(torch.autograd.Function):
             x = _even_recv(recv, p, b, s, d)
             sends[c] = recv = work = None  # free the exchange buffers before the kernel runs (peak memory)
             if nq:
-                oh, lse = _kernel_fwd(kernel, x[:, :, :nq], x[:, :, nq : nq + nk], x[:, :, nq + nk :], pieces, scale)
+                oh, lse = local_forward(kernel, x[:, :, :nq], x[:, :, nq : nq + nk], x[:, :, nq + nk :], calls, scale)
                 oh = oh.to(q.dtype)
             else:  # nothing for this rank in this chunk (dummy groups left out): it still takes part in the exchange
                 oh, lse = x[:, :, :0], x.new_empty(b, p * s, 0)
@@ -295,12 +253,12 @@ class _FusedUlysses(torch.autograd.Function):
                 _scatter(out, blk, r.q, add=False)
             backs[c] = recv = work = None
         ctx.save_for_backward(*saved)
-        ctx.args = (group, stats, device, scale, kernel, pieces, plans, k.shape)
+        ctx.args = (group, stats, device, scale, kernel, calls, plans, k.shape)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        group, stats, device, scale, kernel, pieces, plans, kv_shape = ctx.args
+        group, stats, device, scale, kernel, calls, plans, kv_shape = ctx.args
         p, me = comm.group_size(group), comm.group_rank(group)
         saved = ctx.saved_tensors
         dout = dout.to(saved[1].dtype)
@@ -317,7 +275,7 @@ class _FusedUlysses(torch.autograd.Function):
             nq, nk = len(pl[me].q), len(pl[me].kv)
             if nq:
                 qh, kh, vh = x[:, :, :nq], x[:, :, nq : nq + nk], x[:, :, nq + nk :]
-                g = _kernel_bwd(kernel, _even_recv(recv, p, b, s, d), qh, kh, vh, oh, lse, pieces, scale)
+                g = local_backward(kernel, _even_recv(recv, p, b, s, d), qh, kh, vh, oh, lse, calls, scale)
                 send = _pack_full_seq([t.to(oh.dtype) for t in g], p).view(-1)
             else:
                 send = dout.new_empty(0)
@@ -342,7 +300,7 @@ def fused_ulysses_attention(
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
-    pieces: list,
+    calls: tuple,
     stats: comm.CommStats | None = None,
     device: torch.device | None = None,
     chunks: int = 1,
@@ -350,6 +308,6 @@ def fused_ulysses_attention(
     """Pure Ulysses on the ORIGINAL q [B, s, Hq, D], k/v [B, s, Hkv, D] -> out [B, s, Hq, D], heads placed by
     `plan` (ulysses.head_plan) as `rank_heads(plan)` says: no padded copies, dummies sent only where needed.
 
-    `pieces`: the local piece plan from `local_pieces_disjoint` (no q row in two pieces). `chunks`: split
+    `calls`: the local kernel calls from `local.local_calls` (no q row in two of them). `chunks`: split
     each rank's kv heads (with their q groups) into that many near-equal parts, exchanged separately."""
-    return _FusedUlysses.apply(q, k, v, group, stats, device, causal, scale, kernel, pieces, chunks, rank_heads(plan))
+    return _FusedUlysses.apply(q, k, v, group, stats, device, causal, scale, kernel, calls, chunks, rank_heads(plan))

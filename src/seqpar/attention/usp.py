@@ -1,12 +1,13 @@
 """USP: Ulysses all-to-all inside each ring rank's sequence, ring attention across ring ranks.
 
-Pure Ulysses is ring=1; pure ring is ulysses=1. Ulysses' q/k/v go seq->heads in ONE fused all-to-all
-(ulysses_fused); pure Ulysses (ring=1) runs the local kernel inside the fused exchange, 2 collectives
-per pass (optionally split into `overlap_chunks` head chunks whose exchanges overlap compute), on the
-original heads with uneven per-rank head sets (`ulysses.rank_heads`: dummy heads only where a GQA group
-needs them). With a ring (USP) the same uneven head sets go through one all-to-all each way around the
-ring attention: Ulysses rank u holds the same heads on every ring rank, so the ring's blocks line up, and a
-Ulysses rank the plan leaves without heads skips the ring (its ring peers hold none either).
+A world of 1 is the local attention (attention.local). Pure Ulysses is ring=1; pure ring is ulysses=1.
+Ulysses' q/k/v go seq->heads in ONE fused all-to-all (ulysses_fused); pure Ulysses (ring=1) runs the local
+kernel inside the fused exchange, 2 collectives per pass (optionally split into `overlap_chunks` head
+chunks whose exchanges overlap compute), on the original heads with uneven per-rank head sets
+(`ulysses.rank_heads`: dummy heads only where a GQA group needs them). With a ring (USP) the same uneven
+head sets go through one all-to-all each way around the ring attention: Ulysses rank u holds the same heads
+on every ring rank, so the ring's blocks line up, and a Ulysses rank the plan leaves without heads skips
+the ring (its ring peers hold none either).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 from ..layout import ring_segments
 from ..mesh import SequenceParallelMesh
 from .kernels import AttentionKernel
+from .local import local_attention, local_calls
 from .ring import ring_attention
 from .ulysses import head_plan
-from .ulysses_fused import from_rank_heads, fused_ulysses_attention, local_pieces_disjoint, to_rank_heads
+from .ulysses_fused import from_rank_heads, fused_ulysses_attention, to_rank_heads
 
 __all__ = ["usp_attention"]
 
@@ -37,12 +39,14 @@ def usp_attention(
 ) -> torch.Tensor:
     """q [B, S/sp, Hq, D], k/v [B, S/sp, Hkv, D] in the mesh's layout -> out [B, S/sp, Hq, D]."""
     dev = mesh.comm_device
+    calls = local_calls(seq_len, causal, bounds, kernel, q.shape[0]) if mesh.ring_degree == 1 else None
+    if mesh.sp_size == 1 and calls is not None:  # a world of 1: straight to the kernel, no merge, no copies
+        return local_attention(q, k, v, kernel, calls, scale)
     if mesh.ulysses_degree > 1:
         plan = head_plan(q.shape[2], k.shape[2], mesh.ulysses_degree)
-        pieces = local_pieces_disjoint(seq_len, causal, bounds) if mesh.ring_degree == 1 else None
-        if pieces is not None:  # the original heads go in: the exchange places (and pads only where needed)
+        if calls is not None:  # the original heads go in: the exchange places (and pads only where needed)
             return fused_ulysses_attention(
-                q, k, v, mesh.ulysses_group, plan, causal, scale, kernel, pieces, mesh.stats, dev, overlap_chunks
+                q, k, v, mesh.ulysses_group, plan, causal, scale, kernel, calls, mesh.stats, dev, overlap_chunks
             )
         q_shape = q.shape
         q, k, v = to_rank_heads(q, k, v, mesh.ulysses_group, plan, mesh.stats, dev)

@@ -2,6 +2,8 @@
      python -m seqpar.bench memory [--out bench_results/memory.json] [--png FILE] [--quick] [--budget-gib 4]
      python -m seqpar.bench rollout [--out bench_results/rollout.json] [--quick] [--sp 1,2,4]
      python -m seqpar.bench step [--out bench_results/step.json] [--png FILE] [--quick] [--rounds 2]
+     python -m seqpar.bench gpu [--out bench_results/gpu.json] [--parts attention,packed,train] [--runs A,B]
+                                [--trace RUN] [--quick]   (needs a CUDA GPU: docs/gpu.md)
      python -m seqpar.bench layer-memory [--out bench_results/layer_memory.json] [--lengths 1152,2304]
                                          [--configs A,B] [--quick]."""
 
@@ -52,7 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     rol.add_argument("--quick", action="store_true", help="tiny model, few tokens (smoke test)")
     rol.add_argument("--sp", default="1,2,4", help="comma-separated SP sizes")
     rol.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
+    gpu = sub.add_parser("gpu", help="one CUDA GPU: kernels vs torch SDPA, packed rows, seqpar train vs plan")
+    gpu.add_argument("--out", default="bench_results/gpu.json", help="JSON output path (rewritten after each part)")
+    gpu.add_argument("--parts", default="attention,packed,train", help="comma-separated: attention,packed,train")
+    gpu.add_argument("--runs", default=None, help="comma-separated train runs (bench.gpu_train.RUNS)")
+    gpu.add_argument("--trace", default=None, help="a train run whose live tensors at the peak are listed")
+    gpu.add_argument("--quick", action="store_true", help="small sizes and the tiny fp32 runs only")
+    gpu.add_argument("--timeout", type=float, default=300.0, help="per train run, seconds")
     args = parser.parse_args(argv)
+    if args.bench == "gpu":
+        return _gpu(args)
     if args.bench == "rollout":
         return _rollout(args)
     if args.bench == "step":
@@ -106,6 +117,15 @@ def _step(args: argparse.Namespace) -> int:
 
     result = run(quick=args.quick, rounds=args.rounds, seq_len=args.seq_len, timeout=args.timeout)
     return _report(args, result, summary_lines, plot_step)
+
+
+def _gpu(args: argparse.Namespace) -> int:
+    from .gpu import run, summary_lines
+
+    result = run(tuple(args.parts.split(",")), quick=args.quick, runs=args.runs.split(",") if args.runs else None,
+                 timeout=args.timeout, trace=args.trace, out=args.out)
+    args.png = "none"
+    return _report(args, result, summary_lines)
 
 
 def _rollout(args: argparse.Namespace) -> int:

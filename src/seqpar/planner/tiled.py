@@ -16,10 +16,10 @@ its recompute), the moments are
 - attention's backward (`attn_temp`, `attention_backward_temp`): the second piece's input-gradient buffers
   (layer input e h, attention output e q) and seqpar's attention backward at its largest moment, every
   tensor counted (measured with the exact meter, tiny Llama, fp32 and bf16, u = 1 and 2):
-  ring path (u = 1; with u = 1 and ring = 1 the local attention is a one-block ring): the accumulators
-  dq, dk, dv in fp32 4 (q + 2 kv) and the kernel's outputs e (q + 2 kv) (bf16 outputs are added into the
-  fp32 accumulators without a cast copy); with ring > 1 the zigzag ring's busiest step
-  (`ring_backward_temp`, measured with ring 2);
+  the local attention (u = 1, ring = 1: attention.local, one kernel call): the kernel's outputs dq, dk, dv
+  in the input dtype, e (q + 2 kv), beside the incoming gradient e q;
+  ring path (u = 1, ring > 1): the zigzag ring's busiest step (`ring_backward_temp`, measured with ring 2):
+  the accumulators dq, dk, dv in fp32 and the kernel's outputs of one piece;
   fused Ulysses (u > 1, ring = 1; Q, K the plan-padded head widths): the kernel's head-space gradients
   e (Q + 2 K), their packed send buffer, its receive buffer and the sequence-space dq, dk, dv (each
   e (Q + 2 K)); dout's send buffer and the received head-space dout are freed by then, and so is the
@@ -61,7 +61,9 @@ def attention_backward_temp(m: ModelFacts, elt: int, u: int, ring: int = 1) -> i
     moment (module docstring), with the incoming attention-output gradient e q. For u > 1 the saved
     sequence-space output (the second piece's input, released with that piece's backward) is subtracted."""
     e = elt
-    if u == 1:  # ring path (ring 1: the local attention)
+    if u == 1 and ring == 1:  # the local attention: the kernel's dq, dk, dv in the input dtype, nothing else
+        return e * m.q_dim + e * (m.q_dim + 2 * m.kv_dim)
+    if u == 1:  # ring path
         return e * m.q_dim + ring_backward_temp(m.q_dim, m.kv_dim, e, ring)
     plan = head_plan(m.heads, m.kv_heads, u)
     wq, wkv = plan.padded_heads * m.head_dim, plan.expanded_kv_heads * m.head_dim

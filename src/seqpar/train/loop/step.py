@@ -129,6 +129,8 @@ def measured_step(loop: Loop, step: int) -> dict[str, Any]:
     if loop.world > 1:
         peak = comm.all_reduce_values(peak, dist.group.WORLD, loop.mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
     row["peak_alloc_mb"] = float(peak[0]) / 2**20
+    if loop.meter.last.get("offloaded_peak_bytes"):  # activation offload: this rank's host bytes at most
+        row["offloaded_peak_mb"] = float(loop.meter.last["offloaded_peak_bytes"]) / 2**20
     return row
 
 
