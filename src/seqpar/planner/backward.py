@@ -39,6 +39,8 @@ class _Alive:
     attn_temp: int  # attention's backward beside its saved tensors
     attn_freed: int  # consumed before attention's backward: the post-attention norm's tensors
     norm: int  # everything alive at the input norm's backward (untiled, checkpointed); 0: not a moment
+    qkv: tuple[int, int, int, int] | None = None  # tiled layer's first-piece moment: (temp per token, tile bytes,
+    # its parameter gradients, attention's saved tensors per token freed by then without checkpointing)
 
 
 def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int) -> _Alive:
@@ -63,8 +65,9 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
         t = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e, lay.ring,
                         o_in)
         current, ahead = t.current - (e * h if ckpt else 0), (e * h if ckpt else t.current)
+        attn_saved = 0 if ckpt else t.current - e * h
         return _Alive(base + current, ahead, e * h if ckpt else 0, t.mlp_acts, t.mlp_temp - e * h * tokens,
-                      t.attn_temp, 0, 0)
+                      t.attn_temp, 0, 0, (t.qkv_temp, t.qkv_tile, t.qkv_grads, attn_saved))
     mlp_in = feats.tiled_mlp or any(wl.trains(t) for t in ("gate_proj", "up_proj"))
     # seqpar's attention backward tensor by tensor (planner.tiled), its collectives' buffers included
     attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses, lay.ring)
@@ -145,6 +148,9 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
         layers = gathered + (g.prefetch if k < last else 0) + rs
         if moment == "attention":
             return Moment(a - alive.attn_freed * tokens, done + g.post_attn, alive.attn_temp * tokens, layers)
+        if moment == "qkv":
+            temp, tile, grads, freed = alive.qkv
+            return Moment(a - freed * tokens, done + g.post_attn + grads, temp * tokens + tile, layers)
         if moment == "norm":  # the whole layer's gradients exist (FSDP: unsharded, before its reduce-scatter)
             return Moment((alive.norm + alive.ahead * ahead_n) * tokens, done + (g.in_flight or g.per_layer),
                           NORM_BACKWARD_TEMP * h * tokens, gathered + rs)
@@ -153,7 +159,10 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
     ks = {0, min(1, last), max(0, last - 1), last}
     norm_ks = [k for k in ks if k < last or not wl.lora] if alive.norm else []
     mlp = max((at(k, "mlp") for k in ks), key=lambda x: x.total)
-    return mlp, max([*(at(k, "attention") for k in ks), *(at(k, "norm") for k in norm_ks)], key=lambda x: x.total)
+    # the first piece's moment, measured on SP 1 rows without FSDP (there it is the peak); with SP > 1 or FSDP the
+    # measured peaks lie elsewhere and the same count would be 2-5% over them (not modelled there)
+    qkv = [at(k, "qkv") for k in ks] if alive.qkv and lay.sp == 1 and not feats.fsdp else []
+    return mlp, max([*(at(k, "attention") for k in ks), *(at(k, "norm") for k in norm_ks), *qkv], key=lambda x: x.total)
 
 
 # HF's RMSNorm backward (fp32 internals): the gradients through x * rsqrt, mean and pow (x, 2x, their product)

@@ -25,7 +25,13 @@ its recompute), the moments are
   e (Q + 2 K)); dout's send buffer and the received head-space dout are freed by then, and so is the
   attention output `a` (saved by the second piece);
   USP (u > 1, ring > 1): the head-space gradient e Q and the zigzag ring's busiest step on the head-space
-  widths (measured with u = 2, ring = 2).
+  widths (measured with u = 2, ring = 2);
+- the first piece's backward (`TiledTerms.qkv_*`: after attention's, the largest moment of a world of 1 since
+  attention runs as one kernel call there): the q/k/v gradients e (q + 2 kv) coming in, the second piece's
+  layer-input gradient and the first piece's input-gradient buffer (e h each), one tile's recompute and
+  gradients, the piece's parameter gradients twice (the sum over tiles, in fp32, and the tile's own). With
+  checkpointing the layer's recomputed tensors, attention's saved q, k, v, out, lse included, stay alive until
+  the layer's input gradient is formed (non-reentrant checkpointing keeps what it recomputed for the layer).
 """
 
 from __future__ import annotations
@@ -102,6 +108,9 @@ class TiledTerms:
     mlp_temp: int  # bytes: its gradients and the full-length gradient buffers
     down: int  # bytes: the second piece's parameter gradients (summed over the tiles)
     attn_temp: int  # bytes per token at attention's backward
+    qkv_temp: int  # bytes per token at the first piece's backward (q/k/v gradients in, two [*, h] buffers)
+    qkv_tile: int  # bytes: one tile's recompute and gradients there
+    qkv_grads: int  # bytes: the first piece's parameter gradients there (summed over tiles + the tile's own)
 
 
 def tiled_terms(m: ModelFacts, elt: int, u: int, rows: int, local_per_row: int, tokens: int,
@@ -120,5 +129,11 @@ def tiled_terms(m: ModelFacts, elt: int, u: int, rows: int, local_per_row: int, 
     tile_grads = 3 * e * i * tile
     buffers = (e * h + e * m.q_dim + e * h) * tokens  # incoming gradient, attention-output and input buffers
     down = (m.q_dim * h + 3 * h * i + h) * elt_params if weights_train else 0
+    qkv = m.q_dim + 2 * m.kv_dim
+    # first piece's tile at its gradient call (measured, fp32 / bf16 / LoRA): four q/k/v-wide tensors (projection
+    # and RoPE outputs, their gradients), four fp32 [tile, h] tensors of the norm (six when its weight trains)
+    # and two e h ones (norm output and its gradient)
+    qkv_tile = tile * (4 * e * qkv + (6 if weights_train else 4) * 4 * h + 2 * e * h)
+    qkv_grads = (h * qkv + h) * (4 + e) if weights_train else 0  # summed in fp32, plus the tile's own
     return TiledTerms(tiled_saved_per_token(m, elt, u), kept * tile, tile_grads + buffers, down,
-                      e * h + attention_backward_temp(m, e, u, ring))
+                      e * h + attention_backward_temp(m, e, u, ring), 2 * e * h + e * qkv, qkv_tile, qkv_grads)
