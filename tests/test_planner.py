@@ -107,7 +107,7 @@ def test_layer_backward_moment_against_memtracker_readings():
     # second step; read with a per-op probe on this build). Checkpointing, no FSDP: layer 0's backward
     # (the lm_head and layer 1 gradients exist, layer 1's input is freed). FSDP2 ring 2: also the
     # gathered layer and the previous layer's unsharded gradients in their reduce-scatter.
-    m, wl = tiny(), Workload(256, precision="fp32")
+    m, wl = tiny(), Workload(256, precision="fp32", device="cpu")  # the CPU meter's readings
     ckpt = estimate_memory(m, wl, Layout(), Features(activation_checkpointing=True))
     assert ckpt.phases["layer_backward"] == pytest.approx(3474116, rel=1e-3)
     fsdp = estimate_memory(m, wl, Layout(1, 2, 1), Features(activation_checkpointing=True, fsdp=True))

@@ -91,7 +91,7 @@ def predict_case(case: Case) -> int:
     """The planner's peak bytes per rank for a validation case."""
     m = model_facts(case)
     wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision, case.micro_batch_size,
-                  unsupervised_tokens=_unsupervised(case))
+                  unsupervised_tokens=_unsupervised(case), device="cpu")
     lay = Layout(case.ulysses, case.ring, case.dp)
     return estimate_memory(m, wl, lay, _features(case), optimizer=case.optimizer).total
 

@@ -45,6 +45,9 @@ class Workload:
     # positions per row without a label (prompt tokens, a row's last position): the fused loss computes
     # logits only for supervised positions. 0 = every position supervised (the upper bound).
     unsupervised_tokens: int = 0
+    # which attention kernels the peak is planned for: "cuda" (flash / cuDNN: their backward's workspaces count,
+    # planner.tiled.cuda_attention_workspace) or "cpu" (seqpar's CPU kernel: the validation rows' meter)
+    device: str = "cuda"
 
     @property
     def elt(self) -> int:
