@@ -14,7 +14,7 @@ from ...hf.vision import is_vlm
 from ..config import TrainConfig
 from .load import model_config
 
-__all__ = ["check_model", "refuse_unsupported_model", "max_token_id", "position_limit"]
+__all__ = ["check_model", "refuse_unsupported_model", "refuse_non_causal", "max_token_id", "position_limit"]
 
 # SmolLM2-135M-Instruct (bundled GGUF): read its config from the constants instead of the 100 MB file.
 SMOLLM2_LIMITS = {"vocab_size": 49152, "max_position_embeddings": 8192}
@@ -37,16 +37,17 @@ def max_token_id(examples: list) -> int:
     return best
 
 
-def _refuse_non_causal(c: Any, name: str) -> None:
+def refuse_non_causal(c: Any, name: str) -> None:
+    """SeqParError unless the HF config `c` (model.name `name`) builds a causal LM seqpar's attention runs."""
     from transformers import AutoModelForCausalLM
 
-    from ...hf.attention import _check_config
+    from ...hf.attention import check_config
     from ...hf.vision import check_vlm
 
     if is_vlm(c):  # vision-language: a supported Qwen VL, its text decoder checked like any causal LM
-        _check_config(check_vlm(c))
+        check_config(check_vlm(c))
         return
-    _check_config(c)
+    check_config(c)
     try:
         with torch.device("meta"):  # structure only: no memory, no weights
             model = AutoModelForCausalLM.from_config(c)
@@ -74,7 +75,7 @@ def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
         raise SeqParError("model.kwargs replace the config's RoPE parameters without rope_theta (the model would "
                           "not build): give rope_parameters with rope_type, factor and rope_theta")
     if c is not None:
-        _refuse_non_causal(c, cfg.model.name)
+        refuse_non_causal(c, cfg.model.name)
     if is_vlm(c) and cfg.fsdp:
         # FSDP2 gathers a unit's parameters collectively, but only the ranks that own an image run the vision
         # tower (seqpar.hf.vision): the others would never join that gather.
