@@ -12,7 +12,7 @@ import torch
 from ...errors import SeqParError
 from ...hf.vision import is_vlm
 from ..config import TrainConfig
-from .load import model_config
+from .load import ModelInfo, model_info
 
 __all__ = ["check_model", "refuse_unsupported_model", "refuse_non_causal", "max_token_id", "position_limit"]
 
@@ -66,9 +66,9 @@ def _rope_dicts(c: Any) -> list[dict]:
     return list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
 
 
-def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
+def refuse_unsupported_model(cfg: TrainConfig, info: ModelInfo | None = None) -> Any | None:
     """What the SP model would refuse, from the config alone; returns the config (None: smollm2)."""
-    c = model_config(cfg)
+    c = (info or model_info(cfg)).config
     text = c.text_config if is_vlm(c) else c
     if text is not None and any("rope_theta" in p and p["rope_theta"] is None for p in _rope_dicts(text)):
         # transformers 5: a rope_scaling / rope_parameters kwarg replaces the whole dict, rope_theta included
@@ -84,9 +84,9 @@ def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
     return c
 
 
-def check_model(cfg: TrainConfig, examples: list) -> None:
+def check_model(cfg: TrainConfig, examples: list, info: ModelInfo | None = None) -> None:
     """The model is a supported causal LM, and the examples fit its vocabulary and positions."""
-    c = refuse_unsupported_model(cfg)
+    c = refuse_unsupported_model(cfg, info)
     c = c.text_config if is_vlm(c) else c
     vocab = SMOLLM2_LIMITS["vocab_size"] if c is None else int(c.vocab_size)
     top = max_token_id(examples)
