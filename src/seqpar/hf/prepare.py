@@ -46,9 +46,9 @@ class PrepareSpec:
     """What `prepare_model` applies, the same for every trainer.
 
     fused_loss: the chunked lm_head + loss (no [S_local, vocab] logits); loss_chunk_tokens: its supervised
-    tokens per chunk (None: one chunk's fp32 logits <= 256 MB), read by the step. tiled_mlp / tiled_layer:
-    False, True (automatic tile count) or an int >= 1. activation_checkpointing / offload_activations: layer
-    checkpointing with the kept inputs in host memory (seqpar train; the Trainer enables its own).
+    tokens per chunk (None: one chunk's fp32 logits <= 256 MB), read by the step. activation_checkpointing /
+    offload_activations: layer checkpointing with the kept inputs in host memory (seqpar train; the Trainer
+    enables its own). tiled_mlp / tiled_layer: False, True (automatic tile count) or an int >= 1.
     tile_reference: the frozen reference gets the tiles too (seqpar train: a lower reference forward peak);
     the drop-ins keep it untiled, since under ZeRO-3 only the policy's tile count is agreed between ranks
     (hf/trainer_stack.agree_gathers).
@@ -56,10 +56,10 @@ class PrepareSpec:
 
     fused_loss: bool = True
     loss_chunk_tokens: int | None = None
-    tiled_mlp: bool | int = False
-    tiled_layer: bool | int = False
     activation_checkpointing: bool = False
     offload_activations: bool = False
+    tiled_mlp: bool | int = False
+    tiled_layer: bool | int = False
     tile_reference: bool = True
 
     def head_kwargs(self) -> dict[str, Any]:
