@@ -5,8 +5,10 @@
 
 What changes against the stock Trainer (all built on the pieces the plain loop uses, seqpar.steps):
 - the model gets seqpar attention (`apply_sequence_parallel`) over a mesh of `sequence_parallel_size`
-  ranks (default: the whole world); data goes through `SequenceParallelCollator` (or the DPO one),
-  which shifts labels on the full sequence, keeps global position_ids and shards every row;
+  ranks (default: the whole world), and the memory features and fused head asked for, through
+  `seqpar.hf.prepare_model` (the same preparation as `seqpar train`); data goes through
+  `SequenceParallelCollator` (or the DPO one), which shifts labels on the full sequence, keeps global
+  position_ids and shards every row;
 - the train / eval dataloaders use the SP-aware sampler (every rank of an SP group sees the same
   rows; dp ranks different ones) and are NOT re-sharded by accelerate;
 - the loss of each micro-batch is this rank's share of the step's token-mean (denominator: the

@@ -77,7 +77,7 @@ def _wrap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, world:
 def build_reference(cfg: TrainConfig, mesh: Any, ref_model: torch.nn.Module | None, policy: torch.nn.Module) -> Any:
     """The reference log-probs the stage needs: of the frozen copy (full fine-tuning), or of the policy with
     its LoRA adapter disabled. DPO: per-sequence sums; GRPO: per-token, at the sampling temperature."""
-    kw: dict[str, Any] = dict(fused_loss=cfg.memory.fused_loss, loss_chunk_tokens=cfg.memory.loss_chunk_tokens)
+    kw: dict[str, Any] = prepare_spec(cfg).head_kwargs()
     if cfg.stage == "grpo":
         kw["temperature"] = cfg.grpo.temperature
         return (ReferenceTokenLogps(ref_model=ref_model, **kw) if ref_model is not None
