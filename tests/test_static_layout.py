@@ -129,16 +129,66 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-def test_train_path_sizes():
-    """train/ and steps/: modules readable in one sitting (<= 400 lines), functions <= 60 lines."""
+# ----------------------------------------------------------------------------- sizes
+# Modules readable in one sitting, functions on one screen: the whole library, benchmarks included (the same
+# bound: the attention benchmark is a package of one module per part).
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+# TODO(attention rewrite): src/seqpar/attention/ (the kernels, ulysses, ring, usp) is being rewritten on its own
+# branch; it is exempt from the size rule until that lands. Then remove it here: the rule covers it like the rest.
+SIZE_EXEMPT = ("attention",)
+
+
+def _size_violations(root: Path, exempt: tuple[str, ...] = SIZE_EXEMPT) -> list[str]:
+    """Every module of `root` over MAX_MODULE_LINES and every function or method (nested ones too) over
+    MAX_FUNCTION_LINES (from its `def` line to its last), outside the exempt top-level packages."""
     bad = []
-    for p in [*(SRC / "train").rglob("*.py"), *(SRC / "steps").rglob("*.py")]:
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if rel.parts[0] in exempt:
+            continue
         text = p.read_text()
-        if len(text.splitlines()) > 400:
-            bad.append(f"{p.relative_to(SRC)}: {len(text.splitlines())} lines")
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            bad.append(f"{rel}: {len(text.splitlines())} lines")
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
-                bad.append(f"{p.relative_to(SRC)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+            n = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and n > MAX_FUNCTION_LINES:
+                bad.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
+    return bad
+
+
+def test_sizes():
+    """Every module <= 400 lines, every function <= 60 lines (src/seqpar/attention/ exempt for now: SIZE_EXEMPT)."""
+    bad = _size_violations(SRC)
+    assert not bad, bad
+
+
+def test_size_rule_catches_a_planted_oversize_anywhere(tmp_path):
+    """An oversized module and an oversized method planted in every folder of the library are each reported,
+    except in the exempt package: the rule reaches the whole tree, bench/ included."""
+    folders = sorted({p.parent.relative_to(SRC) for p in SRC.rglob("*.py")})
+    assert Path("bench") in folders and Path("train/model") in folders
+    body = "".join(f"        y = {i}\n" for i in range(MAX_FUNCTION_LINES))  # def + 60 = 61 lines
+    for f in folders:
+        (tmp_path / f).mkdir(parents=True, exist_ok=True)
+        (tmp_path / f / "planted_module.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+        (tmp_path / f / "planted_function.py").write_text(f"class C:\n    def long(self):\n{body}")
+    found = _size_violations(tmp_path)
+    for f in folders:
+        want = not (f.parts and f.parts[0] in SIZE_EXEMPT)
+        assert any(x.startswith(f"{f / 'planted_module.py'}: ") for x in found) == want, f
+        assert any(x.startswith(f"{f / 'planted_function.py'}:2 long: ") for x in found) == want, f
+    assert len(found) == 2 * sum(not (f.parts and f.parts[0] in SIZE_EXEMPT) for f in folders)
+    assert _size_violations(tmp_path, exempt=()) and len(_size_violations(tmp_path, exempt=())) == 2 * len(folders)
+
+
+def test_no_private_names_imported_across_modules():
+    """What a module shares is public: no `from seqpar... import _name` between seqpar's modules."""
+    bad = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("seqpar")):
+                bad += [f"{name}: {a.name}" for a in node.names if a.name.startswith("_") and a.name != "__version__"]
     assert not bad, bad
 
 

@@ -367,8 +367,10 @@ if dpo.is_world_process_zero():
 def _dpo_eval(tmp_path, nproc, sp):
     script = tmp_path / "dpo_eval.py"
     script.write_text(DPO_EVAL_SCRIPT)
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
-          str(tmp_path / "out"), str(sp)], tmp_path)
+    # args: script out sp (not _run's script mode out): name the result file, so the upstream teardown abort
+    # after a finished run (tests/procs.py) is told apart from a failure
+    run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                str(script), str(tmp_path / "out"), str(sp)], tmp_path, result=tmp_path / "out" / "result.json")
     res = json.loads((tmp_path / "out" / "result.json").read_text())
     dloss = max(abs(a - b) for a, b in zip(res["dpo_losses"], res["ref_losses"]))
     print(f"DPO dp{res['mesh'][0]} x sp{res['mesh'][1]} vs hand formula: max |dloss| = {dloss:.2e}, "

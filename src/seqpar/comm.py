@@ -29,7 +29,6 @@ __all__ = [
     "group_size",
     "group_rank",
     "all_to_all",
-    "all_to_all_buffer",
     "all_to_all_split",
     "all_reduce",
     "all_reduce_",
@@ -150,25 +149,6 @@ def all_to_all(
     return _AllToAll.apply(x, group, scatter_dim, gather_dim, stats, channel)
 
 
-def all_to_all_buffer(
-    send: torch.Tensor,
-    group: Any,
-    stats: CommStats | None = None,
-    channel: str = "a2a",
-    device: torch.device | None = None,
-    async_op: bool = False,
-) -> tuple[torch.Tensor, Any]:
-    """Raw equal-split all-to-all of a contiguous [P, ...] buffer: send[i] goes to rank i, recv[j] came
-    from rank j. Not differentiable (callers own the layout, e.g. Ulysses' fused q/k/v exchange).
-    Returns (recv, work): with async_op, call work.wait() before reading recv (work is None otherwise)."""
-    p = group_size(group)
-    if send.shape[0] != p or not send.is_contiguous():
-        raise ValueError(f"all_to_all_buffer: need a contiguous [P={p}, ...] buffer, got {tuple(send.shape)}")
-    n = send.numel() // p
-    recv, work = all_to_all_split(send.view(-1), [n] * p, [n] * p, group, stats, channel, device, async_op)
-    return recv.view(send.shape), work
-
-
 def all_to_all_split(
     send: torch.Tensor,
     send_sizes: Sequence[int],
@@ -181,7 +161,8 @@ def all_to_all_split(
 ) -> tuple[torch.Tensor, Any]:
     """Raw all-to-all of a flat contiguous buffer in uneven pieces: send_sizes[i] elements (in rank order)
     go to rank i, recv_sizes[j] elements come from rank j (recv_sizes[me] == send_sizes[me]). Not
-    differentiable. Returns (recv, work) as all_to_all_buffer does."""
+    differentiable. Returns (recv, work): with async_op, call work.wait() before reading recv (work is None
+    otherwise)."""
     me = group_rank(group)
     check_device([send], device, "all_to_all_split")
     if send.dim() != 1 or not send.is_contiguous() or send.numel() != sum(send_sizes):

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from .comm import CommStats
 from .errors import SeqParError
 
-__all__ = ["SequenceParallelMesh", "init_mesh", "auto_degrees", "divisors", "needs_full_sequence", "node_size_from_env",
-           "spans_nodes_message", "group_timeout_override"]
+__all__ = ["SequenceParallelMesh", "init_mesh", "auto_degrees", "resolve_degrees", "check_divides", "divisors",
+           "needs_full_sequence", "node_size_from_env", "spans_nodes_message", "group_timeout_override"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -164,6 +164,29 @@ def _device_type() -> str:
     return "cpu"
 
 
+def check_divides(value: Any, size: int, message: str) -> None:
+    """The one "degree divides size" rule (init_mesh, the config schema, the config's launch checks): raise
+    SeqParError(message) unless `value` is a positive int dividing `size`; "{ok}" in the message becomes the
+    divisors of `size` (the values that would do)."""
+    if isinstance(value, int) and value >= 1 and size % value == 0:
+        return
+    raise SeqParError(message.replace("{ok}", ", ".join(str(d) for d in divisors(size))))
+
+
+def resolve_degrees(sp_size: int, ulysses_degree: int | None, ring_degree: int | None,
+                    num_heads: int | None = None, num_kv_heads: int | None = None, *, ulysses_only: bool = False,
+                    node_size: int | None = None) -> tuple[int, int]:
+    """(ulysses, ring) as the mesh takes them: both given, one given (the other is sp_size // it), or neither
+    (`auto_degrees`). The degrees given must divide sp_size (`check_divides`)."""
+    if ulysses_degree is None and ring_degree is None:
+        return auto_degrees(sp_size, num_heads, num_kv_heads, ulysses_only=ulysses_only, node_size=node_size)
+    if ulysses_degree is None:
+        return sp_size // ring_degree, ring_degree
+    if ring_degree is None:
+        return ulysses_degree, sp_size // ulysses_degree
+    return ulysses_degree, ring_degree
+
+
 def init_mesh(
     sp_size: int,
     ulysses_degree: int | None = None,
@@ -187,14 +210,39 @@ def init_mesh(
     warning naming the fix. timeout: for every process group the mesh creates (default: the default
     group's, as init_process_group(timeout=) set it). Every check runs before any process group is created.
     """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    num_heads, num_kv_heads = _check_mesh_args(sp_size, ulysses_degree, ring_degree, num_heads, num_kv_heads,
+                                               model_config, layout, world)
+    node = node_size if node_size is not None else node_size_from_env(world)
+    if not isinstance(node, int) or node < 1:
+        raise SeqParError(f"node_size={node!r} must be a positive int (processes per node)")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise SeqParError(f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None")
+    full = model_config is not None and needs_full_sequence(model_config)
+    ulysses_degree, ring_degree = resolve_degrees(sp_size, ulysses_degree, ring_degree, num_heads, num_kv_heads,
+                                                  ulysses_only=full, node_size=node)
+    if ulysses_degree * ring_degree != sp_size:
+        raise SeqParError(
+            f"ulysses_degree={ulysses_degree} x ring_degree={ring_degree} = {ulysses_degree * ring_degree} "
+            f"!= sp_size={sp_size}: choose degrees whose product is sp_size"
+        )
+    if world == 1:
+        return SequenceParallelMesh(dp_size=1, ring_degree=1, ulysses_degree=1, layout=layout)
+    span = spans_nodes_message(ulysses_degree, ring_degree, node, ulysses_only=full)
+    if span is not None and dist.get_rank() == 0:
+        warnings.warn(span, stacklevel=2)
+    return _build_mesh(world, sp_size, ulysses_degree, ring_degree, layout, device_type or _device_type(), timeout)
+
+
+def _check_mesh_args(sp_size: Any, ulysses_degree: Any, ring_degree: Any, num_heads: int | None,
+                     num_kv_heads: int | None, model_config: Any, layout: str,
+                     world: int) -> tuple[int | None, int | None]:
+    """init_mesh's checks of the sizes, layout and heads; returns the head counts (from model_config if given)."""
     if not isinstance(sp_size, int) or sp_size < 1:
         raise SeqParError(f"sp_size must be a positive int, got {sp_size!r}")
     if layout not in LAYOUTS:
         raise SeqParError(f"layout={layout!r} is unknown: use one of {LAYOUTS}")
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world % sp_size != 0:
-        ok = ", ".join(str(d) for d in divisors(world))
-        raise SeqParError(f"sp_size={sp_size} does not divide world_size={world}: use one of {ok}")
+    check_divides(sp_size, world, f"sp_size={sp_size} does not divide world_size={world}: use one of {{ok}}")
     if model_config is not None and num_heads is None:
         num_heads, num_kv_heads = _heads_from_config(model_config)
     if num_heads is not None:
@@ -202,40 +250,20 @@ def init_mesh(
         if num_heads < 1 or kv < 1 or num_heads % kv != 0:
             raise SeqParError(f"num_heads={num_heads} must be a positive multiple of num_kv_heads={kv}")
     for name, val in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
-        if val is not None and (not isinstance(val, int) or val < 1 or sp_size % val != 0):
-            ok = ", ".join(str(d) for d in divisors(sp_size))
-            raise SeqParError(f"{name}={val!r} must divide sp_size={sp_size}: use one of {ok}")
-    node = node_size if node_size is not None else node_size_from_env(world)
-    if not isinstance(node, int) or node < 1:
-        raise SeqParError(f"node_size={node!r} must be a positive int (processes per node)")
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise SeqParError(f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None")
-    full = model_config is not None and needs_full_sequence(model_config)
-    if ulysses_degree is None and ring_degree is None:
-        ulysses_degree, ring_degree = auto_degrees(sp_size, num_heads, num_kv_heads, ulysses_only=full,
-                                                   node_size=node)
-    elif ulysses_degree is None:
-        ulysses_degree = sp_size // ring_degree
-    elif ring_degree is None:
-        ring_degree = sp_size // ulysses_degree
-    if ulysses_degree * ring_degree != sp_size:
-        raise SeqParError(
-            f"ulysses_degree={ulysses_degree} x ring_degree={ring_degree} = {ulysses_degree * ring_degree} "
-            f"!= sp_size={sp_size}: choose degrees whose product is sp_size"
-        )
-    dp = world // sp_size
-    if world == 1:
-        return SequenceParallelMesh(dp_size=1, ring_degree=1, ulysses_degree=1, layout=layout)
-    span = spans_nodes_message(ulysses_degree, ring_degree, node, ulysses_only=full)
-    if span is not None and dist.get_rank() == 0:
-        warnings.warn(span, stacklevel=2)
+        if val is not None:
+            check_divides(val, sp_size, f"{name}={val!r} must divide sp_size={sp_size}: use one of {{ok}}")
+    return num_heads, num_kv_heads
 
+
+def _build_mesh(world: int, sp_size: int, ulysses_degree: int, ring_degree: int, layout: str, device_type: str,
+                timeout: timedelta | None) -> SequenceParallelMesh:
+    """The DeviceMesh and its process groups (collective: every rank calls it in the same order)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    dtype = device_type or _device_type()
+    dp = world // sp_size
     ranks = torch.arange(world).reshape(dp, ring_degree, ulysses_degree)
     override = tuple(group_timeout_override(timeout, n) for n in (dp, ring_degree, ulysses_degree))
-    dm = DeviceMesh(dtype, ranks, mesh_dim_names=("dp", "ring", "ulysses"), backend_override=override)
+    dm = DeviceMesh(device_type, ranks, mesh_dim_names=("dp", "ring", "ulysses"), backend_override=override)
     sp_mesh = dm["ring", "ulysses"]._flatten("sp", backend_override=group_timeout_override(timeout, sp_size))
     rank = dist.get_rank()
     return SequenceParallelMesh(

@@ -83,31 +83,7 @@ def run_distributed(
         results: dict[int, Any] = {}
         errors: list[str] = []
         try:
-            while len(results) + len(errors) < world_size:
-                for r in range(world_size):
-                    path = os.path.join(out_dir, f"rank{r}.pkl")
-                    if r in results or os.path.exists(path + ".done"):
-                        continue
-                    if os.path.exists(path):
-                        with open(path, "rb") as f:
-                            status, value = pickle.load(f)
-                        os.rename(path, path + ".done")
-                        if status == "ok":
-                            results[r] = value
-                        else:
-                            errors.append(value)
-                if errors:
-                    # Give the other ranks a moment to report, then stop: they may be blocked in a collective.
-                    time.sleep(1.0)
-                    break
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    errors.append(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
-                    break
-                if time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout:.0f}s; finished ranks: {sorted(results)}")
-                    break
-                time.sleep(0.02)
+            _wait_for_ranks(procs, out_dir, deadline, timeout, results, errors)
             if not errors:
                 for p in procs:
                     p.join(timeout=max(1.0, deadline - time.monotonic()))
@@ -119,3 +95,34 @@ def run_distributed(
         if errors:
             raise DistributedFailure("\n\n".join(errors))
         return [results[r] for r in range(world_size)]
+
+
+def _wait_for_ranks(procs: list, out_dir: str, deadline: float, timeout: float, results: dict[int, Any],
+                    errors: list[str]) -> None:
+    """Collect each rank's result file into `results` (or its traceback into `errors`) until all reported, one
+    failed (the others get a moment to report: they may be blocked in a collective), one died, or time is up."""
+    world_size = len(procs)
+    while len(results) + len(errors) < world_size:
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if r in results or os.path.exists(path + ".done"):
+                continue
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    status, value = pickle.load(f)
+                os.rename(path, path + ".done")
+                if status == "ok":
+                    results[r] = value
+                else:
+                    errors.append(value)
+        if errors:
+            time.sleep(1.0)
+            return
+        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+        if dead:
+            errors.append(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+            return
+        if time.monotonic() > deadline:
+            errors.append(f"timed out after {timeout:.0f}s; finished ranks: {sorted(results)}")
+            return
+        time.sleep(0.02)

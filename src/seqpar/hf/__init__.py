@@ -1,4 +1,16 @@
-"""Hugging Face integration: run unmodified transformers causal LMs under seqpar sequence parallelism."""
+"""Hugging Face integration: run unmodified transformers causal LMs under seqpar sequence parallelism.
+
+    attention.py          apply_sequence_parallel / remove_sequence_parallel (a scoped attention registration)
+    forward_plan.py       the per-forward plan: full length and packed documents, from the full position_ids
+    attention_fn.py       the attention functions the layers call, with their per-call refusals
+    linear_attention.py   Gated DeltaNet (Qwen3-Next / Qwen3.5) under Ulysses; mixers.py: refused sequence mixers
+    vision.py             Qwen2.5-VL / Qwen3-VL: vision tower local, text decoder under SP
+    prepare.py            prepare_model / frozen_reference: the one model preparation of every trainer
+    trainer.py            SequenceParallelTrainer / SequenceParallelDPOTrainer (Trainer drop-ins), with
+                          trainer_args.py, trainer_stack.py (DDP / FSDP2 / DeepSpeed), trainer_eval.py
+    generation.py         sampling for GRPO from an SP model; models.py, cache.py: tiny models, SmolLM2
+    equivalence.py        a small SP-vs-no-SP check (tests, `seqpar verify`)
+"""
 
 from .attention import ForwardPlan, apply_sequence_parallel, is_sequence_parallel, remove_sequence_parallel
 from .models import (
@@ -12,6 +24,7 @@ from .models import (
     tiny_config,
     tiny_model,
 )
+from .prepare import PrepareSpec, frozen_reference, prepare_model
 from .vision import sp_vlm_inputs
 
 __all__ = [
@@ -19,6 +32,9 @@ __all__ = [
     "HYBRID_ARCHS",
     "VLM_ARCHS",
     "ForwardPlan",
+    "PrepareSpec",
+    "frozen_reference",
+    "prepare_model",
     "apply_sequence_parallel",
     "is_sequence_parallel",
     "load_smollm2",

@@ -29,6 +29,34 @@ def _doc_terms(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) 
     return logits.detach(), nll, int((labels[1:] != -100).sum())
 
 
+def _reference(ref: torch.nn.Module, rows_per_dp: Sequence[Sequence[dict]],
+               dp_rank: int) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
+    """The global token-mean NLL of every dp rank's rows on the unmodified model (one forward per row), the
+    supervised-token count, and this dp rank's per-row logits."""
+    total, count, ref_logits = 0.0, 0, []
+    for d, rows in enumerate(rows_per_dp):
+        for r in rows:
+            ids = torch.as_tensor(r["input_ids"]).long().reshape(-1)
+            labels = torch.as_tensor(r.get("labels", ids)).long().reshape(-1)
+            lo, nll, c = _doc_terms(ref, ids, labels)
+            total, count = total + nll, count + c
+            if d == dp_rank:
+                ref_logits.append(lo)
+    return total / max(count, 1), count, ref_logits
+
+
+def _grad_err(ref: torch.nn.Module, sp: torch.nn.Module) -> float:
+    """Max abs gradient difference, parameter by parameter (a missing gradient counts as zeros)."""
+    err = 0.0
+    for (_, p), (_, q) in zip(ref.named_parameters(), sp.named_parameters()):
+        if p.grad is None and q.grad is None:
+            continue
+        a = p.grad if p.grad is not None else torch.zeros_like(p)
+        b = q.grad if q.grad is not None else torch.zeros_like(q)
+        err = max(err, float((a.double() - b.double()).abs().max()))
+    return err
+
+
 def compare(
     model_fn: Callable[[], torch.nn.Module],
     rows_per_dp: Sequence[Sequence[dict]],
@@ -50,16 +78,7 @@ def compare(
     sp = apply_sequence_parallel(model_fn(), mesh)
     ref.train()
     sp.train()
-    total, count, ref_logits = 0.0, 0, []
-    for d, rows in enumerate(rows_per_dp):
-        for r in rows:
-            ids = torch.as_tensor(r["input_ids"]).long().reshape(-1)
-            labels = torch.as_tensor(r.get("labels", ids)).long().reshape(-1)
-            lo, nll, c = _doc_terms(ref, ids, labels)
-            total, count = total + nll, count + c
-            if d == mesh.dp_rank:
-                ref_logits.append(lo)
-    want = total / max(count, 1)
+    want, count, ref_logits = _reference(ref, rows_per_dp, mesh.dp_rank)
     want.backward()
     batch = SequenceParallelCollator(mesh, pad_token_id=pad_token_id, packing=packing)(rows_per_dp[mesh.dp_rank])
     kw = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
@@ -76,16 +95,9 @@ def compare(
         got = full[0, off : off + lo.shape[0]] if packing else full[i, : lo.shape[0]]
         logit_err = max(logit_err, float((got - lo).abs().max()))
         off += lo.shape[0]
-    grad_err = 0.0
-    for (_, p), (_, q) in zip(ref.named_parameters(), sp.named_parameters()):
-        if p.grad is None and q.grad is None:
-            continue
-        a = p.grad if p.grad is not None else torch.zeros_like(p)
-        b = q.grad if q.grad is not None else torch.zeros_like(q)
-        grad_err = max(grad_err, float((a.double() - b.double()).abs().max()))
     return {
         "loss": abs(float(L.global_loss(share, mesh)) - float(want.detach())),
-        "grad": grad_err,
+        "grad": _grad_err(ref, sp),
         "logits": logit_err,
         "count": float(abs(int(num) - count)),
         "loss_value": float(want.detach()),

@@ -99,6 +99,13 @@ def tiny_config(
         # Wider than HF's 0.02 so attention is far from uniform and a wrong mask shows in the tests.
         initializer_range=0.1,
     )
+    _arch_kwargs(arch, kw, sliding_window, head_dim, num_layers)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def _arch_kwargs(arch: str, kw: dict[str, Any], sliding_window: int | None, head_dim: int, num_layers: int) -> None:
+    """The per-architecture parts of a tiny config (sliding windows, softcapping off, hybrid layers), in place."""
     if arch in ("mistral", "gemma2", "gemma3", "qwen2", "phi3"):
         kw["sliding_window"] = sliding_window
     if arch == "qwen2" and sliding_window is not None:
@@ -114,8 +121,6 @@ def tiny_config(
         kw.pop("head_dim")  # Phi3 derives head_dim = hidden_size // num_heads
     if arch in HYBRID_ARCHS:
         kw.update(_hybrid_kwargs(arch, num_layers))
-    kw.update(overrides)
-    return cls(**kw)
 
 
 def _tiny_vlm_config(arch: str, num_heads: int, num_kv_heads: int, head_dim: int, num_layers: int, vocab_size: int,

@@ -5,8 +5,10 @@
 
 What changes against the stock Trainer (all built on the pieces the plain loop uses, seqpar.steps):
 - the model gets seqpar attention (`apply_sequence_parallel`) over a mesh of `sequence_parallel_size`
-  ranks (default: the whole world); data goes through `SequenceParallelCollator` (or the DPO one),
-  which shifts labels on the full sequence, keeps global position_ids and shards every row;
+  ranks (default: the whole world), and the memory features and fused head asked for, through
+  `seqpar.hf.prepare_model` (the same preparation as `seqpar train`); data goes through
+  `SequenceParallelCollator` (or the DPO one), which shifts labels on the full sequence, keeps global
+  position_ids and shards every row;
 - the train / eval dataloaders use the SP-aware sampler (every rank of an SP group sees the same
   rows; dp ranks different ones) and are NOT re-sharded by accelerate;
 - the loss of each micro-batch is this rank's share of the step's token-mean (denominator: the
@@ -41,7 +43,7 @@ Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); DPO
 
 from __future__ import annotations
 
-import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,21 +54,18 @@ from .. import comm
 from .. import loss as L
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError
-from ..memory.fused_loss import install_fused_head
-from ..memory.tiled_compute import apply_tiled_layer
-from ..memory.tiled_mlp import apply_tiled_mlp
 from ..mesh import SequenceParallelMesh, init_mesh
 from ..steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
-from .attention import apply_sequence_parallel, is_sequence_parallel
+from .prepare import PrepareSpec, frozen_reference, policy_copy, prepare_model
 from .trainer_args import (
     BF16_ON_CPU,
-    _check_memory_args,
-    _drop_input_grads_after_enable,
-    _has_target,
-    _pad_id,
-    _refuse_unsupported,
-    _say_bf16_on_cpu,
-    _use_cpu_when_no_accelerator,
+    check_memory_args,
+    drop_input_grads_after_enable,
+    has_target,
+    pad_id,
+    refuse_unsupported,
+    say_bf16_on_cpu,
+    use_cpu_when_no_accelerator,
 )
 from .trainer_eval import SequenceParallelEvaluation
 from .trainer_stack import (
@@ -80,7 +79,18 @@ from .trainer_stack import (
     wrapper_factor,
 )
 
-__all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer", "BF16_ON_CPU"]
+__all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer", "DPOSettings", "BF16_ON_CPU"]
+
+
+@dataclass(frozen=True)
+class DPOSettings:
+    """The DPO drop-ins' loss and reference (seqpar's and TRL's): ref_model None = the policy with its PEFT
+    adapter disabled, or a frozen copy of the policy taken before training."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    gamma: float = 0.5
+    ref_model: torch.nn.Module | None = None
 
 
 class _EpochBatchSampler(BatchSampler):
@@ -130,39 +140,32 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         name = type(self).__name__
+        # the Trainer enables checkpointing itself (train()); the reference stays untiled (PrepareSpec)
+        self.sp_prepare = PrepareSpec(fused_loss=bool(fused_loss), loss_chunk_tokens=loss_chunk_tokens,
+                                      tiled_mlp=tiled_mlp, tiled_layer=tiled_layer, tile_reference=False)
         sequence_parallel_size = map_parallelism_config(name, args, sequence_parallel_size)
         check_stack_args(name, args)
-        _use_cpu_when_no_accelerator(args)
-        _say_bf16_on_cpu(args)
-        _check_memory_args(model, args, tiled_mlp, tiled_layer)  # before args.device creates the process group
-        _refuse_unsupported(name, args, kwargs)
+        use_cpu_when_no_accelerator(args)
+        say_bf16_on_cpu(args)
+        check_memory_args(model, args, self.sp_prepare)  # before args.device creates the process group
+        refuse_unsupported(name, args, kwargs)
         _ = args.device  # sets up torch.distributed under torchrun (accelerate), before the mesh
         if mesh is None:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             # ddp_timeout reaches seqpar's groups too (accelerate gives it to the default group only).
             mesh = init_mesh(sequence_parallel_size or world, ulysses_degree, ring_degree,
                              model_config=model.config, layout=layout, timeout=args.ddp_timeout_delta)
-        if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
-            raise SeqParError(f"loss_chunk_tokens must be >= 1 (or None), got {loss_chunk_tokens}")
         self.sp_mesh = mesh
-        self._sp_fused = (bool(fused_loss), loss_chunk_tokens)
         self._sp_spec = self._make_spec()
         self._sp_reference = self._build_reference(model, kwargs)
-        if not is_sequence_parallel(model):
-            apply_sequence_parallel(model, mesh)
-        if fused_loss:  # refuses an architecture it cannot fuse now, identically on every rank
-            install_fused_head(model)
-        if tiled_mlp:
-            apply_tiled_mlp(model, tiled_mlp)
-        if tiled_layer:
-            apply_tiled_layer(model, tiled_layer)
+        prepare_model(model, mesh, self.sp_prepare)  # the Trainer's stack wraps it in train() (step 5)
         collator = kwargs.pop("data_collator", None)
         if collator is None:
             collator = self._default_collator(model, kwargs.get("processing_class"), packing, max_length)
         super().__init__(model=model, args=args, data_collator=collator, **kwargs)
         self._place_reference()
         if getattr(args, "gradient_checkpointing", False):
-            _drop_input_grads_after_enable(self.model)
+            drop_input_grads_after_enable(self.model)
         # We normalise by the step's global count ourselves: the Trainer must not divide by grad-accum steps.
         self.loss_is_scaled_for_ga = True
         self._sp_metrics: dict[str, float] = {}
@@ -179,7 +182,7 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
 
     # ------------------------------------------------------------------ hooks for the DPO subclass
     def _make_spec(self) -> StepSpec:
-        return StepSpec("sft", fused_loss=self._sp_fused[0], loss_chunk_tokens=self._sp_fused[1])
+        return StepSpec("sft", **self.sp_prepare.head_kwargs())
 
     def _build_reference(self, model: torch.nn.Module, kwargs: dict) -> Any:
         return None
@@ -188,7 +191,7 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         """Once the Trainer set up its stack: put the frozen reference model where the policy will run."""
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
-        return SequenceParallelCollator(self.sp_mesh, _pad_id(model, tok), packing=packing, max_length=max_length)
+        return SequenceParallelCollator(self.sp_mesh, pad_id(model, tok), packing=packing, max_length=max_length)
 
     # ------------------------------------------------------------------ data
     def _sp_loader(self, dataset: Any, batch_size: int, shuffle: bool) -> DataLoader:
@@ -209,8 +212,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         does: a micro-batch of them would be a step of loss 0 / 0, not a training step."""
         if self._sp_spec.stage != "sft" or dataset is None:
             return dataset
-        keep = [i for i in range(len(dataset)) if _has_target(dataset[i], getattr(self.data_collator, "max_length",
-                                                                                   None))]
+        max_length = getattr(self.data_collator, "max_length", None)
+        keep = [i for i in range(len(dataset)) if has_target(dataset[i], max_length)]
         dropped = len(dataset) - len(keep)
         if not keep:
             raise SeqParError("no training row has a supervised token (labels != -100 after the first position, "
@@ -278,35 +281,30 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
                  **kwargs: Any) -> None:
         if loss_type not in L.DPO_LOSS_TYPES:
             raise SeqParError(f"loss_type={loss_type!r} is unknown: use one of {L.DPO_LOSS_TYPES}")
-        self._dpo = (beta, loss_type, gamma, ref_model)
+        self._dpo = DPOSettings(beta, loss_type, gamma, ref_model)
         if kwargs.get("packing"):
             raise SeqParError("packing is not supported for DPO pairs: drop packing=True")
         super().__init__(model, args, **kwargs)
 
     def _make_spec(self) -> StepSpec:
-        beta, loss_type, gamma, _ = self._dpo
-        return StepSpec("dpo", beta, loss_type, gamma, *self._sp_fused)
+        d, p = self._dpo, self.sp_prepare
+        return StepSpec("dpo", d.beta, d.loss_type, d.gamma, p.fused_loss, p.loss_chunk_tokens)
 
     def _build_reference(self, model: torch.nn.Module, kwargs: dict) -> Any:
-        _, loss_type, _, ref = self._dpo
-        if loss_type == "simpo":
+        ref = self._dpo.ref_model
+        if self._dpo.loss_type == "simpo":
             return None
         if ref is None and hasattr(model, "disable_adapter"):
-            return ReferenceLogps(self.sp_mesh, policy=model, **self._fused_kw())
+            return ReferenceLogps(self.sp_mesh, policy=model, **self.sp_prepare.head_kwargs())
         if ref is None and is_zero3(model):
             raise SeqParError("the policy is partitioned by DeepSpeed ZeRO-3 (loaded after the TrainingArguments), so "
                               "it cannot be copied as the reference: pass ref_model= loaded the same way, or train a "
                               "PEFT adapter (the reference is then the policy with the adapter disabled)")
         if ref is None:
-            if is_sequence_parallel(model):
-                raise SeqParError(
-                    "the policy already has SP applied, so it cannot be copied as the reference: pass ref_model="
-                )
-            ref = copy.deepcopy(model)
-        ref.eval().requires_grad_(False)
-        if not is_sequence_parallel(ref):
-            apply_sequence_parallel(ref, self.sp_mesh)
-        return ReferenceLogps(self.sp_mesh, ref_model=ref, **self._fused_kw())  # placed by _place_reference
+            ref = policy_copy(model, type(self).__name__)
+        ref = frozen_reference(ref, self.sp_mesh, self.sp_prepare)
+        # placed on the Trainer's stack by _place_reference, once it exists
+        return ReferenceLogps(self.sp_mesh, ref_model=ref, **self.sp_prepare.head_kwargs())
 
     def _place_reference(self) -> None:
         ref = self._sp_reference
@@ -315,11 +313,8 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
         prepared = getattr(self, "ref_model", None)  # trl.DPOTrainer prepared the ref_model it was given
         ref.ref_model = prepared if prepared is not None else prepare_reference(self, ref.ref_model)
 
-    def _fused_kw(self) -> dict[str, Any]:
-        return {"fused_loss": self._sp_fused[0], "loss_chunk_tokens": self._sp_fused[1]}
-
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
-        return SequenceParallelDPOCollator(self.sp_mesh, _pad_id(model, tok), max_length=max_length)
+        return SequenceParallelDPOCollator(self.sp_mesh, pad_id(model, tok), max_length=max_length)
 
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
         return dataset  # the pair columns are not model.forward arguments, but the collator needs them

@@ -13,18 +13,18 @@ from ..data import SequenceParallelCollator
 from ..errors import SeqParError
 from ..memory.checkpointing import checkpoint_kwargs, drop_input_require_grads
 from ..memory.offload import install_activation_offload
-from ..memory.tiled_compute import tiled_layers
-from ..memory.tiled_mlp import decoder_mlps
+from .prepare import PrepareSpec, check_memory_features
 from .trainer_stack import deepspeed_stage
 
-__all__ = ["BF16_ON_CPU"]
+__all__ = ["BF16_ON_CPU", "refuse_unsupported", "check_memory_args", "drop_input_grads_after_enable",
+           "use_cpu_when_no_accelerator", "say_bf16_on_cpu", "has_target", "pad_id"]
 
 
 def _is_sp_collator(c: Any) -> bool:
     return isinstance(c, SequenceParallelCollator)
 
 
-def _refuse_unsupported(name: str, args: Any, kwargs: dict[str, Any]) -> None:
+def refuse_unsupported(name: str, args: Any, kwargs: dict[str, Any]) -> None:
     """Trainer features that would silently do something else under SP: refuse them (same on every rank)."""
     # compute_metrics / preprocess_logits_for_metrics run under SP (seqpar.hf.trainer_eval); DPO refuses them there.
     include = getattr(args, "include_for_metrics", None) or []
@@ -52,25 +52,18 @@ def _refuse_unsupported(name: str, args: Any, kwargs: dict[str, Any]) -> None:
         )
 
 
-def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int,
-                       tiled_layer: bool | int = False) -> None:
+def check_memory_args(model: torch.nn.Module, args: Any, spec: PrepareSpec) -> None:
     """Checkpointing / tiled-MLP settings seqpar cannot run exactly fail here, on every rank alike.
 
     The Trainer enables checkpointing itself in train() with args.activation_checkpointing_kwargs (a.k.a.
     gradient_checkpointing_kwargs): we make those non-reentrant with whole-layer recomputes, so its own call
     does what `seqpar train` does (memory.activation_checkpointing).
     """
-    for name, value in (("tiled_mlp", tiled_mlp), ("tiled_layer", tiled_layer)):
-        if not isinstance(value, bool) and (not isinstance(value, int) or value < 1):
-            raise SeqParError(f"{name}={value!r}: use False, True (automatic tile count) or an int >= 1")
-    if tiled_mlp:
-        decoder_mlps(model)  # raises for MLPs it cannot tile
-    if tiled_layer:
-        tiled_layers(model)  # raises for decoder layers it cannot tile
-        # its per-call gathers vs one node's grads: untested (ZeRO-3 from deepspeed= or accelerate's plugin)
-        if deepspeed_stage(args) == 3:
-            raise SeqParError("tiled_layer under DeepSpeed ZeRO-3 is not supported: use ZeRO 1/2 or FSDP2 "
-                              "(fsdp=...), or tiled_layer=False (tiled_mlp=True works under ZeRO-3)")
+    check_memory_features(model, spec)  # the same checks as `seqpar train`'s
+    # tiled_layer's per-call gathers vs one node's grads: untested (ZeRO-3 from deepspeed= or accelerate's plugin)
+    if spec.tiled_layer and deepspeed_stage(args) == 3:
+        raise SeqParError("tiled_layer under DeepSpeed ZeRO-3 is not supported: use ZeRO 1/2 or FSDP2 "
+                          "(fsdp=...), or tiled_layer=False (tiled_mlp=True works under ZeRO-3)")
     if not getattr(args, "gradient_checkpointing", False):
         return
     user = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
@@ -82,7 +75,7 @@ def _check_memory_args(model: torch.nn.Module, args: Any, tiled_mlp: bool | int,
             setattr(args, name, dict(ck))
 
 
-def _drop_input_grads_after_enable(model: torch.nn.Module) -> None:
+def drop_input_grads_after_enable(model: torch.nn.Module) -> None:
     """Trainer.train() enables checkpointing on the model, and transformers then adds input-require-grads
     hooks that cost a LoRA run the embedding output's gradient (memory.checkpointing.drop_input_require_grads):
     remove them right after, as `seqpar train` does."""
@@ -100,7 +93,7 @@ def _drop_input_grads_after_enable(model: torch.nn.Module) -> None:
             setattr(model, name, enable_then_drop)
 
 
-def _use_cpu_when_no_accelerator(args: Any) -> None:
+def use_cpu_when_no_accelerator(args: Any) -> None:
     """Several ranks and no accelerator: make accelerate use multi-CPU DDP (gloo).
 
     accelerate picks its MULTI_CPU (DDP over gloo) mode only with `use_cpu=True`; without it, on a
@@ -121,14 +114,14 @@ BF16_ON_CPU = ("[seqpar] bf16=True (TRL's default) on a machine without an accel
                "for fp32")
 
 
-def _say_bf16_on_cpu(args: Any) -> None:
+def say_bf16_on_cpu(args: Any) -> None:
     """One line on the main process when bf16 autocast would run on CPU (TRL configs default to bf16=True)."""
     if getattr(args, "bf16", False) and (args.use_cpu or torch.accelerator.current_accelerator() is None):
         if int(os.environ.get("RANK", "0")) == 0:
             print(BF16_ON_CPU, flush=True)
 
 
-def _has_target(row: Any, max_length: int | None) -> bool:
+def has_target(row: Any, max_length: int | None) -> bool:
     """A target exists where labels[t] != -100 for some t >= 1 (the collator shifts on the full row)."""
     labels = row.get("labels") if isinstance(row, dict) else None
     labels = row["input_ids"] if labels is None else labels
@@ -136,7 +129,8 @@ def _has_target(row: Any, max_length: int | None) -> bool:
     return any(lab != -100 for lab in labels[1:max_length])
 
 
-def _pad_id(model: torch.nn.Module, tok: Any) -> int:
+def pad_id(model: torch.nn.Module, tok: Any) -> int:
+    """The collators' padding id: the tokenizer's (or the model config's) pad token, else its eos token, else 0."""
     for src in (tok, getattr(model, "config", None)):
         for name in ("pad_token_id", "eos_token_id"):
             v = getattr(src, name, None) if src is not None else None

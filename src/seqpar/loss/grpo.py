@@ -39,11 +39,11 @@ import torch.distributed as dist
 from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
+from .nll import IGNORE_INDEX, upcast
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPODenominators", "grpo_denominators", "grpo_local_counts", "grpo_loss"]
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
-_IGNORE = -100
 
 
 @dataclass
@@ -115,7 +115,7 @@ def grpo_denominators(
     for i, b in enumerate(micro_batches):
         labels = _check_batch(b, i)
         rows += labels.shape[0]
-        tokens += int((labels != _IGNORE).sum())
+        tokens += int((labels != IGNORE_INDEX).sum())
     sp_rank = 0 if mesh is None else mesh.sp_rank
     t = torch.tensor([rows if sp_rank == 0 else 0, tokens], dtype=torch.long)
     if mesh is not None and mesh.world_size > 1:
@@ -210,26 +210,15 @@ def grpo_loss(
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     _check_loss_inputs(logps, advantages, shift_labels, denominators, old_logps, ref_logps, beta, epsilon_low,
                        eps_high, loss_type)
-    lp = logps.float() if logps.dtype in (torch.float16, torch.bfloat16) else logps
-    mask = shift_labels.to(lp.device) != _IGNORE
-    zero = torch.zeros_like(lp)
-    old = lp.detach() if old_logps is None else old_logps.detach().to(lp)
+    lp = upcast(logps)
+    mask = shift_labels.to(lp.device) != IGNORE_INDEX
     adv = torch.as_tensor(advantages).detach().to(lp)[:, None]
-    # where() before exp(): values at unsupervised positions never reach exp (no inf * 0 = NaN in backward)
-    ratio = torch.exp(torch.where(mask, lp - old, zero))
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high)
-    per_tok = -torch.min(ratio * adv, clipped * adv)
-    kl = zero
-    if beta != 0:
-        d = torch.where(mask, ref_logps.detach().to(lp) - lp, zero)
-        kl = torch.exp(d) - d - 1
-        if kl_ratio_correction:
-            kl = kl * ratio
-        per_tok = per_tok + beta * kl
-    per_tok = torch.where(mask, per_tok, zero)
+    per_tok, ratio, kl = _token_losses(lp, mask, adv, old_logps, ref_logps, beta, epsilon_low, eps_high,
+                                       kl_ratio_correction)
     r = ratio.detach()
     low = mask & (r < 1 - epsilon_low) & (adv < 0)
     high = mask & (r > 1 + eps_high) & (adv > 0)
+    zero = torch.zeros_like(lp)
     ent = zero if entropy is None else torch.where(mask, entropy.detach().to(lp), zero)
     stats = torch.stack([mask.to(lp.dtype), kl.detach() * mask, ent, low.to(lp.dtype), high.to(lp.dtype),
                          (low | high).to(lp.dtype)], dim=-1).sum(1)  # [B, 6] local sums per row
@@ -242,3 +231,23 @@ def grpo_loss(
     else:
         share = per_tok.sum() / (n_seq * denominators.max_completion_length)
     return share, _metrics(rows, mesh, beta, entropy is not None)
+
+
+def _token_losses(lp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, old_logps: torch.Tensor | None,
+                  ref_logps: torch.Tensor | None, beta: float, eps_low: float, eps_high: float,
+                  kl_ratio_correction: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss_t, ratio_t, k3_t) per token [B, S_local] (module docstring), 0 where not supervised."""
+    zero = torch.zeros_like(lp)
+    old = lp.detach() if old_logps is None else old_logps.detach().to(lp)
+    # where() before exp(): values at unsupervised positions never reach exp (no inf * 0 = NaN in backward)
+    ratio = torch.exp(torch.where(mask, lp - old, zero))
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    per_tok = -torch.min(ratio * adv, clipped * adv)
+    kl = zero
+    if beta != 0:
+        d = torch.where(mask, ref_logps.detach().to(lp) - lp, zero)
+        kl = torch.exp(d) - d - 1
+        if kl_ratio_correction:
+            kl = kl * ratio
+        per_tok = per_tok + beta * kl
+    return torch.where(mask, per_tok, zero), ratio, kl

@@ -114,7 +114,7 @@ def _trainer_view(name: str, c: dict[str, Any]) -> int | None:
     would refuse sequences longer than (seqpar.hf.attention, per forward), None without one."""
     from transformers import AutoConfig
 
-    from ..train.model.checks import _refuse_non_causal
+    from ..train.model.checks import refuse_non_causal
 
     kw = {k: v for k, v in c.items() if not k.startswith("_") and k != "model_type"}
     try:
@@ -122,7 +122,7 @@ def _trainer_view(name: str, c: dict[str, Any]) -> int | None:
     except (ValueError, KeyError) as e:
         raise SeqParError(f"model {name!r}: transformers cannot build its config ({str(e)[:100]}), so seqpar train "
                           "could not load it either: give a config.json of a causal LM transformers knows") from None
-    _refuse_non_causal(hf, name)
+    refuse_non_causal(hf, name)
     window = getattr(hf, "sliding_window", None)
     types = getattr(hf, "layer_types", None)
     if window is None or (types is not None and "sliding_attention" not in types):

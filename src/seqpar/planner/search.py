@@ -10,7 +10,7 @@ import yaml
 
 from ..attention.ulysses import head_plan
 from ..errors import SeqParError
-from ..mesh import divisors
+from ..mesh import check_divides, divisors
 from .gpus import Cluster
 from .limits import Context, context_limit, padded, refuse_too_long, split_multiple
 from .memory import Features, Layout, MemoryBreakdown, Workload, estimate_memory, host_bytes
@@ -111,9 +111,8 @@ def _feature_sets(req: Request) -> list[Features]:
 def _layouts(m: ModelFacts, cl: Cluster, req: Request) -> list[Layout]:
     u_fix, r_fix = req.ulysses_degree, req.ring_degree
     for name, v in (("--ulysses-degree", u_fix), ("--ring-degree", r_fix)):
-        if v is not None and (v < 1 or cl.gpus % v != 0):
-            raise SeqParError(f"{name} {v} must divide --gpus {cl.gpus}: use one of "
-                              f"{', '.join(map(str, divisors(cl.gpus)))}")
+        if v is not None:
+            check_divides(v, cl.gpus, f"{name} {v} must divide --gpus {cl.gpus}: use one of {{ok}}")
     out = []
     for sp in divisors(cl.gpus):
         for u in divisors(sp):

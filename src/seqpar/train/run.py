@@ -45,7 +45,7 @@ from .loop.state import Loop, TrainResult
 from .loop.step import measured_step
 from .model.build import check_memory_features
 from .model.checks import check_model
-from .model.load import load_model, load_tokenizer, loaded_heads, model_heads, model_needs_full_sequence
+from .model.load import ModelInfo, load_model, load_tokenizer, loaded_heads, model_info
 
 __all__ = ["train", "TrainResult"]
 
@@ -63,6 +63,7 @@ class _Prepared:
     ulysses: int
     ring: int
     node_size: int  # processes per node (LOCAL_WORLD_SIZE); < world over several nodes
+    info: ModelInfo  # the model's config, read once for the whole run
 
 
 def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
@@ -95,25 +96,26 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
 
 def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     """Everything that can fail on the config, before any process group exists; loads the model (seeded)."""
-    nh, nkv = model_heads(cfg)
+    info = model_info(cfg)
+    nh, nkv = info.heads
     node = node_size_from_env(world)
-    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=model_needs_full_sequence(cfg),
+    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=info.needs_full_sequence,
                                node_size=node)
     tok = load_tokenizer(cfg)
     if cfg.stage == "grpo" and emulate_dp > 1:
         raise SeqParError("stage: grpo has no emulated-dp reference (seqpar verify): compare runs with dp=1 instead")
-    examples, data_stats = prepare_examples(cfg, tok)
-    eval_data = prepare_examples(cfg, tok, cfg.eval_dataset) if cfg.eval_dataset is not None else None
+    examples, data_stats = prepare_examples(cfg, tok, info=info)
+    eval_data = prepare_examples(cfg, tok, cfg.eval_dataset, info) if cfg.eval_dataset is not None else None
     cfg = with_total_steps(cfg, len(examples), emulate_dp if emulate_dp > 1 else world // cfg.sequence_parallel.size)
-    check_model(cfg, examples)
+    check_model(cfg, examples, info)
     if node == world:  # one node: every rank sees the folder; over nodes rank 0 checks it (take_lock)
         check_output_dir(cfg, world)  # a checkpoint of another run, or earlier results a fresh start would replace
     torch.manual_seed(cfg.seed)
-    model = load_model(cfg)
+    model = load_model(cfg, info)
     if loaded_heads(model) != (nh, nkv):
         raise SeqParError(f"model has heads {loaded_heads(model)} but its config said {(nh, nkv)}")
     check_memory_features(cfg, model, on_accelerator=torch.cuda.is_available())
-    return _Prepared(cfg, tok, examples, data_stats, eval_data, model, u, r, node)
+    return _Prepared(cfg, tok, examples, data_stats, eval_data, model, u, r, node, info)
 
 
 def _start_process_group(cfg: TrainConfig, world: int, pg_ready: bool) -> bool:
@@ -134,7 +136,7 @@ def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_d
                      layout=cfg.sequence_parallel.layout, node_size=prep.node_size, timeout=cfg.collective_timeout)
     out = Path(cfg.output_dir)
     loop = build_loop(cfg, mesh, prep.model, prep.tok, prep.examples, device, world, rank, emulate_dp=emulate_dp,
-                      out=out, eval_data=prep.eval_data)
+                      out=out, eval_data=prep.eval_data, info=prep.info)
     if cfg.memory.measure:
         # CUDA: the allocator's exact peak, without the tracker's per-op Python cost (no split by category).
         extra = (getattr(loop.reference, "ref_model", None), loop.prec.module if loop.prec else None)

@@ -7,6 +7,11 @@
 TRL prepares the dataset (tokenisation, chat templates, completion/assistant masks, truncation,
 packing); seqpar takes over from the tokenised rows (see seqpar.trl.trainer). `import trl` happens
 here, so `import seqpar` never needs TRL.
+
+    trainer.py     SequenceParallelSFTTrainer, SequenceParallelDPOTrainer (TRL's logged metrics under SP)
+    grpo.py        SequenceParallelGRPOTrainer
+    args.py        what they share: TRL config coercion, model instantiation (PEFT first), common refusals
+    collators.py   seqpar's collators over TRL's prepared rows
 """
 
 from __future__ import annotations

@@ -61,11 +61,13 @@ from ..hf.generation import (
     set_rng_states,
     share_rollout,
 )
-from ..hf.trainer import SequenceParallelTrainer, _pad_id
+from ..hf.prepare import frozen_reference
+from ..hf.trainer import SequenceParallelTrainer
+from ..hf.trainer_args import pad_id
 from ..hf.trainer_stack import agree_gathers
 from ..mesh import SequenceParallelMesh
 from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
-from .trainer import _coerce_args, _instantiate, _refuse, _refuse_common, _refuse_moe_aux, _sp_kwargs
+from .args import coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
 
 __all__ = ["SequenceParallelGRPOTrainer"]
 
@@ -111,14 +113,14 @@ def _refuse_grpo(name: str, args: Any, kwargs: dict[str, Any], train_dataset: An
     ]
     for bad, what, why, instead in checks:
         if bad:
-            raise _refuse(name, what, why, instead)
+            raise refuse(name, what, why, instead)
     for key, what in (("tools", "tools="), ("rollout_func", "rollout_func="), ("environment_factory",
                                                                                "environment_factory=")):
         if kwargs.get(key):
-            raise _refuse(name, what, "multi-turn rollouts are not broadcast over the SP group",
+            raise refuse(name, what, "multi-turn rollouts are not broadcast over the SP group",
                           "use single-turn generation")
     if train_dataset is not None and not hasattr(train_dataset, "__getitem__"):
-        raise _refuse(name, "an IterableDataset", "the SP sampler indexes the dataset", "use a map-style Dataset")
+        raise refuse(name, "an IterableDataset", "the SP sampler indexes the dataset", "use a map-style Dataset")
 
 
 class _DPView:
@@ -186,7 +188,7 @@ def _refuse_sharded_generation(trainer: Any) -> None:
     zero3 = ds is not None and ds.zero_stage == 3
     if (zero3 or getattr(trainer, "is_fsdp_enabled", False)) and isinstance(trainer.processing_class,
                                                                              ProcessorMixin):
-        raise _refuse(type(trainer).__name__, f"{'DeepSpeed ZeRO-3' if zero3 else 'FSDP'} with a vision-language "
+        raise refuse(type(trainer).__name__, f"{'DeepSpeed ZeRO-3' if zero3 else 'FSDP'} with a vision-language "
                       "processor", "image prompts are generated on one rank per SP group, a sharded model needs "
                       "every rank in each generation", "train without fsdp= / ZeRO-3 (DDP or ZeRO-1/2), or use a "
                       "text-only tokenizer")
@@ -208,21 +210,21 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
                  fused_loss: bool = True, loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False,
                  peft_config: Any = None, **kwargs: Any) -> None:
         name = type(self).__name__
-        args = _coerce_args(args, trl.GRPOConfig, model, "GRPO")
-        _refuse_common(name, args, kwargs.pop("data_collator", None), kwargs, train_dataset)
+        args = coerce_args(args, trl.GRPOConfig, model, "GRPO")
+        refuse_common(name, args, kwargs.pop("data_collator", None), kwargs, train_dataset)
         _refuse_grpo(name, args, kwargs, train_dataset, eval_dataset)
-        model = _instantiate(model, args, peft_config)
+        model = instantiate(model, args, peft_config)
         if args.beta != 0 and hasattr(model, "peft_config") and "ref" in model.peft_config:
-            raise _refuse(name, "a PEFT model with a 'ref' adapter", "seqpar's reference disables the adapter",
+            raise refuse(name, "a PEFT model with a 'ref' adapter", "seqpar's reference disables the adapter",
                           "pass a model without a 'ref' adapter")
         self._sp_den: L.GRPODenominators | None = None
         self._grpo_args = args  # _make_spec runs before the Trainer stores self.args
         SequenceParallelTrainer.__init__(
             self, model, args, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=None,
             processing_class=processing_class,
-            **_sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
+            **sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
                          loss_chunk_tokens, tiled_mlp), **kwargs)
-        _refuse_moe_aux(self)
+        refuse_moe_aux(self)
         _refuse_sharded_generation(self)
         # TRL sized the generation batch with the world size; under SP only dp ranks take prompts.
         per_step = self._train_batch_size * args.steps_per_generation * self.sp_mesh.dp_size
@@ -231,13 +233,13 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
                               f"divisible by num_generations={args.num_generations} (dp = world / SP size)")
         args.generation_batch_size = per_step
         self._sp_reference = self._grpo_reference()
-        self._sp_collator = SequenceParallelCollator(self.sp_mesh, _pad_id(self.model, self._tokenizer))
+        self._sp_collator = SequenceParallelCollator(self.sp_mesh, pad_id(self.model, self._tokenizer))
 
     # ------------------------------------------------------------------ set-up
     def _make_spec(self) -> StepSpec:
         a = self._grpo_args
-        return StepSpec("grpo", beta=a.beta, loss_type=a.loss_type, fused_loss=self._sp_fused[0],
-                        loss_chunk_tokens=self._sp_fused[1], epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
+        return StepSpec("grpo", beta=a.beta, loss_type=a.loss_type, **self.sp_prepare.head_kwargs(),
+                        epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
                         max_completion_length=a.max_completion_length, temperature=a.temperature,
                         kl_ratio_correction=bool(getattr(a, "use_bias_correction_kl", False)))
 
@@ -246,15 +248,10 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         policy with the adapter disabled."""
         if self.beta == 0:
             return None
-        kw = dict(fused_loss=self._sp_fused[0], loss_chunk_tokens=self._sp_fused[1], temperature=self.temperature)
+        kw = dict(**self.sp_prepare.head_kwargs(), temperature=self.temperature)
         if self.ref_model is None:
             return ReferenceTokenLogps(policy=self.model, **kw)
-        from ..hf.attention import apply_sequence_parallel, is_sequence_parallel
-
-        ref = self.accelerator.unwrap_model(self.ref_model)
-        ref.eval().requires_grad_(False)
-        if not is_sequence_parallel(ref):
-            apply_sequence_parallel(ref, self.sp_mesh)
+        ref = frozen_reference(self.accelerator.unwrap_model(self.ref_model), self.sp_mesh, self.sp_prepare)
         return ReferenceTokenLogps(ref_model=ref, **kw)
 
     # ------------------------------------------------------------------ data: prompts over dp only

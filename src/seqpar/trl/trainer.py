@@ -28,7 +28,6 @@ SeqParError naming the alternative (identically on every rank, before any collec
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -37,90 +36,18 @@ import trl
 from .. import comm
 from .. import loss as L
 from ..errors import SeqParError
-from ..hf.attention import is_sequence_parallel
-from ..hf.trainer import SequenceParallelDPOTrainer as _HFDPOTrainer
-from ..hf.trainer import SequenceParallelTrainer
+from ..hf.prepare import policy_copy
+from ..hf.trainer import DPOSettings, SequenceParallelTrainer
+from ..hf.trainer import SequenceParallelDPOTrainer as HFDPOTrainer
 from ..hf.trainer_stack import is_zero3
 from ..mesh import SequenceParallelMesh
 from ..steps import StepSpec, micro_batch_loss, sft_metric_sums
+from .args import coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
 from .collators import TRLDPOCollator, TRLSFTCollator
 
 __all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer"]
 
 TRL_DPO_LOSS_TYPES = ("sigmoid", "ipo")  # TRL's definitions that seqpar.loss.dpo_loss computes identically
-
-
-def _coerce_args(args: Any, config_cls: type, model: Any, suffix: str) -> Any:
-    """The TRL config the stock trainer would build (a TrainingArguments is converted as TRL does)."""
-    if args is None:
-        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-        return config_cls(f"{name.split('/')[-1]}-{suffix}")
-    if not isinstance(args, config_cls):
-        from transformers import TrainingArguments
-
-        if not isinstance(args, TrainingArguments):
-            raise SeqParError(f"args must be a {config_cls.__name__} (or TrainingArguments), got {type(args).__name__}")
-        d = args.to_dict()
-        d["hub_token"] = args.hub_token
-        args = config_cls(**d)
-    return args
-
-
-def _refuse(name: str, what: str, why: str, instead: str) -> SeqParError:
-    return SeqParError(f"{name}: {what} is not supported under sequence parallelism ({why}): {instead}")
-
-
-def _refuse_common(name: str, args: Any, data_collator: Any, kwargs: dict[str, Any], train_dataset: Any) -> None:
-    if data_collator is not None:
-        raise _refuse(name, "data_collator=", "the collator must shard TRL's prepared rows over the SP ranks",
-                      "drop it; seqpar builds it from TRL's rows (packing= / max_length= / masks in the SFTConfig)")
-    if getattr(args, "use_liger_kernel", False):
-        raise _refuse(name, "use_liger_kernel=True", "Liger's fused loss sees one shard and normalises locally",
-                      "drop it; seqpar's fused chunked loss is on by default (fused_loss=True)")
-    if getattr(args, "activation_offloading", False):
-        raise _refuse(name, "activation_offloading=True", "untested with the SP attention collectives",
-                      "use gradient_checkpointing=True with gradient_checkpointing_kwargs={'offload': True}")
-    if kwargs.get("compute_loss_func") is not None:
-        raise _refuse(name, "compute_loss_func=", "it would see sharded logits",
-                      "drop it; the SFT loss is seqpar's global token-mean NLL")
-    if train_dataset is not None and hasattr(train_dataset, "column_names"):
-        if {"image", "images"} & set(train_dataset.column_names or []):
-            raise _refuse(name, "a vision dataset", "image tokens cannot be sharded by seqpar's collators",
-                          "use the stock TRL trainer for vision-language models")
-
-
-def _instantiate(model: Any, args: Any, peft_config: Any) -> torch.nn.Module:
-    """Load a model given by name (as TRL would) and wrap it with PEFT BEFORE seqpar patches it."""
-    if isinstance(model, str):
-        from trl.trainer.utils import create_model_from_path
-
-        model = create_model_from_path(model, **dict(args.model_init_kwargs or {}))
-    if peft_config is not None:
-        from peft import get_peft_model
-
-        if hasattr(model, "peft_config"):
-            raise SeqParError("a PeftModel was passed together with peft_config=: pass one of them")
-        from transformers import set_seed
-
-        set_seed(args.seed)  # TRL seeds before get_peft_model: the same adapter init as the stock trainer
-        # (TRL also calls enable_input_require_grads() here; seqpar's non-reentrant checkpointing needs no
-        # grad-requiring embedding output, and the Trainer drop-in removes those hooks.)
-        model = get_peft_model(model, peft_config)
-    return model
-
-
-def _sp_kwargs(sequence_parallel_size: int | None, ulysses_degree: int | None, ring_degree: int | None,
-               layout: str, mesh: SequenceParallelMesh | None, fused_loss: bool, loss_chunk_tokens: int | None,
-               tiled_mlp: bool | int) -> dict[str, Any]:
-    return {"sequence_parallel_size": sequence_parallel_size, "ulysses_degree": ulysses_degree,
-            "ring_degree": ring_degree, "layout": layout, "mesh": mesh, "fused_loss": fused_loss,
-            "loss_chunk_tokens": loss_chunk_tokens, "tiled_mlp": tiled_mlp}
-
-
-def _refuse_moe_aux(trainer: Any) -> None:
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise _refuse(type(trainer).__name__, "the MoE router auxiliary loss", "seqpar's loss does not add it",
-                      "set router_aux_loss_coef=0.0 in the config")
 
 
 def _ratio(num: float, den: float) -> float:
@@ -253,21 +180,21 @@ class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTr
                  loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False, peft_config: Any = None,
                  **kwargs: Any) -> None:
         name = type(self).__name__
-        args = _coerce_args(args, trl.SFTConfig, model, "SFT")
-        _refuse_common(name, args, data_collator, kwargs, train_dataset)
+        args = coerce_args(args, trl.SFTConfig, model, "SFT")
+        refuse_common(name, args, data_collator, kwargs, train_dataset)
         if args.loss_type != "nll":
-            raise _refuse(name, f"loss_type={args.loss_type!r}", "seqpar computes the token-mean NLL only",
+            raise refuse(name, f"loss_type={args.loss_type!r}", "seqpar computes the token-mean NLL only",
                           "use loss_type='nll'")
         if args.label_smoothing_factor > 0:
-            raise _refuse(name, "label_smoothing_factor > 0", "seqpar computes the plain NLL",
+            raise refuse(name, "label_smoothing_factor > 0", "seqpar computes the plain NLL",
                           "set label_smoothing_factor=0.0")
-        model = _instantiate(model, args, peft_config)
+        model = instantiate(model, args, peft_config)
         SequenceParallelTrainer.__init__(
             self, model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class,
-            **_sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
+            **sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
                          loss_chunk_tokens, tiled_mlp), **kwargs)
-        _refuse_moe_aux(self)
+        refuse_moe_aux(self)
         # TRL's padding_free (flash-attn varlen) and packing both mean "several documents in one row":
         # seqpar's packing path separates them by position_ids / cu_seqlens in its own attention.
         packing = bool(args.packing or args.padding_free)
@@ -282,7 +209,7 @@ class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTr
         return None  # TRL builds its own during __init__; ours (over TRL's rows) replaces it right after
 
 
-class SequenceParallelDPOTrainer(_TRLMetrics, _HFDPOTrainer, trl.DPOTrainer):
+class SequenceParallelDPOTrainer(_TRLMetrics, HFDPOTrainer, trl.DPOTrainer):
     """`trl.DPOTrainer` with exact sequence parallelism (loss_type "sigmoid" or "ipo").
 
     ref_model: as TRL (default for a PEFT policy: the adapter disabled; otherwise a frozen copy of the
@@ -297,26 +224,23 @@ class SequenceParallelDPOTrainer(_TRLMetrics, _HFDPOTrainer, trl.DPOTrainer):
                  fused_loss: bool = True, loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False,
                  peft_config: Any = None, **kwargs: Any) -> None:
         name = type(self).__name__
-        args = _coerce_args(args, trl.DPOConfig, model, "DPO")
-        _refuse_common(name, args, data_collator, kwargs, train_dataset)
+        args = coerce_args(args, trl.DPOConfig, model, "DPO")
+        refuse_common(name, args, data_collator, kwargs, train_dataset)
         loss_type = _dpo_loss_type(name, args)
-        model = _instantiate(model, args, peft_config)
+        model = instantiate(model, args, peft_config)
         if isinstance(ref_model, str):
-            ref_model = _instantiate(ref_model, args, None)
+            ref_model = instantiate(ref_model, args, None)
         if ref_model is None and not hasattr(model, "disable_adapter") and is_zero3(model):
             ref_model = _reload_reference(name, model, args)  # a ZeRO-3-partitioned policy cannot be copied
         if ref_model is None and not hasattr(model, "disable_adapter"):
-            if is_sequence_parallel(model):
-                raise SeqParError(f"{name}: the policy already has SP applied, so it cannot be copied as the "
-                                  "reference: pass ref_model=")
-            ref_model = copy.deepcopy(model)
-        self._dpo = (args.beta, loss_type, 0.5, ref_model)
+            ref_model = policy_copy(model, name)
+        self._dpo = DPOSettings(args.beta, loss_type, 0.5, ref_model)
         SequenceParallelTrainer.__init__(
             self, model, args, ref_model=ref_model, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class,
-            **_sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
+            **sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
                          loss_chunk_tokens, tiled_mlp), **kwargs)
-        _refuse_moe_aux(self)
+        refuse_moe_aux(self)
         pad = self.processing_class.pad_token_id if self.processing_class is not None else None
         if pad is None:
             pad = getattr(getattr(self.processing_class, "tokenizer", None), "pad_token_id", None)
@@ -348,7 +272,7 @@ def _reload_reference(name: str, model: torch.nn.Module, args: Any) -> torch.nn.
         raise SeqParError(f"{name}: the policy is partitioned by DeepSpeed ZeRO-3 and has no name or path to load "
                           "the reference from: pass ref_model= (loaded after the DPOConfig, like the policy), or "
                           "train a PEFT adapter (the reference is then the policy with the adapter disabled)")
-    return _instantiate(path, args, None)
+    return instantiate(path, args, None)
 
 
 def _dpo_loss_type(name: str, args: Any) -> str:
@@ -356,7 +280,7 @@ def _dpo_loss_type(name: str, args: Any) -> str:
     types = list(args.loss_type) if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
     weights = list(args.loss_weights) if args.loss_weights is not None else [1.0] * len(types)
     if len(types) != 1 or types[0] not in TRL_DPO_LOSS_TYPES or weights != [1.0]:
-        raise _refuse(name, f"loss_type={args.loss_type!r} (loss_weights={args.loss_weights!r})",
+        raise refuse(name, f"loss_type={args.loss_type!r} (loss_weights={args.loss_weights!r})",
                       f"seqpar computes TRL's {' / '.join(TRL_DPO_LOSS_TYPES)} losses only, one at a time, weight 1",
                       "use loss_type=['sigmoid'] or ['ipo'] (SimPO: seqpar.hf.SequenceParallelDPOTrainer "
                       "loss_type='simpo')")
@@ -374,5 +298,5 @@ def _dpo_loss_type(name: str, args: Any) -> str:
     ]
     for bad, what, instead in checks:
         if bad:
-            raise _refuse(name, what, "seqpar's DPO step does not implement it", instead)
+            raise refuse(name, what, "seqpar's DPO step does not implement it", instead)
     return types[0]

@@ -20,7 +20,7 @@ from typing import Any
 
 from ...errors import SeqParError
 from ...layout import required_multiple
-from ...mesh import auto_degrees, divisors
+from ...mesh import check_divides, resolve_degrees
 from .schema import SequenceParallelSpec, TrainConfig
 
 __all__ = ["resolve_sp_degrees", "validate_for_launch", "steps_for_epochs", "with_total_steps", "import_reward",
@@ -31,14 +31,8 @@ def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_h
                        ulysses_only: bool = False, node_size: int | None = None) -> tuple[int, int]:
     """(ulysses, ring) as seqpar.init_mesh will choose them (ulysses_only: models with linear attention;
     node_size: processes per node, which an automatic Ulysses degree divides)."""
-    u, r = sp.ulysses_degree, sp.ring_degree
-    if u is None and r is None:
-        return auto_degrees(sp.size, num_heads, num_kv_heads, ulysses_only=ulysses_only, node_size=node_size)
-    if u is None:
-        return sp.size // r, r
-    if r is None:
-        return u, sp.size // u
-    return u, r
+    return resolve_degrees(sp.size, sp.ulysses_degree, sp.ring_degree, num_heads, num_kv_heads,
+                           ulysses_only=ulysses_only, node_size=node_size)
 
 
 def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | None = None,
@@ -47,12 +41,8 @@ def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | N
     """Checks that need the world size and head counts; returns (ulysses, ring). No collectives.
     node_size: processes per node (None: one node holds the world)."""
     sp = cfg.sequence_parallel.size
-    if world_size % sp != 0:
-        ok = ", ".join(str(d) for d in divisors(world_size))
-        raise SeqParError(
-            f"sequence_parallel.size={sp} does not divide the world size {world_size}: set size to one of "
-            f"{ok}, or launch a multiple of {sp} processes (--nproc-per-node)"
-        )
+    check_divides(sp, world_size, f"sequence_parallel.size={sp} does not divide the world size {world_size}: set "
+                  f"size to one of {{ok}}, or launch a multiple of {sp} processes (--nproc-per-node)")
     u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads, ulysses_only=ulysses_only,
                               node_size=node_size)
     if ulysses_only and r > 1:  # what apply_sequence_parallel refuses after launch (seqpar.hf.linear_attention)

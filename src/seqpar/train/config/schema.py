@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ...mesh import divisors
+from ...mesh import check_divides
 
 __all__ = ["TrainConfig", "ModelSpec", "DatasetSpec", "SequenceParallelSpec", "DPOSpec", "GRPOSpec", "FinetuningSpec",
            "OptimizerSpec", "ScheduleSpec", "CheckpointSpec", "ExportSpec", "MemorySpec", "FSDPSpec"]
@@ -76,10 +76,9 @@ class SequenceParallelSpec(_Strict):
     @model_validator(mode="after")
     def _degrees(self) -> SequenceParallelSpec:
         u, r, s = self.ulysses_degree, self.ring_degree, self.size
-        ok = ", ".join(str(d) for d in divisors(s))
         for name, val in (("ulysses_degree", u), ("ring_degree", r)):
-            if val is not None and s % val != 0:
-                raise ValueError(f"sequence_parallel.{name}={val} must divide size={s}: use one of {ok}")
+            if val is not None:  # a SeqParError is a ValueError: pydantic reports it as the field's error
+                check_divides(val, s, f"sequence_parallel.{name}={val} must divide size={s}: use one of {{ok}}")
         if u is not None and r is not None and u * r != s:
             raise ValueError(
                 f"sequence_parallel: ulysses_degree={u} x ring_degree={r} = {u * r} != size={s}: "

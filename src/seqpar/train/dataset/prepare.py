@@ -9,9 +9,8 @@ import os
 from typing import Any
 
 from ...errors import SeqParError
-from ...hf.vision import is_vlm
 from ..config import DatasetSpec, TrainConfig
-from ..model.load import load_tokenizer, model_config
+from ..model.load import ModelInfo, load_tokenizer, model_info
 from .images import VisionSpec, build_vision_examples
 from .prompts import load_prompts
 from .tokenize import build_examples, load_rows
@@ -19,18 +18,20 @@ from .tokenize import build_examples, load_rows
 __all__ = ["prepare_examples"]
 
 
-def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None = None) -> tuple[list, dict[str, int]]:
-    """Tokenized (and packed) examples of `spec` (default: cfg.dataset) + stats; every dataset check runs here."""
+def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None = None,
+                     info: ModelInfo | None = None) -> tuple[list, dict[str, int]]:
+    """Tokenized (and packed) examples of `spec` (default: cfg.dataset) + stats; every dataset check runs here.
+    info: the run's model config (default: read here)."""
     tok = tok if tok is not None else load_tokenizer(cfg)
     if cfg.stage == "grpo" and spec is None:
         return load_prompts(cfg, tok)  # prompt rows (dataset/prompts.py)
     d = spec if spec is not None else cfg.dataset
     what = "dataset" if spec is None else "eval_dataset"
     rows = load_rows(d.path, what)
-    mc = model_config(cfg)
+    info = info or model_info(cfg)
     try:
-        if is_vlm(mc):
-            return vision_examples(cfg, d, rows, tok, mc)
+        if info.vlm:
+            return vision_examples(cfg, d, rows, tok, info.config)
         return build_examples(rows, d.format, cfg.stage, tok, d.max_length, d.packing,
                               train_on_prompt=d.train_on_prompt, mask_history=d.mask_history,
                               max_prompt_length=d.max_prompt_length, truncation_mode=d.truncation_mode)

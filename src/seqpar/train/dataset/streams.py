@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
-from ...hf.vision import is_vlm
 from ..config import DatasetSpec, TrainConfig
-from ..model.load import model_config
+from ..model.load import ModelInfo, model_info
 from .images import VisionCollator
 
 __all__ = ["DataStream", "build_data", "make_collator"]
@@ -43,19 +42,21 @@ class DataStream:
         self._it = None
 
 
-def build_data(cfg: TrainConfig, mesh: Any, tok: Any, n_examples: int, emulate_dp: int) -> tuple[list, Any]:
+def build_data(cfg: TrainConfig, mesh: Any, tok: Any, n_examples: int, emulate_dp: int,
+               info: ModelInfo | None = None) -> tuple[list, Any]:
     """One row stream per dp slot this process plays (1, or emulate_dp in the SP=1 reference), and the collator."""
     slots = [(mesh.dp_size, mesh.dp_rank)] if emulate_dp == 1 else [(emulate_dp, d) for d in range(emulate_dp)]
     streams = [
         DataStream(SequenceParallelSampler(n_examples, n, d, shuffle=cfg.dataset.shuffle, seed=cfg.seed))
         for n, d in slots
     ]
-    return streams, make_collator(cfg, mesh, tok, cfg.dataset)
+    return streams, make_collator(cfg, mesh, tok, cfg.dataset, info)
 
 
-def make_collator(cfg: TrainConfig, mesh: Any, tok: Any, ds: DatasetSpec) -> Any:
+def make_collator(cfg: TrainConfig, mesh: Any, tok: Any, ds: DatasetSpec, info: ModelInfo | None = None) -> Any:
+    """The collator of dataset `ds`: DPO pairs, vision-language rows, or SFT / GRPO rows (info: the run's model
+    config, default read here)."""
     if cfg.stage == "dpo":
         return SequenceParallelDPOCollator(mesh, tok.pad_token_id, max_length=ds.max_length)
-    mc = model_config(cfg)
-    kind = VisionCollator if is_vlm(mc) else SequenceParallelCollator
+    kind = VisionCollator if (info or model_info(cfg)).vlm else SequenceParallelCollator
     return kind(mesh, tok.pad_token_id, packing=ds.packing, max_length=ds.max_length)

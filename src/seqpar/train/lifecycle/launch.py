@@ -45,16 +45,17 @@ def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
     node_size: processes per node (None: one node); output_dir: also the resume / overwrite rules."""
     from ..dataset.prepare import prepare_examples
     from ..model.checks import check_model, refuse_unsupported_model
-    from ..model.load import load_tokenizer, model_heads, model_needs_full_sequence
+    from ..model.load import load_tokenizer, model_info
     from .resume import check_output_dir
 
-    nh, nkv = model_heads(cfg)
-    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=model_needs_full_sequence(cfg),
+    info = model_info(cfg)  # the model's config, read once for every check below
+    nh, nkv = info.heads
+    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=info.needs_full_sequence,
                         node_size=node_size)
-    refuse_unsupported_model(cfg)  # before the tokenizer: "not a causal LM" is the message that helps
+    refuse_unsupported_model(cfg, info)  # before the tokenizer: "not a causal LM" is the message that helps
     tok = load_tokenizer(cfg)
-    examples, stats = prepare_examples(cfg, tok)
-    check_model(cfg, examples)
+    examples, stats = prepare_examples(cfg, tok, info=info)
+    check_model(cfg, examples, info)
     if output_dir:
         check_output_dir(cfg, world)
     return {**stats, "examples": len(examples)}

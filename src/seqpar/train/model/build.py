@@ -1,50 +1,68 @@
-"""The model as a step trains it: SP attention, LoRA, the memory features, FSDP2 and bf16 master
-weights, applied in that order (docs/memory.md); and the reference log-probs DPO / GRPO need.
+"""The model as a step trains it: seqpar.hf.prepare_model (SP attention, LoRA, the memory features, the fused
+head, in that order: docs/memory.md), then this run's wrapper (FSDP2 or bf16 master weights); and the reference
+log-probs DPO / GRPO need (a frozen copy through seqpar.hf.frozen_reference, or the policy without its adapter).
 """
 
 from __future__ import annotations
 
-import copy
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from ...hf import apply_sequence_parallel
-from ...memory.fused_loss import install_fused_head
+from ...hf.prepare import PrepareSpec, frozen_reference, policy_copy, prepare_model
+from ...hf.prepare import check_memory_features as check_model_memory
 from ...memory.sharding import shard_over_world
 from ...steps import ReferenceLogps, ReferenceTokenLogps
 from ..config import TrainConfig
 from .load import apply_lora
 from .precision import MasterWeights
 
-__all__ = ["build_model", "build_reference", "check_memory_features", "apply_memory_features", "apply_fsdp",
-           "shard_reference"]
+__all__ = ["build_model", "prepare_spec", "build_reference", "check_memory_features", "apply_fsdp", "shard_reference"]
+
+
+def prepare_spec(cfg: TrainConfig) -> PrepareSpec:
+    """The run's model preparation (seqpar.hf.prepare), from its memory settings."""
+    m = cfg.memory
+    return PrepareSpec(fused_loss=m.fused_loss, loss_chunk_tokens=m.loss_chunk_tokens, tiled_mlp=m.tiled_mlp,
+                       tiled_layer=m.tiled_layer, activation_checkpointing=m.activation_checkpointing,
+                       offload_activations=m.offload_activations, tile_reference=True)
 
 
 def build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
-                 world: int) -> tuple[torch.nn.Module, Any, MasterWeights | None]:
-    """SP attention, LoRA, memory features (docs/memory.md) and FSDP2 on the model, in that order; the DPO
-    reference when the stage needs one; the fp32 master weights of bf16 mixed precision without FSDP."""
+                world: int) -> tuple[torch.nn.Module, Any, MasterWeights | None]:
+    """The policy through seqpar.hf.prepare_model (SP attention, LoRA, memory features, the fused head; then
+    this run's wrapper: FSDP2, or the fp32 master weights of bf16 mixed precision without FSDP); the DPO / GRPO
+    reference when the stage needs one (a frozen copy through frozen_reference, sharded like the policy)."""
     lora = cfg.finetuning.method == "lora"
     needs_ref = (cfg.stage == "dpo" and cfg.dpo.loss_type != "simpo") or (cfg.stage == "grpo" and cfg.grpo.beta > 0)
-    bf16 = cfg.precision != "fp32"
     # bf16: fp32 master weights + bf16 compute: with FSDP2 its MixedPrecisionPolicy (fp32 gradient
     # reduction), without FSDP MasterWeights (model/precision.py: taken from the fp32 weights, then the
-    # model is cast to bf16 below). bf16-pure: the weights themselves are bf16. Not autocast: under
+    # model is cast to bf16 in _wrap). bf16-pure: the weights themselves are bf16. Not autocast: under
     # autocast RoPE promotes q/k to fp32 while v stays bf16, and the SP attention requires one dtype.
     model.to(device=device, dtype=torch.bfloat16 if cfg.precision == "bf16-pure" else None)
+    spec = prepare_spec(cfg)
     ref_model = None
-    if needs_ref and not lora:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        if bf16:
+    if needs_ref and not lora:  # LoRA: the reference is the policy with its adapter disabled
+        ref_model = policy_copy(model, "the DPO / GRPO reference")
+        if cfg.precision != "fp32":
             ref_model.to(torch.bfloat16)
-        apply_sequence_parallel(ref_model, mesh)
-    apply_sequence_parallel(model, mesh)
-    if lora:
-        torch.manual_seed(cfg.seed)  # LoRA A init: identical on every rank and in the SP=1 reference
-        model = apply_lora(model, cfg)
-    apply_memory_features(cfg, model, ref_model)
+        frozen_reference(ref_model, mesh, spec)
+    model = prepare_model(model, mesh, spec, lora=(lambda m: _seeded_lora(m, cfg)) if lora else None)
+    prec = _wrap(cfg, model, device, world)
+    if cfg.fsdp and ref_model is not None:
+        shard_reference(cfg, ref_model, device, world)
+    reference = build_reference(cfg, mesh, ref_model, model) if needs_ref else None
+    return model, reference, prec
+
+
+def _seeded_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    torch.manual_seed(cfg.seed)  # LoRA A init: identical on every rank and in the SP=1 reference
+    return apply_lora(model, cfg)
+
+
+def _wrap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, world: int) -> MasterWeights | None:
+    """Step 5 of seqpar.hf.prepare: FSDP2, or bf16 master weights without FSDP (returned), in train mode."""
     model.train()
     prec = None
     if cfg.precision == "bf16" and not cfg.fsdp:
@@ -53,20 +71,13 @@ def build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: tor
     if cfg.fsdp:
         apply_fsdp(model, device, world, cfg.precision == "bf16", offload=cfg.fsdp.offload,
                    timeout=cfg.collective_timeout)
-        if ref_model is not None:
-            shard_reference(cfg, ref_model, device, world)
-    if cfg.memory.fused_loss:  # refuses an architecture it cannot fuse now, before any collective
-        for m in (model, ref_model):
-            if m is not None:
-                install_fused_head(m)
-    reference = build_reference(cfg, mesh, ref_model, model) if needs_ref else None
-    return model, reference, prec
+    return prec
 
 
 def build_reference(cfg: TrainConfig, mesh: Any, ref_model: torch.nn.Module | None, policy: torch.nn.Module) -> Any:
     """The reference log-probs the stage needs: of the frozen copy (full fine-tuning), or of the policy with
     its LoRA adapter disabled. DPO: per-sequence sums; GRPO: per-token, at the sampling temperature."""
-    kw: dict[str, Any] = dict(fused_loss=cfg.memory.fused_loss, loss_chunk_tokens=cfg.memory.loss_chunk_tokens)
+    kw: dict[str, Any] = prepare_spec(cfg).head_kwargs()
     if cfg.stage == "grpo":
         kw["temperature"] = cfg.grpo.temperature
         return (ReferenceTokenLogps(ref_model=ref_model, **kw) if ref_model is not None
@@ -95,34 +106,7 @@ def shard_reference(cfg: TrainConfig, ref_model: torch.nn.Module, device: torch.
 def check_memory_features(cfg: TrainConfig, model: torch.nn.Module, on_accelerator: bool) -> None:
     """Memory options that cannot work here fail before the process group (identically on every rank).
     Both offloads run on CPU-only machines too (docs/memory.md), so on_accelerator refuses nothing today."""
-    from ...memory.tiled_mlp import decoder_mlps
-
-    if cfg.memory.tiled_mlp:
-        decoder_mlps(model)  # raises for MLPs it cannot tile
-    if cfg.memory.tiled_layer:
-        from ...memory.tiled_compute import tiled_layers
-
-        tiled_layers(model)  # raises for decoder layers it cannot tile
-
-
-def apply_memory_features(cfg: TrainConfig, model: torch.nn.Module, ref_model: torch.nn.Module | None) -> None:
-    """Layer checkpointing and tiled MLP: after SP attention and LoRA, before FSDP2 (docs/memory.md)."""
-    from ...memory.checkpointing import enable_activation_checkpointing
-    from ...memory.tiled_mlp import apply_tiled_mlp
-
-    m = cfg.memory
-    if m.activation_checkpointing:
-        enable_activation_checkpointing(model, offload=m.offload_activations)
-    if m.tiled_mlp:
-        for target in (model, ref_model):  # the frozen reference gains the lower forward peak too
-            if target is not None:
-                apply_tiled_mlp(target, m.tiled_mlp)
-    if m.tiled_layer:
-        from ...memory.tiled_compute import apply_tiled_layer
-
-        for target in (model, ref_model):
-            if target is not None:
-                apply_tiled_layer(target, m.tiled_layer)
+    check_model_memory(model, prepare_spec(cfg))
 
 
 def apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: bool, offload: bool = False,

@@ -12,9 +12,9 @@ import torch
 from ...errors import SeqParError
 from ...hf.vision import is_vlm
 from ..config import TrainConfig
-from .load import model_config
+from .load import ModelInfo, model_info
 
-__all__ = ["check_model", "refuse_unsupported_model", "max_token_id", "position_limit"]
+__all__ = ["check_model", "refuse_unsupported_model", "refuse_non_causal", "max_token_id", "position_limit"]
 
 # SmolLM2-135M-Instruct (bundled GGUF): read its config from the constants instead of the 100 MB file.
 SMOLLM2_LIMITS = {"vocab_size": 49152, "max_position_embeddings": 8192}
@@ -37,16 +37,17 @@ def max_token_id(examples: list) -> int:
     return best
 
 
-def _refuse_non_causal(c: Any, name: str) -> None:
+def refuse_non_causal(c: Any, name: str) -> None:
+    """SeqParError unless the HF config `c` (model.name `name`) builds a causal LM seqpar's attention runs."""
     from transformers import AutoModelForCausalLM
 
-    from ...hf.attention import _check_config
+    from ...hf.attention import check_config
     from ...hf.vision import check_vlm
 
     if is_vlm(c):  # vision-language: a supported Qwen VL, its text decoder checked like any causal LM
-        _check_config(check_vlm(c))
+        check_config(check_vlm(c))
         return
-    _check_config(c)
+    check_config(c)
     try:
         with torch.device("meta"):  # structure only: no memory, no weights
             model = AutoModelForCausalLM.from_config(c)
@@ -65,16 +66,16 @@ def _rope_dicts(c: Any) -> list[dict]:
     return list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
 
 
-def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
+def refuse_unsupported_model(cfg: TrainConfig, info: ModelInfo | None = None) -> Any | None:
     """What the SP model would refuse, from the config alone; returns the config (None: smollm2)."""
-    c = model_config(cfg)
+    c = (info or model_info(cfg)).config
     text = c.text_config if is_vlm(c) else c
     if text is not None and any("rope_theta" in p and p["rope_theta"] is None for p in _rope_dicts(text)):
         # transformers 5: a rope_scaling / rope_parameters kwarg replaces the whole dict, rope_theta included
         raise SeqParError("model.kwargs replace the config's RoPE parameters without rope_theta (the model would "
                           "not build): give rope_parameters with rope_type, factor and rope_theta")
     if c is not None:
-        _refuse_non_causal(c, cfg.model.name)
+        refuse_non_causal(c, cfg.model.name)
     if is_vlm(c) and cfg.fsdp:
         # FSDP2 gathers a unit's parameters collectively, but only the ranks that own an image run the vision
         # tower (seqpar.hf.vision): the others would never join that gather.
@@ -83,9 +84,9 @@ def refuse_unsupported_model(cfg: TrainConfig) -> Any | None:
     return c
 
 
-def check_model(cfg: TrainConfig, examples: list) -> None:
+def check_model(cfg: TrainConfig, examples: list, info: ModelInfo | None = None) -> None:
     """The model is a supported causal LM, and the examples fit its vocabulary and positions."""
-    c = refuse_unsupported_model(cfg)
+    c = refuse_unsupported_model(cfg, info)
     c = c.text_config if is_vlm(c) else c
     vocab = SMOLLM2_LIMITS["vocab_size"] if c is None else int(c.vocab_size)
     top = max_token_id(examples)

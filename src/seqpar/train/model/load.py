@@ -6,6 +6,7 @@ alone (no weights) answers what the checks before launch need: head counts, line
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,8 +17,8 @@ from ...mesh import needs_full_sequence
 from ..config import TrainConfig
 from .tokenizers import ByteTokenizer, HFTokenizer, load_chat_template
 
-__all__ = ["model_kind", "model_config", "model_heads", "model_needs_full_sequence", "load_tokenizer", "load_model",
-           "load_model_and_tokenizer", "loaded_heads", "apply_lora", "tiny_kwargs"]
+__all__ = ["model_kind", "model_config", "ModelInfo", "model_info", "model_heads", "model_needs_full_sequence",
+           "load_tokenizer", "load_model", "loaded_heads", "apply_lora", "tiny_kwargs"]
 
 
 def model_kind(cfg: TrainConfig) -> str:
@@ -93,20 +94,50 @@ def model_config(cfg: TrainConfig) -> Any:
 _MODEL_ONLY_KWARGS = ("dtype", "torch_dtype", "quantization_config")
 
 
-def model_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model's config alone, read once per run (`model_info`: for a hub model one AutoConfig.from_pretrained)
+    and passed to every check and builder that needs it. config: the HF config; None for the bundled SmolLM2
+    (its facts are constants here)."""
+
+    config: Any
+
+    @property
+    def vlm(self) -> bool:
+        return is_vlm(self.config)
+
+    @property
+    def text_config(self) -> Any:
+        """The decoder's config (a vision-language model's text_config); None for SmolLM2."""
+        return self.config.text_config if self.vlm else self.config
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """(num_heads, num_kv_heads) of the decoder."""
+        c = self.text_config
+        if c is None:
+            return SMOLLM2_HEADS
+        h = int(c.num_attention_heads)
+        return h, int(getattr(c, "num_key_value_heads", None) or h)
+
+    @property
+    def needs_full_sequence(self) -> bool:
+        """Linear-attention layers (Qwen3-Next / Qwen3.5): automatic SP degrees are pure Ulysses."""
+        return self.config is not None and needs_full_sequence(self.config)
+
+
+def model_info(cfg: TrainConfig) -> ModelInfo:
+    return ModelInfo(model_config(cfg))
+
+
+def model_heads(cfg: TrainConfig, info: ModelInfo | None = None) -> tuple[int | None, int | None]:
     """(num_heads, num_kv_heads) from the model's config alone (no weights loaded)."""
-    c = model_config(cfg)
-    if c is None:
-        return SMOLLM2_HEADS
-    c = c.text_config if is_vlm(c) else c  # vision-language models: the decoder's heads
-    h = int(c.num_attention_heads)
-    return h, int(getattr(c, "num_key_value_heads", None) or h)
+    return (info or model_info(cfg)).heads
 
 
-def model_needs_full_sequence(cfg: TrainConfig) -> bool:
+def model_needs_full_sequence(cfg: TrainConfig, info: ModelInfo | None = None) -> bool:
     """Linear-attention layers (Qwen3-Next / Qwen3.5): automatic SP degrees are pure Ulysses."""
-    c = model_config(cfg)
-    return c is not None and needs_full_sequence(c)
+    return (info or model_info(cfg)).needs_full_sequence
 
 
 def load_tokenizer(cfg: TrainConfig) -> Any:
@@ -129,7 +160,7 @@ def load_tokenizer(cfg: TrainConfig) -> Any:
         raise unknown_model(cfg.model.tokenizer or cfg.model.name, e) from None
 
 
-def load_model(cfg: TrainConfig) -> torch.nn.Module:
+def load_model(cfg: TrainConfig, info: ModelInfo | None = None) -> torch.nn.Module:
     """The model in fp32 (see _run for bf16). Tiny models are seeded by cfg.seed."""
     kind = model_kind(cfg)
     if kind == "tiny":
@@ -144,15 +175,11 @@ def load_model(cfg: TrainConfig) -> torch.nn.Module:
         return load_smollm2(**cfg.model.kwargs)
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    auto = AutoModelForImageTextToText if is_vlm(model_config(cfg)) else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if (info or model_info(cfg)).vlm else AutoModelForCausalLM
     try:
         return auto.from_pretrained(cfg.model.name, dtype=torch.float32, **cfg.model.kwargs)
     except (OSError, ValueError) as e:
         raise unknown_model(cfg.model.name, e) from None
-
-
-def load_model_and_tokenizer(cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
-    return load_model(cfg), load_tokenizer(cfg)
 
 
 def loaded_heads(model: torch.nn.Module) -> tuple[int, int]:

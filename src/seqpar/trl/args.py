@@ -1,0 +1,89 @@
+"""What the TRL drop-ins (trainer.py: SFT / DPO; grpo.py: GRPO) share before seqpar's HF Trainer drop-in takes
+over: the TRL config they run (coerce_args), the model TRL would load (instantiate, PEFT applied before seqpar
+patches it), the seqpar keyword arguments passed through, and the refusals common to all of them (SeqParError
+naming the alternative, identically on every rank, before any collective).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import SeqParError
+from ..mesh import SequenceParallelMesh
+
+__all__ = ["coerce_args", "refuse", "refuse_common", "instantiate", "sp_kwargs", "refuse_moe_aux"]
+
+
+def coerce_args(args: Any, config_cls: type, model: Any, suffix: str) -> Any:
+    """The TRL config the stock trainer would build (a TrainingArguments is converted as TRL does)."""
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+        return config_cls(f"{name.split('/')[-1]}-{suffix}")
+    if not isinstance(args, config_cls):
+        from transformers import TrainingArguments
+
+        if not isinstance(args, TrainingArguments):
+            raise SeqParError(f"args must be a {config_cls.__name__} (or TrainingArguments), got {type(args).__name__}")
+        d = args.to_dict()
+        d["hub_token"] = args.hub_token
+        args = config_cls(**d)
+    return args
+
+
+def refuse(name: str, what: str, why: str, instead: str) -> SeqParError:
+    return SeqParError(f"{name}: {what} is not supported under sequence parallelism ({why}): {instead}")
+
+
+def refuse_common(name: str, args: Any, data_collator: Any, kwargs: dict[str, Any], train_dataset: Any) -> None:
+    if data_collator is not None:
+        raise refuse(name, "data_collator=", "the collator must shard TRL's prepared rows over the SP ranks",
+                      "drop it; seqpar builds it from TRL's rows (packing= / max_length= / masks in the SFTConfig)")
+    if getattr(args, "use_liger_kernel", False):
+        raise refuse(name, "use_liger_kernel=True", "Liger's fused loss sees one shard and normalises locally",
+                      "drop it; seqpar's fused chunked loss is on by default (fused_loss=True)")
+    if getattr(args, "activation_offloading", False):
+        raise refuse(name, "activation_offloading=True", "untested with the SP attention collectives",
+                      "use gradient_checkpointing=True with gradient_checkpointing_kwargs={'offload': True}")
+    if kwargs.get("compute_loss_func") is not None:
+        raise refuse(name, "compute_loss_func=", "it would see sharded logits",
+                      "drop it; the SFT loss is seqpar's global token-mean NLL")
+    if train_dataset is not None and hasattr(train_dataset, "column_names"):
+        if {"image", "images"} & set(train_dataset.column_names or []):
+            raise refuse(name, "a vision dataset", "image tokens cannot be sharded by seqpar's collators",
+                          "use the stock TRL trainer for vision-language models")
+
+
+def instantiate(model: Any, args: Any, peft_config: Any) -> torch.nn.Module:
+    """Load a model given by name (as TRL would) and wrap it with PEFT BEFORE seqpar patches it."""
+    if isinstance(model, str):
+        from trl.trainer.utils import create_model_from_path
+
+        model = create_model_from_path(model, **dict(args.model_init_kwargs or {}))
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        if hasattr(model, "peft_config"):
+            raise SeqParError("a PeftModel was passed together with peft_config=: pass one of them")
+        from transformers import set_seed
+
+        set_seed(args.seed)  # TRL seeds before get_peft_model: the same adapter init as the stock trainer
+        # (TRL also calls enable_input_require_grads() here; seqpar's non-reentrant checkpointing needs no
+        # grad-requiring embedding output, and the Trainer drop-in removes those hooks.)
+        model = get_peft_model(model, peft_config)
+    return model
+
+
+def sp_kwargs(sequence_parallel_size: int | None, ulysses_degree: int | None, ring_degree: int | None,
+               layout: str, mesh: SequenceParallelMesh | None, fused_loss: bool, loss_chunk_tokens: int | None,
+               tiled_mlp: bool | int) -> dict[str, Any]:
+    return {"sequence_parallel_size": sequence_parallel_size, "ulysses_degree": ulysses_degree,
+            "ring_degree": ring_degree, "layout": layout, "mesh": mesh, "fused_loss": fused_loss,
+            "loss_chunk_tokens": loss_chunk_tokens, "tiled_mlp": tiled_mlp}
+
+
+def refuse_moe_aux(trainer: Any) -> None:
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise refuse(type(trainer).__name__, "the MoE router auxiliary loss", "seqpar's loss does not add it",
+                      "set router_aux_loss_coef=0.0 in the config")
