@@ -166,3 +166,19 @@ def test_kernel_modules_do_not_import_each_other_at_module_level():
         tree = ast.parse((root / f"{mod}.py").read_text())
         top = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
         assert not [n for n in top if n.module == other], f"{mod}.py imports .{other} at module level"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_key_closed_form_equals_math(causal):
+    """cuDNN refuses a 1-key call; its kernel computes such pieces in closed form (kernel_utils.one_key_*)."""
+    from seqpar.attention.kernel_utils import one_key_backward, one_key_forward
+
+    g = torch.Generator().manual_seed(0)
+    sq = 1 if causal else 5  # a causal piece with one key is the 1x1 diagonal
+    q, do = (torch.randn(2, sq, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 1, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out, lse = one_key_forward(q, k, v, 0.3)
+    want_out, want_lse = MathKernel().forward(q, k, v, causal, 0.3)
+    assert torch.allclose(out, want_out, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
+    for got, want in zip(one_key_backward(do, q, k, v), MathKernel().backward(do, q, k, v, out, lse, causal, 0.3)):
+        assert torch.allclose(got, want, atol=1e-12)

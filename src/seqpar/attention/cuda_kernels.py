@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import torch
 
-from .kernel_utils import bhsd, fold_kv_grad, repeat_kv
+from .kernel_utils import bhsd, fold_kv_grad, one_key_backward, one_key_forward, repeat_kv
 
 __all__ = ["FlashKernel", "CudnnKernel", "EfficientKernel", "CUDA_KERNELS"]
 
@@ -86,8 +86,8 @@ class FlashKernel:
 
 class CudnnKernel:
     """cuDNN attention for dense calls. Calls that pack several documents run flash's varlen op (torch does
-    not expose cuDNN's ragged form on every version), and a 1-key piece (a 1-token document) runs the math
-    kernel: cuDNN refuses s_q = s_kv = 1 ("cuDNN Frontend error", seen on torch 2.11)."""
+    not expose cuDNN's ragged form on every version), and a 1-key piece (a 1-token document) is computed in
+    closed form (kernel_utils.one_key_*): cuDNN refuses s_q = s_kv = 1 ("cuDNN Frontend error", torch 2.11)."""
 
     name = "cudnn"
     varlen = True
@@ -95,18 +95,10 @@ class CudnnKernel:
     def __init__(self) -> None:
         self._aux = None  # (philox seed, philox offset, cum_seq_q, cum_seq_k) of the last forward
         self._flash = FlashKernel()
-        self._math = None
-
-    def _tiny(self):
-        if self._math is None:
-            from .kernels import MathKernel
-
-            self._math = MathKernel()
-        return self._math
 
     def forward(self, q, k, v, causal, scale):
         if k.shape[1] == 1:
-            return self._tiny().forward(q, k, v, causal, scale)
+            return one_key_forward(q, k, v, scale)
         res = aten._scaled_dot_product_cudnn_attention(bhsd(q), bhsd(k), bhsd(v), None, True, 0.0, causal, False,
                                                        scale=scale)
         self._aux = (res[6], res[7], res[2], res[3])
@@ -114,7 +106,7 @@ class CudnnKernel:
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         if k.shape[1] == 1:
-            return self._tiny().backward(dout, q, k, v, out, lse, causal, scale)
+            return one_key_backward(dout, q, k, v)
         seed, offset, cum_q, cum_k = self._aux
         # cuDNN reads out in the layout its forward allocated (q's dimension order, dense) and grad_out with out's
         # very strides; anything else gives wrong gradients without an error (torch 2.11): copy only then.

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-__all__ = ["acc_dtype", "bhsd", "repeat_kv", "fold_kv_grad", "default_scale"]
+__all__ = ["acc_dtype", "bhsd", "repeat_kv", "fold_kv_grad", "default_scale", "one_key_forward", "one_key_backward"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,3 +38,21 @@ def fold_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def one_key_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a single key (a 1-token document's piece): softmax over one score is 1, so out = v and
+    lse = the score. For kernels that refuse a 1-key call (cuDNN)."""
+    groups = q.shape[2] // k.shape[2]
+    kk = repeat_kv(k, groups)
+    lse = (q.to(acc_dtype(q.dtype)) * kk.to(acc_dtype(q.dtype))).sum(-1) * scale
+    return repeat_kv(v, groups).expand(q.shape).to(q.dtype).contiguous(), lse
+
+
+def one_key_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of one_key_forward: the weight is constantly 1, so dq = dk = 0 and dv sums dout over rows."""
+    groups = q.shape[2] // k.shape[2]
+    dv = fold_kv_grad(dout.to(acc_dtype(v.dtype)).sum(1, keepdim=True), groups).to(v.dtype)
+    return torch.zeros_like(q), torch.zeros_like(k), dv

@@ -54,24 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     rol.add_argument("--quick", action="store_true", help="tiny model, few tokens (smoke test)")
     rol.add_argument("--sp", default="1,2,4", help="comma-separated SP sizes")
     rol.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
-    gpu = sub.add_parser("gpu", help="one CUDA GPU: kernels vs torch SDPA, packed rows, seqpar train vs plan")
-    gpu.add_argument("--out", default="bench_results/gpu.json", help="JSON output path (rewritten after each part)")
-    gpu.add_argument("--parts", default="attention,packed,train", help="comma-separated: attention,packed,train")
-    gpu.add_argument("--runs", default=None, help="comma-separated train runs (bench.gpu_train.RUNS)")
-    gpu.add_argument("--trace", default=None, help="a train run whose live tensors at the peak are listed")
-    gpu.add_argument("--quick", action="store_true", help="small sizes and the tiny fp32 runs only")
-    gpu.add_argument("--timeout", type=float, default=300.0, help="per train run, seconds")
+    _add_gpu(sub)
     args = parser.parse_args(argv)
-    if args.bench == "gpu":
-        return _gpu(args)
-    if args.bench == "rollout":
-        return _rollout(args)
-    if args.bench == "step":
-        return _step(args)
-    if args.bench == "memory":
-        return _memory(args)
-    if args.bench == "layer-memory":
-        return _layer_memory(args)
+    other = {"gpu": _gpu, "rollout": _rollout, "step": _step, "memory": _memory, "layer-memory": _layer_memory}
+    if args.bench in other:
+        return other[args.bench](args)
 
     from .attention import run
     from .plot import plot_attention, summary_lines
@@ -117,6 +104,16 @@ def _step(args: argparse.Namespace) -> int:
 
     result = run(quick=args.quick, rounds=args.rounds, seq_len=args.seq_len, timeout=args.timeout)
     return _report(args, result, summary_lines, plot_step)
+
+
+def _add_gpu(sub: argparse._SubParsersAction) -> None:
+    gpu = sub.add_parser("gpu", help="one CUDA GPU: kernels vs torch SDPA, packed rows, seqpar train vs plan")
+    gpu.add_argument("--out", default="bench_results/gpu.json", help="JSON output path (rewritten after each part)")
+    gpu.add_argument("--parts", default="attention,packed,train", help="comma-separated: attention,packed,train")
+    gpu.add_argument("--runs", default=None, help="comma-separated train runs (bench.gpu_train.RUNS)")
+    gpu.add_argument("--trace", default=None, help="a train run whose live tensors at the peak are listed")
+    gpu.add_argument("--quick", action="store_true", help="small sizes and the tiny fp32 runs only")
+    gpu.add_argument("--timeout", type=float, default=300.0, help="per train run, seconds")
 
 
 def _gpu(args: argparse.Namespace) -> int:
