@@ -29,7 +29,7 @@ import torch
 from ..errors import SeqParError
 
 __all__ = ["KernelSpec", "KERNELS", "KERNEL_NAMES", "ALIASES", "kernel_name_for", "kernel_problem",
-           "resolve_kernel_name", "describe_choice", "device_capability"]
+           "resolve_kernel_name", "describe_choice", "device_capability", "check_kernel_name", "flash_implementation"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -109,6 +109,16 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def check_kernel_name(name: str) -> str:
+    """'auto' or a known kernel name (old names mapped); SeqParError naming the choices otherwise."""
+    if name == "auto":
+        return name
+    name = ALIASES.get(name, name)
+    if name not in KERNELS:
+        raise SeqParError(f"unknown attention kernel {name!r}: use 'auto' or one of {', '.join(KERNEL_NAMES)}")
+    return name
+
+
 def resolve_kernel_name(device: torch.device, name: str, dtype: torch.dtype | None = None,
                         head_dim: int | None = None) -> str:
     """'auto' -> kernel_name_for(...); an explicit name is checked and refused with the fix (SeqParError)."""
@@ -117,9 +127,7 @@ def resolve_kernel_name(device: torch.device, name: str, dtype: torch.dtype | No
     if name == "auto":
         return kernel_name_for(device.type, dtype if dtype is not None else torch.bfloat16, head_dim, cap, cudnn,
                                flash_implementation())
-    name = ALIASES.get(name, name)
-    if name not in KERNELS:
-        raise SeqParError(f"unknown attention kernel {name!r}: use 'auto' or one of {', '.join(KERNEL_NAMES)}")
+    name = check_kernel_name(name)
     why = kernel_problem(name, device.type, dtype, head_dim, cap)
     if why is not None:
         auto = kernel_name_for(device.type, dtype if dtype is not None else torch.bfloat16, head_dim, cap, cudnn,

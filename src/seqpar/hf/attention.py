@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..attention.kernel_choice import check_kernel_name
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 from ..unwrap import BATCH_INPUTS_HOOK
@@ -128,7 +129,8 @@ def _own_config(base: torch.nn.Module, cfg: Any, state: SPState) -> None:
 
 
 # ----------------------------------------------------------------------------- public API
-def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) -> torch.nn.Module:
+def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh,
+                            attention_kernel: str = "auto") -> torch.nn.Module:
     """Make an unmodified HF causal LM run sequence-parallel over `mesh`; returns the same model.
 
     Afterwards `model(input_ids=shard(ids), position_ids=shard(pos), [cu_seqlens=full_cu])` returns
@@ -141,7 +143,8 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
     attention: see seqpar.hf.mixers) except the Gated DeltaNet layers of Qwen3-Next / Qwen3.5, which
     run under pure Ulysses (ring_degree=1, k heads divisible by the degree: seqpar.hf.linear_attention)
     (here); attention dropout in train mode, non-causal attention, sliding windows shorter than
-    the sequence (per forward, on every rank alike).
+    the sequence (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
+    the kernel each model's first attention call resolves to is printed once per process, on rank 0.
     """
     from transformers import AttentionInterface
 
@@ -149,7 +152,7 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) 
     cfg, vlm, linear = _checked_config(base, mesh)
     with _lock:
         name = f"seqpar_sp_{next(_counter)}"
-    state = SPState(mesh, name)
+    state = SPState(mesh, name, check_kernel_name(attention_kernel))
     state_ref = weakref.ref(state)
     AttentionInterface.register(name, make_attention_fn(state_ref))
     _own_config(base, cfg, state)

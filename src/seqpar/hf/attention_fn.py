@@ -7,11 +7,13 @@ every check reads only the module config and shapes, so every SP rank raises ali
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..attention import attention as sp_attention
+from ..attention.kernel_choice import describe_choice
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 from .forward_plan import PLAN_KWARG, ForwardPlan, SPState
@@ -107,27 +109,43 @@ def make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
             # stays in the autocast dtype; SDPA casts all three to that dtype, and so do we.
             dt = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
-        return _planned_attention(q, k, v, plan, state.mesh, scaling), None
+        _announce_kernel(q, state.kernel)
+        return _planned_attention(q, k, v, plan, state.mesh, scaling, state.kernel), None
 
     return seqpar_attention_forward
 
 
+_ANNOUNCED: set[str] = set()
+
+
+def _announce_kernel(q: torch.Tensor, kernel: str) -> None:
+    """Print which kernel attention runs on, once per process and choice, on global rank 0 (it also refuses a
+    forced kernel that cannot take these inputs: SeqParError on every rank alike, before communicating)."""
+    line = describe_choice(q.device, kernel, q.dtype, q.shape[-1])
+    if line in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(line)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"[seqpar] {line}", flush=True)
+
+
 def _planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ForwardPlan,
-                       mesh: SequenceParallelMesh, scaling: float | None) -> torch.Tensor:
+                       mesh: SequenceParallelMesh, scaling: float | None, kernel: str = "auto") -> torch.Tensor:
     """seqpar attention over the plan's rows: one call for the rows without documents, one per packed row."""
+    attention = partial(sp_attention, kernel=kernel)
     if not plan.packed:
-        return sp_attention(q, k, v, mesh, causal=True, softmax_scale=scaling)
+        return attention(q, k, v, mesh, causal=True, softmax_scale=scaling)
     plain = [i for i, bnd in enumerate(plan.row_bounds) if not bnd]
     pieces: dict[int, torch.Tensor] = {}
     if plain:
         idx = torch.tensor(plain, device=q.device)
-        o = sp_attention(q[idx], k[idx], v[idx], mesh, causal=True, softmax_scale=scaling)
+        o = attention(q[idx], k[idx], v[idx], mesh, causal=True, softmax_scale=scaling)
         for j, i in enumerate(plain):
             pieces[i] = o[j : j + 1]
     for i, bnd in enumerate(plan.row_bounds):
         if bnd:
             cu = [0, *bnd, plan.full_len]
-            pieces[i] = sp_attention(
+            pieces[i] = attention(
                 q[i : i + 1], k[i : i + 1], v[i : i + 1], mesh, causal=True, softmax_scale=scaling, cu_seqlens=cu,
             )
     return torch.cat([pieces[i] for i in range(q.shape[0])], dim=0)

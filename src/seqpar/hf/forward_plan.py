@@ -41,9 +41,10 @@ class ForwardPlan:
 class SPState:
     """Per-model state: the mesh, the registered name and what remove_sequence_parallel restores."""
 
-    def __init__(self, mesh: SequenceParallelMesh, name: str):
+    def __init__(self, mesh: SequenceParallelMesh, name: str, kernel: str = "auto"):
         self.mesh = mesh
         self.name = name
+        self.kernel = kernel  # seqpar.attention's kernel= for this model's attention calls
         self.plan: ForwardPlan | None = None  # fallback for models that drop unknown kwargs
         self.kwarg_seen = False  # whether the last forward's plan reached attention via kwargs
         self.handles: list[Any] = []

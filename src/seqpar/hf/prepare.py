@@ -61,6 +61,7 @@ class PrepareSpec:
     tiled_mlp: bool | int = False
     tiled_layer: bool | int = False
     tile_reference: bool = True
+    attention_kernel: str = "auto"  # seqpar.attention's kernel= for every attention call (docs/gpu.md)
 
     def head_kwargs(self) -> dict[str, Any]:
         """The fused-head arguments of the step's reference log-probs (seqpar.steps.ReferenceLogps)."""
@@ -93,7 +94,7 @@ def prepare_model(model: torch.nn.Module, mesh: SequenceParallelMesh, spec: Prep
     """Steps 1-4 of the module docstring on the policy; returns it (`lora` may return a new wrapper).
     The stack wraps it next (step 5)."""
     if not is_sequence_parallel(model):
-        apply_sequence_parallel(model, mesh)
+        apply_sequence_parallel(model, mesh, attention_kernel=spec.attention_kernel)
     if lora is not None:
         model = lora(model)
     if spec.activation_checkpointing:
@@ -109,7 +110,7 @@ def frozen_reference(ref: torch.nn.Module, mesh: SequenceParallelMesh, spec: Pre
     eval mode, no gradients. Returns it; the stack places it (step 5) as it places the policy."""
     ref.eval().requires_grad_(False)
     if not is_sequence_parallel(ref):
-        apply_sequence_parallel(ref, mesh)
+        apply_sequence_parallel(ref, mesh, attention_kernel=spec.attention_kernel)
     if spec.tile_reference:
         _tile(ref, spec)
     if spec.fused_loss:

@@ -52,6 +52,7 @@ from transformers import Trainer
 
 from .. import comm
 from .. import loss as L
+from ..attention.kernel_choice import check_kernel_name
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh, init_mesh
@@ -121,8 +122,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
     the SP collator), fused_loss (default True: chunked lm_head + loss, no [S_local, vocab] logits;
     False: full logits), loss_chunk_tokens (None: one chunk's fp32 logits <= 256 MB) and tiled_mlp
     (False | True = automatic tile count | int tiles), tiled_layer (the same values: norms, projections, RoPE,
-    residual adds and MLP of every decoder layer over sequence tiles). data_collator: None (the SP collator is built)
-    or a seqpar SP collator.
+    residual adds and MLP of every decoder layer over sequence tiles), attention_kernel ('auto' or a kernel name:
+    docs/gpu.md). data_collator: None (the SP collator is built) or a seqpar SP collator.
     """
 
     _stage = "sft"
@@ -132,7 +133,7 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
                  ring_degree: int | None = None, layout: str = "zigzag", mesh: SequenceParallelMesh | None = None,
                  packing: bool = False, max_length: int | None = None, fused_loss: bool = True,
                  loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False,
-                 tiled_layer: bool | int = False, **kwargs: Any) -> None:
+                 tiled_layer: bool | int = False, attention_kernel: str = "auto", **kwargs: Any) -> None:
         from transformers import TrainingArguments
 
         if model is None:
@@ -142,7 +143,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         name = type(self).__name__
         # the Trainer enables checkpointing itself (train()); the reference stays untiled (PrepareSpec)
         self.sp_prepare = PrepareSpec(fused_loss=bool(fused_loss), loss_chunk_tokens=loss_chunk_tokens,
-                                      tiled_mlp=tiled_mlp, tiled_layer=tiled_layer, tile_reference=False)
+                                      tiled_mlp=tiled_mlp, tiled_layer=tiled_layer, tile_reference=False,
+                                      attention_kernel=check_kernel_name(attention_kernel))
         sequence_parallel_size = map_parallelism_config(name, args, sequence_parallel_size)
         check_stack_args(name, args)
         use_cpu_when_no_accelerator(args)

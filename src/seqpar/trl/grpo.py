@@ -198,7 +198,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
     """`trl.GRPOTrainer` with exact sequence parallelism (loss_type "grpo", "bnpo" or "dr_grpo").
 
     Arguments as trl.GRPOTrainer, plus seqpar's: sequence_parallel_size (default: world size),
-    ulysses_degree, ring_degree, layout, mesh, fused_loss, loss_chunk_tokens, tiled_mlp.
+    ulysses_degree, ring_degree, layout, mesh, fused_loss, loss_chunk_tokens, tiled_mlp, attention_kernel.
     Reference (beta != 0): TRL's (reloaded by model name; a PEFT policy with its adapter disabled),
     run under SP.
     """

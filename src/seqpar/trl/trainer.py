@@ -169,7 +169,7 @@ class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTr
 
     Extra keyword arguments as seqpar.hf.SequenceParallelTrainer: sequence_parallel_size (default:
     world size), ulysses_degree, ring_degree, layout, mesh, fused_loss, loss_chunk_tokens, tiled_mlp,
-    tiled_layer (passed through to it).
+    tiled_layer, attention_kernel (passed through to it).
     Packing, max_length and the masks come from the SFTConfig.
     """
 

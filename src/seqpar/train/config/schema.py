@@ -272,6 +272,8 @@ class TrainConfig(_Strict):
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec)
     memory: MemorySpec = Field(default_factory=MemorySpec)
     precision: Literal["fp32", "bf16", "bf16-pure"] = "fp32"  # bf16: fp32 master weights; bf16-pure: none
+    # the local attention kernel (docs/gpu.md): auto picks per device, dtype, head_dim and GPU; logged once per run
+    attention_kernel: Literal["auto", "flash", "cudnn", "efficient", "math", "cpu", "cuda", "cuda_efficient"] = "auto"
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     micro_batch_size: int = Field(default=1, ge=1)
