@@ -73,3 +73,21 @@ def test_trainer_drop_in_refuses_an_unknown_kernel(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(SeqParError, match="unknown attention kernel 'fa9'"):
         SequenceParallelTrainer(model=tiny_model("llama", 4, 2, vocab_size=100), args=args, attention_kernel="fa9")
+
+
+def test_head_chunks_reach_attention_and_keep_the_result():
+    from seqpar.hf import PrepareSpec, prepare_model
+
+    mesh = seqpar.init_mesh(1)
+    ids = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24)[None]
+    want = _logits(prepare_model(tiny_model("llama", 4, 2, vocab_size=100), mesh, PrepareSpec(fused_loss=False)),
+                   ids, pos)
+    model = prepare_model(tiny_model("llama", 4, 2, vocab_size=100), mesh,
+                          PrepareSpec(fused_loss=False, attention_head_chunks=2))
+    assert torch.allclose(_logits(model, ids, pos), want, atol=1e-5)
+    assert _config(memory={"attention_head_chunks": 4}).memory.attention_head_chunks == 4
+    with pytest.raises(SeqParError, match="attention_head_chunks"):
+        _config(memory={"attention_head_chunks": 0})
+    with pytest.raises(SeqParError, match="head_chunks must be an int >= 1, got 0"):
+        prepare_model(tiny_model("llama", 4, 2, vocab_size=100), mesh, PrepareSpec(attention_head_chunks=0))

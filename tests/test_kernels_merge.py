@@ -182,3 +182,17 @@ def test_one_key_closed_form_equals_math(causal):
     assert torch.allclose(out, want_out, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
     for got, want in zip(one_key_backward(do, q, k, v), MathKernel().backward(do, q, k, v, out, lse, causal, 0.3)):
         assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_cuda_workspace_on_cpu_kernel_is_the_cpu_kernel():
+    """kernels.CudaWorkspaceOnCpu only holds CUDA's backward workspace for the meter: the same numbers as "cpu"."""
+    from seqpar.attention.kernels import CudaWorkspaceOnCpu, get_kernel
+
+    assert get_kernel(torch.device("cpu"), "cpu_cuda_workspace").name == "cpu_cuda_workspace"
+    g = torch.Generator().manual_seed(2)
+    q, do = (torch.randn(1, 24, 6, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 24, 2, 16, generator=g) for _ in range(2))
+    out, lse = CpuFlashKernel().forward(q, k, v, True, 0.25)
+    got = CudaWorkspaceOnCpu().backward(do, q, k, v, out, lse, True, 0.25)
+    for a, b in zip(got, CpuFlashKernel().backward(do, q, k, v, out, lse, True, 0.25)):
+        assert torch.equal(a, b)

@@ -292,3 +292,29 @@ def test_cuda_rows_against_h200_readings():
 
     for run, measured in (("l2_none_16k", 50760.7), ("l2_all_64k", 27895.3), ("l2_all_256k", 46474.3)):
         assert plan_row(run)["planned_peak_mib"] == pytest.approx(measured, rel=0.03), run
+
+
+# Readings of `seqpar plan --validate --features chunks,cuda` (the exact meter, seqpar train's step, tiny Llama
+# 4 layers x 1024 tokens, every memory feature): attention in head chunks, and rows marked cuda, where the CPU
+# kernel holds what CUDA's flash / cuDNN backward allocates (kernels.CudaWorkspaceOnCpu) and the planner counts
+# its CUDA terms (the kernels' workspace, per head chunk; for fused Ulysses the call's moment or the exchange's).
+HEAD_CHUNK_READINGS = (5784588, 4718828, 5174284, 4944908, 6562572)
+CUDA_READINGS = (6325260, 5031020, 5174284, 5178380, 5178380, 6853644, 5438476, 6185996, 4891756, 5182476, 5110796)
+
+
+def test_head_chunk_and_cuda_rows_against_memtracker_readings():
+    from seqpar.planner.validate import CUDA_GRID, HEAD_CHUNK_GRID, TOLERANCE, predict_case
+
+    for grid, readings in ((HEAD_CHUNK_GRID, HEAD_CHUNK_READINGS), (CUDA_GRID, CUDA_READINGS)):
+        assert len(grid) == len(readings)
+        for case, measured in zip(grid, readings):
+            assert predict_case(case) == pytest.approx(measured, rel=TOLERANCE), case.label()
+
+
+@pytest.mark.slow
+def test_head_chunk_and_cuda_rows_match_memtracker():
+    """`seqpar plan --validate --features chunks,cuda`: within 2%, measured now."""
+    from seqpar.planner.validate import CUDA_GRID, HEAD_CHUNK_GRID, TOLERANCE, format_rows, run_validation
+
+    rows = run_validation(HEAD_CHUNK_GRID + CUDA_GRID, timeout=900)
+    assert all(abs(r["rel_err"]) <= TOLERANCE for r in rows), format_rows(rows)

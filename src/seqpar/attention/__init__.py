@@ -7,6 +7,7 @@ import torch
 from ..errors import SeqParError
 from ..layout import check_length
 from ..mesh import SequenceParallelMesh
+from .heads import HeadChunked
 from .kernels import AttentionKernel, default_scale, get_kernel
 from .ulysses import head_plan
 from .usp import usp_attention
@@ -45,6 +46,7 @@ def attention(
     cu_seqlens: torch.Tensor | list[int] | None = None,
     kernel: str | AttentionKernel = "auto",
     overlap_chunks: int = 1,
+    head_chunks: int = 1,
 ) -> torch.Tensor:
     """Exact softmax attention for sequence-parallel inputs.
 
@@ -56,6 +58,9 @@ def attention(
     an AttentionKernel object.
     overlap_chunks: pure Ulysses only: exchange the local kv heads in this many chunks so that chunk c's
     kernel overlaps the other chunks' all-to-alls (exact for any value; must divide the local kv heads).
+    head_chunks: run every local kernel call over this many groups of kv heads (with their q heads), one after
+    another (attention.heads): exact for any value; on a GPU the kernels' backward workspace exists for one
+    group at a time. 1 = whole calls.
     All checks run before any communication, so bad input raises SeqParError on every rank.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -80,6 +85,10 @@ def attention(
     _check_chunks(overlap_chunks, q.shape[2], k.shape[2], mesh)
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
     kern = get_kernel(q.device, kernel, q.dtype, head_dim=d)
+    if not isinstance(head_chunks, int) or head_chunks < 1:
+        raise SeqParError(f"head_chunks must be an int >= 1, got {head_chunks!r}")
+    if head_chunks > 1:
+        kern = HeadChunked(kern, head_chunks)
     return usp_attention(q, k, v, mesh, seq_len, causal, scale, kern, bounds, overlap_chunks)
 
 

@@ -169,12 +169,22 @@ class EfficientKernel:
         pad = -lse_h.shape[-1] % _LSE_ALIGN
         if pad:
             lse_h = torch.nn.functional.pad(lse_h, (0, pad), value=float("inf"))
+        # the op reads out's batch and head strides only, its row stride implied: [B, S, H, D] rows, as its forward
+        # allocated them (another layout gives wrong gradients without an error)
+        o = out.to(q.dtype)
+        if not _bshd_rows(o):
+            o = o.contiguous()
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             bhsd(dout.to(q.dtype)).contiguous(), bhsd(q), bhsd(repeat_kv(k, groups)), bhsd(repeat_kv(v, groups)), None,
-            bhsd(out.to(q.dtype)), lse_h.contiguous(), seed, offset, 0.0, [True, True, True, False], causal,
-            scale=scale,
+            bhsd(o), lse_h.contiguous(), seed, offset, 0.0, [True, True, True, False], causal, scale=scale,
         )
         return bhsd(dq), fold_kv_grad(bhsd(dk), groups), fold_kv_grad(bhsd(dv), groups)
+
+
+def _bshd_rows(t: torch.Tensor) -> bool:
+    """t ([B, S, H, D]) has unit head_dim stride, heads D apart and rows H * D apart (any batch stride)."""
+    b, s, h, d = t.shape
+    return t.stride(3) == 1 and (h == 1 or t.stride(2) == d) and (s == 1 or t.stride(1) == h * d)
 
 
 CUDA_KERNELS = {"flash": FlashKernel, "cudnn": CudnnKernel, "efficient": EfficientKernel}

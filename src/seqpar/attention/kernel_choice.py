@@ -48,6 +48,9 @@ class KernelSpec:
 
 KERNELS: dict[str, KernelSpec] = {
     "cpu": KernelSpec("cpu", ("cpu",), None),
+    # the CPU kernel holding CUDA's backward workspace (kernels.CudaWorkspaceOnCpu): the planner's CUDA terms
+    # measured by the CPU meter
+    "cpu_cuda_workspace": KernelSpec("cpu_cuda_workspace", ("cpu",), None),
     "math": KernelSpec("math", ("cpu", "cuda", "meta", "mps", "xpu"), None),
     "flash": KernelSpec("flash", ("cuda", "meta"), _HALF, (8, 0), 256, 8, varlen=True),
     "cudnn": KernelSpec("cudnn", ("cuda", "meta"), _HALF, (8, 0), 128, 8),

@@ -36,6 +36,7 @@ __all__ = [
     "CpuFlashKernel",
     "MathKernel",
     "VarlenByLoop",
+    "CudaWorkspaceOnCpu",
     "get_kernel",
     "acc_dtype",
     "default_scale",
@@ -175,6 +176,25 @@ class VarlenByLoop:
         return dq, dk, dv
 
 
+class CudaWorkspaceOnCpu(CpuFlashKernel):
+    """The CPU kernel, holding during each backward call what CUDA's flash / cuDNN backward allocates inside
+    theirs (an fp32 dQ accumulator, fp32 softmax statistics and, with GQA, dK / dV at the q heads): the exact
+    CPU meter then measures the CUDA memory of the real training step, so `seqpar plan --validate`'s rows
+    marked cuda check the planner's CUDA terms (planner.tiled.cuda_attention_workspace) against the code
+    paths that allocate them, without a GPU. Same numerics as "cpu"."""
+
+    name = "cpu_cuda_workspace"
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        b, s, hq, d = q.shape
+        ws = [q.new_empty((b, s, hq, d), dtype=torch.float32), q.new_empty((b, hq, s), dtype=torch.float32)]
+        if k.shape[2] < hq:
+            ws += [q.new_empty((b, k.shape[1], hq, d)), q.new_empty((b, k.shape[1], hq, d))]
+        grads = super().backward(dout, q, k, v, out, lse, causal, scale)
+        del ws  # freed when the call returns, as the CUDA kernels' workspace
+        return grads
+
+
 def get_kernel(device: torch.device, name: str | AttentionKernel = "auto", dtype: torch.dtype | None = None,
                head_dim: int | None = None) -> AttentionKernel:
     """The kernel for `name` ('auto', a kernel name, or an AttentionKernel instance, used as is).
@@ -187,6 +207,8 @@ def get_kernel(device: torch.device, name: str | AttentionKernel = "auto", dtype
     name = resolve_kernel_name(device, name, dtype, head_dim)
     if name == "cpu":
         return CpuFlashKernel()
+    if name == "cpu_cuda_workspace":
+        return CudaWorkspaceOnCpu()
     if name == "math":
         return MathKernel()
     # GPU-only, imported lazily: nothing on the CPU path loads cuda_kernels.

@@ -44,12 +44,15 @@ RUNS: dict[str, tuple[dict, int, str, dict, str, int]] = {  # name: (model, leng
     "l2_nooffload_64k": (LLAMA_2L, 65536, "bf16", NO_OFFLOAD, "adamw", 3),
     "l2_all_128k": (LLAMA_2L, 131072, "bf16", ALL, "adamw", 3),
     "l2_all_256k": (LLAMA_2L, 262144, "bf16", ALL, "adamw", 3),
+    "l2_nooffload_256k": (LLAMA_2L, 262144, "bf16", NO_OFFLOAD, "adamw", 3),
+    "l2_chunks_256k": (LLAMA_2L, 262144, "bf16", {**ALL, "attention_head_chunks": 4}, "adamw", 3),
+    "l2_fsdp_offload_64k": (LLAMA_2L, 65536, "bf16", ALL, "adamw", 3),
     "tiny_fp32_none": (TINY, 2048, "fp32", NONE, "sgd", 3),
     "tiny_fp32_all": (TINY, 2048, "fp32", ALL, "sgd", 3),
 }
 # in order of what a short run must not miss (the JSON is rewritten after each run)
-DEFAULT_RUNS = ["tiny_fp32_none", "tiny_fp32_all", "l2_none_16k", "l2_all_64k", "l2_all_256k", "l2_all_128k",
-                "l2_all_16k", "l2_nooffload_64k"]
+DEFAULT_RUNS = ["tiny_fp32_none", "tiny_fp32_all", "l2_none_16k", "l2_all_64k", "l2_all_256k", "l2_chunks_256k",
+                "l2_all_128k", "l2_nooffload_256k", "l2_all_16k", "l2_nooffload_64k", "l2_fsdp_offload_64k"]
 QUICK_RUNS = ["tiny_fp32_none", "tiny_fp32_all"]
 
 
@@ -77,6 +80,7 @@ def run_config(name: str, work: str) -> dict[str, Any]:
         "dataset": {"path": _data(work, length + 64), "format": "text", "max_length": length, "shuffle": False},
         "precision": prec, "memory": dict(mem), "max_steps": steps, "micro_batch_size": 1, "grad_accum": 1,
         "optimizer": {"name": opt, "lr": 1.0e-3 if opt == "sgd" else 1.0e-5}, "sequence_parallel": {"size": 1},
+        "fsdp": {"enabled": True, "offload": True} if "fsdp_offload" in name else False,
         "output_dir": os.path.join(work, "runs", name), "checkpoint": {"every": 0, "save_final": False},
         "export": {"final": False}, "progress": False, "overwrite_output_dir": True, "seed": 0,
     }
@@ -99,10 +103,12 @@ def plan_row(name: str) -> dict[str, Any]:
     model, length, prec, mem, _, _ = RUNS[name]
     m = load_model_facts("tiny:llama", model)
     wl = Workload(length, precision=prec, unsupervised_tokens=1)
+    fsdp = "fsdp_offload" in name
     feats = Features(activation_checkpointing=mem.get("activation_checkpointing", False),
                      offload_activations=mem.get("offload_activations", False),
                      fused_loss=mem.get("fused_loss", True), tiled_mlp=mem.get("tiled_mlp", False),
-                     tiled_layer=mem.get("tiled_layer", False))
+                     tiled_layer=mem.get("tiled_layer", False), fsdp=fsdp, offload_optimizer=fsdp,
+                     attention_head_chunks=mem.get("attention_head_chunks", 1))
     est = estimate_memory(m, wl, Layout(), feats)
     t = estimate_time(m, wl, Layout(), feats, make_cluster(1, gpu="h200"))
     return {"planned_peak_mib": est.total / 2**20, "planned_phase": est.phase,

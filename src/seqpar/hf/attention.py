@@ -129,8 +129,8 @@ def _own_config(base: torch.nn.Module, cfg: Any, state: SPState) -> None:
 
 
 # ----------------------------------------------------------------------------- public API
-def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh,
-                            attention_kernel: str = "auto") -> torch.nn.Module:
+def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, attention_kernel: str = "auto",
+                            head_chunks: int = 1) -> torch.nn.Module:
     """Make an unmodified HF causal LM run sequence-parallel over `mesh`; returns the same model.
 
     Afterwards `model(input_ids=shard(ids), position_ids=shard(pos), [cu_seqlens=full_cu])` returns
@@ -145,6 +145,7 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh,
     (here); attention dropout in train mode, non-causal attention, sliding windows shorter than
     the sequence (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
     the kernel each model's first attention call resolves to is printed once per process, on rank 0.
+    head_chunks: seqpar.attention's head_chunks= (the kernels run per group of heads; attention.heads).
     """
     from transformers import AttentionInterface
 
@@ -152,7 +153,9 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh,
     cfg, vlm, linear = _checked_config(base, mesh)
     with _lock:
         name = f"seqpar_sp_{next(_counter)}"
-    state = SPState(mesh, name, check_kernel_name(attention_kernel))
+    if not isinstance(head_chunks, int) or head_chunks < 1:
+        raise SeqParError(f"head_chunks must be an int >= 1, got {head_chunks!r}")
+    state = SPState(mesh, name, check_kernel_name(attention_kernel), head_chunks)
     state_ref = weakref.ref(state)
     AttentionInterface.register(name, make_attention_fn(state_ref))
     _own_config(base, cfg, state)

@@ -110,7 +110,7 @@ def make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
             dt = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
         _announce_kernel(q, state.kernel)
-        return _planned_attention(q, k, v, plan, state.mesh, scaling, state.kernel), None
+        return _planned_attention(q, k, v, plan, state.mesh, scaling, state.kernel, state.head_chunks), None
 
     return seqpar_attention_forward
 
@@ -130,9 +130,10 @@ def _announce_kernel(q: torch.Tensor, kernel: str) -> None:
 
 
 def _planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ForwardPlan,
-                       mesh: SequenceParallelMesh, scaling: float | None, kernel: str = "auto") -> torch.Tensor:
+                       mesh: SequenceParallelMesh, scaling: float | None, kernel: str = "auto",
+                       head_chunks: int = 1) -> torch.Tensor:
     """seqpar attention over the plan's rows: one call for the rows without documents, one per packed row."""
-    attention = partial(sp_attention, kernel=kernel)
+    attention = partial(sp_attention, kernel=kernel, head_chunks=head_chunks)
     if not plan.packed:
         return attention(q, k, v, mesh, causal=True, softmax_scale=scaling)
     plain = [i for i, bnd in enumerate(plan.row_bounds) if not bnd]

@@ -41,10 +41,11 @@ class ForwardPlan:
 class SPState:
     """Per-model state: the mesh, the registered name and what remove_sequence_parallel restores."""
 
-    def __init__(self, mesh: SequenceParallelMesh, name: str, kernel: str = "auto"):
+    def __init__(self, mesh: SequenceParallelMesh, name: str, kernel: str = "auto", head_chunks: int = 1):
         self.mesh = mesh
         self.name = name
         self.kernel = kernel  # seqpar.attention's kernel= for this model's attention calls
+        self.head_chunks = head_chunks  # and its head_chunks=
         self.plan: ForwardPlan | None = None  # fallback for models that drop unknown kwargs
         self.kwarg_seen = False  # whether the last forward's plan reached attention via kwargs
         self.handles: list[Any] = []

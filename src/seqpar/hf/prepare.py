@@ -62,6 +62,7 @@ class PrepareSpec:
     tiled_layer: bool | int = False
     tile_reference: bool = True
     attention_kernel: str = "auto"  # seqpar.attention's kernel= for every attention call (docs/gpu.md)
+    attention_head_chunks: int = 1  # seqpar.attention's head_chunks= (attention.heads)
 
     def head_kwargs(self) -> dict[str, Any]:
         """The fused-head arguments of the step's reference log-probs (seqpar.steps.ReferenceLogps)."""
@@ -74,6 +75,8 @@ def check_memory_features(model: torch.nn.Module, spec: PrepareSpec) -> None:
     for name, value in (("tiled_mlp", spec.tiled_mlp), ("tiled_layer", spec.tiled_layer)):
         if not isinstance(value, bool) and (not isinstance(value, int) or value < 1):
             raise SeqParError(f"{name}={value!r}: use False, True (automatic tile count) or an int >= 1")
+    if not isinstance(spec.attention_head_chunks, int) or spec.attention_head_chunks < 1:
+        raise SeqParError(f"attention_head_chunks={spec.attention_head_chunks!r}: use an int >= 1 (1: whole calls)")
     if spec.loss_chunk_tokens is not None and spec.loss_chunk_tokens < 1:
         raise SeqParError(f"loss_chunk_tokens must be >= 1 (or None), got {spec.loss_chunk_tokens}")
     if spec.tiled_mlp:
@@ -94,7 +97,8 @@ def prepare_model(model: torch.nn.Module, mesh: SequenceParallelMesh, spec: Prep
     """Steps 1-4 of the module docstring on the policy; returns it (`lora` may return a new wrapper).
     The stack wraps it next (step 5)."""
     if not is_sequence_parallel(model):
-        apply_sequence_parallel(model, mesh, attention_kernel=spec.attention_kernel)
+        apply_sequence_parallel(model, mesh, attention_kernel=spec.attention_kernel,
+                                head_chunks=spec.attention_head_chunks)
     if lora is not None:
         model = lora(model)
     if spec.activation_checkpointing:
@@ -110,7 +114,8 @@ def frozen_reference(ref: torch.nn.Module, mesh: SequenceParallelMesh, spec: Pre
     eval mode, no gradients. Returns it; the stack places it (step 5) as it places the policy."""
     ref.eval().requires_grad_(False)
     if not is_sequence_parallel(ref):
-        apply_sequence_parallel(ref, mesh, attention_kernel=spec.attention_kernel)
+        apply_sequence_parallel(ref, mesh, attention_kernel=spec.attention_kernel,
+                                head_chunks=spec.attention_head_chunks)
     if spec.tile_reference:
         _tile(ref, spec)
     if spec.fused_loss:

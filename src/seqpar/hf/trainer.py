@@ -123,7 +123,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
     False: full logits), loss_chunk_tokens (None: one chunk's fp32 logits <= 256 MB) and tiled_mlp
     (False | True = automatic tile count | int tiles), tiled_layer (the same values: norms, projections, RoPE,
     residual adds and MLP of every decoder layer over sequence tiles), attention_kernel ('auto' or a kernel name:
-    docs/gpu.md). data_collator: None (the SP collator is built) or a seqpar SP collator.
+    docs/gpu.md), attention_head_chunks (the attention kernels per group of heads: docs/memory.md).
+    data_collator: None (the SP collator is built) or a seqpar SP collator.
     """
 
     _stage = "sft"
@@ -133,7 +134,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
                  ring_degree: int | None = None, layout: str = "zigzag", mesh: SequenceParallelMesh | None = None,
                  packing: bool = False, max_length: int | None = None, fused_loss: bool = True,
                  loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False,
-                 tiled_layer: bool | int = False, attention_kernel: str = "auto", **kwargs: Any) -> None:
+                 tiled_layer: bool | int = False, attention_kernel: str = "auto", attention_head_chunks: int = 1,
+                 **kwargs: Any) -> None:
         from transformers import TrainingArguments
 
         if model is None:
@@ -144,7 +146,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         # the Trainer enables checkpointing itself (train()); the reference stays untiled (PrepareSpec)
         self.sp_prepare = PrepareSpec(fused_loss=bool(fused_loss), loss_chunk_tokens=loss_chunk_tokens,
                                       tiled_mlp=tiled_mlp, tiled_layer=tiled_layer, tile_reference=False,
-                                      attention_kernel=check_kernel_name(attention_kernel))
+                                      attention_kernel=check_kernel_name(attention_kernel),
+                                      attention_head_chunks=attention_head_chunks)
         sequence_parallel_size = map_parallelism_config(name, args, sequence_parallel_size)
         check_stack_args(name, args)
         use_cpu_when_no_accelerator(args)

@@ -63,14 +63,14 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     if feats.tiled_layer:  # planner.tiled: the layer keeps its input + attention's tensors; pieces run in tiles
         o_in = (e * m.q_dim + (e * wl.lora_r if wl.lora else 0)) if wl.trains("o_proj") else 0
         t = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e, lay.ring,
-                        o_in, wl.device)
+                        o_in, wl.device, feats.attention_head_chunks)
         current, ahead = t.current - (e * h if ckpt else 0), (e * h if ckpt else t.current)
         attn_saved = 0 if ckpt else t.current - e * h
         return _Alive(base + current, ahead, e * h if ckpt else 0, t.mlp_acts, t.mlp_temp - e * h * tokens,
                       t.attn_temp, 0, 0, (t.qkv_temp, t.qkv_tile, t.qkv_grads, attn_saved))
     mlp_in = feats.tiled_mlp or any(wl.trains(t) for t in ("gate_proj", "up_proj"))
     # seqpar's attention backward tensor by tensor (planner.tiled), its collectives' buffers included
-    attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses, lay.ring, wl.device)
+    attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses, lay.ring, wl.device, feats.attention_head_chunks)
     freed = norm_bytes(m, e, True, not wl.lora, mlp_in)
     if wl.lora and not ckpt:
         current -= 4 * h + 4  # layer 0 keeps no norm input (frozen embedding)

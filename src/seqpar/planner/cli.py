@@ -54,6 +54,8 @@ def add_plan_parser(sub: Any) -> None:
                    help="memory.tiled_layer: norms, projections and MLP in sequence tiles (planner.tiled)")
     s.add_argument("--offload-activations", action="store_true")
     s.add_argument("--offload-optimizer", action="store_true")
+    s.add_argument("--attention-head-chunks", default="1",
+                   help="memory.attention_head_chunks: N, or auto (the planner picks per mesh: planner.tiled)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object: candidates, recommended")
     o.add_argument("--top", type=int, default=12, help="rows of the table")
@@ -61,7 +63,8 @@ def add_plan_parser(sub: Any) -> None:
     v.add_argument("--validate", action="store_true", help="predicted vs MemTracker-measured peak memory")
     v.add_argument("--features", default="none",
                    help="feature rows for --validate: none | all | ckpt,fused,tiled,offload,layer (layer: also the "
-                   "4-layer rows with and without tiled_layer)")
+                   "4-layer rows with and without tiled_layer), chunks (attention head chunks), cuda (rows marked "
+                   "cuda: CUDA's attention workspace held by the CPU kernel, planned with the CUDA terms)")
     v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")
     p.set_defaults(func=cmd_plan)
 
@@ -84,7 +87,16 @@ def _request(args: argparse.Namespace) -> Any:
         fused_loss=not args.no_fused_loss, tiled_mlp=args.tiled_mlp, tiled_layer=args.tiled_layer,
         offload_activations=args.offload_activations,
         offload_optimizer=args.offload_optimizer, fsdp=args.fsdp, max_seq_len=args.max_seq_len,
-        max_position=args.max_position, rope_scaling=args.rope_scaling)
+        max_position=args.max_position, rope_scaling=args.rope_scaling,
+        attention_head_chunks=_head_chunks(args.attention_head_chunks))
+
+
+def _head_chunks(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise SeqParError(f"--attention-head-chunks must be auto or an int >= 1, got {value!r}")
+    return int(value)
 
 
 def _table(cands: list[Any], top: int, max_len: bool) -> str:
@@ -111,24 +123,18 @@ def _table(cands: list[Any], top: int, max_len: bool) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .validate import (
-        FEATURE_SETS,
-        GRID,
-        TILED_GRID,
-        TOLERANCE,
-        UNTILED_GRID,
-        format_rows,
-        run_validation,
-        with_features,
-    )
+    from . import validate as v
 
-    names = list(FEATURE_SETS) if args.features == "all" else args.features.split(",")
-    bad = [n for n in names if n not in FEATURE_SETS]
+    extra = {"layer": v.TILED_GRID + v.UNTILED_GRID, "chunks": v.HEAD_CHUNK_GRID, "cuda": v.CUDA_GRID}
+    names = list(v.FEATURE_SETS) if args.features == "all" else args.features.split(",")
+    bad = [n for n in names if n not in v.FEATURE_SETS and n not in extra]
     if bad:
-        raise SeqParError(f"--features {args.features!r}: unknown {bad}; use none, all or {','.join(FEATURE_SETS)}")
-    rows = run_validation(with_features(GRID, names) + (TILED_GRID + UNTILED_GRID if "layer" in names else []))
-    print(format_rows(rows))
-    return 0 if all(abs(r["rel_err"]) <= TOLERANCE for r in rows) else 1
+        raise SeqParError(f"--features {args.features!r}: unknown {bad}; use none, all or "
+                          f"{','.join([*v.FEATURE_SETS, 'chunks', 'cuda'])}")
+    grid = v.with_features(v.GRID, [n for n in names if n in v.FEATURE_SETS])
+    rows = v.run_validation(grid + [c for n in names if n in extra for c in extra[n]])
+    print(v.format_rows(rows))
+    return 0 if all(abs(r["rel_err"]) <= v.TOLERANCE for r in rows) else 1
 
 
 def _validate_time() -> int:

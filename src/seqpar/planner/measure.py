@@ -42,6 +42,7 @@ class Case:
     precision: str = "fp32"
     memory: dict[str, Any] = field(default_factory=dict)
     optimizer: str = "fused"  # seqpar train's optimizer.implementation
+    attention_kernel: str = "auto"  # "cpu_cuda_workspace": a row marked cuda (CUDA's attention workspace held)
 
     @property
     def world(self) -> int:
@@ -53,8 +54,9 @@ class Case:
         shape = "" if self.num_layers == 2 else f" L={self.num_layers}"
         fsdp = "/fsdp" if self.fsdp else ""
         opt = "" if self.optimizer == "fused" else f" adamw:{self.optimizer}"
+        cuda = " [cuda]" if self.attention_kernel == "cpu_cuda_workspace" else ""
         return (f"{prec}{self.arch}{shape} S={self.seq_len} {self.stage}/{self.finetuning}{fsdp} "
-                f"u{self.ulysses}r{self.ring}d{self.dp} mem[{feats}]{opt}")
+                f"u{self.ulysses}r{self.ring}d{self.dp} mem[{feats}]{opt}{cuda}")
 
     def __hash__(self) -> int:  # memory is a dict
         return hash(self.label())
@@ -79,6 +81,7 @@ def case_config(case: Case) -> Any:
         # No key = feature off (fused_loss defaults to on in TrainConfig; the planner names it explicitly).
         "memory": {"fused_loss": False, **case.memory},
         "precision": case.precision,
+        "attention_kernel": case.attention_kernel,
         "optimizer": {"implementation": case.optimizer},
         "micro_batch_size": case.micro_batch_size,
         "max_steps": 8,

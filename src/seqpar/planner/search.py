@@ -15,6 +15,7 @@ from .gpus import Cluster
 from .limits import Context, context_limit, padded, refuse_too_long, split_multiple
 from .memory import Features, Layout, MemoryBreakdown, Workload, estimate_memory, host_bytes
 from .model import ModelFacts
+from .tiled import auto_head_chunks
 from .time import TimeEstimate, estimate_time
 
 __all__ = ["Candidate", "Request", "plan", "usable_bytes", "MARGIN_FRACTION", "MARGIN_BYTES", "train_yaml"]
@@ -46,6 +47,7 @@ class Request:
     max_seq_len: bool = False
     max_position: int | None = None  # an extended context (config.json's max_position_embeddings)
     rope_scaling: float | None = None  # or a RoPE scaling factor on the model's own
+    attention_head_chunks: int | str = 1  # memory.attention_head_chunks, or "auto": planner.tiled.auto_head_chunks
 
 
 @dataclass
@@ -106,6 +108,13 @@ def _feature_sets(req: Request) -> list[Features]:
         raise SeqParError("--offload-activations needs activation checkpointing and --offload-optimizer needs FSDP: "
                           "drop --no-activation-checkpointing / --no-fsdp")
     return out
+
+
+def _chunked(f: Features, m: ModelFacts, lay: Layout, req: Request) -> Features:
+    """The request's attention head chunks for this mesh ("auto": planner.tiled.auto_head_chunks)."""
+    c = req.attention_head_chunks
+    c = auto_head_chunks(m, lay.ulysses, req.workload.device) if c == "auto" else int(c)
+    return replace(f, attention_head_chunks=c) if c != f.attention_head_chunks else f
 
 
 def _layouts(m: ModelFacts, cl: Cluster, req: Request) -> list[Layout]:
@@ -228,7 +237,7 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
     cands = []
     if req.max_seq_len:
         for lay in _layouts(m, cl, req):
-            cands += [_longest(m, cl, wl, lay, f, ctx) for f in _feature_sets(req)]
+            cands += [_longest(m, cl, wl, lay, _chunked(f, m, lay, req), ctx) for f in _feature_sets(req)]
         if any(c.capped_by for c in cands):
             notes.append(f"--max-seq-len capped at {ctx.limit}: {ctx.reason}" + (
                 "" if ctx.extended or "sliding" in ctx.reason else
@@ -236,7 +245,8 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
     else:
         refuse_too_long(ctx, wl.seq_len)
         for lay, n in _meshes(m, cl, req, ctx, notes):
-            cands += [_evaluate(m, cl, replace(wl, seq_len=n), lay, f) for f in _feature_sets(req)]
+            cands += [_evaluate(m, cl, replace(wl, seq_len=n), lay, _chunked(f, m, lay, req))
+                      for f in _feature_sets(req)]
     _rank(cands, cl, req.max_seq_len)
     return cands, (0 if cands and cands[0].fits else None)
 
@@ -289,7 +299,8 @@ def train_yaml(model_name: str, c: Candidate, wl: Workload, seq_len: int, ctx: C
         "fsdp": {"enabled": f.fsdp, "offload": f.offload_optimizer},
         "memory": {"activation_checkpointing": f.activation_checkpointing,
                    "offload_activations": f.offload_activations, "fused_loss": f.fused_loss,
-                   "tiled_mlp": f.tiled_mlp, "tiled_layer": f.tiled_layer},
+                   "tiled_mlp": f.tiled_mlp, "tiled_layer": f.tiled_layer,
+                   **({"attention_head_chunks": f.attention_head_chunks} if f.attention_head_chunks > 1 else {})},
         "precision": wl.precision,
         "micro_batch_size": wl.micro_batch_size,
     }

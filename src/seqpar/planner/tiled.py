@@ -42,7 +42,7 @@ from ..attention.ulysses import head_plan
 from .model import ModelFacts
 
 __all__ = ["TiledTerms", "tiled_terms", "tiled_saved_per_token", "layer_tiles", "attention_backward_temp",
-           "ring_backward_temp", "cuda_attention_workspace"]
+           "ring_backward_temp", "cuda_attention_workspace", "auto_head_chunks"]
 
 
 def tiled_saved_per_token(m: ModelFacts, elt: int, u: int) -> int:
@@ -75,20 +75,51 @@ def cuda_attention_workspace(m: ModelFacts, elt: int, u: int) -> int:
     return 4 * wq + 4 * hq + (2 * elt * wq if gqa else 0)
 
 
-def attention_backward_temp(m: ModelFacts, elt: int, u: int, ring: int = 1, device: str = "cpu") -> int:
+def _local_widths(m: ModelFacts, u: int) -> tuple[int, int]:
+    """q and kv widths a kernel call sees per local token (Ulysses: the plan's padded head space)."""
+    if u == 1:
+        return m.q_dim, m.kv_dim
+    plan = head_plan(m.heads, m.kv_heads, u)
+    return plan.padded_heads * m.head_dim, plan.expanded_kv_heads * m.head_dim
+
+
+def auto_head_chunks(m: ModelFacts, u: int, device: str = "cuda") -> int:
+    """The head chunks the planner picks: on CUDA as many as leave each kernel call one KV head (at most 8, so a
+    call keeps >= 4 q heads of Llama-like models); on a CPU 1 (its kernel has no workspace to cut)."""
+    if device != "cuda":
+        return 1
+    _, wkv = _local_widths(m, u)
+    return max(1, min(8, wkv // m.head_dim))
+
+
+def attention_backward_temp(m: ModelFacts, elt: int, u: int, ring: int = 1, device: str = "cpu",
+                            head_chunks: int = 1) -> int:
     """Bytes per local token seqpar's attention backward allocates beside its saved tensors, at its largest
     moment (module docstring), with the incoming attention-output gradient e q. For u > 1 the saved
     sequence-space output (the second piece's input, released with that piece's backward) is subtracted.
-    device "cuda": plus the CUDA kernels' own backward workspace (`cuda_attention_workspace`)."""
+    device "cuda": plus the CUDA kernels' own backward workspace (`cuda_attention_workspace`).
+    head_chunks > 1 (attention.heads): the workspace of one group of heads at a time, and that group's kernel
+    outputs beside the full dq / dk / dv they are copied into."""
     e = elt
-    if device == "cuda":
-        return cuda_attention_workspace(m, e, u) + attention_backward_temp(m, e, u, ring, "cpu")
+    wq, wkv = _local_widths(m, u)
+    # inside a kernel call: its workspace (CUDA) and, in head chunks, one group's outputs beside the full ones
+    call = -(-(cuda_attention_workspace(m, e, u) if device == "cuda" else 0) // head_chunks)
+    if head_chunks > 1:
+        call += -(-e * (wq + 2 * wkv) // head_chunks)
+    base = _attention_backward_base(m, e, u, ring)
+    if u > 1 and ring == 1:  # fused Ulysses: the call's moment (received dout, the kernel's outputs) or the
+        # exchange's afterwards, whichever is larger
+        return max(base, e * wq + e * (wq + 2 * wkv) + call)
+    return base + call
+
+
+def _attention_backward_base(m: ModelFacts, e: int, u: int, ring: int) -> int:
+    """attention_backward_temp without the kernel call's own terms (what the CPU meter measured)."""
     if u == 1 and ring == 1:  # the local attention: the kernel's dq, dk, dv in the input dtype, nothing else
         return e * m.q_dim + e * (m.q_dim + 2 * m.kv_dim)
     if u == 1:  # ring path
         return e * m.q_dim + ring_backward_temp(m.q_dim, m.kv_dim, e, ring)
-    plan = head_plan(m.heads, m.kv_heads, u)
-    wq, wkv = plan.padded_heads * m.head_dim, plan.expanded_kv_heads * m.head_dim
+    wq, wkv = _local_widths(m, u)
     if ring > 1:  # USP: the gradient in head space (the sequence-space one is freed), then the ring on u x the
         # tokens and 1/u of the heads (the same bytes per local token), sending a copy of its own K/V block
         return e * wq + ring_backward_temp(wq, wkv, e, ring, send_copy=True) - e * m.q_dim
@@ -131,7 +162,7 @@ class TiledTerms:
 
 def tiled_terms(m: ModelFacts, elt: int, u: int, rows: int, local_per_row: int, tokens: int,
                 weights_train: bool, elt_params: int, ring: int = 1, o_proj_in: int = 0,
-                device: str = "cpu") -> TiledTerms:
+                device: str = "cpu", head_chunks: int = 1) -> TiledTerms:
     """o_proj_in: bytes per token o_proj (or its adapter) keeps of its input and adapter output, when training."""
     e, h, i = elt, m.hidden, m.intermediate
     tiles = layer_tiles(m, local_per_row)
@@ -153,5 +184,5 @@ def tiled_terms(m: ModelFacts, elt: int, u: int, rows: int, local_per_row: int, 
     qkv_tile = tile * (4 * e * qkv + (6 if weights_train else 4) * 4 * h + 2 * e * h)
     qkv_grads = (h * qkv + h) * (4 + e) if weights_train else 0  # summed in fp32, plus the tile's own
     return TiledTerms(tiled_saved_per_token(m, elt, u), kept * tile, tile_grads + buffers, down,
-                      e * h + attention_backward_temp(m, e, u, ring, device), 2 * e * h + e * qkv, qkv_tile,
-                      qkv_grads)
+                      e * h + attention_backward_temp(m, e, u, ring, device, head_chunks), 2 * e * h + e * qkv,
+                      qkv_tile, qkv_grads)

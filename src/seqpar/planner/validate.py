@@ -21,7 +21,8 @@ from .measure import Case, measure_case, unsupervised_tokens
 from .memory import Features, Layout, Workload, estimate_memory
 from .model import load_model_facts
 
-__all__ = ["GRID", "FAST_GRID", "REACH_GRID", "TILED_GRID", "UNTILED_GRID", "FEATURE_SETS", "predict_case",
+__all__ = ["GRID", "FAST_GRID", "REACH_GRID", "TILED_GRID", "UNTILED_GRID", "HEAD_CHUNK_GRID", "CUDA_GRID",
+           "FEATURE_SETS", "predict_case",
            "run_validation", "format_rows", "with_features", "TOLERANCE", "TIME_GRID", "FAST_TIME_GRID",
            "run_time_validation", "time_ordering", "format_time_rows"]
 
@@ -68,6 +69,15 @@ TILED_GRID: list[Case] = [_L, replace(_L, precision="bf16"), replace(_L, finetun
 # LoRA) or attention's backward (fp32, ulysses 2).
 UNTILED_GRID: list[Case] = [replace(c, memory={**c.memory, "tiled_layer": False}) for c in TILED_GRID[:4]]
 FAST_GRID: list[Case] = [_B, replace(_B, finetuning="lora"), replace(_B, ulysses=2), replace(_B, stage="dpo")]
+# Attention in head chunks (memory.attention_head_chunks = 2): SP 1 fp32 / bf16, ulysses 2, ring 2, untiled SP 1.
+HEAD_CHUNK_GRID: list[Case] = [replace(c, memory={**c.memory, "attention_head_chunks": 2})
+                               for c in (TILED_GRID[0], TILED_GRID[1], TILED_GRID[3], TILED_GRID[4], UNTILED_GRID[0])]
+# Rows marked cuda: the CPU kernel holding what CUDA's flash / cuDNN backward allocates (attention kernel
+# cpu_cuda_workspace), planned with the planner's CUDA terms (Workload.device = "cuda"); the first four also in
+# head chunks.
+_CUDA = [replace(c, attention_kernel="cpu_cuda_workspace")
+         for c in (*TILED_GRID[:2], TILED_GRID[3], TILED_GRID[4], TILED_GRID[6], UNTILED_GRID[0], UNTILED_GRID[3])]
+CUDA_GRID: list[Case] = _CUDA + [replace(c, memory={**c.memory, "attention_head_chunks": 2}) for c in _CUDA[:4]]
 
 
 def _features(case: Case) -> Features:
@@ -77,7 +87,8 @@ def _features(case: Case) -> Features:
                     offload_activations=bool(mem.get("offload_activations", False)),
                     fused_loss=bool(mem.get("fused_loss", True)), tiled_mlp=bool(tiled), fsdp=case.fsdp,
                     tiled_layer=bool(mem.get("tiled_layer", False)),
-                    loss_chunk_tokens=mem.get("loss_chunk_tokens"), offload_prefetch=False)  # CPU: no prefetch
+                    loss_chunk_tokens=mem.get("loss_chunk_tokens"), offload_prefetch=False,  # CPU: no prefetch
+                    attention_head_chunks=mem.get("attention_head_chunks", 1))
 
 
 @functools.cache
@@ -91,7 +102,8 @@ def predict_case(case: Case) -> int:
     """The planner's peak bytes per rank for a validation case."""
     m = model_facts(case)
     wl = Workload(case.seq_len, case.stage, case.finetuning, case.precision, case.micro_batch_size,
-                  unsupervised_tokens=_unsupervised(case), device="cpu")
+                  unsupervised_tokens=_unsupervised(case),
+                  device="cuda" if case.attention_kernel == "cpu_cuda_workspace" else "cpu")
     lay = Layout(case.ulysses, case.ring, case.dp)
     return estimate_memory(m, wl, lay, _features(case), optimizer=case.optimizer).total
 

@@ -10,17 +10,17 @@ import math
 from datetime import timedelta
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ...mesh import check_divides
+from .base import StrictModel
+from .memory import FSDPSpec, MemorySpec
 
 __all__ = ["TrainConfig", "ModelSpec", "DatasetSpec", "SequenceParallelSpec", "DPOSpec", "GRPOSpec", "FinetuningSpec",
            "OptimizerSpec", "ScheduleSpec", "CheckpointSpec", "ExportSpec", "MemorySpec", "FSDPSpec"]
 
 
-class _Strict(BaseModel):
-    # Unknown keys are typos: refuse them instead of silently ignoring a setting.
-    model_config = ConfigDict(extra="forbid")
+_Strict = StrictModel
 
 
 class ModelSpec(_Strict):
@@ -203,64 +203,6 @@ class ExportSpec(_Strict):
     merged_lora: bool = False
 
 
-class MemorySpec(_Strict):
-    """Long-context memory features (docs/memory.md). Each keeps the loss and gradients exact.
-
-    activation_checkpointing: recompute each decoder layer in backward (non-reentrant); only layer
-      inputs stay alive between forward and backward.
-    offload_activations: with activation_checkpointing, keep those layer inputs in host memory
-      (seqpar.memory.offload: pinned buffers + side-stream copies on accelerators; on CPU a host store the
-      meter reports apart from the device bytes). Exact.
-    fused_loss: lm_head + loss over chunks of tokens, so no [S_local, vocab] logits tensor exists.
-    loss_chunk_tokens: tokens per loss chunk; None = as many as keep one chunk's fp32 logits <= 256 MB.
-    tiled_mlp: run each decoder MLP over sequence tiles, recomputing tile by tile in backward;
-      true = tile count from the shapes, an int = that many tiles.
-    tiled_layer: run the rest of each decoder layer (norms, q/k/v/o projections, RoPE, residual adds, MLP)
-      over sequence tiles, recomputed tile by tile (seqpar.memory.tiled_compute); values as tiled_mlp.
-    measure: exact per-rank peak of live tensor bytes per step (seqpar.memory.meter), logged as
-      peak_alloc_mb (max over ranks); it costs Python work per op, so set false for timing runs.
-    """
-
-    activation_checkpointing: bool = False
-    offload_activations: bool = False
-    fused_loss: bool = True
-    loss_chunk_tokens: int | None = Field(default=None, ge=1)
-    tiled_mlp: bool | int = False
-    tiled_layer: bool | int = False
-    measure: bool = True
-
-    @field_validator("tiled_mlp", "tiled_layer")
-    @classmethod
-    def _tiles(cls, v: bool | int, info: Any) -> bool | int:
-        if not isinstance(v, bool) and v < 1:
-            raise ValueError(f"memory.{info.field_name}={v}: use true (automatic tile count), false, or a tile "
-                             "count >= 1")
-        return v
-
-    @model_validator(mode="after")
-    def _offload_needs_ckpt(self) -> MemorySpec:
-        if self.offload_activations and not self.activation_checkpointing:
-            raise ValueError(
-                "memory.offload_activations offloads the checkpointed layer inputs: also set "
-                "memory.activation_checkpointing: true"
-            )
-        return self
-
-
-class FSDPSpec(_Strict):
-    """`fsdp: true` or `fsdp: {enabled: true, offload: true}`; truthy when enabled.
-
-    offload: parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy; on a CPU-only
-      run it is host to host, unpinned: exact, no memory effect).
-    """
-
-    enabled: bool = False
-    offload: bool = False
-
-    def __bool__(self) -> bool:
-        return self.enabled
-
-
 class TrainConfig(_Strict):
     model: ModelSpec
     dataset: DatasetSpec
@@ -273,7 +215,8 @@ class TrainConfig(_Strict):
     memory: MemorySpec = Field(default_factory=MemorySpec)
     precision: Literal["fp32", "bf16", "bf16-pure"] = "fp32"  # bf16: fp32 master weights; bf16-pure: none
     # the local attention kernel (docs/gpu.md): auto picks per device, dtype, head_dim and GPU; logged once per run
-    attention_kernel: Literal["auto", "flash", "cudnn", "efficient", "math", "cpu", "cuda", "cuda_efficient"] = "auto"
+    attention_kernel: Literal["auto", "flash", "cudnn", "efficient", "math", "cpu", "cpu_cuda_workspace", "cuda",
+                              "cuda_efficient"] = "auto"
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     micro_batch_size: int = Field(default=1, ge=1)
