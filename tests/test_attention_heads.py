@@ -20,20 +20,24 @@ VARLEN = VarlenByLoop(CpuFlashKernel())
 
 def test_chunks_cover_every_head_once_with_its_group():
     for hq, hkv in ((32, 8), (14, 2), (12, 12), (9, 3), (4, 1)):
-        for c in (1, 2, 3, 4, 8, 16):
+        g = hq // hkv
+        for c in (1, 2, 3, 4, 8, 16, 64):
             parts = head_chunks(hq, hkv, c)
-            assert len(parts) == min(c, hkv)
-            assert [p[0] for p in parts] == [p[2] * hq // hkv for p in parts]  # q heads of the kv heads' groups
-            assert parts[0][0] == parts[0][2] == 0 and parts[-1][1] == hq and parts[-1][3] == hkv
-            assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(parts, parts[1:]))
-            sizes = [p[3] - p[2] for p in parts]
+            assert [h for p in parts for h in range(p[0], p[1])] == list(range(hq))  # every q head once, in order
+            assert all(p[2] == p[0] // g and p[3] - 1 == (p[1] - 1) // g for p in parts)  # with its own kv heads
+            if c <= hkv:
+                assert len(parts) == c and all(a[3] == b[2] for a, b in zip(parts, parts[1:]))
+                sizes = [p[3] - p[2] for p in parts]
+            else:  # q heads of one group split: one kv head per chunk, at most one q head per chunk
+                assert len(parts) == hkv * min(g, -(-c // hkv)) and all(p[3] - p[2] == 1 for p in parts)
+                sizes = [p[1] - p[0] for p in parts]
             assert max(sizes) - min(sizes) <= 1
 
 
 def test_world1_head_chunks_exact():
     mesh = seqpar.init_mesh(1)
     cases = []
-    for chunks in (2, 3):
+    for chunks in (2, 3, 5):  # 5 > the kv heads of most cases: q heads of a group split, dK / dV added up
         for kern in ("auto", VARLEN):
             for hq, hkv in ((14, 2), (6, 6), (9, 3)):
                 for b, cu in ((2, None), (1, [0, 1, 9, 30, 40])):
@@ -57,7 +61,7 @@ def chunked_world4():
         for hq, hkv in ((8, 4), (14, 2)):
             for kern, cu, b in (("auto", None, 2), ("auto", many, 1), (VARLEN, many, 1)):
                 key = (u, r, hq, hkv, str(kern), str(cu), b, "float32")
-                results.append((key, run_case(mesh, hq, hkv, True, b, 64, cu=cu, kernel=kern, head_chunks=2)))
+                results.append((key, run_case(mesh, hq, hkv, True, b, 64, cu=cu, kernel=kern, head_chunks=3)))
     return results
 
 

@@ -20,12 +20,17 @@ __all__ = ["HeadChunked", "head_chunks"]
 
 
 def head_chunks(num_heads: int, num_kv_heads: int, chunks: int) -> list[tuple[int, int, int, int]]:
-    """[(q0, q1, k0, k1)] for `chunks` near-equal groups of KV heads (fewer if there are fewer KV heads), each
-    with the q heads of its GQA groups: q head j uses kv head j // (num_heads // num_kv_heads)."""
+    """[(q0, q1, k0, k1)]: up to as many chunks as KV heads, near-equal groups of KV heads, each with the q heads
+    of its GQA groups (q head j uses kv head j // (num_heads // num_kv_heads)); past that, each KV head's group of
+    q heads split into near-equal parts (at most one q head each), so a KV head is in several chunks."""
     g = num_heads // num_kv_heads
-    n = max(1, min(chunks, num_kv_heads))
-    cuts = [i * num_kv_heads // n for i in range(n + 1)]
-    return [(a * g, b * g, a, b) for a, b in zip(cuts, cuts[1:])]
+    if chunks <= num_kv_heads:
+        n = max(1, chunks)
+        cuts = [i * num_kv_heads // n for i in range(n + 1)]
+        return [(a * g, b * g, a, b) for a, b in zip(cuts, cuts[1:])]
+    s = min(g, -(-chunks // num_kv_heads))
+    inner = [i * g // s for i in range(s + 1)]
+    return [(kv * g + a, kv * g + b, kv, kv + 1) for kv in range(num_kv_heads) for a, b in zip(inner, inner[1:])]
 
 
 class HeadChunked:
@@ -40,6 +45,8 @@ class HeadChunked:
         return head_chunks(q.shape[head_dim], k.shape[head_dim], self.chunks)
 
     def _run_forward(self, fn, q, k, v, head_dim: int, *args):
+        if len(self._parts(q, k, head_dim)) == 1:  # one group (a single KV head here): the kernel as it is
+            return fn(q, k, v, *args)
         out, lse = q.new_empty(q.shape), None  # [B, S, H, D] rows: the layout every kernel's backward takes
         for q0, q1, k0, k1 in self._parts(q, k, head_dim):
             sq, sk = _heads(head_dim, q0, q1), _heads(head_dim, k0, k1)
@@ -51,11 +58,20 @@ class HeadChunked:
         return out, lse
 
     def _run_backward(self, fn, dout, q, k, v, out, lse, head_dim: int, *args):
+        if len(self._parts(q, k, head_dim)) == 1:
+            return fn(dout, q, k, v, out, lse, *args)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        done = set()  # KV heads whose gradient holds a first part (q-head splits of one group add up)
         for q0, q1, k0, k1 in self._parts(q, k, head_dim):
             sq, sk = _heads(head_dim, q0, q1), _heads(head_dim, k0, k1)
             g = fn(dout[sq], q[sq], k[sk], v[sk], out[sq], lse[sq], *args)
-            dq[sq], dk[sk], dv[sk] = g
+            dq[sq] = g[0]
+            if (k0, k1) in done:
+                dk[sk] += g[1]
+                dv[sk] += g[2]
+            else:
+                dk[sk], dv[sk] = g[1], g[2]
+                done.add((k0, k1))
             del g
         return dq, dk, dv
 

@@ -23,6 +23,9 @@ def add_plan_parser(sub: Any) -> None:
     c.add_argument("--gpus-per-node", type=int, default=None)
     c.add_argument("--gpu", default=None, help="preset: a100-80g | h100 | h200 (default h100 numbers)")
     c.add_argument("--gpu-mem", default=None, help="per-GPU memory, e.g. 80GiB")
+    c.add_argument("--host-mem", default=None, help="host RAM per GPU for offloaded tensors, e.g. 256GiB, or none "
+                                                     "(default: a DGX node's RAM less 10%%, shared by the GPUs the "
+                                                     "job uses on it: 2 TiB for h100/h200, 1 TiB for a100-80g)")
     c.add_argument("--intra-bw", type=float, default=None, help="GB/s per GPU inside a node")
     c.add_argument("--inter-bw", type=float, default=None, help="GB/s per GPU across nodes")
     c.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s per GPU")
@@ -159,7 +162,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     m = load_model_facts(args.model)
     cl = make_cluster(args.gpus, args.gpus_per_node, args.gpu, args.gpu_mem, args.intra_bw, args.inter_bw,
-                      args.peak_tflops)
+                      args.peak_tflops, args.host_mem)
     req = _request(args)
     notes: list[str] = []
     cands, rec = plan(m, cl, req, notes)

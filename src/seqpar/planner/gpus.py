@@ -38,6 +38,10 @@ class Cluster:
     per_kind: tuple[tuple[str, float, float], ...] = ()
     host_bw: float = 25.0  # GB/s per GPU between device and pinned host memory (PCIe, one direction)
     host_mem_bw: float = 100.0  # GB/s of host memory per node, shared by its GPUs' CPU optimizer steps
+    # host RAM one GPU may fill with offloaded tensors (layer inputs, the CPU optimizer state); None: unlimited.
+    # Presets: a DGX node's RAM (2 TiB for H100 / H200, 1 TiB for A100 80 GB) less 10% for the OS and the
+    # processes, shared by the GPUs the job uses on the node (make_cluster)
+    host_mem_bytes: int | None = None
 
     def bw(self, group: int, stride: int = 1) -> float:
         """Bandwidth of a group of `group` ranks spaced `stride` apart (ranks fill nodes in order)."""
@@ -73,9 +77,12 @@ class Cluster:
 # mem_bw: HBM peak (A100 2.0, H100 3.35, H200 4.8 TB/s); latency_s: 20 us per NCCL call (a model, inter-node
 # calls are slower). Memory-bound work is a small term at long lengths; the latency matters for small messages.
 GPU_PRESETS: dict[str, Cluster] = {
-    "a100-80g": Cluster(8, 8, 80 * GiB, 312.0, 19.5, 240.0, 22.0, "a100-80g", mem_bw=2039.0, host_bw=25.0),
-    "h100": Cluster(8, 8, 80 * GiB, 989.0, 67.0, 360.0, 45.0, "h100", mem_bw=3350.0, host_bw=50.0),
-    "h200": Cluster(8, 8, 141 * 10**9, 989.0, 67.0, 360.0, 45.0, "h200", mem_bw=4800.0, host_bw=50.0),
+    "a100-80g": Cluster(8, 8, 80 * GiB, 312.0, 19.5, 240.0, 22.0, "a100-80g", mem_bw=2039.0, host_bw=25.0,
+                        host_mem_bytes=int(0.9 * 2**40)),  # per node here; make_cluster divides by GPUs per node
+    "h100": Cluster(8, 8, 80 * GiB, 989.0, 67.0, 360.0, 45.0, "h100", mem_bw=3350.0, host_bw=50.0,
+                    host_mem_bytes=int(0.9 * 2**41)),
+    "h200": Cluster(8, 8, 141 * 10**9, 989.0, 67.0, 360.0, 45.0, "h200", mem_bw=4800.0, host_bw=50.0,
+                    host_mem_bytes=int(0.9 * 2**41)),
 }
 
 
@@ -102,7 +109,8 @@ def parse_bytes(text: str | int | float) -> int:
 
 def make_cluster(gpus: int, gpus_per_node: int | None = None, gpu: str | None = None, gpu_mem: str | None = None,
                  intra_bw: float | None = None, inter_bw: float | None = None,
-                 peak_tflops: float | None = None) -> Cluster:
+                 peak_tflops: float | None = None, host_mem: str | None = None) -> Cluster:
+    """host_mem: host RAM per GPU for offloaded tensors ('256GiB'; 'none': unlimited; default: the preset's)."""
     if gpu is not None and gpu not in GPU_PRESETS:
         raise SeqParError(f"unknown GPU {gpu!r}: use one of {', '.join(GPU_PRESETS)} (or --gpu-mem/--peak-tflops)")
     if not isinstance(gpus, int) or gpus < 1:
@@ -121,4 +129,6 @@ def make_cluster(gpus: int, gpus_per_node: int | None = None, gpu: str | None = 
         peak_tflops=peak_tflops or base.peak_tflops,
         fp32_tflops=(peak_tflops / 8 if peak_tflops else base.fp32_tflops),
         name=gpu or ("custom" if gpu_mem else base.name),
+        host_mem_bytes=(base.host_mem_bytes // min(per_node, gpus) if host_mem is None and base.host_mem_bytes
+                        else None if host_mem is None or str(host_mem).lower() == "none" else parse_bytes(host_mem)),
     )

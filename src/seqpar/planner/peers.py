@@ -83,7 +83,7 @@ ANCHORS: list[Anchor] = [
 
 def _with_all(req: Request) -> Request:
     return replace(req, fused_loss=True, tiled_mlp=True, tiled_layer=True, offload_activations=True, fsdp=True,
-                   offload_optimizer=True, ulysses_degree=None, ring_degree=None)
+                   offload_optimizer=True, ulysses_degree=None, ring_degree=None, attention_head_chunks="auto")
 
 
 def predict(a: Anchor, everything: bool = False) -> float:

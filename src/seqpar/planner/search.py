@@ -143,8 +143,9 @@ def _evaluate(m: ModelFacts, cl: Cluster, wl: Workload, lay: Layout, f: Features
     plan = head_plan(m.heads, m.kv_heads, lay.ulysses) if lay.ulysses > 1 else None
     dummy = plan.dummy_heads if plan else 0
     rep = (plan.expanded_kv_heads // m.kv_heads) if plan else 1
-    return Candidate(lay, f, mem, t, mem.total <= usable_bytes(cl), dummy, rep, wl.seq_len,
-                     host_bytes=host_bytes(m, wl, lay, f)["total"], rows=wl.rows)
+    host = host_bytes(m, wl, lay, f)["total"]
+    fits = mem.total <= usable_bytes(cl) and (cl.host_mem_bytes is None or host <= cl.host_mem_bytes)
+    return Candidate(lay, f, mem, t, fits, dummy, rep, wl.seq_len, host_bytes=host, rows=wl.rows)
 
 
 def _longest(m: ModelFacts, cl: Cluster, wl: Workload, lay: Layout, f: Features, ctx: Context) -> Candidate:
@@ -267,7 +268,8 @@ def why(m: ModelFacts, cl: Cluster, c: Candidate) -> str:
     feats = [k for k, v in c.features.as_dict().items() if v]
     parts.append("features: " + (", ".join(feats) or "none"))
     if c.host_bytes:
-        parts.append(f"host memory {c.host_bytes / 2**30:.1f} GiB per GPU "
+        budget = "" if cl.host_mem_bytes is None else f" of {cl.host_mem_bytes / 2**30:.0f} GiB per GPU (--host-mem)"
+        parts.append(f"host memory {c.host_bytes / 2**30:.1f} GiB per GPU{budget} "
                      f"({c.host_bytes * min(cl.gpus_per_node, cl.gpus) / 2**30:.0f} GiB per node)")
     parts.append(f"peak {c.memory.total / 2**30:.1f} GiB at {c.memory.phase} of {usable_bytes(cl) / 2**30:.1f} "
                  f"usable; {c.sequences} sequence(s) of {c.seq_len} per step, {c.tokens_per_s:,.0f} tokens/s over "

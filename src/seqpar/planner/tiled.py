@@ -20,10 +20,10 @@ its recompute), the moments are
   in the input dtype, e (q + 2 kv), beside the incoming gradient e q;
   ring path (u = 1, ring > 1): the zigzag ring's busiest step (`ring_backward_temp`, measured with ring 2):
   the accumulators dq, dk, dv in fp32 and the kernel's outputs of one piece;
-  fused Ulysses (u > 1, ring = 1; Q, K the plan-padded head widths): the kernel's head-space gradients
-  e (Q + 2 K), their packed send buffer, its receive buffer and the sequence-space dq, dk, dv (each
-  e (Q + 2 K)); dout's send buffer and the received head-space dout are freed by then, and so is the
-  attention output `a` (saved by the second piece);
+  fused Ulysses (u > 1, ring = 1; Q, K the plan-padded head widths): the packed send buffer of the
+  head-space gradients, its receive buffer and the sequence-space dq, dk, dv (each e (Q + 2 K)); the kernel's
+  own gradients are freed once packed, dout's send buffer and the received head-space dout are freed by then,
+  and so is the attention output `a` (saved by the second piece);
   USP (u > 1, ring > 1): the head-space gradient e Q and the zigzag ring's busiest step on the head-space
   widths (measured with u = 2, ring = 2);
 - the first piece's backward (`TiledTerms.qkv_*`: after attention's, the largest moment of a world of 1 since
@@ -84,12 +84,12 @@ def _local_widths(m: ModelFacts, u: int) -> tuple[int, int]:
 
 
 def auto_head_chunks(m: ModelFacts, u: int, device: str = "cuda") -> int:
-    """The head chunks the planner picks: on CUDA as many as leave each kernel call one KV head (at most 8, so a
-    call keeps >= 4 q heads of Llama-like models); on a CPU 1 (its kernel has no workspace to cut)."""
+    """The head chunks the planner picks: on CUDA 8, or as many as a kernel call has q heads if fewer (each chunk
+    keeps whole q heads); on a CPU 1 (its kernel has no workspace to cut)."""
     if device != "cuda":
         return 1
-    _, wkv = _local_widths(m, u)
-    return max(1, min(8, wkv // m.head_dim))
+    wq, _ = _local_widths(m, u)
+    return max(1, min(8, wq // (m.head_dim * u)))  # q heads per kernel call: 1/u of the plan's on each rank
 
 
 def attention_backward_temp(m: ModelFacts, elt: int, u: int, ring: int = 1, device: str = "cpu",
@@ -102,7 +102,9 @@ def attention_backward_temp(m: ModelFacts, elt: int, u: int, ring: int = 1, devi
     outputs beside the full dq / dk / dv they are copied into."""
     e = elt
     wq, wkv = _local_widths(m, u)
-    # inside a kernel call: its workspace (CUDA) and, in head chunks, one group's outputs beside the full ones
+    # inside a kernel call: its workspace (CUDA) and, in head chunks, one group's outputs beside the full ones;
+    # a call has at most as many groups as q heads (one group: the kernel runs as it is)
+    head_chunks = max(1, min(head_chunks, wq // (m.head_dim * u)))
     call = -(-(cuda_attention_workspace(m, e, u) if device == "cuda" else 0) // head_chunks)
     if head_chunks > 1:
         call += -(-e * (wq + 2 * wkv) // head_chunks)
@@ -123,7 +125,7 @@ def _attention_backward_base(m: ModelFacts, e: int, u: int, ring: int) -> int:
     if ring > 1:  # USP: the gradient in head space (the sequence-space one is freed), then the ring on u x the
         # tokens and 1/u of the heads (the same bytes per local token), sending a copy of its own K/V block
         return e * wq + ring_backward_temp(wq, wkv, e, ring, send_copy=True) - e * m.q_dim
-    return 4 * e * (wq + 2 * wkv)
+    return 3 * e * (wq + 2 * wkv)
 
 
 def ring_backward_temp(q: int, kv: int, e: int, n: int, send_copy: bool = False) -> int:
