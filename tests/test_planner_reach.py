@@ -319,3 +319,25 @@ def test_head_chunk_and_cuda_rows_match_memtracker():
 
     rows = run_validation(HEAD_CHUNK_GRID + CUDA_GRID, timeout=900)
     assert all(abs(r["rel_err"]) <= TOLERANCE for r in rows), format_rows(rows)
+
+
+def test_host_memory_budget_per_gpu():
+    """Offload needs host RAM: a DGX node's (less 10%) shared by the GPUs the job uses on it, or --host-mem."""
+    node = int(0.9 * 2**41)
+    assert make_cluster(1, gpu="h100").host_mem_bytes == node
+    assert make_cluster(8, 8, gpu="h100").host_mem_bytes == node // 8
+    assert make_cluster(32, 8, gpu="h200").host_mem_bytes == node // 8
+    assert make_cluster(8, 8, gpu="h100", host_mem="none").host_mem_bytes is None
+    assert make_cluster(8, 8, gpu="h100", host_mem="100GiB").host_mem_bytes == 100 * 2**30
+    m = load_model_facts("llama-3.1-8b")
+    req = Request(Workload(0), activation_checkpointing=True, tiled_layer=True, offload_activations=True,
+                  offload_optimizer=True, fsdp=True, max_seq_len=True, max_position=16_777_216,
+                  attention_head_chunks="auto")
+    longest = {}
+    for mem in (None, "150GiB"):
+        cands, _ = plan(m, make_cluster(1, gpu="h100", host_mem=mem), req)
+        best = max(cands, key=lambda c: c.max_seq_len or 0)
+        longest[mem] = best.max_seq_len
+        assert best.host_bytes <= make_cluster(1, gpu="h100", host_mem=mem).host_mem_bytes
+    assert longest[None] == 978_667  # docs/planner.md's 1 x H100 row
+    assert longest["150GiB"] < longest[None]  # host-bound: the device would hold more
