@@ -45,14 +45,16 @@ RUNS: dict[str, tuple[dict, int, str, dict, str, int]] = {  # name: (model, leng
     "l2_all_128k": (LLAMA_2L, 131072, "bf16", ALL, "adamw", 3),
     "l2_all_256k": (LLAMA_2L, 262144, "bf16", ALL, "adamw", 3),
     "l2_nooffload_256k": (LLAMA_2L, 262144, "bf16", NO_OFFLOAD, "adamw", 3),
-    "l2_chunks_256k": (LLAMA_2L, 262144, "bf16", {**ALL, "attention_head_chunks": 4}, "adamw", 3),
+    "l2_chunks_64k": (LLAMA_2L, 65536, "bf16", {**ALL, "attention_head_chunks": 8}, "adamw", 3),
+    "l2_chunks_256k": (LLAMA_2L, 262144, "bf16", {**ALL, "attention_head_chunks": 8}, "adamw", 3),
     "l2_fsdp_offload_64k": (LLAMA_2L, 65536, "bf16", ALL, "adamw", 3),
     "tiny_fp32_none": (TINY, 2048, "fp32", NONE, "sgd", 3),
     "tiny_fp32_all": (TINY, 2048, "fp32", ALL, "sgd", 3),
 }
 # in order of what a short run must not miss (the JSON is rewritten after each run)
-DEFAULT_RUNS = ["tiny_fp32_none", "tiny_fp32_all", "l2_none_16k", "l2_all_64k", "l2_all_256k", "l2_chunks_256k",
-                "l2_all_128k", "l2_nooffload_256k", "l2_all_16k", "l2_nooffload_64k", "l2_fsdp_offload_64k"]
+DEFAULT_RUNS = ["tiny_fp32_none", "tiny_fp32_all", "l2_none_16k", "l2_all_64k", "l2_all_256k", "l2_chunks_64k",
+                "l2_chunks_256k", "l2_all_128k", "l2_nooffload_256k", "l2_all_16k", "l2_nooffload_64k",
+                "l2_fsdp_offload_64k"]
 QUICK_RUNS = ["tiny_fp32_none", "tiny_fp32_all"]
 
 
