@@ -103,7 +103,7 @@ def _model(arch: str, seed: int, lora: bool, mesh=None, feats: dict | None = Non
         m = _lora(m, seed)
     feats = feats or {}
     if feats.get("ckpt"):
-        enable_activation_checkpointing(m, offload=feats.get("offload", False))
+        enable_activation_checkpointing(m, offload=feats.get("offload", False), keep_attention=feats.get("keep", False))
         assert is_activation_checkpointing(m)
     if feats.get("tiles"):
         assert apply_tiled_mlp(m, feats["tiles"]) == 2
@@ -213,17 +213,21 @@ def _assert_results(per_rank) -> dict:
     return worst
 
 
+KEEP = {"ckpt": True, "keep": True}  # checkpointing that keeps the attention kernels' outputs
 FAST_W2 = [
     ("ulysses2", "llama", "packed", CK, {}),
     ("ring2", "qwen3", "pad", BOTH, {}),
     ("ring2", "mistral", "pad", {"tiles": 3}, {}),
     ("ulysses2", "phi3", "packed", {"ckpt": True, "tiles": 2}, {"lora": True}),
     ("ring2", "gemma3", "dpo", {"ckpt": True, "tiles": 2}, {"lora": True}),
+    ("ulysses2", "llama", "packed", KEEP, {}),
+    ("ring2", "qwen3", "dpo", {**KEEP, "tiles": 2}, {"lora": True}),
 ]
 FAST_W4 = [
     ("usp2x2", "llama", "pad", {"ckpt": True, "tiles": 2}, {}),
     ("dp2xring2", "qwen2", "packed", BOTH, {"fsdp": True}),
     ("dp2xulysses2", "gemma2", "pad", BOTH, {"lora": True}),
+    ("usp2x2", "qwen2", "packed", KEEP, {}),
 ]
 
 
@@ -428,6 +432,19 @@ def _train_cfg(tmp_path, **over):
 def test_offload_needs_checkpointing_in_config(tmp_path):
     with pytest.raises(SeqParError, match="activation_checkpointing: true"):
         _train_cfg(tmp_path, memory={"offload_activations": True})
+    with pytest.raises(SeqParError, match="keep_attention keeps attention's outputs.*activation_checkpointing: true"):
+        _train_cfg(tmp_path, memory={"keep_attention": True})
+    assert _train_cfg(tmp_path, memory={"activation_checkpointing": True, "keep_attention": True}).memory.keep_attention
+
+
+def test_trainer_dropin_keep_attention_needs_checkpointing(tmp_path):
+    from transformers import TrainingArguments
+
+    from seqpar.hf.trainer import SequenceParallelTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(SeqParError, match="keep_attention=True.*gradient_checkpointing=True"):
+        SequenceParallelTrainer(model=tiny_model("llama", *HEADS, vocab_size=VOCAB), args=args, keep_attention=True)
 
 
 @pytest.mark.parametrize("ck_kwargs,tiled,match", [
@@ -591,3 +608,48 @@ def test_trainer_lora_checkpointing_drops_input_require_grads(tmp_path):
     assert not [f for f in emb._forward_hooks.values() if f.__name__ == "make_inputs_require_grads"]
     assert not emb(torch.tensor([[3, 4]])).requires_grad
     assert len(losses) == 2 and losses == pytest.approx(plain, abs=1e-6)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_attention_runs_each_attention_kernel_once(keep):
+    """memory.keep_attention: the recompute takes the attention kernels' outputs from the forward (torch's
+    selective checkpointing) instead of running them again; gradients bitwise those of plain checkpointing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is op
+            return func(*args, **(kwargs or {}))
+
+    mesh = seqpar.init_mesh(1)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for k in (False, keep):
+        m = _model("llama", 0, False, mesh, {"ckpt": True, "keep": k})
+        Count.n = 0
+        with Count():
+            m(input_ids=ids, position_ids=torch.arange(40)[None]).logits.float().pow(2).mean().backward()
+        grads[k] = (_full_grads(m), Count.n)
+    layers = len(m.model.layers)
+    assert grads[keep][1] == (1 if keep else 2) * layers  # forward (+ recompute without keep_attention)
+    assert _max_diff(grads[keep][0], grads[False][0]) == 0.0
+
+
+def test_trainer_dropin_keep_attention_reaches_the_checkpoint(tmp_path):
+    """The Trainer enables checkpointing itself in train(): the drop-in's wrapper adds the selective-checkpoint
+    contexts that keep attention's outputs to the kwargs it passes."""
+    from transformers import TrainingArguments
+
+    from seqpar.hf.trainer import SequenceParallelTrainer
+    from seqpar.memory.checkpointing import keep_attention_context
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], gradient_checkpointing=True)
+    t = SequenceParallelTrainer(model=tiny_model("llama", *HEADS, vocab_size=VOCAB), args=args, keep_attention=True)
+    t.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(args.gradient_checkpointing_kwargs))
+    funcs = [m._gradient_checkpointing_func for m in t.model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    assert funcs and all(f.keywords.get("context_fn") is keep_attention_context for f in funcs)
+    assert "context_fn" not in args.gradient_checkpointing_kwargs  # the TrainingArguments stay serialisable

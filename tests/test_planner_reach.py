@@ -303,10 +303,16 @@ HEAD_CHUNK_READINGS = (5784588, 4718828, 4912140, 4944908, 6562572)
 CUDA_READINGS = (6325260, 5031020, 4920332, 5178380, 5178380, 6853644, 5184524, 6185996, 4891756, 4912140, 5110796)
 
 
-def test_head_chunk_and_cuda_rows_against_memtracker_readings():
-    from seqpar.planner.validate import CUDA_GRID, HEAD_CHUNK_GRID, TOLERANCE, predict_case
+# memory.keep_attention rows (KEEP_GRID): the kept outputs join each layer still ahead; with them the final
+# norm's backward (HF RMSNorm's fp32 temporaries) is the bf16 row's peak.
+KEEP_READINGS = (6242060, 5308652, 4912140, 5447180, 6954252, 5176332)
 
-    for grid, readings in ((HEAD_CHUNK_GRID, HEAD_CHUNK_READINGS), (CUDA_GRID, CUDA_READINGS)):
+
+def test_head_chunk_and_cuda_rows_against_memtracker_readings():
+    from seqpar.planner.validate import CUDA_GRID, HEAD_CHUNK_GRID, KEEP_GRID, TOLERANCE, predict_case
+
+    for grid, readings in ((HEAD_CHUNK_GRID, HEAD_CHUNK_READINGS), (CUDA_GRID, CUDA_READINGS),
+                           (KEEP_GRID, KEEP_READINGS)):
         assert len(grid) == len(readings)
         for case, measured in zip(grid, readings):
             assert predict_case(case) == pytest.approx(measured, rel=TOLERANCE), case.label()
@@ -314,10 +320,10 @@ def test_head_chunk_and_cuda_rows_against_memtracker_readings():
 
 @pytest.mark.slow
 def test_head_chunk_and_cuda_rows_match_memtracker():
-    """`seqpar plan --validate --features chunks,cuda`: within 2%, measured now."""
-    from seqpar.planner.validate import CUDA_GRID, HEAD_CHUNK_GRID, TOLERANCE, format_rows, run_validation
+    """`seqpar plan --validate --features chunks,cuda,keep`: within 2%, measured now."""
+    from seqpar.planner.validate import CUDA_GRID, HEAD_CHUNK_GRID, KEEP_GRID, TOLERANCE, format_rows, run_validation
 
-    rows = run_validation(HEAD_CHUNK_GRID + CUDA_GRID, timeout=900)
+    rows = run_validation(HEAD_CHUNK_GRID + CUDA_GRID + KEEP_GRID, timeout=900)
     assert all(abs(r["rel_err"]) <= TOLERANCE for r in rows), format_rows(rows)
 
 

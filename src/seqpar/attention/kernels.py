@@ -37,6 +37,7 @@ __all__ = [
     "MathKernel",
     "VarlenByLoop",
     "CudaWorkspaceOnCpu",
+    "attention_forward_ops",
     "get_kernel",
     "acc_dtype",
     "default_scale",
@@ -193,6 +194,16 @@ class CudaWorkspaceOnCpu(CpuFlashKernel):
         grads = super().backward(dout, q, k, v, out, lse, causal, scale)
         del ws  # freed when the call returns, as the CUDA kernels' workspace
         return grads
+
+
+def attention_forward_ops() -> frozenset:
+    """The torch ops whose outputs are an attention kernel call's forward result (every kernel but math):
+    memory.checkpointing keeps them through a checkpoint instead of recomputing them (keep_attention)."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_flash_attention_forward", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_efficient_attention")
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
 
 
 def get_kernel(device: torch.device, name: str | AttentionKernel = "auto", dtype: torch.dtype | None = None,

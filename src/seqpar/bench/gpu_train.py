@@ -47,13 +47,15 @@ RUNS: dict[str, tuple[dict, int, str, dict, str, int]] = {  # name: (model, leng
     "l2_nooffload_256k": (LLAMA_2L, 262144, "bf16", NO_OFFLOAD, "adamw", 3),
     "l2_chunks_64k": (LLAMA_2L, 65536, "bf16", {**ALL, "attention_head_chunks": 8}, "adamw", 3),
     "l2_chunks_256k": (LLAMA_2L, 262144, "bf16", {**ALL, "attention_head_chunks": 8}, "adamw", 3),
+    "l2_keep_256k": (LLAMA_2L, 262144, "bf16", {**ALL, "attention_head_chunks": 8, "keep_attention": True}, "adamw",
+                     3),
     "l2_fsdp_offload_64k": (LLAMA_2L, 65536, "bf16", ALL, "adamw", 3),
     "tiny_fp32_none": (TINY, 2048, "fp32", NONE, "sgd", 3),
     "tiny_fp32_all": (TINY, 2048, "fp32", ALL, "sgd", 3),
 }
 # in order of what a short run must not miss (the JSON is rewritten after each run)
 DEFAULT_RUNS = ["tiny_fp32_none", "tiny_fp32_all", "l2_none_16k", "l2_all_64k", "l2_all_256k", "l2_chunks_64k",
-                "l2_chunks_256k", "l2_all_128k", "l2_nooffload_256k", "l2_all_16k", "l2_nooffload_64k",
+                "l2_chunks_256k", "l2_keep_256k", "l2_all_128k", "l2_nooffload_256k", "l2_all_16k", "l2_nooffload_64k",
                 "l2_fsdp_offload_64k"]
 QUICK_RUNS = ["tiny_fp32_none", "tiny_fp32_all"]
 
@@ -110,7 +112,8 @@ def plan_row(name: str) -> dict[str, Any]:
                      offload_activations=mem.get("offload_activations", False),
                      fused_loss=mem.get("fused_loss", True), tiled_mlp=mem.get("tiled_mlp", False),
                      tiled_layer=mem.get("tiled_layer", False), fsdp=fsdp, offload_optimizer=fsdp,
-                     attention_head_chunks=mem.get("attention_head_chunks", 1))
+                     attention_head_chunks=mem.get("attention_head_chunks", 1),
+                     keep_attention=mem.get("keep_attention", False))
     est = estimate_memory(m, wl, Layout(), feats)
     t = estimate_time(m, wl, Layout(), feats, make_cluster(1, gpu="h200"))
     return {"planned_peak_mib": est.total / 2**20, "planned_phase": est.phase,

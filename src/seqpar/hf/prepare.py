@@ -63,6 +63,7 @@ class PrepareSpec:
     tile_reference: bool = True
     attention_kernel: str = "auto"  # seqpar.attention's kernel= for every attention call (docs/gpu.md)
     attention_head_chunks: int = 1  # seqpar.attention's head_chunks= (attention.heads)
+    keep_attention: bool = False  # checkpointing keeps the attention kernels' outputs (memory.checkpointing)
 
     def head_kwargs(self) -> dict[str, Any]:
         """The fused-head arguments of the step's reference log-probs (seqpar.steps.ReferenceLogps)."""
@@ -102,7 +103,7 @@ def prepare_model(model: torch.nn.Module, mesh: SequenceParallelMesh, spec: Prep
     if lora is not None:
         model = lora(model)
     if spec.activation_checkpointing:
-        enable_activation_checkpointing(model, offload=spec.offload_activations)
+        enable_activation_checkpointing(model, offload=spec.offload_activations, keep_attention=spec.keep_attention)
     _tile(model, spec)
     if spec.fused_loss:  # refuses an architecture it cannot fuse now, identically on every rank
         install_fused_head(model)

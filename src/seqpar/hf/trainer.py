@@ -123,7 +123,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
     False: full logits), loss_chunk_tokens (None: one chunk's fp32 logits <= 256 MB) and tiled_mlp
     (False | True = automatic tile count | int tiles), tiled_layer (the same values: norms, projections, RoPE,
     residual adds and MLP of every decoder layer over sequence tiles), attention_kernel ('auto' or a kernel name:
-    docs/gpu.md), attention_head_chunks (the attention kernels per group of heads: docs/memory.md).
+    docs/gpu.md), attention_head_chunks (the attention kernels per group of heads: docs/memory.md), keep_attention
+    (with gradient_checkpointing=True: the recompute reuses the attention kernels' outputs: docs/memory.md).
     data_collator: None (the SP collator is built) or a seqpar SP collator.
     """
 
@@ -135,7 +136,7 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
                  packing: bool = False, max_length: int | None = None, fused_loss: bool = True,
                  loss_chunk_tokens: int | None = None, tiled_mlp: bool | int = False,
                  tiled_layer: bool | int = False, attention_kernel: str = "auto", attention_head_chunks: int = 1,
-                 **kwargs: Any) -> None:
+                 keep_attention: bool = False, **kwargs: Any) -> None:
         from transformers import TrainingArguments
 
         if model is None:
@@ -147,7 +148,7 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         self.sp_prepare = PrepareSpec(fused_loss=bool(fused_loss), loss_chunk_tokens=loss_chunk_tokens,
                                       tiled_mlp=tiled_mlp, tiled_layer=tiled_layer, tile_reference=False,
                                       attention_kernel=check_kernel_name(attention_kernel),
-                                      attention_head_chunks=attention_head_chunks)
+                                      attention_head_chunks=attention_head_chunks, keep_attention=keep_attention)
         sequence_parallel_size = map_parallelism_config(name, args, sequence_parallel_size)
         check_stack_args(name, args)
         use_cpu_when_no_accelerator(args)
@@ -170,7 +171,7 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         super().__init__(model=model, args=args, data_collator=collator, **kwargs)
         self._place_reference()
         if getattr(args, "gradient_checkpointing", False):
-            drop_input_grads_after_enable(self.model)
+            drop_input_grads_after_enable(self.model, keep_attention=self.sp_prepare.keep_attention)
         # We normalise by the step's global count ourselves: the Trainer must not divide by grad-accum steps.
         self.loss_is_scaled_for_ga = True
         self._sp_metrics: dict[str, float] = {}

@@ -11,7 +11,7 @@ import torch
 
 from ..data import SequenceParallelCollator
 from ..errors import SeqParError
-from ..memory.checkpointing import checkpoint_kwargs, drop_input_require_grads
+from ..memory.checkpointing import checkpoint_kwargs, drop_input_require_grads, keep_attention_context
 from ..memory.offload import install_activation_offload
 from .prepare import PrepareSpec, check_memory_features
 from .trainer_stack import deepspeed_stage
@@ -65,6 +65,9 @@ def check_memory_args(model: torch.nn.Module, args: Any, spec: PrepareSpec) -> N
         raise SeqParError("tiled_layer under DeepSpeed ZeRO-3 is not supported: use ZeRO 1/2 or FSDP2 "
                           "(fsdp=...), or tiled_layer=False (tiled_mlp=True works under ZeRO-3)")
     if not getattr(args, "gradient_checkpointing", False):
+        if spec.keep_attention:
+            raise SeqParError("keep_attention=True keeps attention's outputs through activation checkpointing: "
+                              "set gradient_checkpointing=True in the TrainingArguments, or drop keep_attention")
         return
     user = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
     if isinstance(user, str):
@@ -75,15 +78,20 @@ def check_memory_args(model: torch.nn.Module, args: Any, spec: PrepareSpec) -> N
             setattr(args, name, dict(ck))
 
 
-def drop_input_grads_after_enable(model: torch.nn.Module) -> None:
+def drop_input_grads_after_enable(model: torch.nn.Module, keep_attention: bool = False) -> None:
     """Trainer.train() enables checkpointing on the model, and transformers then adds input-require-grads
     hooks that cost a LoRA run the embedding output's gradient (memory.checkpointing.drop_input_require_grads):
-    remove them right after, as `seqpar train` does."""
+    remove them right after, as `seqpar train` does. keep_attention: the Trainer's checkpoint kwargs get the
+    selective-checkpoint contexts that keep the attention kernels' outputs (memory.checkpointing)."""
     for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
         enable = getattr(model, name, None)
         if callable(enable):
             def enable_then_drop(*a: Any, _enable: Any = enable, **kw: Any) -> Any:
                 offload = kw.pop("offload", False)  # seqpar's host store instead of transformers' save_on_cpu
+                if keep_attention:
+                    for key in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+                        if kw.get(key) is not None:
+                            kw[key] = {**kw[key], "context_fn": keep_attention_context}
                 out = _enable(*a, **kw)
                 drop_input_require_grads(model)
                 if offload:

@@ -30,18 +30,35 @@ from typing import Any
 
 import torch
 
+from ..attention.kernels import attention_forward_ops
 from ..errors import SeqParError
 from ..unwrap import base_model as _base_model
 from .offload import install_activation_offload
 
 __all__ = ["CHECKPOINT_KWARGS", "checkpoint_kwargs", "enable_activation_checkpointing", "drop_input_require_grads",
-           "is_activation_checkpointing"]
+           "is_activation_checkpointing", "keep_attention_context"]
 
 # What every checkpointed layer call gets (torch.utils.checkpoint.checkpoint keyword arguments).
 CHECKPOINT_KWARGS: dict[str, Any] = {"use_reentrant": False, "early_stop": False}
 
 
-def checkpoint_kwargs(user: dict[str, Any] | None = None, *, zero3: bool = False) -> dict[str, Any]:
+def keep_attention_context() -> Any:
+    """torch's selective-checkpoint contexts for keep_attention: the attention kernels' forward outputs (every
+    kernel call's out and lse, for each layer) are saved by the forward and handed to the layer's recompute,
+    which then runs everything again but them. Exact (the recompute gets the very tensors); the SP collectives
+    around the kernels still run in the recompute, on every rank alike."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = attention_forward_ops()
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_kwargs(user: dict[str, Any] | None = None, *, zero3: bool = False,
+                      keep_attention: bool = False) -> dict[str, Any]:
     """`user` checkpoint kwargs (e.g. TrainingArguments.gradient_checkpointing_kwargs) made SP-safe.
 
     Keys the Trainer handles itself (every_n_layers, offload) pass through; use_reentrant=True and
@@ -69,15 +86,19 @@ def checkpoint_kwargs(user: dict[str, Any] | None = None, *, zero3: bool = False
     out.update(CHECKPOINT_KWARGS)
     if zero3:
         out["early_stop"] = True
+    if keep_attention:
+        out["context_fn"] = keep_attention_context
     return out
 
 
-def enable_activation_checkpointing(model: torch.nn.Module, *, offload: bool = False, every_n_layers: int = 1) -> None:
+def enable_activation_checkpointing(model: torch.nn.Module, *, offload: bool = False, every_n_layers: int = 1,
+                                    keep_attention: bool = False) -> None:
     """Checkpoint every `every_n_layers`-th decoder layer of `model` (a PEFT wrapper is fine); returns nothing.
 
     offload: keep the checkpointed layers' inputs in host memory (seqpar.memory.offload; exercised on CPU,
     side-stream copies and prefetch on accelerators) instead of transformers' save_on_cpu, whose copies
-    block the compute stream and which does nothing measurable on a CPU-only run.
+    block the compute stream and which does nothing measurable on a CPU-only run. keep_attention: the recompute
+    reuses the attention kernels' forward outputs instead of running them again (`keep_attention_context`).
     Apply before FSDP2's fully_shard.
     """
     base = _base_model(model)
@@ -90,10 +111,11 @@ def enable_activation_checkpointing(model: torch.nn.Module, *, offload: bool = F
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # the deprecated alias on some 5.x versions
         if enable is not None:
-            enable(activation_checkpointing_kwargs=checkpoint_kwargs(), every_n_layers=every_n_layers)
+            enable(activation_checkpointing_kwargs=checkpoint_kwargs(keep_attention=keep_attention),
+                   every_n_layers=every_n_layers)
         else:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(),
-                                               every_n_layers=every_n_layers)
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(
+                keep_attention=keep_attention), every_n_layers=every_n_layers)
     if not is_activation_checkpointing(model):
         raise SeqParError(
             f"{type(base).__name__} has no checkpointable decoder layers: set memory.activation_checkpointing: false"

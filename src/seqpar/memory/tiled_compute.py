@@ -43,7 +43,7 @@ from ..errors import SeqParError
 from ..unwrap import decoder_layers
 from .tiled_mlp import TiledForward, tile_count_arg
 
-__all__ = ["apply_tiled_layer", "remove_tiled_layer", "tiled_layers", "TiledLayerForward"]
+__all__ = ["apply_tiled_layer", "remove_tiled_layer", "tiled_layers", "TiledLayerForward", "final_norms"]
 
 _REFUSE = "set memory.tiled_layer: false (or tiled_layer=False for the Trainer drop-ins)"
 # attention class -> how its forward passes sliding_window to the attention function (None: it does not)
@@ -222,7 +222,9 @@ def _attention_interface(attn: torch.nn.Module, eager: Any) -> Any:
 
 
 def apply_tiled_layer(model: torch.nn.Module, tiles: bool | int = True) -> int:
-    """Tile every decoder layer of `model` (PEFT wrappers fine; before FSDP2). Returns the number of layers.
+    """Tile every decoder layer of `model` (PEFT wrappers fine; before FSDP2), and the final norm after them (HF's
+    RMSNorm backward makes fp32 [S_local, hidden] temporaries: at long lengths the largest moment once the layers
+    are tiled). Returns the number of layers.
 
     tiles: True = auto (ceil(S_local / hidden_size) per forward), an int >= 1 = that many tiles. Applying
     again changes the tile count.
@@ -235,10 +237,30 @@ def apply_tiled_layer(model: torch.nn.Module, tiles: bool | int = True) -> int:
             cur.tiles = n
         else:
             layer.forward = TiledLayerForward(layer, n)
+    for norm in final_norms(model):
+        cur = norm.__dict__.get("forward")
+        if isinstance(cur, TiledForward):
+            cur.tiles = n
+        else:
+            norm.forward = TiledForward(norm.forward, n)
     return len(layers)
+
+
+def final_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The norm each decoder stack applies after its layers (`norm` beside a `layers` list of decoder layers)."""
+    out = []
+    for m in model.modules():
+        layers, norm = getattr(m, "layers", None), getattr(m, "norm", None)
+        if isinstance(layers, torch.nn.ModuleList) and isinstance(norm, torch.nn.Module) and any(
+                type(x).__name__.endswith("DecoderLayer") for x in layers):
+            out.append(norm)
+    return out
 
 
 def remove_tiled_layer(model: torch.nn.Module) -> None:
     for m in decoder_layers(model):
         if isinstance(m.__dict__.get("forward"), TiledLayerForward):
             del m.forward
+    for norm in final_norms(model):
+        if isinstance(norm.__dict__.get("forward"), TiledForward):
+            del norm.forward

@@ -3,9 +3,17 @@ product's backward, attention's backward and, for an untiled checkpointed layer,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .layer import attention_bytes, layer_bytes_per_token, lora_bytes, mlp_bytes, mlp_tiles, norm_bytes
+from .layer import (
+    attention_bytes,
+    kept_attention_bytes,
+    layer_bytes_per_token,
+    lora_bytes,
+    mlp_bytes,
+    mlp_tiles,
+    norm_bytes,
+)
 from .model import ModelFacts
 from .tiled import attention_backward_temp, layer_tiles, tiled_terms
 from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
@@ -41,6 +49,7 @@ class _Alive:
     norm: int  # everything alive at the input norm's backward (untiled, checkpointed); 0: not a moment
     qkv: tuple[int, int, int, int] | None = None  # tiled layer's first-piece moment: (temp per token, tile bytes,
     # its parameter gradients, attention's saved tensors per token freed by then without checkpointing)
+    kept_attn: int = 0  # memory.keep_attention: each layer still ahead keeps its kernels' outputs (on the device)
 
 
 def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int) -> _Alive:
@@ -137,12 +146,14 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
     computes no input gradient, so it has no such moment.
     """
     alive, g = _alive(m, wl, lay, feats, tokens), _grads(m, wl, lay, feats, gathered)
+    if feats.keep_attention and feats.activation_checkpointing:
+        alive = replace(alive, kept_attn=kept_attention_bytes(m, wl.elt, lay.ulysses, lay.ring))
     e, h, last = wl.elt, m.hidden, m.layers - 1
 
     def at(k: int, moment: str) -> Moment:  # k layers already done
         # offloaded layer inputs: only the next one, prefetched, is back on the device
         ahead_n = (min(1, last - k) * feats.offload_prefetch) if feats.offload_activations else last - k
-        a = (alive.current + alive.ahead * ahead_n + alive.ahead_full) * tokens
+        a = (alive.current + alive.ahead * ahead_n + alive.ahead_full + alive.kept_attn * (last - k)) * tokens
         rs, done = (g.in_flight if k > 0 else 0), g.head + k * g.per_layer
         # FSDP2: this layer gathered and the next one prefetched (the first layer, k == last, has none)
         layers = gathered + (g.prefetch if k < last else 0) + rs
@@ -152,7 +163,8 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
             temp, tile, grads, freed = alive.qkv
             return Moment(a - freed * tokens, done + g.post_attn + grads, temp * tokens + tile, layers)
         if moment == "norm":  # the whole layer's gradients exist (FSDP: unsharded, before its reduce-scatter)
-            return Moment((alive.norm + alive.ahead * ahead_n) * tokens, done + (g.in_flight or g.per_layer),
+            return Moment((alive.norm + alive.ahead * ahead_n + alive.kept_attn * (last - k)) * tokens,
+                          done + (g.in_flight or g.per_layer),
                           NORM_BACKWARD_TEMP * h * tokens, gathered + rs)
         return Moment(a + alive.mlp_bytes, done + g.down, e * h * tokens + alive.mlp_temp_bytes, layers)
 
@@ -161,7 +173,9 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
     mlp = max((at(k, "mlp") for k in ks), key=lambda x: x.total)
     # the first piece's moment, measured on SP 1 rows without FSDP (there it is the peak); with SP > 1 or FSDP the
     # measured peaks lie elsewhere and the same count would be 2-5% over them (not modelled there)
-    qkv = [at(k, "qkv") for k in ks] if alive.qkv and lay.sp == 1 and not feats.fsdp else []
+    # (with attention in head chunks the measured first-piece moment lies below attention's: not counted there)
+    qkv = ([at(k, "qkv") for k in ks] if alive.qkv and lay.sp == 1 and not feats.fsdp
+           and feats.attention_head_chunks == 1 else [])
     return mlp, max([*(at(k, "attention") for k in ks), *(at(k, "norm") for k in norm_ks), *qkv], key=lambda x: x.total)
 
 

@@ -57,6 +57,8 @@ def add_plan_parser(sub: Any) -> None:
                    help="memory.tiled_layer: norms, projections and MLP in sequence tiles (planner.tiled)")
     s.add_argument("--offload-activations", action="store_true")
     s.add_argument("--offload-optimizer", action="store_true")
+    s.add_argument("--keep-attention", action="store_true",
+                   help="memory.keep_attention: checkpointing keeps attention's outputs (no recompute of it)")
     s.add_argument("--attention-head-chunks", default="1",
                    help="memory.attention_head_chunks: N, or auto (the planner picks per mesh: planner.tiled)")
     o = p.add_argument_group("output")
@@ -67,7 +69,8 @@ def add_plan_parser(sub: Any) -> None:
     v.add_argument("--features", default="none",
                    help="feature rows for --validate: none | all | ckpt,fused,tiled,offload,layer (layer: also the "
                    "4-layer rows with and without tiled_layer), chunks (attention head chunks), cuda (rows marked "
-                   "cuda: CUDA's attention workspace held by the CPU kernel, planned with the CUDA terms)")
+                   "cuda: CUDA's attention workspace held by the CPU kernel, planned with the CUDA terms), keep "
+                   "(memory.keep_attention)")
     v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")
     p.set_defaults(func=cmd_plan)
 
@@ -91,7 +94,7 @@ def _request(args: argparse.Namespace) -> Any:
         offload_activations=args.offload_activations,
         offload_optimizer=args.offload_optimizer, fsdp=args.fsdp, max_seq_len=args.max_seq_len,
         max_position=args.max_position, rope_scaling=args.rope_scaling,
-        attention_head_chunks=_head_chunks(args.attention_head_chunks))
+        attention_head_chunks=_head_chunks(args.attention_head_chunks), keep_attention=args.keep_attention)
 
 
 def _head_chunks(value: str) -> int | str:
@@ -128,12 +131,13 @@ def _table(cands: list[Any], top: int, max_len: bool) -> str:
 def _validate(args: argparse.Namespace) -> int:
     from . import validate as v
 
-    extra = {"layer": v.TILED_GRID + v.UNTILED_GRID, "chunks": v.HEAD_CHUNK_GRID, "cuda": v.CUDA_GRID}
+    extra = {"layer": v.TILED_GRID + v.UNTILED_GRID, "chunks": v.HEAD_CHUNK_GRID, "cuda": v.CUDA_GRID,
+             "keep": v.KEEP_GRID}
     names = list(v.FEATURE_SETS) if args.features == "all" else args.features.split(",")
     bad = [n for n in names if n not in v.FEATURE_SETS and n not in extra]
     if bad:
         raise SeqParError(f"--features {args.features!r}: unknown {bad}; use none, all or "
-                          f"{','.join([*v.FEATURE_SETS, 'chunks', 'cuda'])}")
+                          f"{','.join([*v.FEATURE_SETS, *extra])}")
     grid = v.with_features(v.GRID, [n for n in names if n in v.FEATURE_SETS])
     rows = v.run_validation(grid + [c for n in names if n in extra for c in extra[n]])
     print(v.format_rows(rows))

@@ -3,12 +3,18 @@ docstring for the list), and what stays alive at the end of forward."""
 
 from __future__ import annotations
 
+import functools
+import math
+
+from ..attention.pieces import plan_pieces
 from ..attention.ulysses import head_plan
+from ..layout import ring_segments
 from .model import ModelFacts
 from .tiled import layer_tiles, tiled_saved_per_token
 from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
 __all__ = ["norm_bytes", "attention_bytes", "lora_bytes", "mlp_bytes", "layer_bytes_per_token", "mlp_tiles",
+           "kept_attention_bytes", "ring_rows_factor",
            "activation_bytes_per_token"]
 
 
@@ -58,7 +64,30 @@ def mlp_tiles(m: ModelFacts, wl: Workload, lay: Layout) -> int:
     return layer_tiles(m, max(1, wl.seq_len // lay.sp))  # the runtime's one rule for both tiled pieces
 
 
-def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features) -> int:
+@functools.lru_cache(maxsize=64)
+def ring_rows_factor(ring: int) -> float:
+    """How many kernel calls a query row is in over one zigzag ring pass, on the busiest rank (rows of every
+    (q block, kv block) piece over the local rows): 1 without a ring."""
+    if ring == 1:
+        return 1.0
+    segs = [ring_segments(4 * ring, ring, r, "zigzag") for r in range(ring)]
+    local = 4
+    return max(sum(p.q1 - p.q0 for j in range(ring) for p in plan_pieces(segs[r], segs[j], True)) / local
+               for r in range(ring))
+
+
+def kept_attention_bytes(m: ModelFacts, e: int, u: int, ring: int) -> int:
+    """Bytes per local token and layer memory.keep_attention holds from a layer's forward to its recompute: every
+    kernel call's out (input dtype) and lse (fp32) on the widths it ran on (Ulysses: the plan's head space)."""
+    if u > 1:
+        plan = head_plan(m.heads, m.kv_heads, u)
+        wq, heads = plan.padded_heads * m.head_dim, plan.padded_heads
+    else:
+        wq, heads = m.q_dim, m.heads
+    return math.ceil(ring_rows_factor(ring) * (e * wq + 4 * heads))
+
+
+def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features, ring: int = 1) -> int:
     """Bytes alive per local token at the end of forward (loss working set excluded)."""
     e, full = wl.elt, not wl.lora
     once = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, int64 index tensors
@@ -67,7 +96,8 @@ def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Featu
         once += e * m.hidden  # the supervised hidden states the loss chunks keep
     if feats.activation_checkpointing:
         kept = 0 if feats.offload_activations else m.layers  # offload: every layer input is in the host store
-        return once + kept * e * m.hidden  # (layer 0's input is kept even when the embedding is frozen)
+        attn = m.layers * kept_attention_bytes(m, e, u, ring) if feats.keep_attention else 0  # on the device
+        return once + kept * e * m.hidden + attn  # (layer 0's input is kept even when the embedding is frozen)
     if feats.tiled_layer:
         return once + m.layers * tiled_saved_per_token(m, e, u)
     if wl.lora:

@@ -46,6 +46,7 @@ from ..errors import SeqParError
 from .backward import layer_backward
 from .layer import activation_bytes_per_token, layer_bytes_per_token, mlp_tiles
 from .model import ModelFacts
+from .tiled import layer_tiles
 from .workload import DEFAULT_LOSS_CHUNK_BYTES, INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
 __all__ = ["Features", "Workload", "Layout", "MemoryBreakdown", "estimate_memory", "activation_bytes_per_token",
@@ -139,6 +140,19 @@ def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> in
     return 12 * m.vocab * min(chunk, supervised) + 20 * supervised + accumulated
 
 
+def _final_norm_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int) -> int:
+    """The final norm's backward, right after the loss head's: HF's RMSNorm backward's fp32 [*, h] temporaries
+    (four) beside the hidden-state gradient and the loss's per-token index tensors, 16 h + 60 bytes per token
+    (measured in bf16 with memory.keep_attention, whose kept outputs put this moment above the others); with the
+    tiled layer the norm runs in tiles too (memory.tiled_compute): one tile's temporaries and the full-length
+    input-gradient buffer the tiles write into."""
+    if feats.tiled_layer:
+        per_row = max(1, wl.seq_len // lay.sp)
+        tile = wl.rows * -(-per_row // layer_tiles(m, per_row))
+        return 16 * m.hidden * tile + (wl.elt * m.hidden + 60) * tokens
+    return (16 * m.hidden + 60) * tokens
+
+
 def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *,
                     optimizer: str = "fused") -> MemoryBreakdown:
     """Peak bytes on one rank: the largest of three moments of the step (see module docstring).
@@ -165,8 +179,8 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
     params += ref
     if feats.tiled_mlp and mlp_tiles(m, wl, lay) == 1:
         feats = replace(feats, tiled_mlp=False)  # one tile: the plain MLP runs, nothing is recomputed
-    acts = activation_bytes_per_token(m, wl, lay.ulysses, feats) * tokens
-    loss = _loss_bytes(m, wl, feats, tokens)
+    acts = activation_bytes_per_token(m, wl, lay.ulysses, feats, lay.ring) * tokens
+    loss = max(_loss_bytes(m, wl, feats, tokens), _final_norm_bytes(m, wl, lay, feats, tokens))
     mlp_bwd, attn_bwd = layer_backward(m, wl, lay, feats, tokens, layer)
     bwd = mlp_bwd if mlp_bwd.total >= attn_bwd.total else attn_bwd
     if feats.fused_loss and feats.fsdp:

@@ -48,6 +48,7 @@ class Request:
     max_position: int | None = None  # an extended context (config.json's max_position_embeddings)
     rope_scaling: float | None = None  # or a RoPE scaling factor on the model's own
     attention_head_chunks: int | str = 1  # memory.attention_head_chunks, or "auto": planner.tiled.auto_head_chunks
+    keep_attention: bool = False  # memory.keep_attention (with checkpointing)
 
 
 @dataclass
@@ -103,7 +104,7 @@ def _feature_sets(req: Request) -> list[Features]:
             continue
         out.append(Features(activation_checkpointing=a, offload_activations=req.offload_activations and a,
                             fused_loss=req.fused_loss, tiled_mlp=req.tiled_mlp, tiled_layer=req.tiled_layer, fsdp=f,
-                            offload_optimizer=req.offload_optimizer and f))
+                            offload_optimizer=req.offload_optimizer and f, keep_attention=req.keep_attention and a))
     if not out:
         raise SeqParError("--offload-activations needs activation checkpointing and --offload-optimizer needs FSDP: "
                           "drop --no-activation-checkpointing / --no-fsdp")
@@ -302,7 +303,8 @@ def train_yaml(model_name: str, c: Candidate, wl: Workload, seq_len: int, ctx: C
         "memory": {"activation_checkpointing": f.activation_checkpointing,
                    "offload_activations": f.offload_activations, "fused_loss": f.fused_loss,
                    "tiled_mlp": f.tiled_mlp, "tiled_layer": f.tiled_layer,
-                   **({"attention_head_chunks": f.attention_head_chunks} if f.attention_head_chunks > 1 else {})},
+                   **({"attention_head_chunks": f.attention_head_chunks} if f.attention_head_chunks > 1 else {}),
+                   **({"keep_attention": True} if f.keep_attention else {})},
         "precision": wl.precision,
         "micro_batch_size": wl.micro_batch_size,
     }

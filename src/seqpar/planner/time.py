@@ -88,7 +88,8 @@ def step_flops(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> tup
     elif feats.tiled_mlp and not feats.activation_checkpointing:
         linear += 2 * tokens * mlp_w * m.layers  # the MLP tiles run again in backward
     a_fwd = attention_flops(m, wl, lay) * m.layers
-    return linear, a_fwd * (fwd_bwd + fwd_only + 2.5)
+    kept = int(feats.keep_attention and feats.activation_checkpointing)  # the recompute reuses attention's outputs
+    return linear, a_fwd * (fwd_bwd - kept + fwd_only + 2.5)
 
 
 def _memory_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> float:

@@ -21,7 +21,7 @@ from .measure import Case, measure_case, unsupervised_tokens
 from .memory import Features, Layout, Workload, estimate_memory
 from .model import load_model_facts
 
-__all__ = ["GRID", "FAST_GRID", "REACH_GRID", "TILED_GRID", "UNTILED_GRID", "HEAD_CHUNK_GRID", "CUDA_GRID",
+__all__ = ["GRID", "FAST_GRID", "REACH_GRID", "TILED_GRID", "UNTILED_GRID", "HEAD_CHUNK_GRID", "CUDA_GRID", "KEEP_GRID",
            "FEATURE_SETS", "predict_case",
            "run_validation", "format_rows", "with_features", "TOLERANCE", "TIME_GRID", "FAST_TIME_GRID",
            "run_time_validation", "time_ordering", "format_time_rows"]
@@ -78,6 +78,10 @@ HEAD_CHUNK_GRID: list[Case] = [replace(c, memory={**c.memory, "attention_head_ch
 _CUDA = [replace(c, attention_kernel="cpu_cuda_workspace")
          for c in (*TILED_GRID[:2], TILED_GRID[3], TILED_GRID[4], TILED_GRID[6], UNTILED_GRID[0], UNTILED_GRID[3])]
 CUDA_GRID: list[Case] = _CUDA + [replace(c, memory={**c.memory, "attention_head_chunks": 2}) for c in _CUDA[:4]]
+# Checkpointing that keeps attention's outputs (memory.keep_attention): SP 1 fp32 / bf16, ulysses 2, ring 2, and
+# untiled SP 1 / ulysses 2.
+KEEP_GRID: list[Case] = [replace(c, memory={**c.memory, "keep_attention": True}) for c in
+                         (TILED_GRID[0], TILED_GRID[1], TILED_GRID[3], TILED_GRID[4], UNTILED_GRID[0], UNTILED_GRID[3])]
 
 
 def _features(case: Case) -> Features:
@@ -88,7 +92,8 @@ def _features(case: Case) -> Features:
                     fused_loss=bool(mem.get("fused_loss", True)), tiled_mlp=bool(tiled), fsdp=case.fsdp,
                     tiled_layer=bool(mem.get("tiled_layer", False)),
                     loss_chunk_tokens=mem.get("loss_chunk_tokens"), offload_prefetch=False,  # CPU: no prefetch
-                    attention_head_chunks=mem.get("attention_head_chunks", 1))
+                    attention_head_chunks=mem.get("attention_head_chunks", 1),
+                    keep_attention=bool(mem.get("keep_attention", False)))
 
 
 @functools.cache

@@ -26,13 +26,14 @@ class Features:
     offload_optimizer: bool = False  # FSDP CPU offload of parameters, gradients and optimizer state
     loss_chunk_tokens: int | None = None
     attention_head_chunks: int = 1  # memory.attention_head_chunks (planner.tiled.attention_backward_temp)
+    keep_attention: bool = False  # memory.keep_attention: the kernels' outputs kept through checkpointing
     # offload on an accelerator prefetches the next layer input during a layer's backward (a second input on
     # the device); seqpar.memory.offload on CPU copies on demand (the validation runs)
     offload_prefetch: bool = True
 
     def as_dict(self) -> dict[str, bool]:
         return {k: v for k, v in self.__dict__.items()
-                if k not in ("loss_chunk_tokens", "offload_prefetch", "attention_head_chunks")}
+                if k not in ("loss_chunk_tokens", "offload_prefetch", "attention_head_chunks", "keep_attention")}
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ class MemorySpec(_Strict):
     attention_head_chunks: run every attention kernel call over this many groups of heads, one after another
       (seqpar.attention.heads): on a GPU the kernels' backward workspace exists for one group at a time
       (`seqpar plan` says when it pays); exact for any value.
+    keep_attention: with activation_checkpointing, the recompute reuses the attention kernels' forward outputs
+      instead of running them again (torch's selective checkpointing): one attention forward per layer less per
+      step, the kernels' out and lse (per layer and token: e q + 4 heads bytes, x the calls a query row is in)
+      kept until the layer's backward. Exact.
     measure: exact per-rank peak of live tensor bytes per step (seqpar.memory.meter), logged as
       peak_alloc_mb (max over ranks); it costs Python work per op, so set false for timing runs.
     """
@@ -39,6 +43,7 @@ class MemorySpec(_Strict):
     tiled_mlp: bool | int = False
     tiled_layer: bool | int = False
     attention_head_chunks: int = Field(default=1, ge=1)
+    keep_attention: bool = False
     measure: bool = True
 
     @field_validator("tiled_mlp", "tiled_layer")
@@ -56,6 +61,9 @@ class MemorySpec(_Strict):
                 "memory.offload_activations offloads the checkpointed layer inputs: also set "
                 "memory.activation_checkpointing: true"
             )
+        if self.keep_attention and not self.activation_checkpointing:
+            raise ValueError("memory.keep_attention keeps attention's outputs through checkpointing: also set "
+                             "memory.activation_checkpointing: true")
         return self
 
 

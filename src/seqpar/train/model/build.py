@@ -27,7 +27,8 @@ def prepare_spec(cfg: TrainConfig) -> PrepareSpec:
     return PrepareSpec(fused_loss=m.fused_loss, loss_chunk_tokens=m.loss_chunk_tokens, tiled_mlp=m.tiled_mlp,
                        tiled_layer=m.tiled_layer, activation_checkpointing=m.activation_checkpointing,
                        offload_activations=m.offload_activations, tile_reference=True,
-                       attention_kernel=cfg.attention_kernel, attention_head_chunks=m.attention_head_chunks)
+                       attention_kernel=cfg.attention_kernel, attention_head_chunks=m.attention_head_chunks,
+                       keep_attention=m.keep_attention)
 
 
 def build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: torch.device,
