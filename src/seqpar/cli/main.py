@@ -180,11 +180,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from ..train.lifecycle.launch import prelaunch_checks
 
     stats = prelaunch_checks(cfg, world)  # exactly what `train` checks before it starts
-    from ..train.config import with_total_steps
-
-    steps = with_total_steps(cfg, stats["examples"], max(1, world // cfg.sequence_parallel.size)).max_steps
     print(f"[seqpar check] OK: {stats['examples']} training examples from {stats['rows']} rows "
-          f"({stats['truncated']} truncated, {stats['dropped_unsupervised']} dropped), world={world}, {steps} steps")
+          f"({stats['truncated']} truncated, {stats['dropped_unsupervised']} dropped), world={world}, "
+          f"{stats['max_steps']} steps")
+    plan = stats["resume"]
+    if plan is not None:  # what `seqpar train` will do with the checkpoint in output_dir, at this layout
+        print(f"[seqpar check] resumes from step {plan.step}: {plan.ckpt}", flush=True)
+        for line in plan.lines or ("written at this layout and global batch: it continues as it was",):
+            print(f"[seqpar check] {line}", flush=True)
     return 0
 
 
