@@ -5,7 +5,8 @@ Each case trains N = 2 steps at layout A, then M = 2 more at layout B from A's c
 new launch), against ONE uninterrupted run of 4 steps in this process at SP = 1 (world 1, dp 1). Every config
 sets global_batch_size (4 rows), so grad_accum follows each layout's dp and every step has the same global
 batch; seqpar's loss is normalised over the global token count and SP is exact, so the steps must agree.
-Compared, fp32: every step's loss and gradient norm (before clipping) within 1e-5, and every final parameter
+Compared, fp32: every step's loss and gradient norm (before clipping; relative where it is above 1: DPO's are
+~20) within 1e-5, and every final parameter
 (final_state.pt) within 1e-5. 6 rows and 4 per step: step 2 reads rows of epoch 0 and of epoch 1 (reshuffled),
 so the resume point is a mid-epoch data position. The learning rate warms up over 3 steps (a constant schedule,
 so the first launch's max_steps = 2 does not change it): the resumed schedule is mid-warmup. The resumed launch
@@ -104,12 +105,12 @@ def _compare(name: str, got: Path, want: Path) -> dict[str, float]:
     a, b = _rows(got), _rows(want)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1)), (name, a, b)
     dloss = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
-    dgn = max(abs(x["grad_norm"] - y["grad_norm"]) for x, y in zip(a, b))
+    dgn = max(abs(x["grad_norm"] - y["grad_norm"]) / max(1.0, y["grad_norm"]) for x, y in zip(a, b))
     s, r = torch.load(got / "final_state.pt"), torch.load(want / "final_state.pt")
     assert set(s) == set(r), name
     dparam = max(float((s[k].float() - r[k].float()).abs().max()) for k in r)
     moved = max(float((r[k] - v).abs().max()) for k, v in _init_params(want).items())
-    print(f"{name}: max |dloss| {dloss:.2e}, max |dgrad_norm| {dgn:.2e}, max |dparam| {dparam:.2e} "
+    print(f"{name}: max |dloss| {dloss:.2e}, max rel |dgrad_norm| {dgn:.2e}, max |dparam| {dparam:.2e} "
           f"(the reference moved {moved:.2e})")
     assert dloss <= TOL and dgn <= TOL and dparam <= TOL, (name, dloss, dgn, dparam)
     assert moved > 1e-3  # the steps changed the parameters: the comparison is not vacuous
