@@ -211,3 +211,42 @@ def test_resume_with_another_global_batch(data, tmp_path):
     ref = dict(base, sequence_parallel=1, output_dir=str(tmp_path / "ref"))
     _phases([dict(ref, max_steps=SPLIT), dict(ref, grad_accum=2)])
     _compare("global batch 4 -> 2", tmp_path / "run", tmp_path / "ref")
+
+
+def test_global_row_order_and_batch_rules():
+    """The data stream: one global row order (the per-dp-slot sampler's when dp divides the rows), a position
+    that means the same row at any dp; global_batch_size -> grad_accum per dp (refusals name the fix);
+    num_epochs -> steps, continuing a resumed position at another global batch."""
+    from seqpar.data import SequenceParallelSampler
+    from seqpar.errors import SeqParError
+    from seqpar.train.config import config_from_dict, resolve_grad_accum, steps_for_epochs
+    from seqpar.train.dataset.streams import DataStream
+
+    for n, dp in ((12, 2), (12, 3), (7, 1)):  # dp divides n: the sampler's per-slot order, epoch after epoch
+        for d in range(dp):
+            sampler, s = SequenceParallelSampler(n, dp, d, shuffle=True, seed=5), DataStream(n, dp, d, True, 5)
+            want = []
+            for epoch in range(3):
+                sampler.set_epoch(epoch)
+                want += list(sampler)
+            assert [i for _ in range(len(want) // 2) for i in s.take(2)] == want[: len(want) // 2 * 2]
+    # Any dp reads the same global rows: 3 steps of 4 rows at dp 1, then at dp 2 from that position.
+    one = DataStream(7, 1, 0, True, 5)
+    rows = [one.take(4) for _ in range(5)]
+    two = [DataStream(7, 2, d, True, 5) for d in range(2)]
+    for s in two:
+        s.load_state_dict({"rows": 12})
+    for k in range(3, 5):
+        got = [two[0].take(2), two[1].take(2)]
+        assert sorted(got[0] + got[1]) == sorted(rows[k]) and [got[0][0], got[1][0], got[0][1], got[1][1]] == rows[k]
+    assert two[0].rows == two[1].rows == 20 and two[0].state_dict() == {"rows": 20, "epoch": 2}
+    base = {"model": "tiny:llama", "dataset": {"path": "x.jsonl", "max_length": 64}, "micro_batch_size": 2,
+            "global_batch_size": 8}
+    cfg = config_from_dict(base)
+    assert [resolve_grad_accum(cfg, dp).grad_accum for dp in (1, 2, 4)] == [4, 2, 1]
+    with pytest.raises(SeqParError, match="global_batch_size=8 is not a multiple of dp .3. x micro_batch_size .2. = 6"):
+        resolve_grad_accum(cfg, 3)
+    ep = config_from_dict({**base, "num_epochs": 2, "global_batch_size": None, "grad_accum": 2})  # 4 rows per step
+    assert steps_for_epochs(ep, 10, 1) == 5  # 20 rows
+    assert steps_for_epochs(ep, 10, 2) == 3  # 8 rows per step
+    assert steps_for_epochs(ep, 10, 2, start=(2, 8)) == 4  # 12 rows left at 8 per step: 2 more

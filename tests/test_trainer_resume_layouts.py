@@ -200,9 +200,11 @@ def test_dropins_resume_more_stacks(tmp_path):
     """FSDP2 FULL_STATE_DICT and the TRL DPO drop-in: SP 2 -> SP 1 x dp 2. DeepSpeed ZeRO-2: SP 2 -> SP 1 x dp 2
     at the same world size; at 1 rank refused (naming the conversion), then resumed exactly after DeepSpeed's
     universal-checkpoint conversion with load_universal."""
+    # One stack per launch: accelerate keeps its state (FSDP / DeepSpeed plugins) per process.
     full = _named(_launch(tmp_path, [
         _phase("sp", "full_a", 2, 1, "fsdp2", stop=2),
-        _phase("sp", "full_b", 1, 2, "fsdp2", resume="full_a/checkpoint-2"),
+        _phase("sp", "full_b", 1, 2, "fsdp2", resume="full_a/checkpoint-2")], 2))
+    dpo = _named(_launch(tmp_path, [
         _phase("trl-dpo", "dpo_a", 2, 1, stop=2), _phase("trl-dpo", "dpo_b", 1, 2, resume="dpo_a/checkpoint-2")], 2))
     zero = _named(_launch(tmp_path, [
         _phase("sp", "zero_a", 2, 1, "zero2", stop=2),
@@ -212,13 +214,13 @@ def test_dropins_resume_more_stacks(tmp_path):
     assert "deepspeed-zero2 checkpoint of 2 ranks" in refused and "ds_to_universal --inject_missing_state" in refused \
         and "load_universal" in refused, refused
     _universal(tmp_path, "zero_a/checkpoint-2")
-    one = _named(_launch(tmp_path, [
-        _phase("sp", "sp_ref", 1, 1), _phase("trl-dpo", "dpo_ref", 1, 1),
+    universal = _named(_launch(tmp_path, [
         _phase("sp", "zero_u", 1, 1, "zero2", resume="zero_a/checkpoint-2", universal=True)], 1))
+    one = _named(_launch(tmp_path, [_phase("sp", "sp_ref", 1, 1), _phase("trl-dpo", "dpo_ref", 1, 1)], 1))
     _compare("SequenceParallelTrainer FSDP2 (full) sp2 -> sp1 x dp2", tmp_path, full["full_b"], one["sp_ref"])
-    _compare("SequenceParallelDPOTrainer (TRL) DDP sp2 -> sp1 x dp2", tmp_path, full["dpo_b"], one["dpo_ref"])
+    _compare("SequenceParallelDPOTrainer (TRL) DDP sp2 -> sp1 x dp2", tmp_path, dpo["dpo_b"], one["dpo_ref"])
     _compare("SequenceParallelTrainer ZeRO-2 sp2 -> sp1 x dp2 (same world)", tmp_path, zero["zero_b"], one["sp_ref"])
-    _compare("SequenceParallelTrainer ZeRO-2 2 ranks -> 1 (universal checkpoint)", tmp_path, one["zero_u"],
+    _compare("SequenceParallelTrainer ZeRO-2 2 ranks -> 1 (universal checkpoint)", tmp_path, universal["zero_u"],
              one["sp_ref"])
 
 
