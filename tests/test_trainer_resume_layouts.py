@@ -133,7 +133,7 @@ def _launch(tmp_path: Path, phases: list[dict], nproc: int) -> dict:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     cmd = [sys.executable, str(script), json.dumps(phases), str(out)]
-    if nproc > 1:
+    if nproc > 1 or any(p["stack"].startswith("zero") for p in phases):  # one DeepSpeed process: torchrun too
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd[1:]]
     result = out / f"result_{phases[-1]['out']}.json"
     run_script(cmd, tmp_path, result=result, timeout=500)
