@@ -42,7 +42,7 @@ def run_meta(cfg: TrainConfig, world: int, layout: RunLayout | None = None, rows
     and (layout given) the layout and data position (run_layout.py)."""
     meta = {"config": cfg.model_dump(mode="json"), "world_size": world}
     if layout is not None:
-        meta.update(layout_meta(layout, rows, examples if examples is not None else 0))
+        meta.update(layout_meta(layout, rows, examples))
     return meta
 
 

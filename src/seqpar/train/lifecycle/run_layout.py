@@ -71,9 +71,11 @@ class RunLayout:
         return f"dp {self.dp} x micro_batch_size {self.micro_batch_size} x grad_accum {self.grad_accum}"
 
 
-def layout_meta(layout: RunLayout, rows: int, examples: int) -> dict[str, Any]:
-    """What run.json adds to the config and world size: the layout and the data position."""
-    return {"layout": asdict(layout), "rows": int(rows), "examples": int(examples)}
+def layout_meta(layout: RunLayout, rows: int, examples: int | None) -> dict[str, Any]:
+    """What run.json adds to the config and world size: the layout, the data position and (when known) the
+    dataset's size, which a resume must find again."""
+    meta = {"layout": asdict(layout), "rows": int(rows)}
+    return meta if examples is None else {**meta, "examples": int(examples)}
 
 
 def checkpoint_rows(ckpt: Path, meta: dict[str, Any], examples: int) -> int:
