@@ -70,7 +70,6 @@ def _reference(cfg_dict: dict, dp: int) -> tuple[list[float], dict[str, torch.Te
     (loss per step, parameters after the last)."""
     import copy
 
-    from seqpar.data import SequenceParallelSampler
     from seqpar.train.config import config_from_dict
     from seqpar.train.dataset.streams import DataStream
     from seqpar.train.model.load import load_model
@@ -79,17 +78,18 @@ def _reference(cfg_dict: dict, dp: int) -> tuple[list[float], dict[str, torch.Te
     torch.manual_seed(cfg.seed)
     model = load_model(cfg)
     ref = copy.deepcopy(model).eval()  # the frozen initial policy (KL reference)
-    # Data order only (not under test): the trainer's stream of sampler indices per dp rank.
-    streams = [DataStream(SequenceParallelSampler(len(PROMPTS), dp, d, shuffle=True, seed=cfg.seed)) for d in range(dp)]
+    # Data order only (not under test): the trainer's stream of row indices per dp rank.
+    streams = [DataStream(len(PROMPTS), dp, d, shuffle=True, seed=cfg.seed) for d in range(dp)]
     losses = []
     for step in range(cfg.max_steps):
         losses.append(_reference_step(cfg, model, ref, streams, step))
     return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
-def _sample(cfg, model, prompts: list[list[int]], step: int, d: int) -> list[list[int]]:
+def _sample(cfg, model, prompts: list[list[int]], step: int, d: int, dp: int) -> list[list[int]]:
     """Sampling (not under test here; tests/test_grpo_runtime.py tests it): seqpar's sampler on the UNPATCHED
-    model as one SP=1 process playing dp rank d, so the completions are the ones the trainer draws."""
+    model as one SP=1 process playing dp rank d of dp, so the completions are the ones the trainer draws (seeded
+    by each prompt's position in the step's global batch)."""
     from types import SimpleNamespace
 
     from seqpar.hf.generation import generate_for_group
@@ -98,7 +98,8 @@ def _sample(cfg, model, prompts: list[list[int]], step: int, d: int) -> list[lis
     mesh = SimpleNamespace(sp_size=1, sp_rank=0, dp_rank=d, dp_size=1, sp_group=None, comm_device=torch.device("cpu"))
     return generate_for_group(model, mesh, prompts, num_generations=g.num_generations,
                               max_new_tokens=g.max_completion_length, temperature=g.temperature, top_p=1.0,
-                              seed=cfg.seed, step=step, eos_token_id=257, pad_token_id=258)
+                              seed=cfg.seed, step=step, eos_token_id=257, pad_token_id=258,
+                              prompt_index=[d + dp * j for j in range(len(prompts))])
 
 
 def _reference_step(cfg, model, ref, streams, step: int) -> float:
@@ -110,7 +111,7 @@ def _reference_step(cfg, model, ref, streams, step: int) -> float:
         picked = [PROMPTS[i] for i in stream.take(per_dp)]
         model.eval()
         prompts = [list(p["prompt"].encode()) for p in picked]
-        comps = _sample(cfg, model, prompts, step, d)
+        comps = _sample(cfg, model, prompts, step, d, len(streams))
         for j, (p, ids) in enumerate(zip(picked, prompts)):
             mine = comps[j * g.num_generations:(j + 1) * g.num_generations]
             assert all(c[-1] == eos or len(c) == g.max_completion_length for c in mine)

@@ -351,41 +351,65 @@ def test_model_checks(data, tmp_path):
 
 
 def test_resume_rules(data, tmp_path, monkeypatch):
-    """find_resume: same run -> (checkpoint, step); a changed key or world size -> SeqParError naming it;
-    more max_steps or other checkpoint settings are fine; resume: false -> fresh."""
+    """find_resume: same run -> (checkpoint, step); a changed key -> SeqParError naming it; more max_steps,
+    other checkpoint settings and another layout (world, SP, dp, FSDP2, micro-batch / grad-accum) are fine;
+    resume: false -> fresh. plan_resume says what a layout / global-batch change does, and refuses a dataset
+    of another size (the data position is a row count)."""
     import seqpar.train.lifecycle.resume as resume
     from seqpar.errors import SeqParError
 
     monkeypatch.setattr(resume, "checkpoint_damage", lambda ckpt: None)  # a stand-in checkpoint: no real files
     from seqpar.train.config import config_from_dict
-    from seqpar.train.lifecycle.resume import find_resume, run_meta
+    from seqpar.train.lifecycle.resume import find_resume, plan_resume, run_meta
+    from seqpar.train.lifecycle.run_layout import RunLayout
 
     base = _cfg(data, tmp_path, sequence_parallel={"size": 2})
     ck = tmp_path / "checkpoint-4"
     ck.mkdir()
-    (ck / "run.json").write_text(json.dumps(run_meta(config_from_dict(base), 2)))
+    saved = RunLayout.of(config_from_dict(base), 2, 2, 1)  # world 2: dp 1 x sp 2 (ulysses 2), 2 examples per step
+    (ck / "run.json").write_text(json.dumps(run_meta(config_from_dict(base), 2, saved, rows=8, examples=6)))
     for name in (".metadata", "trainer_state_rank0.pt"):  # what a finished save leaves
         (ck / name).write_text("")
     (tmp_path / "latest").write_text("checkpoint-4")
-    assert find_resume(config_from_dict(base), 2) == (ck, 4)
-    assert find_resume(config_from_dict(dict(base, max_steps=9, checkpoint={"every": 3})), 2) == (ck, 4)
-    assert find_resume(config_from_dict(dict(base, checkpoint={"resume": False})), 2) is None
-    changed = [({"optimizer": {"lr": 0.5}}, 2, "optimizer.lr: 0.01 -> 0.5"),
-               ({"finetuning": LORA}, 2, "finetuning.method: 'full' -> 'lora'"),
-               ({"grad_accum": 2}, 2, "grad_accum: 1 -> 2"),
-               ({"seed": 1}, 2, "seed: 0 -> 1"),
-               ({"dataset": {"path": str(data / "sft.jsonl"), "max_length": 32}}, 2, "dataset.max_length: 64 -> 32"),
-               ({}, 4, "world size (processes): 2 -> 4")]
-    for over, world, msg in changed:
+    assert find_resume(config_from_dict(base)) == (ck, 4)
+    assert find_resume(config_from_dict(dict(base, max_steps=9, checkpoint={"every": 3}))) == (ck, 4)
+    assert find_resume(config_from_dict(dict(base, checkpoint={"resume": False}))) is None
+    for over in ({"sequence_parallel": {"size": 4, "ring_degree": 2}}, {"grad_accum": 2}, {"fsdp": True},
+                 {"micro_batch_size": 1, "global_batch_size": 4}):
+        assert find_resume(config_from_dict(dict(base, **over))) == (ck, 4), over
+    changed = [({"optimizer": {"lr": 0.5}}, "optimizer.lr: 0.01 -> 0.5"),
+               ({"finetuning": LORA}, "finetuning.method: 'full' -> 'lora'"),
+               ({"seed": 1}, "seed: 0 -> 1"),
+               ({"dataset": {"path": str(data / "sft.jsonl"), "max_length": 32}}, "dataset.max_length: 64 -> 32")]
+    for over, msg in changed:
         with pytest.raises(SeqParError, match="cannot resume from .*checkpoint-4 .step 4.") as e:
-            find_resume(config_from_dict(dict(base, **over)), world)
+            find_resume(config_from_dict(dict(base, **over)))
         assert msg in str(e.value) and "checkpoint.resume: false" in str(e.value), str(e.value)
+    # The same layout: nothing to say. World 4 at dp 2 x sp 2 (ring 2), micro-batch 1: the global batch is kept.
+    cfg = config_from_dict(base)
+    assert plan_resume(cfg, saved, 6).lines == () and plan_resume(cfg, saved, 6).rows == 8
+    moved = config_from_dict(dict(base, micro_batch_size=1, fsdp=True))
+    plan = plan_resume(moved, RunLayout.of(moved, 4, 1, 2), 6)
+    assert (plan.step, plan.rows, plan.saved) == (4, 8, saved)
+    text = "\n".join(plan.lines)
+    assert "world 2 (dp 1 x sp 2: ulysses 2 x ring 1), this run is world 4 (dp 2 x sp 2: ulysses 1 x ring 2, " \
+           "FSDP2)" in text and "rank 0's saved torch RNG" in text, text
+    assert "global batch kept: 2 examples per step (dp 1 x micro_batch_size 2 x grad_accum 1 -> dp 2 x " \
+           "micro_batch_size 1 x grad_accum 1); the data continues at row 8 (epoch 1: 2 of its 6 examples done)" \
+           in text, text
+    # Another global batch: what changes, and how to keep the old one.
+    bigger = config_from_dict(dict(base, grad_accum=3))
+    text = "\n".join(plan_resume(bigger, RunLayout.of(bigger, 2, 2, 1), 6).lines)
+    assert "global batch 2 -> 6 examples per step" in text and "steps per epoch 3 -> 1" in text, text
+    assert "the data continues at row 8" in text and "global_batch_size: 2" in text, text
+    with pytest.raises(SeqParError, match="its run had 6 examples and this dataset gives 7"):
+        plan_resume(cfg, saved, 7)
 
 
 @pytest.mark.slow
 def test_cli_resume_rules(data, tmp_path):
-    """A resume announces itself; a changed lr / world size is refused before launch naming the key;
-    more max_steps continue."""
+    """A resume announces itself; a changed lr is refused before launch naming the key; more max_steps continue,
+    also on another world size (one process, SP 1: announced), and back on two."""
     cfg = _cfg(data, tmp_path / "run", sequence_parallel={"size": 2}, max_steps=3,
                export={"final": False}, checkpoint={"every": 1})
     y = _write_yaml(tmp_path, "run", cfg)
@@ -395,14 +419,15 @@ def test_cli_resume_rules(data, tmp_path):
     assert r.returncode == 2
     _one_error(r, "optimizer.lr: 0.01 -> 0.02")
     assert "checkpoint.resume: false" in r.stderr
-    r = _seqpar("train", y, "--set", "sequence_parallel.size=1")
-    assert r.returncode == 2
-    _one_error(r, "world size (processes): 2 -> 1")
-    r = _seqpar("train", y, "--nproc-per-node", "2", "--max-steps", "4")
+    r = _seqpar("train", y, "--set", "sequence_parallel.size=1", "--max-steps", "4")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"[seqpar] resuming from step 3: {tmp_path / 'run' / 'checkpoint-3'}" in r.stdout  # the last step's
+    assert "this run is world 1 (dp 1 x sp 1)" in r.stdout, r.stdout
+    r = _seqpar("train", y, "--nproc-per-node", "2", "--max-steps", "5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from step 4" in r.stdout and "this run is world 2 (dp 1 x sp 2" in r.stdout, r.stdout
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
+    assert steps == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 -m seqpar train cfg.yaml
     seqpar train cfg.yaml --nproc-per-node 4       # re-launches itself under torch.distributed.run
     seqpar train cfg.yaml --nproc-per-node 8 --nnodes 2 --node-rank R --rdzv-endpoint node0:29500   # each node
+    seqpar train cfg.yaml --nproc-per-node 8 --nnodes 1:2 --node-rank R --rdzv-endpoint node0:29500  # elastic
     seqpar verify cfg.yaml --steps 20 --nproc-per-node 4
     seqpar check cfg.yaml --nproc-per-node 4       # validate only
     seqpar plan --model llama-3.1-8b --gpus 8 --seq-len 131072   # predict memory/time, recommend a mesh
@@ -25,7 +26,9 @@ import yaml
 
 from ..errors import SeqParError, TrainingDiverged
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "ELASTIC_RESTARTS"]
+
+ELASTIC_RESTARTS = 3  # --max-restarts of an elastic launch (--nnodes MIN:MAX) that gives none
 
 
 def _under_torchrun() -> bool:
@@ -59,9 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output-dir", default=None)
     t.add_argument("--overwrite", action="store_true",
                    help="a fresh start may replace an earlier run's results in output_dir (overwrite_output_dir)")
-    t.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (resume from checkpoints)")
-    t.add_argument("--nnodes", type=int, default=None,
-                   help="nodes of the run; run `seqpar train` once on each (default: 1, or SLURM's node count)")
+    t.add_argument("--max-restarts", type=int, default=None,
+                   help="torchrun --max-restarts: restart the ranks after a failure, resuming from the last checkpoint "
+                        f"(default: 0, or {ELASTIC_RESTARTS} with --nnodes MIN:MAX)")
+    t.add_argument("--nnodes", default=None,
+                   help="nodes of the run; run `seqpar train` once on each (default: 1, or SLURM's node count); "
+                        "MIN:MAX: elastic, goes on after losing nodes down to MIN, on the new world size")
     t.add_argument("--node-rank", type=int, default=None,
                    help="this node's index; 0 is the node --rdzv-endpoint names (default: 0, or SLURM_NODEID)")
     t.add_argument("--rdzv-endpoint", default=None,
@@ -120,8 +126,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if nodes is not None and nodes.world > 1:
         from ..train.lifecycle.launch import launch, prelaunch_checks
 
-        # dataset, model, resume: exit code 2 before any rank starts; over nodes the output_dir is rank 0's
-        prelaunch_checks(cfg, nodes.world, node_size=nodes.nproc_per_node, output_dir=not nodes.multi_node)
+        # dataset, model, resume: exit code 2 before any rank starts; over nodes the output_dir is rank 0's;
+        # elastic: every world size the run may restart at
+        prelaunch_checks(cfg, nodes.world, node_size=nodes.nproc_per_node, output_dir=not nodes.multi_node,
+                         other_worlds=[w for w in nodes.worlds if w != nodes.world])
         passthrough = ["train", args.config] + [f"--set={s}" for s in args.set]
         if args.max_steps is not None:
             passthrough += ["--max-steps", str(args.max_steps)]
@@ -129,7 +137,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             passthrough += ["--output-dir", args.output_dir]
         if args.overwrite:
             passthrough += ["--overwrite"]
-        return launch(cfg, nodes, passthrough, args.max_restarts)
+        restarts = args.max_restarts if args.max_restarts is not None else (ELASTIC_RESTARTS if nodes.elastic else 0)
+        return launch(cfg, nodes, passthrough, restarts)
     from ..train.run import train
 
     res = train(cfg, emulate_dp=args.emulate_dp)
@@ -180,11 +189,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from ..train.lifecycle.launch import prelaunch_checks
 
     stats = prelaunch_checks(cfg, world)  # exactly what `train` checks before it starts
-    from ..train.config import with_total_steps
-
-    steps = with_total_steps(cfg, stats["examples"], max(1, world // cfg.sequence_parallel.size)).max_steps
     print(f"[seqpar check] OK: {stats['examples']} training examples from {stats['rows']} rows "
-          f"({stats['truncated']} truncated, {stats['dropped_unsupervised']} dropped), world={world}, {steps} steps")
+          f"({stats['truncated']} truncated, {stats['dropped_unsupervised']} dropped), world={world}, "
+          f"{stats['max_steps']} steps")
+    plan = stats["resume"]
+    if plan is not None:  # what `seqpar train` will do with the checkpoint in output_dir, at this layout
+        print(f"[seqpar check] resumes from step {plan.step}: {plan.ckpt}", flush=True)
+        for line in plan.lines or ("written at this layout and global batch: it continues as it was",):
+            print(f"[seqpar check] {line}", flush=True)
     return 0
 
 

@@ -13,8 +13,11 @@ logits processor and warper of generate() explicitly neutral) and puts it in pla
 applied: tokens are drawn from softmax(logits / T) restricted by top_k / top_p, the distribution the
 GRPO loss assumes. Temperature, top_k, top_p and the draw are `_RowSampler`'s (a logits processor, after
 generate()'s neutral ones; transformers' own warpers), which samples from one
-torch.Generator per completion row seeded from (seed, step, dp rank, prompt index, generation index):
-a completion does not depend on which SP rank drew it, on the batch it shared, or on SP size. What
+torch.Generator per completion row seeded from (seed, step, dp rank, prompt index, generation index), or,
+given `prompt_index` (the prompts' positions in the step's global batch, as `seqpar train` passes), from
+(seed, step, that position, generation index): a completion does not depend on which SP rank drew it, on
+the batch it shared, on SP size -- nor, with `prompt_index`, on the dp size (a resume on another layout
+samples what the uninterrupted run would). What
 can differ: batching changes the logits by float rounding (another batch shape, left padding), which
 flips a draw only when a uniform lands within that rounding of a CDF boundary.
 
@@ -197,9 +200,12 @@ def sample_rows(model: torch.nn.Module, rows: Sequence[Sequence[int]], seeds: Se
 
 
 def _local_rows(prompt_ids: Sequence[Sequence[int]], share: range, num_generations: int, seed: int, step: int,
-                dp_rank: int) -> tuple[list[list[int]], list[int]]:
+                dp_rank: int, prompt_index: Sequence[int] | None) -> tuple[list[list[int]], list[int]]:
     rows = [list(prompt_ids[i]) for i in share for _ in range(num_generations)]
-    seeds = [row_seed(seed, step, dp_rank, i, k) for i in share for k in range(num_generations)]
+    if prompt_index is None:
+        seeds = [row_seed(seed, step, dp_rank, i, k) for i in share for k in range(num_generations)]
+    else:  # positions in the step's global batch: the same seeds at any dp size
+        seeds = [row_seed(seed, step, 0, prompt_index[i], k) for i in share for k in range(num_generations)]
     return rows, seeds
 
 
@@ -217,6 +223,7 @@ def generate_for_group(
     step: int = 0,
     eos_token_id: int,
     pad_token_id: int,
+    prompt_index: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Completions (token ids, up to and including the first EOS) for this SP group's prompts.
 
@@ -232,7 +239,9 @@ def generate_for_group(
     cfg = sampling_config(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     share = prompt_share(len(prompt_ids), mesh.sp_size, mesh.sp_rank)
-    rows, seeds = _local_rows(prompt_ids, share, num_generations, seed, step, mesh.dp_rank)
+    if prompt_index is not None and len(prompt_index) != len(prompt_ids):
+        raise SeqParError(f"prompt_index has {len(prompt_index)} positions for {len(prompt_ids)} prompts")
+    rows, seeds = _local_rows(prompt_ids, share, num_generations, seed, step, mesh.dp_rank, prompt_index)
     synced = is_sharded(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     result: Any = []
     was_training = model.training

@@ -32,7 +32,10 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
 - on CPU ranks (several ranks, no accelerator) `use_cpu=True` is set on the TrainingArguments:
   accelerate sets up multi-CPU DDP only with it (without it: no distributed training at all);
 - resume_from_checkpoint is exact, mid-epoch included (the skipped batches and each epoch's
-  shuffle come out as in the uninterrupted run); PEFT (LoRA) models train as with the stock Trainer.
+  shuffle come out as in the uninterrupted run), also from a checkpoint of another world size / SP size /
+  dp size with the same global batch (seqpar.hf.trainer_resume: each checkpoint records its layout, a resume
+  says what changed, refuses what the Trainer cannot continue exactly); PEFT (LoRA) models train as with the
+  stock Trainer.
 - `TrainingArguments(gradient_checkpointing=True)` is honoured, made non-reentrant with whole-layer
   recomputes (seqpar.memory.checkpointing.checkpoint_kwargs); `tiled_mlp=True | n` tiles every decoder
   MLP (seqpar.memory.tiled_mlp); gradient_checkpointing_kwargs={"offload": True} keeps the checkpointed layer
@@ -43,6 +46,7 @@ Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); DPO
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +73,7 @@ from .trainer_args import (
     use_cpu_when_no_accelerator,
 )
 from .trainer_eval import SequenceParallelEvaluation
+from .trainer_resume import check_resume, resolve_checkpoint, write_layout
 from .trainer_stack import (
     agree_gathers,
     check_stack_args,
@@ -185,6 +190,22 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not load_stateless_fsdp_optimizer(self, checkpoint):  # torch's FSDP2 loading fails on plain SGD
             super()._load_optimizer_and_scheduler(checkpoint)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.train; a checkpoint of another layout is checked first (seqpar.hf.trainer_resume)."""
+        ckpt = resolve_checkpoint(self, resume_from_checkpoint)
+        if ckpt is not None:
+            for line in check_resume(self, ckpt):
+                if self.args.process_index == 0:
+                    print(f"[seqpar] {line}", flush=True)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # where the Trainer just saved
+        write_layout(self, os.path.join(self._get_output_dir(trial), folder))
 
     # ------------------------------------------------------------------ hooks for the DPO subclass
     def _make_spec(self) -> StepSpec:

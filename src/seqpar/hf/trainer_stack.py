@@ -33,7 +33,7 @@ from ..memory.tiled_mlp import same_tile_count
 from ..mesh import SequenceParallelMesh
 
 __all__ = ["prepare_reference", "fsdp_on_cpu", "load_stateless_fsdp_optimizer", "map_parallelism_config",
-           "check_stack_args", "deepspeed_stage", "wrapper_factor", "agree_gathers", "is_zero3"]
+           "check_stack_args", "deepspeed_stage", "deepspeed_config", "wrapper_factor", "agree_gathers", "is_zero3"]
 
 
 def _parallelism_config(args: Any) -> Any:
@@ -81,7 +81,7 @@ def _fsdp_from_env() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
-def _deepspeed_config(args: Any) -> Any:
+def deepspeed_config(args: Any) -> Any:
     """The HfDeepSpeedConfig the Trainer will run (None: no DeepSpeed): from `TrainingArguments(deepspeed=...)` or
     from accelerate's DeepSpeed plugin (`accelerate launch --config_file` with deepspeed_config fields)."""
     ds = getattr(args, "hf_deepspeed_config", None)
@@ -92,7 +92,7 @@ def _deepspeed_config(args: Any) -> Any:
 
 def deepspeed_stage(args: Any) -> int | None:
     """The ZeRO stage the Trainer will run (None: no DeepSpeed)."""
-    ds = _deepspeed_config(args)
+    ds = deepspeed_config(args)
     return None if ds is None else int(ds.get_value("zero_optimization.stage", 0) or 0)
 
 
@@ -109,7 +109,7 @@ def check_stack_args(name: str, args: Any) -> None:
         raise SeqParError(f"{name}: FSDP version {os.environ.get('FSDP_VERSION', '1')} (from the accelerate config "
                           "file) is not supported: set `fsdp_version: 2` under fsdp_config in that file (FSDP2, "
                           "per-parameter sharding)")
-    cfg = getattr(_deepspeed_config(args), "config", None) or {}
+    cfg = getattr(deepspeed_config(args), "config", None) or {}
     if int(cfg.get("sequence_parallel_size", 1) or 1) > 1:
         raise SeqParError(f"{name}: the DeepSpeed config sets sequence_parallel_size="
                           f"{cfg['sequence_parallel_size']}: remove it; seqpar's sequence_parallel_size replaces "

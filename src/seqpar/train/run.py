@@ -36,7 +36,8 @@ from .lifecycle.process import (
     take_lock,
     watch_parent,
 )
-from .lifecycle.resume import check_output_dir, resume_point, run_meta
+from .lifecycle.resume import check_output_dir, resume_point, resume_start, run_meta
+from .lifecycle.run_layout import RunLayout
 from .loop.build import build_loop
 from .loop.evaluation import maybe_eval
 from .loop.metrics import log_row, open_tensorboard, report_data_stats, trim_metrics
@@ -64,6 +65,7 @@ class _Prepared:
     ring: int
     node_size: int  # processes per node (LOCAL_WORLD_SIZE); < world over several nodes
     info: ModelInfo  # the model's config, read once for the whole run
+    layout: RunLayout  # world, dp x sp, FSDP2, the global batch: what a checkpoint records, what a resume compares
 
 
 def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
@@ -85,7 +87,9 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    lock = take_lock(prep.cfg, world, rank, multi_node=prep.node_size < world)
+    # over several nodes rank 0 checks output_dir (the nodes may not share it) under the lock
+    check = (lambda: check_output_dir(prep.cfg, prep.layout, len(prep.examples))) if prep.node_size < world else None
+    lock = take_lock(prep.cfg, world, rank, check_dir=check)
     try:
         return _run(prep, world, rank, device, emulate_dp)
     finally:
@@ -106,16 +110,19 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
         raise SeqParError("stage: grpo has no emulated-dp reference (seqpar verify): compare runs with dp=1 instead")
     examples, data_stats = prepare_examples(cfg, tok, info=info)
     eval_data = prepare_examples(cfg, tok, cfg.eval_dataset, info) if cfg.eval_dataset is not None else None
-    cfg = with_total_steps(cfg, len(examples), emulate_dp if emulate_dp > 1 else world // cfg.sequence_parallel.size)
+    dp = emulate_dp if emulate_dp > 1 else world // cfg.sequence_parallel.size
+    # global_batch_size -> grad_accum at this dp; num_epochs -> max_steps (continuing a resumed data position)
+    cfg = with_total_steps(cfg, len(examples), dp, start=resume_start(cfg, len(examples)))
+    layout = RunLayout.of(cfg, world, u, r, dp=dp)
     check_model(cfg, examples, info)
     if node == world:  # one node: every rank sees the folder; over nodes rank 0 checks it (take_lock)
-        check_output_dir(cfg, world)  # a checkpoint of another run, or earlier results a fresh start would replace
+        check_output_dir(cfg, layout, len(examples))  # another run's checkpoint, or results a fresh start replaces
     torch.manual_seed(cfg.seed)
     model = load_model(cfg, info)
     if loaded_heads(model) != (nh, nkv):
         raise SeqParError(f"model has heads {loaded_heads(model)} but its config said {(nh, nkv)}")
     check_memory_features(cfg, model, on_accelerator=torch.cuda.is_available())
-    return _Prepared(cfg, tok, examples, data_stats, eval_data, model, u, r, node, info)
+    return _Prepared(cfg, tok, examples, data_stats, eval_data, model, u, r, node, info, layout)
 
 
 def _start_process_group(cfg: TrainConfig, world: int, pg_ready: bool) -> bool:
@@ -141,7 +148,7 @@ def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_d
         # CUDA: the allocator's exact peak, without the tracker's per-op Python cost (no split by category).
         extra = (getattr(loop.reference, "ref_model", None), loop.prec.module if loop.prec else None)
         loop.meter = PeakMemoryMeter(loop.model, loop.optimizer, device, extra=extra, categories=device.type != "cuda")
-    start_step = _restore(loop)
+    start_step = _restore(loop, prep.layout)
     if cfg.stage == "grpo":
         loop.spec, loop.rollout = grpo_step_spec(cfg), GRPORollout(cfg, mesh, prep.tok, prep.examples, loop.collator)
     metrics_path = out / "metrics.jsonl"
@@ -158,24 +165,26 @@ def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_d
     return result
 
 
-def _restore(loop: Loop) -> int:
+def _restore(loop: Loop, layout: RunLayout) -> int:
     """The output folder, and the model / optimizer / schedule / data position of the checkpoint to resume
-    from (if any); returns the step to start at."""
+    from (if any), at this run's layout; returns the step to start at."""
     out = loop.out
     if loop.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     if loop.world > 1:
         dist.barrier()
     # Rank 0's view of the folder decides (nodes need not share it: take_lock refuses checkpoints then).
-    ckpt = rank0_decides(lambda: resume_point(loop.cfg, loop.world, 0, out), loop.world, loop.rank)
-    if ckpt is None:
+    n = len(loop.examples)
+    plan = rank0_decides(lambda: resume_point(loop.cfg, layout, n, 0, out), loop.world, loop.rank)
+    if plan is None:
         return 0
-    state = load_checkpoint(ckpt, _state_model(loop), loop.optimizer, trainable_only=_lora(loop))
+    state = load_checkpoint(plan.ckpt, _state_model(loop), loop.optimizer, trainable_only=_lora(loop),
+                            same_world=plan.saved.world == loop.world)
     if loop.prec:
         loop.prec.masters_to_model()
     loop.scheduler.load_state_dict(state["scheduler"])
-    for s, st in zip(loop.streams, state["data"]):
-        s.load_state_dict(st)
+    for s in loop.streams:
+        s.load_state_dict({"rows": plan.rows})  # global rows: the same position at any layout
     return int(state["step"])
 
 
@@ -240,10 +249,13 @@ def _state_model(loop: Loop) -> torch.nn.Module:
 
 
 def _save_checkpoint(loop: Loop, step: int) -> None:
-    cfg = loop.cfg
-    state = {"step": step, "scheduler": loop.scheduler.state_dict(), "data": [s.state_dict() for s in loop.streams]}
+    cfg, m = loop.cfg, loop.mesh
+    rows = loop.streams[0].rows  # every slot's stream is at the same global row between steps
+    state = {"step": step, "scheduler": loop.scheduler.state_dict(), "data": {"rows": rows}}
+    layout = RunLayout.of(cfg, loop.world, m.ulysses_degree, m.ring_degree, dp=m.dp_size * len(loop.streams))
     save_checkpoint(loop.out, step, _state_model(loop), loop.optimizer, state, trainable_only=_lora(loop),
-                    keep_last=cfg.checkpoint.keep_last, run_meta=run_meta(cfg, loop.world))
+                    keep_last=cfg.checkpoint.keep_last,
+                    run_meta=run_meta(cfg, loop.world, layout, rows, len(loop.examples)))
 
 
 def stop_if_diverged(loop: Loop, step: int) -> None:

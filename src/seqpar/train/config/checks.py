@@ -23,8 +23,8 @@ from ...layout import required_multiple
 from ...mesh import check_divides, resolve_degrees
 from .schema import SequenceParallelSpec, TrainConfig
 
-__all__ = ["resolve_sp_degrees", "validate_for_launch", "steps_for_epochs", "with_total_steps", "import_reward",
-           "check_reward_funcs", "add_reward_search_path"]
+__all__ = ["resolve_sp_degrees", "validate_for_launch", "steps_for_epochs", "with_total_steps", "rows_per_step",
+           "resolve_grad_accum", "import_reward", "check_reward_funcs", "add_reward_search_path"]
 
 
 def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_heads: int | None, *,
@@ -62,6 +62,7 @@ def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | N
                 f"(ulysses={u}, ring={r}, layout={cfg.sequence_parallel.layout}): it must be a multiple of {m}; "
                 f"use max_length: {alts}"
             )
+    resolve_grad_accum(cfg, world_size // sp)  # global_batch_size: a grad_accum must exist at this dp size
     check_reward_funcs(cfg)
     if "tensorboard" in cfg.report_to:
         try:
@@ -73,22 +74,61 @@ def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | N
     return u, r
 
 
-def steps_for_epochs(cfg: TrainConfig, n_examples: int, dp_size: int) -> int:
+def rows_per_step(cfg: TrainConfig, dp_size: int) -> int:
+    """The global batch of one optimizer step, in rows of the data stream: dp x micro_batch_size x grad_accum
+    examples (packs with packing, where a micro-batch is one pack; prompts for GRPO, whose micro_batch_size x
+    grad_accum completion rows per dp rank hold that / num_generations prompts)."""
+    per = cfg.grad_accum * (1 if cfg.dataset.packing else cfg.micro_batch_size)
+    if cfg.stage == "grpo" and cfg.grpo is not None:
+        per //= cfg.grpo.num_generations
+    return dp_size * per
+
+
+def resolve_grad_accum(cfg: TrainConfig, dp_size: int) -> TrainConfig:
+    """cfg with grad_accum from global_batch_size for this dp size (unchanged without global_batch_size)."""
+    if cfg.global_batch_size is None:
+        return cfg
+    gbs, mbs = cfg.global_batch_size, (1 if cfg.dataset.packing else cfg.micro_batch_size)
+    per = dp_size * mbs
+    if gbs % per:
+        raise SeqParError(
+            f"global_batch_size={gbs} is not a multiple of dp ({dp_size}) x micro_batch_size ({mbs}) = {per}, so no "
+            f"grad_accum gives it at this world size: use a multiple of {per} (e.g. {max(per, gbs // per * per)}), "
+            f"another micro_batch_size or sequence_parallel.size, or grad_accum instead"
+        )
+    out = cfg.model_copy(update={"grad_accum": gbs // per})
+    g = out.grpo
+    if out.stage == "grpo" and g is not None and (mbs * out.grad_accum) % g.num_generations:
+        step = dp_size * g.num_generations * mbs // math.gcd(g.num_generations, mbs)
+        raise SeqParError(
+            f"global_batch_size={gbs} gives each of the {dp_size} dp ranks {mbs * out.grad_accum} completion rows per "
+            f"step, which grpo.num_generations={g.num_generations} does not divide (a prompt's completions never "
+            f"split over dp ranks): use a multiple of {step}"
+        )
+    return out
+
+
+def steps_for_epochs(cfg: TrainConfig, n_examples: int, dp_size: int, start: tuple[int, int] | None = None) -> int:
     """Optimizer steps for cfg.num_epochs passes over n_examples (rows, or packs when packing).
 
-    steps = ceil(num_epochs x ceil(n_examples / dp_size) / (micro_batch_size x grad_accum)): each dp slot
-    sees ceil(n / dp) rows per epoch (the sampler wraps around to even out dp slots) and a step takes
-    micro_batch_size x grad_accum of them (a pack counts as one row).
+    steps = ceil(num_epochs x n_examples / rows_per_step): the run reads the rows epoch after epoch, a step
+    takes the next global batch of them (train/dataset/streams.py). start: (step, rows consumed) of a
+    checkpoint being resumed, which a global batch of another size continues: step + the steps the rows left
+    need at this layout's batch.
     """
-    per_slot = math.ceil(n_examples / dp_size)
-    return max(1, math.ceil(cfg.num_epochs * per_slot / (cfg.micro_batch_size * cfg.grad_accum)))
+    done_step, done_rows = start or (0, 0)
+    left = math.ceil(max(0.0, cfg.num_epochs * n_examples - done_rows) / rows_per_step(cfg, dp_size))
+    return done_step + left if start is not None else max(1, left)
 
 
-def with_total_steps(cfg: TrainConfig, n_examples: int, dp_size: int) -> TrainConfig:
-    """cfg with max_steps filled in from num_epochs (unchanged when max_steps was given)."""
+def with_total_steps(cfg: TrainConfig, n_examples: int, dp_size: int,
+                     start: tuple[int, int] | None = None) -> TrainConfig:
+    """cfg for this dp size: grad_accum from global_batch_size, then max_steps from num_epochs (unchanged when
+    max_steps was given); start: see steps_for_epochs."""
+    cfg = resolve_grad_accum(cfg, dp_size)
     if cfg.num_epochs is None:
         return cfg
-    return cfg.model_copy(update={"max_steps": steps_for_epochs(cfg, n_examples, dp_size)})
+    return cfg.model_copy(update={"max_steps": steps_for_epochs(cfg, n_examples, dp_size, start)})
 
 
 def add_reward_search_path(config_path: str | os.PathLike | None) -> list[str]:

@@ -221,10 +221,12 @@ class TrainConfig(_Strict):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     micro_batch_size: int = Field(default=1, ge=1)
     grad_accum: int = Field(default=1, ge=1)
-    # When replicated gradients (no FSDP) are summed over dp x sp: "overlap" posts each gradient's all-reduce
-    # during the step's last backward (seqpar.loss.OverlappedGradSum), "after_backward" sums them all after it,
-    # "auto" overlaps where collectives run beside compute (CUDA / NCCL streams) and sums after backward on
-    # CPU / gloo, where the transfers take the cores backward computes on (measured slower there).
+    # Rows per step over all dp ranks (dp x micro_batch_size x grad_accum); when set, grad_accum follows each launch's
+    # dp, so a resume at another world / dp size keeps the global batch (checks.py, resolve_grad_accum).
+    global_batch_size: int | None = Field(default=None, ge=1)
+    # When replicated gradients (no FSDP) are summed over dp x sp: "overlap" during the step's last backward
+    # (seqpar.loss.OverlappedGradSum), "after_backward" after it, "auto" overlaps on CUDA / NCCL streams and sums
+    # after backward on CPU / gloo, where the transfers take the cores backward computes on (measured slower).
     grad_sync: Literal["auto", "overlap", "after_backward"] = "auto"
     # Exactly one of max_steps / num_epochs (neither: max_steps 10); see steps_for_epochs for the rule.
     max_steps: int | None = Field(default=None, ge=1)
@@ -234,8 +236,7 @@ class TrainConfig(_Strict):
     report_to: list[Literal["tensorboard"]] = Field(default_factory=list)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
-    # A fresh start into an output_dir holding an earlier run's results replaces them only when true
-    # (train/lifecycle/output_dir.py); false: refused before launch, naming what would be lost.
+    # A fresh start over an earlier run's results in output_dir replaces them only when true (lifecycle/output_dir.py)
     overwrite_output_dir: bool = False
     # A step whose global loss or gradient norm is NaN/inf updates nothing; this many in a row stop the run.
     max_consecutive_nonfinite: int = Field(default=3, ge=1)
@@ -323,7 +324,7 @@ def _check_grpo(cfg: TrainConfig) -> None:
     if g is None:
         raise ValueError("stage: grpo needs a grpo: section with at least reward_funcs: [...] (docs/grpo.md)")
     rows = cfg.micro_batch_size * cfg.grad_accum
-    if rows % g.num_generations:
+    if rows % g.num_generations and cfg.global_batch_size is None:  # else: checked once dp is known (checks.py)
         raise ValueError(
             f"grpo.num_generations={g.num_generations} must divide micro_batch_size x grad_accum = {rows} (the "
             f"completion rows per dp rank and step; a prompt's completions never split over dp ranks): e.g. set "

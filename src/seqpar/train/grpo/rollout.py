@@ -88,13 +88,18 @@ class GRPORollout:
             raise SeqParError(str(err))
 
     def rollout(self, model: torch.nn.Module, rows: list[PromptRow], step: int) -> tuple[list, torch.Tensor, Any]:
-        """(completions, advantages [n], per-function rewards [n, F]) for `rows`, identical on the SP group."""
+        """(completions, advantages [n], per-function rewards [n, F]) for `rows`, identical on the SP group.
+        Row j of this dp rank is row dp_rank + dp_size x j of the step's global batch (train/dataset/streams.py):
+        its samples are seeded by that position, so they are the same at any dp size."""
         g, err, completions, scored = self.g, None, None, None
+        m = self.mesh
+        index = [m.dp_rank + m.dp_size * j for j in range(len(rows))]
         try:
             completions = generate_for_group(
                 model, self.mesh, [r.prompt_ids for r in rows], num_generations=g.num_generations,
                 max_new_tokens=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
-                seed=self.cfg.seed, step=step, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
+                seed=self.cfg.seed, step=step, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
+                prompt_index=index)
         except SeqParError as e:
             err = e
         if err is None:

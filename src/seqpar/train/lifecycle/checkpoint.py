@@ -1,8 +1,8 @@
-"""Checkpoint save / resume: model + optimizer (torch.distributed.checkpoint, FSDP-aware), plus
-per-rank trainer state (step, scheduler, sampler position, RNG).
+"""Checkpoint save / resume: model + optimizer (torch.distributed.checkpoint, FSDP-aware, resharded on load at
+any world size), plus per-rank trainer state (step, scheduler, data position in global rows, RNG).
 
 Layout: <output_dir>/checkpoint-<step>/{model+optim DCP files, trainer_state_rank<r>.pt, run.json (the
-config + world size that wrote it)}; the file
+config, world size, layout and data position that wrote it: run_layout.py)}; the file
 <output_dir>/latest names the newest COMPLETE checkpoint (written last, atomically, after a
 barrier), so a rank killed mid-save never leaves a half checkpoint that resume would pick up.
 """
@@ -150,18 +150,20 @@ def _save_error(err: BaseException | None, path: Path, out: Path) -> SeqParError
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    trainable_only: bool) -> dict[str, Any]:
-    """Restore model + optimizer in place; return this rank's trainer state (RNG already restored)."""
+                    trainable_only: bool, same_world: bool = True) -> dict[str, Any]:
+    """Restore model + optimizer in place (DCP reshards them: any world size, plain or FSDP2); return the
+    trainer state, with the RNG restored: this rank's own when the world size is the one that saved
+    (`same_world`), else rank 0's on every rank (its step, schedule and data position are every rank's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
     mine = path / f"trainer_state_rank{_rank()}.pt"
+    if not (same_world and mine.is_file()):
+        mine = path / "trainer_state_rank0.pt"
     if not mine.is_file():
-        raise SeqParError(
-            f"{path} has no trainer state for rank {_rank()} (saved with another world size?): resume with the "
-            f"same number of processes, or use a new output_dir"
-        )
+        raise SeqParError(f"{path} has no trainer state (trainer_state_rank0.pt): it is incomplete; resume from "
+                          f"another checkpoint, or use a new output_dir")
     opts = _options(trainable_only)
     msd, osd = get_state_dict(model, optimizer, options=opts)
     state = {"model": msd, "optim": osd}

@@ -39,26 +39,39 @@ ERROR_DIR_ENV = "SEQPAR_ERROR_DIR"
 INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
 
 
-def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
-                     output_dir: bool = True) -> dict[str, int]:
-    """Every input check of `seqpar train`, without weights or processes; returns the dataset stats.
-    node_size: processes per node (None: one node); output_dir: also the resume / overwrite rules."""
+def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None, output_dir: bool = True,
+                     other_worlds: list[int] | None = None) -> dict[str, Any]:
+    """Every input check of `seqpar train`, without weights or processes; returns the dataset stats, and under
+    "resume" the ResumePlan (None: a fresh start; not checked without output_dir).
+    node_size: processes per node (None: one node); output_dir: also the resume / overwrite rules; other_worlds:
+    the world sizes an elastic run may restart at (config x world size checked for each)."""
+    from ..config import with_total_steps
     from ..dataset.prepare import prepare_examples
     from ..model.checks import check_model, refuse_unsupported_model
     from ..model.load import load_tokenizer, model_info
-    from .resume import check_output_dir
+    from .resume import check_output_dir, resume_start
+    from .run_layout import RunLayout
 
     info = model_info(cfg)  # the model's config, read once for every check below
     nh, nkv = info.heads
-    validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=info.needs_full_sequence,
-                        node_size=node_size)
+    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=info.needs_full_sequence,
+                               node_size=node_size)
+    for w in other_worlds or ():
+        try:
+            validate_for_launch(cfg, w, num_heads=nh, num_kv_heads=nkv, ulysses_only=info.needs_full_sequence,
+                                node_size=node_size)
+        except SeqParError as e:
+            raise SeqParError(f"this elastic run may restart at world size {w} after losing nodes, and there: {e}") \
+                from None
     refuse_unsupported_model(cfg, info)  # before the tokenizer: "not a causal LM" is the message that helps
     tok = load_tokenizer(cfg)
     examples, stats = prepare_examples(cfg, tok, info=info)
     check_model(cfg, examples, info)
+    n, plan = len(examples), None
+    cfg = with_total_steps(cfg, n, world // cfg.sequence_parallel.size, start=resume_start(cfg, n))
     if output_dir:
-        check_output_dir(cfg, world)
-    return {**stats, "examples": len(examples)}
+        plan = check_output_dir(cfg, RunLayout.of(cfg, world, u, r), n)
+    return {**stats, "examples": n, "resume": plan, "max_steps": cfg.max_steps}
 
 
 def exit_code(e: BaseException) -> int:

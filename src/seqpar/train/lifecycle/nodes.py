@@ -2,6 +2,13 @@
 
     seqpar train cfg.yaml --nproc-per-node 8 --nnodes 2 --node-rank R --rdzv-endpoint node0:29500   # on each node
     srun --ntasks-per-node=1 seqpar train cfg.yaml --nproc-per-node 8                            # SLURM: the same
+    seqpar train cfg.yaml --nproc-per-node 8 --nnodes 1:2 ... --max-restarts 3                   # elastic
+
+Elastic (`--nnodes MIN:MAX`, torchrun's form): the run starts on the nodes that arrive (up to MAX) and, when
+a node is lost, the surviving agents restart their ranks (a --max-restarts attempt) on the MIN..MAX nodes
+left; the ranks then resume from the last complete checkpoint at the new world size (resume.py: any layout;
+global_batch_size keeps the global batch). Every world size MIN..MAX could become is checked before launch.
+Node 0 hosts the rendezvous store: it must be a node that stays.
 
 Every node runs one launcher; the launchers meet at a c10d rendezvous (`--rdzv-endpoint`, a HOST:PORT on
 node 0 that every node can reach; node 0 hosts its store). torchrun numbers the ranks node by node, so each
@@ -34,7 +41,8 @@ DEFAULT_PORT = 29500  # torchrun's default master port
 
 @dataclass(frozen=True)
 class NodeLaunch:
-    """One node's part of a launch: nproc_per_node ranks on node `node_rank` of `nnodes`."""
+    """One node's part of a launch: nproc_per_node ranks on node `node_rank` of `nnodes` (elastic: of
+    min_nodes..nnodes)."""
 
     nproc_per_node: int
     nnodes: int = 1
@@ -42,10 +50,22 @@ class NodeLaunch:
     rdzv_endpoint: str | None = None  # HOST:PORT, for nnodes > 1
     rdzv_id: str | None = None  # the same on every node, for nnodes > 1
     source: str = "command line"  # or "SLURM": where the values came from (the launch line says)
+    min_nodes: int | None = None  # elastic (--nnodes MIN:MAX): the fewest nodes the run goes on with
 
     @property
     def world(self) -> int:
+        """The largest world size (every node)."""
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+    @property
+    def worlds(self) -> list[int]:
+        """Every world size the run can have (one, unless elastic)."""
+        low = self.min_nodes if self.elastic else self.nnodes
+        return [self.nproc_per_node * k for k in range(low, self.nnodes + 1)]
 
     @property
     def multi_node(self) -> bool:
@@ -58,10 +78,15 @@ class NodeLaunch:
             return args + ["--rdzv-endpoint=localhost:0", f"--rdzv-id={run_id}", "-m", "seqpar"]
         # is_host: node 0 hosts the rendezvous store at the endpoint; the others connect to it (torch's own
         # guess from the host name fails on one machine, and for an endpoint on another interface).
-        return args + [f"--nnodes={self.nnodes}", f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}",
+        nnodes = f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
+        return args + [f"--nnodes={nnodes}", f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}",
                        f"--rdzv-conf=is_host={'true' if self.node_rank == 0 else 'false'}", "-m", "seqpar"]
 
     def describe(self) -> str:
+        if self.elastic:
+            return (f"node {self.node_rank} of {self.min_nodes}..{self.nnodes} (elastic, {self.source}), "
+                    f"{self.nproc_per_node} processes per node, world {' / '.join(map(str, self.worlds))}; rendezvous "
+                    f"{self.rdzv_endpoint} (id {self.rdzv_id})")
         return (f"node {self.node_rank} of {self.nnodes} ({self.source}), {self.nproc_per_node} processes per node, "
                 f"world {self.world}; rendezvous {self.rdzv_endpoint} (id {self.rdzv_id})")
 
@@ -115,12 +140,26 @@ def _refuse_tasks_per_node(env: Mapping[str, str], nodes: int) -> None:
                           f"#SBATCH --ntasks-per-node=1) and give --nproc-per-node")
 
 
-def resolve_nodes(nproc_per_node: int | None = None, nnodes: int | None = None, node_rank: int | None = None,
+def _node_range(nnodes: int | str | None) -> tuple[int | None, int | None]:
+    """--nnodes N or MIN:MAX -> (MIN or None, N or MAX)."""
+    if nnodes is None or isinstance(nnodes, int):
+        return None, nnodes
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(nnodes))
+    if m is None or (m.group(2) is not None and not 1 <= int(m.group(1)) <= int(m.group(2))):
+        raise SeqParError(f"--nnodes {nnodes!r}: give the number of nodes (2), or MIN:MAX (1:2) for an elastic run "
+                          f"that goes on with at least MIN nodes")
+    if m.group(2) is None:
+        return None, int(m.group(1))
+    return int(m.group(1)), int(m.group(2))
+
+
+def resolve_nodes(nproc_per_node: int | None = None, nnodes: int | str | None = None, node_rank: int | None = None,
                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
                   env: Mapping[str, str] | None = None) -> NodeLaunch:
     """This node's launch from the command line, filled in from SLURM's variables in `env` (module docstring).
-    SeqParError for a launch that cannot work, naming the flag to fix."""
+    nnodes: N, or "MIN:MAX" (elastic). SeqParError for a launch that cannot work, naming the flag to fix."""
     env = {} if env is None else env
+    min_nodes, nnodes = _node_range(nnodes)
     # Only an srun step says how many nodes run this command: SLURM_NNODES is the allocation's, also seen by
     # the batch script, which runs on the first node alone.
     step_nodes = _int(env, "SLURM_STEP_NUM_NODES")
@@ -158,4 +197,4 @@ def resolve_nodes(nproc_per_node: int | None = None, nnodes: int | None = None, 
     _check_endpoint(ep)
     # Every node must name the same rendezvous: without SLURM's job id, the endpoint itself is shared by all.
     rid = rdzv_id or f"seqpar-{ep}"
-    return NodeLaunch(nproc_per_node, nnodes, node_rank, ep, rid, "SLURM" if slurm else "command line")
+    return NodeLaunch(nproc_per_node, nnodes, node_rank, ep, rid, "SLURM" if slurm else "command line", min_nodes)

@@ -21,7 +21,6 @@ from ... import comm
 from ...errors import SeqParError
 from ..config import TrainConfig
 from .lock import OutputDirLock
-from .resume import check_output_dir
 
 __all__ = ["FAULT_ENV", "maybe_fault", "quiet_non_main_ranks", "init_process_group", "take_lock", "watch_parent",
            "LAUNCHER_GONE", "rank0_decides"]
@@ -98,9 +97,10 @@ def rank0_decides(fn: Callable[[], Any], world: int, rank: int) -> Any:
     return value
 
 
-def take_lock(cfg: TrainConfig, world: int, rank: int, multi_node: bool = False) -> OutputDirLock:
-    """Rank 0 locks output_dir (over several nodes it also runs the output_dir checks there, which one node's
-    ranks all run before the process group); its outcome is the first collective, so every rank stops alike.
+def take_lock(cfg: TrainConfig, world: int, rank: int, check_dir: Callable[[], Any] | None = None) -> OutputDirLock:
+    """Rank 0 locks output_dir (over several nodes it also runs the output_dir checks there, `check_dir`: one
+    node's ranks all run them before the process group; its result is not None when the run resumes); its
+    outcome is the first collective, so every rank stops alike.
     Then every rank that sees the lock file holds it too (lock.py: a rank outliving its launcher keeps the
     folder locked). Nodes that do not see rank 0's lock file do not share output_dir: they write nothing
     there, and checkpoints (every rank writes its part, every rank reads them back) are refused."""
@@ -109,7 +109,7 @@ def take_lock(cfg: TrainConfig, world: int, rank: int, multi_node: bool = False)
     def acquire() -> tuple[str, bool]:
         lock.acquire()
         try:
-            found = check_output_dir(cfg, world) if multi_node else None
+            found = check_dir() if check_dir is not None else None
             return lock.path.read_text(), found is not None
         except BaseException:
             lock.release()

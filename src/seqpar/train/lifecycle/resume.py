@@ -1,16 +1,21 @@
-"""Resume rules: which checkpoint a run continues from, and refusing one written by a different run.
+"""Resume rules: which checkpoint a run continues from, refusing one written by a different run, and what a
+resume on another layout does.
 
 Reads files only (no collectives), so every rank -- and the launching `seqpar train --nproc-per-node`
 process, before torchrun starts -- reaches the same decision with the same message.
 
-A checkpoint continues a run only when what shapes the training trajectory is unchanged: the keys in
-`MUST_MATCH` and the world size. `max_steps` may change (grow, to train longer), and so may
-checkpointing, export, progress, memory and FSDP settings (exactness features: same loss and gradients).
+A checkpoint continues a run only when what defines the run is unchanged: the keys in `MUST_MATCH`, and the
+dataset's size (the data position is a row count). The layout may change -- world size, sequence_parallel
+(size, degrees, layout), dp size, FSDP2, nodes (run_layout.py) -- and so may micro_batch_size / grad_accum /
+global_batch_size: the same global batch continues the uninterrupted trajectory, another one is announced
+(steps per epoch, the row the data continues at). `max_steps` may change (grow, to train longer), and so may
+checkpointing, export, progress and memory settings (exactness features: same loss and gradients).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +24,26 @@ from ..config import TrainConfig
 from .checkpoint import checkpoint_step
 from .lock import run_identity
 from .output_dir import checkpoint_damage, clear_results, complete_checkpoints, refuse_overwrite
+from .run_layout import RunLayout, checkpoint_rows, layout_meta, resume_lines, row_unit
 
 __all__ = ["run_meta", "MUST_MATCH", "find_resume", "config_differences", "resume_point", "checkpoint_to_resume",
-           "check_output_dir", "RUN_FILE"]
+           "check_output_dir", "RUN_FILE", "ResumePlan", "plan_resume", "resume_start"]
 
 # <output_dir>/.seqpar_run: the run id of the run that wrote the results (a torchrun restart of the same run
 # may start over them; any other fresh run may not, unless overwrite_output_dir).
 RUN_FILE = ".seqpar_run"
 
-MUST_MATCH = ("model", "dataset", "stage", "dpo", "grpo", "finetuning", "sequence_parallel", "precision", "optimizer",
-              "schedule", "micro_batch_size", "grad_accum", "seed")
+MUST_MATCH = ("model", "dataset", "stage", "dpo", "grpo", "finetuning", "precision", "optimizer", "schedule", "seed")
 
 
-def run_meta(cfg: TrainConfig, world: int) -> dict[str, Any]:
-    """What a checkpoint records about the run that wrote it (checkpoint-N/run.json)."""
-    return {"config": cfg.model_dump(mode="json"), "world_size": world}
+def run_meta(cfg: TrainConfig, world: int, layout: RunLayout | None = None, rows: int = 0,
+             examples: int | None = None) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it (checkpoint-N/run.json): the config and world size,
+    and (layout given) the layout and data position (run_layout.py)."""
+    meta = {"config": cfg.model_dump(mode="json"), "world_size": world}
+    if layout is not None:
+        meta.update(layout_meta(layout, rows, examples))
+    return meta
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -91,7 +101,7 @@ def checkpoint_to_resume(out: Path) -> tuple[Path | None, str | None]:
     return good[-1], f"{why}: resuming from the newest intact checkpoint, {good[-1]}"
 
 
-def find_resume(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
+def find_resume(cfg: TrainConfig) -> tuple[Path, int] | None:
     """(checkpoint, step) this run resumes from, None for a fresh start; SeqParError when it may not resume."""
     if not cfg.checkpoint.resume:
         return None
@@ -107,8 +117,6 @@ def find_resume(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
         raise SeqParError(f"{ckpt} (step {step}) has no run.json and {ckpt.parent / 'config.json'} is missing, so "
                           f"it cannot be checked against this config: {fresh}")
     diffs = config_differences(meta["config"], cfg)
-    if int(meta["world_size"]) != world:
-        diffs.append(f"world size (processes): {meta['world_size']} -> {world}")
     if diffs:
         raise SeqParError(
             f"cannot resume from {ckpt} (step {step}): the run that wrote it differs in\n  " + "\n  ".join(diffs)
@@ -117,9 +125,52 @@ def find_resume(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
     return ckpt, step
 
 
-def check_output_dir(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
-    """find_resume, and for a fresh start the refusal to replace an earlier run's results (output_dir.py)."""
-    found = find_resume(cfg, world)
+@dataclass(frozen=True)
+class ResumePlan:
+    """A checkpoint to continue from, at this launch's layout: its step and data position (global rows), the
+    layout it was written at, and the lines that say what the resume does (run_layout.resume_lines)."""
+
+    ckpt: Path
+    step: int
+    rows: int
+    saved: RunLayout
+    lines: tuple[str, ...]
+
+
+def plan_resume(cfg: TrainConfig, now: RunLayout, examples: int) -> ResumePlan | None:
+    """find_resume, and what continuing it at layout `now` does; SeqParError when the dataset's size changed
+    (the data position counts rows of it). `cfg`: grad_accum resolved for now.dp."""
+    found = find_resume(cfg)
+    if found is None:
+        return None
+    ckpt, step = found
+    meta = _saved_meta(ckpt)
+    saved_n = meta.get("examples")
+    if saved_n is not None and int(saved_n) != examples:
+        raise SeqParError(f"cannot resume from {ckpt} (step {step}): its run had {saved_n} {row_unit(cfg)} and "
+                          f"this dataset gives {examples}, so its data position (a row count) would point elsewhere: "
+                          f"restore that dataset, or start fresh (checkpoint.resume: false with --overwrite, or a "
+                          f"new output_dir)")
+    saved = RunLayout.from_meta(meta)
+    rows = checkpoint_rows(ckpt, meta, examples)
+    return ResumePlan(ckpt, step, rows, saved, tuple(resume_lines(ckpt, saved, now, rows, examples)))
+
+
+def resume_start(cfg: TrainConfig, examples: int) -> tuple[int, int] | None:
+    """(step, rows) of the checkpoint this run would resume from, None for none or one it may not resume (the
+    refusal comes from find_resume / plan_resume). Every rank reads it (num_epochs -> max_steps)."""
+    try:
+        found = find_resume(cfg)
+        if found is None:
+            return None
+        return found[1], checkpoint_rows(found[0], _saved_meta(found[0]), examples)
+    except (SeqParError, OSError, KeyError, ValueError):
+        return None
+
+
+def check_output_dir(cfg: TrainConfig, layout: RunLayout, examples: int) -> ResumePlan | None:
+    """plan_resume, and for a fresh start the refusal to replace an earlier run's results (output_dir.py)."""
+    found = plan_resume(cfg, layout, examples)
     out = Path(cfg.output_dir)
     if found is None and not _same_run(out):
         refuse_overwrite(out, cfg.overwrite_output_dir)
@@ -132,11 +183,12 @@ def _same_run(out: Path) -> bool:
     return f.is_file() and f.read_text().strip() == run_identity()[0]
 
 
-def resume_point(cfg: TrainConfig, world: int, rank: int, out: Path) -> Path | None:
-    """The checkpoint to resume from (announced), or None (rank 0 clears the folder for a fresh start)."""
-    found = find_resume(cfg, world)
+def resume_point(cfg: TrainConfig, now: RunLayout, examples: int, rank: int, out: Path) -> ResumePlan | None:
+    """The checkpoint to resume from (announced, with what the layout change does), or None (rank 0 clears the
+    folder for a fresh start)."""
+    plan = plan_resume(cfg, now, examples)
     if rank == 0:
-        if found is None:
+        if plan is None:
             removed = clear_results(out) if cfg.overwrite_output_dir and not _same_run(out) else []
             if removed:
                 print(f"[seqpar] overwrite_output_dir: removed the earlier run's {', '.join(removed)}", flush=True)
@@ -145,9 +197,11 @@ def resume_point(cfg: TrainConfig, world: int, rank: int, out: Path) -> Path | N
             note = checkpoint_to_resume(out)[1]
             if note:
                 print(f"[seqpar] {note}", flush=True)
-            print(f"[seqpar] resuming from step {found[1]}: {found[0]}", flush=True)
-            if found[1] >= cfg.max_steps:
-                print(f"[seqpar] this run is already complete: {found[0].name} is at step {found[1]} and max_steps "
+            print(f"[seqpar] resuming from step {plan.step}: {plan.ckpt}", flush=True)
+            for line in plan.lines:
+                print(f"[seqpar] {line}", flush=True)
+            if plan.step >= cfg.max_steps:
+                print(f"[seqpar] this run is already complete: {plan.ckpt.name} is at step {plan.step} and max_steps "
                       f"is {cfg.max_steps}; to train further, raise max_steps (--max-steps N) and run again: it "
                       "resumes from there", flush=True)
-    return None if found is None else found[0]
+    return plan
