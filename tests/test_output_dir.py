@@ -199,6 +199,48 @@ def test_disk_full_while_checkpointing_names_the_good_checkpoint(data, tmp_path,
     assert not (out / "checkpoint-2").exists() and (out / "latest").read_text().strip() == "checkpoint-1"
 
 
+def _disk_full_on_last_rank(cfg_path: str) -> str:
+    """One rank of a 2-rank run whose last rank's disk is full at the second checkpoint save: DCP's own writer
+    fails there, and DCP raises its CheckpointException (a BaseException) on every rank."""
+    import errno
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from seqpar.errors import SeqParError
+    from seqpar.train.config import load_config
+    from seqpar.train.run import train
+
+    real, calls = FileSystemWriter.write_data, []
+
+    def write_data(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2 and dist.get_rank() == dist.get_world_size() - 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+
+    FileSystemWriter.write_data = write_data
+    try:
+        train(load_config(cfg_path))
+    except SeqParError as e:
+        return str(e)
+    return "no error"
+
+
+def test_disk_full_while_checkpointing_on_two_ranks(data, tmp_path):
+    """The same on 2 ranks through DCP's real save: one line on every rank, the partial checkpoint removed."""
+    from seqpar.spawn import run_distributed
+
+    out = tmp_path / "run"
+    cfg = _yaml(data, out, max_steps=3, checkpoint={"every": 1}, sequence_parallel={"size": 2})
+    msgs = run_distributed(_disk_full_on_last_rank, 2, cfg, timeout=300)
+    good = out / "checkpoint-1"
+    for msg in msgs:
+        assert msg.startswith(f"no space left on {out} while saving checkpoint-2: {good} is the last good"), msg
+        assert "\n" not in msg, msg
+    assert not (out / "checkpoint-2").exists() and (out / "latest").read_text().strip() == "checkpoint-1"
+
+
 def test_start_line_without_progress_bar(data, tmp_path, capsys):
     """progress: false still prints one start line: stage, mesh, data, steps, features, the resume point."""
     _train_here(data, tmp_path / "run", max_steps=1, finetuning={"method": "lora", "r": 2},

@@ -173,6 +173,10 @@ def _report_failure(e: Any, errors: Path) -> int:
     else:
         tb = errors / f"rank{first['rank']}_traceback.txt"
         tb.write_text(first["traceback"])
-        print(f"seqpar: error on rank {first['rank']}: {first['type']}: {first['message']}\n"
+        # A message may span many lines (DCP's CheckpointException holds every rank's traceback): its first line
+        # here, all of it in the file.
+        lines = first["message"].splitlines() or [""]
+        more = f" (+{len(lines) - 1} more lines in the traceback file)" if len(lines) > 1 else ""
+        print(f"seqpar: error on rank {first['rank']}: {first['type']}: {lines[0][:300]}{more}\n"
               f"seqpar: its traceback: {tb}", file=sys.stderr, flush=True)
     return int(first["code"])
