@@ -249,3 +249,16 @@ def test_start_line_without_progress_bar(data, tmp_path, capsys):
     for part in ("SequenceParallelMesh", "world 1", "8 examples", "1 steps from step 0", "lora",
                  "activation_checkpointing", "memory.measure"):
         assert part in line, line
+
+
+def test_overwrite_removes_only_what_a_run_writes(tmp_path):
+    """--overwrite clears a run's results: checkpoint-<N> folders, not any folder whose name starts so."""
+    from seqpar.train.lifecycle.output_dir import clear_results, existing_results
+
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-notes").mkdir()
+    (tmp_path / "checkpoint-notes" / "todo.txt").write_text("mine")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert existing_results(tmp_path) == ["metrics.jsonl (1 steps)", "checkpoint-3/"]
+    clear_results(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes"]
