@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ...errors import SeqParError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "full_model_state", "checkpoint_dirs",
-           "checkpoint_step", "first_failure"]
+           "checkpoint_step", "first_failure", "latest_name"]
 
 
 def _rank() -> int:
@@ -52,11 +52,20 @@ def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
+def latest_name(output_dir: str | Path) -> str | None:
+    """What <output_dir>/latest says (None: no such file). Read leniently: a damaged marker names no checkpoint
+    that exists, so resume falls back to the newest complete one (resume.checkpoint_to_resume) with a line."""
     marker = Path(output_dir) / "latest"
     if not marker.is_file():
         return None
-    path = Path(output_dir) / marker.read_text().strip()
+    return marker.read_bytes().decode("utf-8", "replace").replace("\x00", "").strip()
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    name = latest_name(output_dir)
+    if not name:
+        return None
+    path = Path(output_dir) / name
     return path if path.is_dir() else None
 
 

@@ -55,7 +55,8 @@ def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
     refuse_unsupported_model(cfg, info)  # before the tokenizer: "not a causal LM" is the message that helps
     tok = load_tokenizer(cfg)
     examples, stats = prepare_examples(cfg, tok, info=info)
-    check_model(cfg, examples, info)
+    evals = prepare_examples(cfg, tok, cfg.eval_dataset, info)[0] if cfg.eval_dataset is not None else []
+    check_model(cfg, examples + evals, info)  # the eval rows' errors are input errors too
     if output_dir:
         check_output_dir(cfg, world)
     return {**stats, "examples": len(examples)}

@@ -10,13 +10,13 @@ checkpointing, export, progress, memory and FSDP settings (exactness features: s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ...errors import SeqParError
+from ...textfiles import read_json
 from ..config import TrainConfig
-from .checkpoint import checkpoint_step
+from .checkpoint import checkpoint_step, latest_name
 from .lock import run_identity
 from .output_dir import checkpoint_damage, clear_results, complete_checkpoints, refuse_overwrite
 
@@ -60,11 +60,15 @@ def config_differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
 def _saved_meta(ckpt: Path) -> dict[str, Any] | None:
     run = ckpt / "run.json"
     if run.is_file():
-        return json.loads(run.read_text())
+        meta = read_json(run, "checkpoint record")
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict) or "world_size" not in meta:
+            raise SeqParError(f"checkpoint record {run} lacks the config or world size that wrote it: it is damaged; "
+                              f"restore it, or delete {ckpt} to resume from an earlier checkpoint")
+        return meta
     cfg = ckpt.parent / "config.json"  # checkpoints written before run.json existed
     if cfg.is_file():
         ranks = len(list(ckpt.glob("trainer_state_rank*.pt")))
-        return {"config": json.loads(cfg.read_text()), "world_size": ranks}
+        return {"config": read_json(cfg, "run config"), "world_size": ranks}
     return None
 
 
@@ -73,7 +77,7 @@ def checkpoint_to_resume(out: Path) -> tuple[Path | None, str | None]:
     SeqParError when checkpoints exist but every one is damaged (never a silent fresh start over them)."""
     complete = complete_checkpoints(out)
     marker = out / "latest"
-    named = marker.read_text().strip() if marker.is_file() else None
+    named = latest_name(out)
     damaged = {c: d for c in complete if (d := checkpoint_damage(c)) is not None}
     good = [c for c in complete if c not in damaged]
     if named is not None and (out / named) in good:
@@ -129,7 +133,7 @@ def check_output_dir(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
 def _same_run(out: Path) -> bool:
     """The results in `out` are this run's own (a torchrun restart before its first checkpoint)."""
     f = out / RUN_FILE
-    return f.is_file() and f.read_text().strip() == run_identity()[0]
+    return f.is_file() and f.read_bytes().decode("utf-8", "replace").strip() == run_identity()[0]
 
 
 def resume_point(cfg: TrainConfig, world: int, rank: int, out: Path) -> Path | None:
