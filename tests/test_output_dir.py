@@ -262,3 +262,30 @@ def test_overwrite_removes_only_what_a_run_writes(tmp_path):
     assert existing_results(tmp_path) == ["metrics.jsonl (1 steps)", "checkpoint-3/"]
     clear_results(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes"]
+
+
+def test_runs_never_nest_where_another_run_deletes(data, tmp_path, capsys):
+    """A run's output_dir inside a checkpoint or another run's final/ is refused (that run's rotation, export or
+    --overwrite would delete it); verify's output folder may not be a run, a checkpoint, or hold a run in sp/ that
+    no verify wrote (verify replaces sp/ and ref/)."""
+    from seqpar.cli.main import main
+    from seqpar.errors import SeqParError
+
+    run = tmp_path / "run"
+    _train_here(data, run, max_steps=1, checkpoint={"every": 1})
+    for inside, says in ((run / "checkpoint-1" / "sub", f"is inside {run / 'checkpoint-1'}, a checkpoint"),
+                         (run / "final" / "r", f"is inside {run / 'final'}, which the run in {run}")):
+        with pytest.raises(SeqParError, match="^output_dir .*" + says.replace("(", r"\(")):
+            _train_here(data, inside, max_steps=1)
+        assert not inside.exists()
+    y = _yaml(data, tmp_path / "other")
+    foreign = tmp_path / "v"
+    (foreign / "sp").mkdir(parents=True)
+    (foreign / "sp" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    for out, says in ((run, "is a run's output_dir"), (run / "checkpoint-1", "a checkpoint"),
+                      (foreign, "holds a run that `seqpar verify` did not write")):
+        capsys.readouterr()
+        assert main(["verify", y, "--nproc-per-node", "1", "--steps", "1", "--output-dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
+    assert (foreign / "sp" / "metrics.jsonl").is_file() and not (run / "sp").exists()

@@ -24,10 +24,13 @@ import yaml
 
 from ..errors import SeqParError
 from .config import TrainConfig, config_from_dict
+from .lifecycle.output_dir import existing_results, refuse_nested_output_dir, runs_around
 from .loop.grads import GRAD_DUMP_ENV, grad_dump_errors, grad_norm_errors
 from .loop.plots import plot_curves, read_metrics
 
-__all__ = ["verify", "torchrun_command", "write_config"]
+__all__ = ["verify", "torchrun_command", "write_config", "check_verify_folder", "VERIFY_FILES"]
+
+VERIFY_FILES = ("sp_config.yaml", "ref_config.yaml", "verify.json")  # in an output folder verify wrote
 
 DEFAULT_TOL = {"fp32": 1e-5, "bf16": 5e-2, "bf16-pure": 5e-2}
 # Gradient bars: relative error of the per-step global grad norm; step-1 gradient: max abs difference
@@ -84,6 +87,7 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
             f"{cfg.sequence_parallel.size} gives dp={dp}): the SP=1 reference cannot emulate several dp ranks' "
             f"rollouts; use --nproc-per-node {cfg.sequence_parallel.size}"
         )
+    check_verify_folder(out)
     base = cfg.model_dump(mode="json")
     # verify owns its sp/ and ref/ folders: each run replaces the previous verify's results there.
     base.update(max_steps=steps, num_epochs=None, checkpoint={"every": 0, "save_final": False, "resume": False},
@@ -104,6 +108,22 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
     with _env(GRAD_DUMP_ENV, str(ref_dump)):
         train(ref_cfg, emulate_dp=dp)
     return _report(cfg, steps, nproc, dp, out, tolerance, sp_dump, ref_dump)
+
+
+def check_verify_folder(out: Path) -> None:
+    """verify writes its report and two runs (sp/, ref/, replaced each time) into `out`: refuse a folder that is a
+    run's output_dir, is or sits inside a checkpoint or another run's results, or whose sp/ or ref/ holds a run that
+    no earlier verify wrote (SeqParError naming the fix)."""
+    runs = runs_around(out)
+    if runs and runs[0][0] == out.resolve():
+        raise SeqParError(f"verify's output folder {out} is {runs[0][1]}: verify writes its report and its sp/ and "
+                          f"ref/ runs there; use another folder (--output-dir; default <output_dir>/verify)")
+    for sub in ("sp", "ref"):
+        refuse_nested_output_dir(out / sub)
+        if existing_results(out / sub) and not any((out / f).is_file() for f in VERIFY_FILES):
+            raise SeqParError(f"{out / sub} holds a run that `seqpar verify` did not write "
+                              f"({', '.join(existing_results(out / sub)[:3])}) and verify would replace it: use "
+                              f"another --output-dir")
 
 
 def _run_sp(sp_cfg: TrainConfig, nproc: int, sp_yaml: Path, sp_dump: Path, timeout: float | None) -> None:

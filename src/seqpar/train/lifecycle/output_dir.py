@@ -15,10 +15,10 @@ import shutil
 from pathlib import Path
 
 from ...errors import SeqParError
-from .checkpoint import checkpoint_dirs
+from .checkpoint import checkpoint_dirs, checkpoint_step
 
 __all__ = ["RESULT_FILES", "existing_results", "complete_checkpoints", "checkpoint_damage", "refuse_overwrite",
-           "clear_results", "run_folder", "runs_around", "in_run_message"]
+           "clear_results", "run_folder", "runs_around", "in_run_message", "refuse_nested_output_dir"]
 
 # What `seqpar train` writes into output_dir (besides the lock): a fresh run replaces each of these.
 RESULT_FILES = ("metrics.jsonl", "config.json", "mesh.txt", "loss.png", "final_state.pt", "final", "tensorboard",
@@ -144,3 +144,21 @@ def in_run_message(dest: Path, runs: list[tuple[Path, str]]) -> tuple[str, Path]
     where = f"{dest} is {what}" if folder == dest.resolve() else f"{dest} is inside {folder}, {what}"
     root = runs[-1][0]
     return where, root.parent / f"{root.name}-export"
+
+
+def refuse_nested_output_dir(out: Path) -> None:
+    """A run's output_dir may be a run (it resumes) or sit inside one (verify's sp/ and ref/ do), but not be or
+    sit inside a checkpoint, nor sit inside another run's checkpoint-N/, final/ or tensorboard/: that run's
+    checkpoint rotation, export or --overwrite would delete it. SeqParError naming the folder."""
+    here = out.resolve()
+    for folder, what in runs_around(out):
+        if what.startswith("a checkpoint"):
+            where = f"is {what}" if folder == here else f"is inside {folder}, {what}"
+            raise SeqParError(f"output_dir {out} {where}: a run never writes into a checkpoint (its run deletes "
+                              f"or replaces it): use a folder outside {folder.parent}")
+        if folder == here:
+            continue  # a run's own output_dir: resume / overwrite rules
+        first = here.relative_to(folder).parts[0]
+        if first in RESULT_FILES or (first.startswith("checkpoint-") and checkpoint_step(Path(first)) is not None):
+            raise SeqParError(f"output_dir {out} is inside {folder / first}, which the run in {folder} replaces or "
+                              f"deletes (checkpoint rotation, its export, --overwrite): use a folder outside it")

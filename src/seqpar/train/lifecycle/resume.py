@@ -18,7 +18,13 @@ from ...textfiles import read_json
 from ..config import TrainConfig
 from .checkpoint import checkpoint_step, latest_name
 from .lock import run_identity
-from .output_dir import checkpoint_damage, clear_results, complete_checkpoints, refuse_overwrite
+from .output_dir import (
+    checkpoint_damage,
+    clear_results,
+    complete_checkpoints,
+    refuse_nested_output_dir,
+    refuse_overwrite,
+)
 
 __all__ = ["run_meta", "MUST_MATCH", "find_resume", "config_differences", "resume_point", "checkpoint_to_resume",
            "check_output_dir", "RUN_FILE"]
@@ -123,8 +129,9 @@ def find_resume(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
 
 def check_output_dir(cfg: TrainConfig, world: int) -> tuple[Path, int] | None:
     """find_resume, and for a fresh start the refusal to replace an earlier run's results (output_dir.py)."""
-    found = find_resume(cfg, world)
     out = Path(cfg.output_dir)
+    refuse_nested_output_dir(out)
+    found = find_resume(cfg, world)
     if found is None and not _same_run(out):
         refuse_overwrite(out, cfg.overwrite_output_dir)
     return found
