@@ -67,7 +67,7 @@ from ..hf.trainer_args import pad_id
 from ..hf.trainer_stack import agree_gathers
 from ..mesh import SequenceParallelMesh
 from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
-from .args import coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
+from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
 
 __all__ = ["SequenceParallelGRPOTrainer"]
 
@@ -203,6 +203,8 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
     run under SP.
     """
 
+    _sp_row_formats = ()  # TRL reads the raw rows: check_trl_rows checks them before TRL prepares them
+
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *,
                  sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
@@ -213,6 +215,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         args = coerce_args(args, trl.GRPOConfig, model, "GRPO")
         refuse_common(name, args, kwargs.pop("data_collator", None), kwargs, train_dataset)
         _refuse_grpo(name, args, kwargs, train_dataset, eval_dataset)
+        check_trl_rows(name, "GRPO", args, train_dataset, None, kwargs)
         model = instantiate(model, args, peft_config)
         if args.beta != 0 and hasattr(model, "peft_config") and "ref" in model.peft_config:
             raise refuse(name, "a PEFT model with a 'ref' adapter", "seqpar's reference disables the adapter",
