@@ -169,6 +169,13 @@ def _dp_gather_object(obj: list) -> list:
 _CURRENT_SP = [1]  # SP size for _dp_gather_object while TRL scores (set only inside _dp_scoring)
 
 
+def _stop_if_failed(failed: tuple[int, str] | None) -> None:
+    if failed is not None:
+        rank, error = failed
+        raise SeqParError(f"scoring failed on rank {rank} (every rank stops): {(error.splitlines() or [''])[0][:300]}: "
+                          f"fix the reward function") from None
+
+
 def _rows(inputs: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
     """TRL's padded prompt / completion tensors -> unpadded rows, only completion tokens supervised."""
     out = []
@@ -305,6 +312,27 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         self._sp_den = L.GRPODenominators.from_counts(L.global_token_count(local, self.sp_mesh).cpu(),
                                                       self.args.max_completion_length)
         return out
+
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
+        """TRL's scoring. Each dp rank scores its own rows, so a reward function may fail on one rank only: the
+        ranks agree on the outcome before TRL's gather (one small all-gather) and all stop with the same
+        SeqParError, where the others used to wait in the gather until the timeout."""
+        gather, agreed = _trl_grpo.gather, []
+
+        def gather_after_agreeing(t: Any) -> Any:
+            agreed.append(True)
+            _stop_if_failed(comm.first_failure(None))
+            return gather(t)
+
+        _trl_grpo.gather = gather_after_agreeing
+        try:
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        except Exception as e:
+            if not agreed:
+                _stop_if_failed(comm.first_failure(f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            _trl_grpo.gather = gather
 
     def _generate_single_turn(self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: int,
                               has_tool_images: bool = False) -> Any:
