@@ -38,7 +38,7 @@ __all__ = [
     "all_gather",
     "broadcast_object",
     "all_gather_object",
-    "first_failure",
+    "agree_on_error",
     "all_reduce_values",
     "RingComm",
     "STRICT_DEVICE_ENV",
@@ -281,7 +281,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return parts
 
 
-def first_failure(error: str | None, group: Any = None) -> tuple[int, str] | None:
+def agree_on_error(error: str | None, group: Any = None) -> tuple[int, str] | None:
     """(rank, error) of the lowest rank of `group` (default: the world) that passed an error, None when none did:
     the same answer on every rank (one all_gather_object), so all of them stop together. Without a process group:
     this process's own error."""

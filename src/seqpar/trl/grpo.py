@@ -321,7 +321,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
 
         def gather_after_agreeing(t: Any) -> Any:
             agreed.append(True)
-            _stop_if_failed(comm.first_failure(None))
+            _stop_if_failed(comm.agree_on_error(None))
             return gather(t)
 
         _trl_grpo.gather = gather_after_agreeing
@@ -329,7 +329,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         except Exception as e:
             if not agreed:
-                _stop_if_failed(comm.first_failure(f"{type(e).__name__}: {e}"))
+                _stop_if_failed(comm.agree_on_error(f"{type(e).__name__}: {e}"))
             raise
         finally:
             _trl_grpo.gather = gather
