@@ -125,3 +125,12 @@ def test_launcher_prints_one_line_of_a_long_rank_error(tmp_path, capsys):
     assert code == 1 and len(err) == 2, err
     assert err[0].startswith("seqpar: error on rank 1: CheckpointException: CheckpointException ranks:"), err
     assert "(+80 more lines in the traceback file)" in err[0] and err[1].startswith("seqpar: its traceback: "), err
+
+
+def test_demo_counts(tmp_path, capsys):
+    """`python -m seqpar.demo --nproc 0` (a config validation traceback before): one line, exit 2."""
+    from seqpar.demo import main as demo
+
+    assert demo(["--nproc", "0", "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "seqpar demo: error: --nproc 0: give a whole number >= 1", err
