@@ -104,7 +104,7 @@ def test_export_into_folders_it_did_not_write(run, tmp_path, capsys):
     assert (other / "data.bin").read_bytes() == b"\x00\x01"
     a_file = tmp_path / "model.txt"
     a_file.write_text("x")
-    _refused(capsys, ckpt, a_file, says="is not a folder")
+    _refused(capsys, ckpt, a_file, says="is a file, not a folder")
     empty = tmp_path / "empty"
     empty.mkdir()
     code, err = _export(capsys, ckpt, empty)  # an empty folder is written into

@@ -117,7 +117,8 @@ def check_export_destination(out: Path, overwrite: bool) -> None:
                           f"replace the run's files), with or without --overwrite: choose a folder outside the run, "
                           f"e.g. {instead}")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise SeqParError(f"export destination {out} exists and is not a folder: choose a new folder name")
+        kind = "a symbolic link" if out.is_symlink() else "a file"
+        raise SeqParError(f"export destination {out} is {kind}, not a folder: choose a new folder name")
     if not out.is_dir() or not any(out.iterdir()):
         return
     info = _export_info(out)
