@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vlm_cases import Doc, media_kwargs, reference, rows_batch
 
 import seqpar
 from seqpar import loss as L
@@ -21,7 +22,6 @@ from seqpar.hf import apply_sequence_parallel, sp_vlm_inputs, tiny_model
 from seqpar.hf.vision_encode import VISION_KWARG
 from seqpar.memory.sharding import shard_over_world
 from seqpar.spawn import run_distributed
-from vlm_cases import Doc, media_kwargs, reference, rows_batch
 
 TOL = 1e-5
 S = 48

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vlm_cases import SECONDS, VIDEO, Doc, media_kwargs, packed_batch, reference, rows_batch
 
 import seqpar
 from seqpar import loss as L
@@ -24,7 +25,6 @@ from seqpar.hf import apply_sequence_parallel, sp_vlm_inputs, tiny_model
 from seqpar.hf.vision_encode import VISION_KWARG
 from seqpar.layout import padded_length
 from seqpar.spawn import run_distributed
-from vlm_cases import SECONDS, VIDEO, Doc, media_kwargs, packed_batch, reference, rows_batch
 
 TOL = 1e-5
 S = 64

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..mesh import group_timeout_override
 from ..errors import SeqParError
+from ..mesh import group_timeout_override
 from ..unwrap import decoder_layers, vision_blocks
 
 __all__ = ["shard_over_world"]

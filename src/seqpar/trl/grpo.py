@@ -211,7 +211,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
                  peft_config: Any = None, **kwargs: Any) -> None:
         name = type(self).__name__
         args = coerce_args(args, trl.GRPOConfig, model, "GRPO")
-        refuse_common(name, args, kwargs.pop("data_collator", None), kwargs, train_dataset)
+        refuse_common(name, args, kwargs.pop("data_collator", None), kwargs, train_dataset, images=True)
         _refuse_grpo(name, args, kwargs, train_dataset, eval_dataset)
         model = instantiate(model, args, peft_config)
         if args.beta != 0 and hasattr(model, "peft_config") and "ref" in model.peft_config:
