@@ -70,7 +70,7 @@ def _check_kind(name: str, ids: torch.Tensor, token: int, pixels: torch.Tensor |
         what = "image_grid_thw" if name == "image" else "video_grid_thw"
         raise SeqParError(
             f"input_ids hold {n_tok} {name} tokens but {what} describes {want} merged patches: the processor's "
-            f"expansion of each {name} placeholder and the {name}s must match (no truncation inside an {name})"
+            f"expansion of each {name} placeholder and the {name}s must match (no truncation inside one)"
             f"{SAMPLED_HINT}")
     if grid is None:
         return
