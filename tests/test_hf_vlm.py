@@ -97,7 +97,6 @@ def run_case(mesh, arch: str, seed: int = 0) -> dict:
     patches = []
     model.model.visual.register_forward_hook(lambda m, args, out: patches.append(int(args[0].shape[0])))
     kw = sp_vlm_inputs(model, mesh, ids, pixel_values=pixels, image_grid_thw=grid)
-    blank = 4 if not mine_of(mesh) and not arch.startswith("frozen:") else 0  # a trained tower joins: blank image
     logits = model(**kw).logits
     num = int((shift != -100).sum())  # one dp group: every SP rank holds the whole batch
     share = L.sft_loss(logits, seqpar.shard(shift, mesh, 1), torch.tensor(num))
@@ -115,7 +114,7 @@ def run_case(mesh, arch: str, seed: int = 0) -> dict:
         "worst": max(gs, key=lambda k: float((gs[k].double() - ref_grads[k].double()).abs().max())),
         "logits": float((full - ref_logits).abs().max()),
         "vision_grad": local_vision,  # before the SP sum: only owners of images have one
-        "patches": sum(patches) - blank, "own_patches": sum(GRIDS[i][0] * GRIDS[i][1] * GRIDS[i][2] for i in mine),
+        "patches": sum(patches), "own_patches": sum(GRIDS[i][0] * GRIDS[i][1] * GRIDS[i][2] for i in mine),
         "straddles": _straddles(mesh),
     }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["base_model", "decoder_layers", "vision_blocks", "BATCH_INPUTS_HOOK"]
+__all__ = ["base_model", "unwrapped_base", "decoder_layers", "vision_blocks", "BATCH_INPUTS_HOOK"]
 
 # On the base model: callable(model, batch, device) -> model kwargs, set by apply_sequence_parallel for
 # models whose batches cannot be sharded without the model (Qwen VL: image encoding, multimodal RoPE).
@@ -22,6 +22,14 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers PreTrainedModel inside (PEFT wrappers included; DDP is unwrapped by its callers)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+def unwrapped_base(model: torch.nn.Module) -> torch.nn.Module:
+    """base_model of what DDP / a DeepSpeed engine wraps (their `.module`), for code handed the wrapped model."""
+    while type(model).__name__ in ("DistributedDataParallel", "DeepSpeedEngine") and isinstance(
+            getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return base_model(model)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

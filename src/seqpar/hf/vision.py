@@ -12,8 +12,8 @@ Every rank of an SP group holds the same full batch (token ids, images, videos);
 - hands the model a `VisionRequest` (seqpar.hf.vision_encode): inside the model's forward, the pre-hook
   installed by apply_sequence_parallel encodes each image / video ONCE over the SP group and gives the model's
   own merge (masked_scatter, deepstack addition) exactly the embeddings of the shard's image / video tokens.
-  Image and video tokens may fall on any shard seam. A sharded (FSDP2, ZeRO-3) or trained tower runs on every
-  rank in every forward (a blank image where a rank owns none), so its collectives always match.
+  Image and video tokens may fall on any shard seam. Under FSDP2, ZeRO-3 or DDP the tower runs on every rank in
+  every forward (a blank image where a rank owns none), so its collectives always match.
 
 Refused (clear errors): calling the model under SP with pixel_values / videos (it would encode every image and
 merge them into a shard), position ids that are not [4, B, S_local], placeholders that do not match the media.
@@ -28,8 +28,8 @@ import torch
 from ..errors import SeqParError
 from ..layout import check_length, shard
 from ..mesh import SequenceParallelMesh
-from ..unwrap import base_model
-from .vision_encode import VISION_KWARG, VisionRequest, assign_images
+from ..unwrap import unwrapped_base
+from .vision_encode import VISION_KWARG, VisionRequest, assign_images, tower_must_join
 from .vision_rope import Media, check_media, mrope_positions
 
 __all__ = ["VLM_TYPES", "is_vlm", "check_vlm", "sp_vlm_inputs", "assign_images", "vision_batch_inputs",
@@ -123,7 +123,7 @@ def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh | None, inp
     Packed rows (B = 1): cu_seqlens= or position_ids= restarting at each document; every document's multimodal
     RoPE ids restart too. Videos: pixel_values_videos / video_grid_thw (+ Qwen2.5-VL's second_per_grid_ts,
     seconds per temporal patch; Qwen3-VL reads the timestamps written in the text). See the module docstring."""
-    base = base_model(model)
+    base = unwrapped_base(model)
     state = getattr(base, "_seqpar_state", None)
     if state is None or not is_vlm(base.config):
         raise SeqParError("sp_vlm_inputs needs a Qwen VL model with apply_sequence_parallel(model, mesh) applied")
@@ -149,7 +149,7 @@ def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh | None, inp
         mask = input_ids == token
         order = mask.flatten().cumsum(0).view(b, s) - 1  # row of each media token among the batch's
         local[name] = shard(order, mesh, 1)[shard(mask, mesh, 1)]
-    kw[VISION_KWARG] = VisionRequest(mesh, media, local["image"], local["video"])
+    kw[VISION_KWARG] = VisionRequest(mesh, media, local["image"], local["video"], tower_must_join(model))
     return kw
 
 

@@ -9,11 +9,13 @@ merged embeddings (with Qwen3-VL's deepstack features) are all-gathered with a d
 backward sums every rank's gradient of an embedding onto its owner: after the usual gradient sum over SP ranks
 each image counts once.
 
-Sharded or replicated-and-trained towers (FSDP2 units, DeepSpeed ZeRO-3 modules, DDP): every rank must run
-the tower's forward and backward the same number of times, or a parameter gather / gradient reduction would
-wait forever for the ranks that own no media. Then ("joining") a rank without media, and every rank of a
-batch without any, encodes one blank image of the smallest grid and takes zero rows of its output into the
-graph: the tower's collectives run on every rank, the gradients it adds are exactly zero.
+Models whose wrapper synchronises the tower's parameters or gradients over ranks (FSDP2 units, DeepSpeed
+ZeRO-3 modules, DDP): every rank must run the tower's forward and backward the same number of times and hold
+a gradient for the same parameters, or a parameter gather / gradient reduction would wait forever for (or
+mismatch with) the ranks that own no media. Then ("joining") a rank without media, and every rank of a batch
+without any, encodes one blank image of the smallest grid and takes zero rows of its output into the graph:
+the tower's collectives run on every rank, the gradients it adds are exactly zero. Without such a wrapper
+(seqpar's own gradient sum) a rank without media skips the tower.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .. import comm
 from ..mesh import SequenceParallelMesh
 from .vision_rope import Media
 
-__all__ = ["VISION_KWARG", "VisionRequest", "assign_images", "tower_must_join", "tower_is_sharded"]
+__all__ = ["VISION_KWARG", "VisionRequest", "assign_images", "tower_must_join"]
 
 VISION_KWARG = "seqpar_vision"
 
@@ -44,17 +46,16 @@ def assign_images(patches: list[int], ranks: int) -> list[int]:
     return owner
 
 
-def tower_is_sharded(visual: torch.nn.Module) -> bool:
-    """FSDP2 (DTensor parameters) or DeepSpeed ZeRO-3 (partitioned parameters) holds the tower."""
-    return any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") for p in visual.parameters())
+def tower_must_join(model: torch.nn.Module) -> bool:
+    """Every rank runs the tower in every forward: the model (as called) is DDP-wrapped, holds FSDP2 units or
+    DeepSpeed ZeRO-3 parameters (see the module docstring)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
-
-def tower_must_join(visual: torch.nn.Module) -> bool:
-    """Every rank runs the tower in every forward: it is sharded, or trained (DDP / FSDP reduce its gradients
-    on every rank, and a rank whose tower saw nothing would skip them)."""
-    if tower_is_sharded(visual):
+    if isinstance(model, DistributedDataParallel):
         return True
-    return torch.is_grad_enabled() and any(p.requires_grad for p in visual.parameters())
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(hasattr(p, "ds_id")
+                                                                          for p in model.parameters())
 
 
 class VisionRequest:
@@ -62,8 +63,8 @@ class VisionRequest:
     A plain class, not a dataclass: DDP / FSDP would rebuild a dataclass input field by field."""
 
     def __init__(self, mesh: SequenceParallelMesh, media: Media, image_rows: torch.Tensor,
-                 video_rows: torch.Tensor) -> None:
-        self.mesh, self.media = mesh, media
+                 video_rows: torch.Tensor, join: bool = False) -> None:
+        self.mesh, self.media, self.join = mesh, media, join
         self.image_rows, self.video_rows = image_rows, video_rows  # shard's image / video tokens: batch order
         self.encoded_patches = 0  # patches this rank ran through the tower (tests count them)
 
@@ -79,8 +80,7 @@ class VisionRequest:
         owner = assign_images(patches, mesh.sp_size)
         own = [i for i, o in enumerate(owner) if o == mesh.sp_rank]
         if not grids:  # no media in the batch: a joining tower's empty rows, else nothing
-            joins = tower_must_join(vlm.visual)
-            return {"image": _encoder_output(self._own_features(vlm, [], width), hidden, levels)} if joins else {}
+            return {"image": _encoder_output(self._own_features(vlm, [], width), hidden, levels)} if self.join else {}
         mine = self._own_features(vlm, own, width)
         tokens = [p // merge for p in patches]
         rows = [sum(t for t, o in zip(tokens, owner) if o == r) for r in range(mesh.sp_size)]
@@ -108,7 +108,7 @@ class VisionRequest:
             pv = torch.cat([self.media.patches(i) for i in own]).to(device)
             grid = torch.tensor([self.media.grids[i] for i in own], dtype=torch.long)
             return self._tower(vlm, pv, grid)
-        if tower_must_join(vlm.visual):
+        if self.join:
             return self._tower(vlm, *_blank_image(vlm, device))[:0]
         trains = torch.is_grad_enabled() and any(p.requires_grad for p in vlm.visual.parameters())
         # Not joining: an empty leaf (requiring grad when an owner's rows do) keeps the gather's backward matched.
