@@ -24,7 +24,7 @@ def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None
     info: the run's model config (default: read here)."""
     tok = tok if tok is not None else load_tokenizer(cfg)
     if cfg.stage == "grpo" and spec is None:
-        return load_prompts(cfg, tok)  # prompt rows (dataset/prompts.py)
+        return load_prompts(cfg, tok, info or model_info(cfg))  # prompt rows (dataset/prompts.py)
     d = spec if spec is not None else cfg.dataset
     what = "dataset" if spec is None else "eval_dataset"
     rows = load_rows(d.path, what)
