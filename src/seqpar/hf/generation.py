@@ -199,6 +199,22 @@ def media_generate_kwargs(model: torch.nn.Module, x: torch.Tensor, media: Sequen
     return kw
 
 
+@contextlib.contextmanager
+def _media_encoded_in_forward(model: torch.nn.Module, on: bool) -> Iterator[None]:
+    """transformers' generate() encodes a VL model's images before the prefill, outside the model's forward: under
+    FSDP2 that runs the tower on sharded parameters outside the root unit's gather (a collective the other ranks
+    never enter). Declaring the model text-only for the call leaves the encoding to the prefill forward."""
+    base = _base_model(model)
+    if not on or "input_modalities" in base.__dict__:
+        yield
+        return
+    base.input_modalities = ("text",)
+    try:
+        yield
+    finally:
+        del base.input_modalities
+
+
 @torch.no_grad()
 def sample_rows(model: torch.nn.Module, rows: Sequence[Sequence[int]], seeds: Sequence[int], cfg: GenerationConfig,
                 *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -212,7 +228,7 @@ def sample_rows(model: torch.nn.Module, rows: Sequence[Sequence[int]], seeds: Se
     x = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
     gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    with _generation_config(model, cfg):
+    with _generation_config(model, cfg), _media_encoded_in_forward(model, synced and bool(media)):
         out = model.generate(input_ids=x, attention_mask=mask, generation_config=cfg, synced_gpus=synced,
                              logits_processor=LogitsProcessorList([_RowSampler(gens, temperature, top_k, top_p)]),
                              **media_generate_kwargs(model, x, media))
