@@ -53,7 +53,8 @@ from ..memory.checkpointing import drop_input_require_grads
 from ..mesh import SequenceParallelMesh
 from ..unwrap import base_model as _base_model
 
-__all__ = ["sequence_parallel_paused", "generate_for_group", "media_generate_kwargs", "sampling_seed", "row_seed", "group_source_rank",
+__all__ = ["sequence_parallel_paused", "generate_for_group", "media_generate_kwargs", "sampling_seed", "row_seed",
+           "group_source_rank",
            "sampling_config", "prompt_share", "is_sharded", "sample_rows", "checkpointing_kept", "fsdp_synced",
            "share_rollout", "rng_states", "set_rng_states"]
 
