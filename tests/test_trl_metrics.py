@@ -148,15 +148,12 @@ SLOW = [
 ]
 
 
-@pytest.mark.slow  # the fast suite was at 15.3 min on 2 cores: its fast twin below runs two of these cases
+# The fast twin of both slow tests here: SLOW's dp 2 x sp 2 rows (SFT on messages, DPO IPO, every training row and
+# the eval row vs stock TRL) run in tests/test_trl_dp2.py's 4-rank world, with the TRL SFT / GRPO dp 2 twins (an SP 2
+# world of its own for these cases cost ~1 min of the fast suite's budget).
+@pytest.mark.slow
 def test_trl_metrics_sp2_match_stock_trl(tmp_path):
     _run(FAST, 2, tmp_path)
-
-
-def test_trl_metrics_sp2_fast(tmp_path):
-    """The fast twin of the two slow tests here: SFT (completion-only loss, fused loss) and DPO (sigmoid, rows cut at
-    max_length) at SP 2; their dp 2 x sp 2 rows (SFT messages, DPO IPO) run in tests/test_trl_dp2.py's world."""
-    _run([FAST[0], FAST[2]], 2, tmp_path)
 
 
 @pytest.mark.slow
