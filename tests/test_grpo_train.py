@@ -253,18 +253,23 @@ def test_generation_pause_lifts_linear_forwards_and_vl_hooks(arch):
         assert torch.allclose(out, plain(input_ids=x).logits, atol=1e-5)
 
 
-def test_hybrid_ring_refused_before_launch(data, tmp_path):
-    """A Gated DeltaNet model with an explicit ring degree: refused by the launch checks (`seqpar check`, before
-    any process starts), not by apply_sequence_parallel after the process group exists."""
+def test_hybrid_degrees_checked_before_launch(data, tmp_path):
+    """A Gated DeltaNet model: ring and USP pass the launch checks (state passing); a Ulysses degree its linear k
+    heads cannot split is refused there (`seqpar check`, before any process starts), not by
+    apply_sequence_parallel after the process group exists."""
     from seqpar.errors import SeqParError
     from seqpar.train.config import config_from_dict, validate_for_launch
-    from seqpar.train.model.load import model_heads, model_needs_full_sequence
+    from seqpar.train.model.load import model_heads, model_recurrent_heads
 
     model = {"name": "tiny:qwen3_5", "kwargs": {"num_heads": 4, "num_kv_heads": 2}}
     cfg = config_from_dict(_cfg_dict(data, tmp_path / "run", {"size": 2, "ring_degree": 2}, model))
     nh, nkv = model_heads(cfg)
-    assert model_needs_full_sequence(cfg)
-    with pytest.raises(SeqParError, match="ring_degree=1 / pure Ulysses"):
-        validate_for_launch(cfg, 2, num_heads=nh, num_kv_heads=nkv, ulysses_only=True)
+    rec = model_recurrent_heads(cfg)
+    assert rec is not None and rec.heads == 4
+    assert validate_for_launch(cfg, 2, num_heads=nh, num_kv_heads=nkv, recurrent=rec) == (1, 2)
     ok = config_from_dict(_cfg_dict(data, tmp_path / "run", {"size": 2}, model))
-    assert validate_for_launch(ok, 2, num_heads=nh, num_kv_heads=nkv, ulysses_only=True) == (2, 1)
+    assert validate_for_launch(ok, 2, num_heads=nh, num_kv_heads=nkv, recurrent=rec) == (2, 1)
+    model8 = {"name": "tiny:qwen3_5", "kwargs": {"num_heads": 8, "num_kv_heads": 8}}
+    bad = config_from_dict(_cfg_dict(data, tmp_path / "run", {"size": 8, "ulysses_degree": 8}, model8))
+    with pytest.raises(SeqParError, match=r"which ulysses_degree=8 cannot split: use a ulysses_degree among"):
+        validate_for_launch(bad, 8, num_heads=8, num_kv_heads=8, recurrent=model_recurrent_heads(bad))

@@ -83,7 +83,8 @@ def _reference(kind: str, t: dict[str, torch.Tensor], bounds) -> torch.Tensor:
         edges = [0, *bnd, t["x"].shape[1]]
         docs = []
         for lo, hi in zip(edges[:-1], edges[1:]):
-            cut = lambda z: z[i : i + 1, lo:hi]  # noqa: E731
+            def cut(z, i=i, lo=lo, hi=hi):
+                return z[i : i + 1, lo:hi]
             docs.append(piece(conv(cut(t["x"])), _side(kind, t, cut), False).out)
         rows.append(torch.cat(docs, dim=1))
     return torch.cat(rows, dim=0)

@@ -26,11 +26,13 @@ import torch
 from ..attention.kernel_choice import check_kernel_name
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
+from ..recurrent import MODES
 from ..unwrap import BATCH_INPUTS_HOOK
 from ..unwrap import base_model as _base_model
 from .attention_fn import make_attention_fn, make_linear_forward
 from .forward_plan import ForwardPlan, SPState, make_backbone_hook
 from .linear_attention import check_linear_attention, find_linear_attention
+from .mamba2 import check_mamba2, find_mamba2
 from .mixers import check_softmax_attention_only
 from .vision import check_vlm, is_vlm, refuse_unsharded_vision, vision_batch_inputs, vlm_language_model
 
@@ -106,8 +108,11 @@ def _checked_config(base: torch.nn.Module, mesh: SequenceParallelMesh) -> tuple[
             "model.language_model with its own lm_head)"
         )
     check_config(cfg)
-    linear = find_linear_attention(base)  # Gated DeltaNet (Qwen3-Next, Qwen3.5): run by seqpar under Ulysses
+    linear = find_linear_attention(base)  # Gated DeltaNet (Qwen3-Next, Qwen3.5): run by seqpar (recurrent/)
     check_linear_attention(linear, mesh)
+    mamba = find_mamba2(base)  # Mamba2 mixers (Nemotron-H, Granite 4, Bamba)
+    check_mamba2(mamba, mesh)
+    linear = linear + mamba
     allowed = frozenset({"linear_attention"}) if linear else frozenset()
     decoder = vlm_language_model(base) if vlm else base  # a vision tower's patch convolution is no sequence mixer
     check_softmax_attention_only(decoder, cfg, tuple(linear), allowed)  # other linear attention, SSMs, convs, ...
@@ -130,7 +135,7 @@ def _own_config(base: torch.nn.Module, cfg: Any, state: SPState) -> None:
 
 # ----------------------------------------------------------------------------- public API
 def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, attention_kernel: str = "auto",
-                            head_chunks: int = 1) -> torch.nn.Module:
+                            head_chunks: int = 1, state_passing: str = "chain") -> torch.nn.Module:
     """Make an unmodified HF causal LM run sequence-parallel over `mesh`; returns the same model.
 
     Afterwards `model(input_ids=shard(ids), position_ids=shard(pos), [cu_seqlens=full_cu])` returns
@@ -140,12 +145,15 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, attention
     sinks, nested/encoder-decoder configs, MoE router aux losses (output_router_logits), any sequence
     mixing outside softmax attention (linear attention, Mamba/SSM, convolutions, recurrences, chunked
-    attention: see seqpar.hf.mixers) except the Gated DeltaNet layers of Qwen3-Next / Qwen3.5, which
-    run under pure Ulysses (ring_degree=1, k heads divisible by the degree: seqpar.hf.linear_attention)
+    attention: see seqpar.hf.mixers) except the Gated DeltaNet layers of Qwen3-Next / Qwen3.5 and the Mamba2
+    mixers of Nemotron-H / Granite 4 / Bamba, which run in every mode (ring / USP by state passing:
+    seqpar.hf.linear_attention, seqpar.hf.mamba2; the Ulysses degree must split their heads)
     (here); attention dropout in train mode, non-causal attention, sliding windows shorter than
     the sequence (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
     the kernel each model's first attention call resolves to is printed once per process, on rank 0.
     head_chunks: seqpar.attention's head_chunks= (the kernels run per group of heads; attention.heads).
+    state_passing: how the ring combines the recurrent layers' states, "chain" (point-to-point hand-off) or
+    "scan" (one all-gather; seqpar.recurrent.combine); the same result either way.
     """
     from transformers import AttentionInterface
 
@@ -155,7 +163,9 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
         name = f"seqpar_sp_{next(_counter)}"
     if not isinstance(head_chunks, int) or head_chunks < 1:
         raise SeqParError(f"head_chunks must be an int >= 1, got {head_chunks!r}")
-    state = SPState(mesh, name, check_kernel_name(attention_kernel), head_chunks)
+    if state_passing not in MODES:
+        raise SeqParError(f"state_passing={state_passing!r} is unknown: use one of {MODES}")
+    state = SPState(mesh, name, check_kernel_name(attention_kernel), head_chunks, state_passing)
     state_ref = weakref.ref(state)
     AttentionInterface.register(name, make_attention_fn(state_ref))
     _own_config(base, cfg, state)

@@ -103,7 +103,7 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     info = model_info(cfg)
     nh, nkv = info.heads
     node = node_size_from_env(world)
-    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=info.needs_full_sequence,
+    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, recurrent=info.recurrent,
                                node_size=node)
     tok = load_tokenizer(cfg)
     if cfg.stage == "grpo" and emulate_dp > 1:
