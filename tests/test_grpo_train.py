@@ -11,7 +11,8 @@ Tolerance: parameters and loss within 1e-5 absolute (fp32).
 fast: dp2 x sp2 (ulysses 2), two steps (the second samples from the updated policy, KL > 0),
 metrics logged. slow: ring 2 (zigzag, world 2), one step, vs the same reference, and the SP=2 run
 vs the trainer's own SP=1 run (same seed: identical completions); Qwen3.5, Qwen3-Next (Gated DeltaNet),
-Qwen2.5-VL and Qwen3-VL (text prompts) at SP=2, two steps, vs the same reference.
+Nemotron-H (Mamba2; Ulysses and ring) and Qwen2.5-VL and Qwen3-VL (text prompts) at SP=2, two steps, vs the same
+reference.
 """
 
 from __future__ import annotations
@@ -199,10 +200,13 @@ def test_grpo_ring2_and_sp1_same_step(data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,fsdp", [("qwen3_5", False), ("qwen3_next", False), ("qwen2_5_vl", False),
-                                       ("qwen3_vl", False), ("qwen3_5", True)])
-def test_grpo_hybrid_and_vl_sp2_match_reference(data, tmp_path, arch, fsdp):
-    """Qwen3.5 / Qwen3-Next (Gated DeltaNet under Ulysses) and Qwen2.5-VL / Qwen3-VL (text prompts): two GRPO
+@pytest.mark.parametrize("arch,fsdp,mode", [("qwen3_5", False, "ulysses"), ("qwen3_next", False, "ulysses"),
+                                            ("qwen2_5_vl", False, "ulysses"), ("qwen3_vl", False, "ulysses"),
+                                            ("qwen3_5", True, "ulysses"), ("qwen3_5", False, "ring"),
+                                            ("nemotron_h", False, "ring"), ("qwen3_next", True, "ring")])
+def test_grpo_hybrid_and_vl_sp2_match_reference(data, tmp_path, arch, fsdp, mode):
+    """Qwen3.5 / Qwen3-Next (Gated DeltaNet) and Nemotron-H (Mamba2) under Ulysses and under a ring of 2 (state
+    passing), and Qwen2.5-VL / Qwen3-VL (text prompts): two GRPO
     steps at SP=2 (every SP rank generating with SP paused, KL on) vs the independent reference on the
     unpatched model; before the fix generation stopped at step 1 (linear-attention forward without a plan,
     a VL model's plan hook left in place). VL seed 24: the random tiny policy samples its image / video
@@ -210,7 +214,8 @@ def test_grpo_hybrid_and_vl_sp2_match_reference(data, tmp_path, arch, fsdp):
     in none of the completions, and step 1's rewards differ within a group (the policy moves)."""
     model = {"name": f"tiny:{arch}", "kwargs": {"num_heads": 4, "num_kv_heads": 2}}
     seed = 24 if arch.endswith("_vl") else 9
-    cfg = {**_cfg_dict(data, tmp_path / "run", {"size": 2, "ulysses_degree": 2}, model), "max_steps": 2, "seed": seed,
+    degrees = {"size": 2, "ulysses_degree": 2} if mode == "ulysses" else {"size": 2, "ring_degree": 2}
+    cfg = {**_cfg_dict(data, tmp_path / "run", degrees, model), "max_steps": 2, "seed": seed,
            "fsdp": fsdp}  # FSDP2: every rank generates its share with synced forwards (all-gathers), SP paused
     cfg["grpo"] = {**cfg["grpo"], "max_completion_length": 6}
     res = run_distributed(_train_world, 2, cfg, timeout=600)

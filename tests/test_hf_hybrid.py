@@ -20,6 +20,8 @@ loss) are checked in process, and once in a spawned world (every rank raises ali
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from recurrent_ref import patched_float64_kernels
@@ -93,7 +95,7 @@ def _lora(model, seed: int):
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
 
 
-def run_case(mesh, arch: str, kind: str, seed: int = 0, state_passing: str = "chain") -> dict:
+def run_case(mesh, arch: str, kind: str, seed: int = 0) -> dict:
     """Errors of one case on this rank: loss, max gradient, logits; SP vs the single-process reference.
 
     arch "lora:<arch>": LoRA adapters (peft) on both models, SP applied to the PeftModel; "f64:<arch>": both
@@ -102,19 +104,19 @@ def run_case(mesh, arch: str, kind: str, seed: int = 0, state_passing: str = "ch
         arch = arch.removeprefix("f64:")
         module = type(tiny_model(arch, num_layers=1)).__module__.replace("transformers.models.", "")
         with patched_float64_kernels(f"transformers.models.{module}"):
-            out = _run(mesh, arch, kind, seed, state_passing, torch.float64)
+            out = _run(mesh, arch, kind, seed, torch.float64)
         return {**out, "tol": F64_TOL}
-    return _run(mesh, arch, kind, seed, state_passing, torch.float32)
+    return _run(mesh, arch, kind, seed, torch.float32)
 
 
-def _run(mesh, arch: str, kind: str, seed: int, state_passing: str, dtype: torch.dtype) -> dict:
+def _run(mesh, arch: str, kind: str, seed: int, dtype: torch.dtype) -> dict:
     lora = arch.startswith("lora:")
     arch = arch.removeprefix("lora:")
     ref = tiny_model(arch, seed=seed, dtype=dtype).train()
     sp = tiny_model(arch, seed=seed, dtype=dtype)
     if lora:
         ref, sp = _lora(ref, seed + 7), _lora(sp, seed + 7)
-    sp = apply_sequence_parallel(sp, mesh, state_passing=state_passing).train()
+    sp = apply_sequence_parallel(sp, mesh).train()
     n_linear = sum(1 for m in sp.modules() if "forward" in m.__dict__)
     assert n_linear >= 1, "no recurrent layer got the SP forward"
     rows = _rows(kind, 100 + seed, mesh.dp_size)
@@ -169,7 +171,8 @@ def world_cases(cases, refusals: bool = False):
         sp, u, r, layout, passing = MODES[mode]
         if (sp, u, r, layout) not in meshes:
             meshes[(sp, u, r, layout)] = seqpar.init_mesh(sp, ulysses_degree=u, ring_degree=r, layout=layout)
-        out.append(((mode, arch, kind), run_case(meshes[(sp, u, r, layout)], arch, kind, state_passing=passing)))
+        mesh = dataclasses.replace(meshes[(sp, u, r, layout)], state_passing=passing)  # same process groups
+        out.append(((mode, arch, kind), run_case(mesh, arch, kind)))
     if refusals:  # every rank must raise the same error at apply time, before communicating
         world = torch.distributed.get_world_size()
         msgs = []
@@ -379,14 +382,8 @@ def test_sp1_in_process_and_remove():
     assert "forward" not in layer.__dict__
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_cli_verify_tiny_qwen3_next(tmp_path, fsdp):
-    """`seqpar verify` (train SP=2 Ulysses vs the SP=1 reference, 3 steps, packed rows) on tiny:qwen3_next;
-    with FSDP the Gated DeltaNet forward slices the gathered conv1d / A_log / dt_bias parameters."""
+def _verify_data(tmp_path, stage: str):
     import json
-
-    from procs import run_verify
 
     g = torch.Generator().manual_seed(0)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
@@ -394,13 +391,47 @@ def test_cli_verify_tiny_qwen3_next(tmp_path, fsdp):
     def phrase(n):
         return " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))
 
-    data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"instruction": phrase(4), "response": phrase(8)}) + "\n" for _ in range(16)))
-    cfg = {"model": {"name": "tiny:qwen3_next"}, "dataset": {"path": str(data), "max_length": 128, "packing": True},
-           # auto degrees (no FSDP case) must pick pure Ulysses for a model with linear attention
-           "sequence_parallel": {"size": 2, "ring_degree": 1} if fsdp else 2, "micro_batch_size": 1, "grad_accum": 2,
-           "max_steps": 3, "optimizer": {"lr": 1e-2}, "output_dir": str(tmp_path / "run"), "progress": False,
-           "fsdp": fsdp}
-    rep = run_verify(cfg, tmp_path, steps=3)
-    assert rep["passed"] and rep["max_abs_dloss"] <= 1e-5 and len(rep["steps"]) == 3, rep
+    data = tmp_path / f"{stage}.jsonl"
+    rows = ({"prompt": phrase(4), "chosen": phrase(6), "rejected": phrase(7)} if stage == "dpo"
+            else {"instruction": phrase(4), "response": phrase(8)} for _ in range(16))
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+def _verify(tmp_path, arch: str, sp, nproc: int, stage: str = "sft", fsdp: bool = False, ckpt: bool = False,
+            steps: int = 3):
+    """`seqpar verify`: train under SP vs the SP=1 reference run, `steps` steps, packed rows; losses and step-1
+    gradients within 1e-5."""
+    from procs import run_verify
+
+    cfg = {"model": {"name": f"tiny:{arch}"}, "stage": stage, "micro_batch_size": 1, "grad_accum": 2,
+           "dataset": {"path": str(_verify_data(tmp_path, stage)), "max_length": 128, "packing": stage == "sft"},
+           "sequence_parallel": sp, "max_steps": steps, "optimizer": {"lr": 1e-2},
+           "output_dir": str(tmp_path / "run"), "progress": False, "fsdp": fsdp,
+           "memory": {"activation_checkpointing": ckpt}}
+    rep = run_verify(cfg, tmp_path, steps=steps, nproc=nproc, timeout=900)
+    assert rep["passed"] and rep["max_abs_dloss"] <= 1e-5 and len(rep["steps"]) == steps, rep
     assert rep["grads_passed"] and rep["max_abs_dgrad_step1"] <= 1e-5, rep
+    return rep
+
+
+def test_cli_verify_hybrid_ring_checkpointing(tmp_path):
+    """`seqpar verify` on tiny:nemotron_h (Mamba2) under a ring of 2 with activation checkpointing: the state
+    passing runs again in every layer's recompute (2 steps)."""
+    _verify(tmp_path, "nemotron_h", {"size": 2, "ring_degree": 2}, 2, ckpt=True, steps=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,sp,nproc,stage,fsdp,ckpt", [
+    ("qwen3_next", 2, 2, "sft", False, False),  # auto degrees: ulysses 2 (its 2 kv heads)
+    ("qwen3_next", {"size": 2, "ring_degree": 2, "state_passing": "scan"}, 2, "sft", True, True),
+    ("qwen3_5", {"size": 2, "ring_degree": 2}, 2, "dpo", False, False),
+    ("nemotron_h", {"size": 2, "ring_degree": 2}, 2, "dpo", True, False),
+    ("qwen3_5", 4, 4, "sft", True, True),  # auto degrees: ulysses 2 x ring 2 (USP)
+    ("granitemoehybrid", {"size": 4, "ring_degree": 4}, 4, "sft", False, True),
+], ids=["qwen3_next-auto", "qwen3_next-ring-scan-fsdp-ckpt", "qwen3_5-ring-dpo", "nemotron_h-ring-dpo-fsdp",
+        "qwen3_5-usp-fsdp-ckpt", "granite-ring4-ckpt"])
+def test_cli_verify_hybrids(tmp_path, arch, sp, nproc, stage, fsdp, ckpt):
+    """`seqpar verify` (SFT and DPO) on the hybrids under Ulysses, ring and USP, with FSDP2 (the recurrent
+    forwards slice the gathered conv1d / A_log / dt_bias / D parameters) and activation checkpointing."""
+    _verify(tmp_path, arch, sp, nproc, stage, fsdp, ckpt)

@@ -23,9 +23,11 @@ from .comm import CommStats
 from .errors import SeqParError
 
 __all__ = ["SequenceParallelMesh", "init_mesh", "auto_degrees", "resolve_degrees", "check_divides", "divisors",
-           "RecurrentHeads", "recurrent_heads", "node_size_from_env", "spans_nodes_message", "group_timeout_override"]
+           "RecurrentHeads", "recurrent_heads", "STATE_PASSING", "node_size_from_env", "spans_nodes_message", "group_timeout_override"]
 
 LAYOUTS = ("zigzag", "contiguous")
+# How ring ranks combine recurrent layers' states (seqpar.recurrent.combine): point-to-point hand-off or all-gather.
+STATE_PASSING = ("chain", "scan")
 
 
 def divisors(n: int) -> list[int]:
@@ -144,6 +146,7 @@ class SequenceParallelMesh:
     ring_rank: int = 0
     ulysses_rank: int = 0
     layout: str = "zigzag"
+    state_passing: str = "chain"  # how the ring combines recurrent states (STATE_PASSING; seqpar.recurrent)
     device_mesh: Any = None
     sp_group: Any = None
     dp_group: Any = None
@@ -230,6 +233,7 @@ def init_mesh(
     device_type: str | None = None,
     node_size: int | None = None,
     timeout: timedelta | None = None,
+    state_passing: str = "chain",
 ) -> SequenceParallelMesh:
     """Build the dp x ring x ulysses mesh. Needs torch.distributed initialised unless world size is 1.
 
@@ -240,7 +244,9 @@ def init_mesh(
     node (default: LOCAL_WORLD_SIZE, see `node_size_from_env`); the automatic degrees keep each Ulysses group
     inside a node, explicit degrees that do not get a warning naming the fix. timeout: for every process group
     the mesh creates (default: the default group's, as init_process_group(timeout=) set it). Every check runs
-    before any process group is created.
+    before any process group is created. state_passing: how ring ranks combine the recurrent layers' states of
+    hybrid models (Gated DeltaNet, Mamba2): "chain" (sequential point-to-point hand-off) or "scan" (one
+    all-gather, each rank composes its prefix); both exact, docs/hf.md compares their cost.
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     num_heads, num_kv_heads = _check_mesh_args(sp_size, ulysses_degree, ring_degree, num_heads, num_kv_heads,
@@ -248,6 +254,8 @@ def init_mesh(
     node = node_size if node_size is not None else node_size_from_env(world)
     if not isinstance(node, int) or node < 1:
         raise SeqParError(f"node_size={node!r} must be a positive int (processes per node)")
+    if state_passing not in STATE_PASSING:
+        raise SeqParError(f"state_passing={state_passing!r} is unknown: use one of {STATE_PASSING}")
     if timeout is not None and not isinstance(timeout, timedelta):
         raise SeqParError(f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None")
     rec = recurrent_heads(model_config) if model_config is not None else None
@@ -259,11 +267,14 @@ def init_mesh(
             f"!= sp_size={sp_size}: choose degrees whose product is sp_size"
         )
     if world == 1:
-        return SequenceParallelMesh(dp_size=1, ring_degree=1, ulysses_degree=1, layout=layout)
+        return SequenceParallelMesh(dp_size=1, ring_degree=1, ulysses_degree=1, layout=layout,
+                                    state_passing=state_passing)
     span = spans_nodes_message(ulysses_degree, ring_degree, node)
     if span is not None and dist.get_rank() == 0:
         warnings.warn(span, stacklevel=2)
-    return _build_mesh(world, sp_size, ulysses_degree, ring_degree, layout, device_type or _device_type(), timeout)
+    mesh = _build_mesh(world, sp_size, ulysses_degree, ring_degree, layout, device_type or _device_type(), timeout)
+    mesh.state_passing = state_passing
+    return mesh
 
 
 def _check_mesh_args(sp_size: Any, ulysses_degree: Any, ring_degree: Any, num_heads: int | None,

@@ -26,7 +26,6 @@ import torch
 from ..attention.kernel_choice import check_kernel_name
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
-from ..recurrent import MODES
 from ..unwrap import BATCH_INPUTS_HOOK
 from ..unwrap import base_model as _base_model
 from .attention_fn import make_attention_fn, make_linear_forward
@@ -135,7 +134,7 @@ def _own_config(base: torch.nn.Module, cfg: Any, state: SPState) -> None:
 
 # ----------------------------------------------------------------------------- public API
 def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, attention_kernel: str = "auto",
-                            head_chunks: int = 1, state_passing: str = "chain") -> torch.nn.Module:
+                            head_chunks: int = 1) -> torch.nn.Module:
     """Make an unmodified HF causal LM run sequence-parallel over `mesh`; returns the same model.
 
     Afterwards `model(input_ids=shard(ids), position_ids=shard(pos), [cu_seqlens=full_cu])` returns
@@ -152,8 +151,7 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     the sequence (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
     the kernel each model's first attention call resolves to is printed once per process, on rank 0.
     head_chunks: seqpar.attention's head_chunks= (the kernels run per group of heads; attention.heads).
-    state_passing: how the ring combines the recurrent layers' states, "chain" (point-to-point hand-off) or
-    "scan" (one all-gather; seqpar.recurrent.combine); the same result either way.
+    The recurrent layers' states travel the ring as the mesh's `state_passing` says (seqpar.init_mesh).
     """
     from transformers import AttentionInterface
 
@@ -163,9 +161,7 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
         name = f"seqpar_sp_{next(_counter)}"
     if not isinstance(head_chunks, int) or head_chunks < 1:
         raise SeqParError(f"head_chunks must be an int >= 1, got {head_chunks!r}")
-    if state_passing not in MODES:
-        raise SeqParError(f"state_passing={state_passing!r} is unknown: use one of {MODES}")
-    state = SPState(mesh, name, check_kernel_name(attention_kernel), head_chunks, state_passing)
+    state = SPState(mesh, name, check_kernel_name(attention_kernel), head_chunks)
     state_ref = weakref.ref(state)
     AttentionInterface.register(name, make_attention_fn(state_ref))
     _own_config(base, cfg, state)

@@ -175,6 +175,6 @@ def make_linear_forward(state_ref: weakref.ReferenceType) -> Any:
         # cache_params (transformers >= 5.24: `cache`, in kwargs): never filled under SP (use_cache is forced off;
         # filled caches are refused by the plan).
         run = sp_mamba2_forward if type(self).__name__ in MAMBA2_CLASSES else sp_gated_delta_forward
-        return run(self, hidden_states, attention_mask, plan.row_bounds, state.mesh, state.state_passing)
+        return run(self, hidden_states, attention_mask, plan.row_bounds, state.mesh)
 
     return forward

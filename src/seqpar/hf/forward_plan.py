@@ -41,10 +41,8 @@ class ForwardPlan:
 class SPState:
     """Per-model state: the mesh, the registered name and what remove_sequence_parallel restores."""
 
-    def __init__(self, mesh: SequenceParallelMesh, name: str, kernel: str = "auto", head_chunks: int = 1,
-                 state_passing: str = "chain"):
+    def __init__(self, mesh: SequenceParallelMesh, name: str, kernel: str = "auto", head_chunks: int = 1):
         self.mesh = mesh
-        self.state_passing = state_passing  # how ring ranks combine recurrent states (seqpar.recurrent.combine)
         self.name = name
         self.kernel = kernel  # seqpar.attention's kernel= for this model's attention calls
         self.head_chunks = head_chunks  # and its head_chunks=

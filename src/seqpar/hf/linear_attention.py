@@ -121,12 +121,11 @@ def sp_gated_delta_forward(
     attention_mask: torch.Tensor | None,
     row_bounds: tuple[tuple[int, ...], ...],
     mesh: SequenceParallelMesh,
-    state_passing: str = "chain",
 ) -> torch.Tensor:
     """The layer's forward on this rank's sequence shard [B, S/sp, H] (the mesh's layout) -> [B, S/sp, H].
 
     `row_bounds`: per row, the inner packed-document starts in the full sequence (ForwardPlan.row_bounds).
-    state_passing: how ring ranks combine their chunks' states ("chain" or "scan", seqpar.recurrent.combine).
+    Ring ranks combine their chunks' states as mesh.state_passing says (seqpar.recurrent.combine).
     """
     fns = sys.modules[type(layer).__module__]  # the layer's own conv / recurrence functions
     if attention_mask is not None:  # 2-D padding mask of the local shard (upstream zeroes padded states)
@@ -151,7 +150,7 @@ def sp_gated_delta_forward(
 
     plan = head_space_plan(mesh, s_loc * mesh.sp_size, row_bounds)
     out = ring_recurrence(mixed, (beta, g), plan, mesh, conv, _delta_piece_fn(layer, fns, nk_l), "matrix",
-                          int(layer.conv_kernel_size), state_passing)  # [B, n, nv/U, dv]
+                          int(layer.conv_kernel_size), mesh.state_passing)  # [B, n, nv/U, dv]
     out = heads_to_seq(out.contiguous(), group, mesh.stats, device=dev)  # [B, s, nv, dv]
     # Per token, as upstream: gated RMSNorm per v-head vector, then out_proj.
     normed = layer.norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))

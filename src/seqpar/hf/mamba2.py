@@ -110,8 +110,7 @@ def _piece_fn(layer: torch.nn.Module, fns: Any, prm: SSDParams, hr: int, gl: int
 
 
 def sp_mamba2_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                      row_bounds: tuple[tuple[int, ...], ...], mesh: SequenceParallelMesh,
-                      state_passing: str = "chain") -> torch.Tensor:
+                      row_bounds: tuple[tuple[int, ...], ...], mesh: SequenceParallelMesh) -> torch.Tensor:
     """The mixer's forward on this rank's sequence shard [B, S/sp, H] (the mesh's layout) -> [B, S/sp, H]."""
     fns = sys.modules[type(layer).__module__]
     dtype = hidden_states.dtype
@@ -135,7 +134,7 @@ def sp_mamba2_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, atten
     plan = ring_plan(s_loc * mesh.sp_size, mesh.ring_degree, mesh.ring_rank, mesh.effective_layout, row_bounds)
     side = (dt_h,) if mask_h is None else (dt_h, mask_h)
     out = ring_recurrence(xbc_h, side, plan, mesh, conv, _piece_fn(layer, fns, prm, hr, gl), "scalar",
-                          int(layer.conv_kernel_size), state_passing)  # [B, n, hr, head_dim]
+                          int(layer.conv_kernel_size), mesh.state_passing)  # [B, n, hr, head_dim]
     out = heads_to_seq(out.contiguous(), mesh.ulysses_group, mesh.stats, device=mesh.comm_device)
     out = layer.norm(out.reshape(bsz, s_loc, -1), gate)
     return layer.out_proj(out.to(dtype))

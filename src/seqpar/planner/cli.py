@@ -57,6 +57,8 @@ def add_plan_parser(sub: Any) -> None:
                    help="memory.tiled_layer: norms, projections and MLP in sequence tiles (planner.tiled)")
     s.add_argument("--offload-activations", action="store_true")
     s.add_argument("--offload-optimizer", action="store_true")
+    s.add_argument("--state-passing", choices=("chain", "scan"), default="chain",
+                   help="hybrids under a ring: how the recurrent layers' states travel (docs/hf.md)")
     s.add_argument("--keep-attention", action="store_true",
                    help="memory.keep_attention: checkpointing keeps attention's outputs (no recompute of it)")
     s.add_argument("--attention-head-chunks", default="1",
@@ -88,7 +90,7 @@ def _request(args: argparse.Namespace) -> Any:
     ac = False if args.no_activation_checkpointing else (True if args.activation_checkpointing else None)
     return Request(
         workload=Workload(args.seq_len or 0, args.stage, args.finetuning, args.precision, args.micro_batch_size,
-                          unsupervised_tokens=args.prompt_len),
+                          unsupervised_tokens=args.prompt_len, state_passing=args.state_passing),
         ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, activation_checkpointing=ac,
         fused_loss=not args.no_fused_loss, tiled_mlp=args.tiled_mlp, tiled_layer=args.tiled_layer,
         offload_activations=args.offload_activations,

@@ -25,12 +25,12 @@ import torch
 
 from .. import comm
 from ..errors import SeqParError
-from ..mesh import SequenceParallelMesh
+from ..mesh import STATE_PASSING, SequenceParallelMesh
 from .segments import RingPlan
 
 __all__ = ["MODES", "KINDS", "apply_transition", "transition_grads", "zero_transition", "incoming_states", "tie"]
 
-MODES = ("chain", "scan")
+MODES = STATE_PASSING
 KINDS = ("matrix", "scalar")
 
 
