@@ -90,6 +90,38 @@ def test_cli_verify_fails_on_injected_gradient_scale_fault(tmp_path):
     assert not rep["grads_passed"] and rep["max_rel_dgrad_norm"] > 0.9, rep
 
 
+def test_verify_lora_dropout_runs_both_sides_without_it(tmp_path):
+    """LoRA dropout 0.1 draws different masks per shard and in the reference (verify FAILED with |dloss| ~2e-3,
+    without a word): verify says so and runs both sides with dropout 0, which passes; verify.json records it."""
+    cfg = _write_config(tmp_path, "drop", max_steps=2, finetuning={"method": "lora", "r": 4, "alpha": 8,
+                                                                   "dropout": 0.1})
+    out = tmp_path / "drop_verify"
+    r = _seqpar("verify", str(cfg), "--steps", "2", "--nproc-per-node", "2", "--output-dir", str(out))
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "finetuning.dropout=0.1: dropout draws different masks" in r.stdout, r.stdout[-3000:]
+    rep = json.loads((out / "verify.json").read_text())
+    assert rep["lora_dropout_off"] == 0.1 and rep["passed"], rep
+    assert yaml.safe_load((out / "sp_config.yaml").read_text())["finetuning"]["dropout"] == 0.0
+
+
+def test_verify_plot_says_exact_zero_and_draws_the_tolerance(tmp_path):
+    """The |dloss| panel: a dashed line at the tolerance; exact zeros are marked points at the bottom of the log
+    axis and the title says so (they were drawn at 1e-12 without a word)."""
+    from seqpar.train.loop.plots import curves_figure, diff_title, plot_curves
+
+    same = {"sp": [(1, 2.0), (2, 1.5), (3, 1.2)], "ref": [(1, 2.0), (2, 1.5), (3, 1.2)]}
+    fig = curves_figure(same, diff_of=("sp", "ref"), tolerance=1e-5)
+    ax = fig.axes[1]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "tolerance 1e-05" in labels and "exactly 0 (no difference)" in labels, labels
+    assert ax.get_title() == "|dloss| = 0 exactly at every step (identical losses); tolerance 1e-05"
+    zero = next(line for line in ax.get_lines() if line.get_label().startswith("exactly 0"))
+    assert max(zero.get_ydata()) < 1e-5 and min(zero.get_ydata()) > ax.get_ylim()[0]
+    assert diff_title([0.0, 3e-7, 1e-7], 1e-5) == ("max |dloss| = 3.00e-07; exactly 0 at 1 of 3 steps (marked at the "
+                                                    "bottom); tolerance 1e-05")
+    assert plot_curves(same, tmp_path / "v.png", diff_of=("sp", "ref"), tolerance=1e-5).stat().st_size > 10_000
+
+
 def test_verify_gradient_comparison_fails_on_a_scale_error(tmp_path):
     """Unit test of verify's gradient comparison: a x4 (dp x sp) scale on the SP side fails it; equal passes."""
     from seqpar.train.verify import compare_gradients

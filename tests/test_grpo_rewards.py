@@ -154,6 +154,56 @@ def test_check_imports_reward_modules_from_config_folder(tmp_path, monkeypatch, 
     assert "reward function 'guardrewards_missing:one' cannot be imported" in capsys.readouterr().err
 
 
+BROKEN_MODULES = {  # module source -> what the one line says (every one exit 2, before anything starts)
+    "def one(prompts, completions, **kw)\n    return [1.0]\n": "broken_syntax.py:1: SyntaxError (expected ':')",
+    "import no_such_dependency_xyz\n": "importing broken_dep failed: No module named 'no_such_dependency_xyz'",
+    "raise RuntimeError('needs an API key')\n": "importing broken_raise raised RuntimeError: needs an API key",
+    "x = 1\n": "broken_name (",
+}
+
+
+def test_reward_module_that_cannot_load_is_one_line(tmp_path, monkeypatch, capsys):
+    """A syntax error in a reward module (the issue's case: a 36-line traceback, exit 1), a missing dependency,
+    an exception at its top level and a missing function: one `seqpar: error:` line each, exit 2."""
+    from seqpar.cli.main import main
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    for (source, needle), name in zip(BROKEN_MODULES.items(), ("syntax", "dep", "raise", "name")):
+        cfg = _write_run(tmp_path / name, ["one"], module=f"broken_{name}")
+        (tmp_path / name / f"broken_{name}.py").write_text(source)
+        capsys.readouterr()
+        assert main(["check", str(cfg)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("seqpar: error: reward function "), err
+        assert needle in err, err
+    assert "has no 'one'" in err
+
+
+def test_rewards_must_be_numbers():
+    """docs/grpo.md: a non-number stops the run naming the function and the value (strings such as "1.0" used to
+    be converted to floats); numbers of any kind (int, bool, numpy scalar, one-element tensor) are taken."""
+    import numpy as np
+
+    from seqpar.train.grpo import rewards as R
+
+    funcs = {"strings": lambda p, c, **k: ["1.0", "0.5"], "mixed": lambda p, c, **k: [1.0, [0.5]],
+             "numbers": lambda p, c, **k: [np.float32(0.25), torch.tensor([2.0])],
+             "ints": lambda p, c, **k: [1, True]}
+    try:
+        R.BUILTIN_REWARDS.update(funcs)
+        for name, needle in (("strings", "returned '1.0' (str) for completion 0"),
+                             ("mixed", "returned [0.5] (list) for completion 1")):
+            with pytest.raises(SeqParError) as e:
+                score([f"seqpar:{name}"], None, ["p"] * 2, ["a", "b"], [[1], [2]], {})
+            assert f"reward function 'seqpar:{name}' {needle}: return numbers" in str(e.value), str(e.value)
+        per, total = score(["seqpar:numbers", "seqpar:ints"], None, ["p"] * 2, ["a", "b"], [[1], [2]], {})
+        assert per.tolist() == [[0.25, 1.0], [2.0, 1.0]] and total.tolist() == [1.25, 3.0]
+    finally:
+        for k in funcs:
+            R.BUILTIN_REWARDS.pop(k)
+
+
 def test_verify_refuses_grpo_dp2_before_the_sp_run(tmp_path):
     from seqpar.train.config import load_config
     from seqpar.train.verify import verify

@@ -159,7 +159,7 @@ def _text(prompts, completions, **k):
 @pytest.mark.parametrize("path, needle", [
     (f"{__name__}:_raises", "raised KeyError"),
     (f"{__name__}:_short", "returned 1 values for 2 completions"),
-    (f"{__name__}:_text", "non-number"),
+    (f"{__name__}:_text", r"returned 'x' \(str\) for completion 0: return numbers"),
     (f"{__name__}:missing", "cannot be imported"),
     ("seqpar:nothing", "no such built-in"),
     ("no_colon", "package.module:function"),

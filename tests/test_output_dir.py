@@ -199,6 +199,48 @@ def test_disk_full_while_checkpointing_names_the_good_checkpoint(data, tmp_path,
     assert not (out / "checkpoint-2").exists() and (out / "latest").read_text().strip() == "checkpoint-1"
 
 
+def _disk_full_on_last_rank(cfg_path: str) -> str:
+    """One rank of a 2-rank run whose last rank's disk is full at the second checkpoint save: DCP's own writer
+    fails there, and DCP raises its CheckpointException (a BaseException) on every rank."""
+    import errno
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from seqpar.errors import SeqParError
+    from seqpar.train.config import load_config
+    from seqpar.train.run import train
+
+    real, calls = FileSystemWriter.write_data, []
+
+    def write_data(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2 and dist.get_rank() == dist.get_world_size() - 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+
+    FileSystemWriter.write_data = write_data
+    try:
+        train(load_config(cfg_path))
+    except SeqParError as e:
+        return str(e)
+    return "no error"
+
+
+def test_disk_full_while_checkpointing_on_two_ranks(data, tmp_path):
+    """The same on 2 ranks through DCP's real save: one line on every rank, the partial checkpoint removed."""
+    from seqpar.spawn import run_distributed
+
+    out = tmp_path / "run"
+    cfg = _yaml(data, out, max_steps=3, checkpoint={"every": 1}, sequence_parallel={"size": 2})
+    msgs = run_distributed(_disk_full_on_last_rank, 2, cfg, timeout=300)
+    good = out / "checkpoint-1"
+    for msg in msgs:
+        assert msg.startswith(f"no space left on {out} while saving checkpoint-2: {good} is the last good"), msg
+        assert "\n" not in msg, msg
+    assert not (out / "checkpoint-2").exists() and (out / "latest").read_text().strip() == "checkpoint-1"
+
+
 def test_start_line_without_progress_bar(data, tmp_path, capsys):
     """progress: false still prints one start line: stage, mesh, data, steps, features, the resume point."""
     _train_here(data, tmp_path / "run", max_steps=1, finetuning={"method": "lora", "r": 2},
@@ -207,3 +249,43 @@ def test_start_line_without_progress_bar(data, tmp_path, capsys):
     for part in ("SequenceParallelMesh", "world 1", "8 examples", "1 steps from step 0", "lora",
                  "activation_checkpointing", "memory.measure"):
         assert part in line, line
+
+
+def test_overwrite_removes_only_what_a_run_writes(tmp_path):
+    """--overwrite clears a run's results: checkpoint-<N> folders, not any folder whose name starts so."""
+    from seqpar.train.lifecycle.output_dir import clear_results, existing_results
+
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-notes").mkdir()
+    (tmp_path / "checkpoint-notes" / "todo.txt").write_text("mine")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert existing_results(tmp_path) == ["metrics.jsonl (1 steps)", "checkpoint-3/"]
+    clear_results(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes"]
+
+
+def test_runs_never_nest_where_another_run_deletes(data, tmp_path, capsys):
+    """A run's output_dir inside a checkpoint or another run's final/ is refused (that run's rotation, export or
+    --overwrite would delete it); verify's output folder may not be a run, a checkpoint, or hold a run in sp/ that
+    no verify wrote (verify replaces sp/ and ref/)."""
+    from seqpar.cli.main import main
+    from seqpar.errors import SeqParError
+
+    run = tmp_path / "run"
+    _train_here(data, run, max_steps=1, checkpoint={"every": 1})
+    for inside, says in ((run / "checkpoint-1" / "sub", f"is inside {run / 'checkpoint-1'}, a checkpoint"),
+                         (run / "final" / "r", f"is inside {run / 'final'}, which the run in {run}")):
+        with pytest.raises(SeqParError, match="^output_dir .*" + says.replace("(", r"\(")):
+            _train_here(data, inside, max_steps=1)
+        assert not inside.exists()
+    y = _yaml(data, tmp_path / "other")
+    foreign = tmp_path / "v"
+    (foreign / "sp").mkdir(parents=True)
+    (foreign / "sp" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    for out, says in ((run, "is a run's output_dir"), (run / "checkpoint-1", "a checkpoint"),
+                      (foreign, "holds a run that `seqpar verify` did not write")):
+        capsys.readouterr()
+        assert main(["verify", y, "--nproc-per-node", "1", "--steps", "1", "--output-dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
+    assert (foreign / "sp" / "metrics.jsonl").is_file() and not (run / "sp").exists()

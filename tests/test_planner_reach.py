@@ -205,9 +205,10 @@ def test_tiled_layer_short_rows_against_memtracker_readings():
     # SP 1 rows: attention is one kernel call there (attention.local), its backward holds no fp32 accumulators, and
     # the peak is the tiled layer's first-piece backward (planner.tiled's qkv terms; old readings 2899140, 3466180,
     # 1384112, 4254504, 2150356, 2900052, 1384368, the bf16 row 2637220 and the 8-layer row 8414364). The bf16
-    # full row (index 19) used to peak in layer 0's tiled MLP backward, counted 2.5% low; no longer the peak.
+    # full row (index 19) used to peak in layer 0's tiled MLP backward, counted 2.5% low; no longer the peak. The
+    # bf16 LoRA row (index 20) read 932348 before the tiled layer tiled the final norm (its loss moment).
     readings = (2964676, 3531972, 1449648, 4385576, 2281428, 2965588, 1449904, 2794936, 2794936, 2295108, 2262340,
-                2793400, 2793400, 2793400, 4435000, 3355320, 2794936, 1396016, 3153192, 2669988, 932348, 8218012,
+                2793400, 2793400, 2793400, 4435000, 3355320, 2794936, 1396016, 3153192, 2669988, 898556, 8218012,
                 7966448)
     cases = with_features(GRID, ["layer"])
     assert len(cases) == len(readings)
@@ -281,7 +282,8 @@ def test_fused_loss_backward_terms_against_memtracker_reading():
 
     case = replace(next(c for c in GRID if c.precision == "bf16" and c.finetuning == "lora"),
                    memory=FEATURE_SETS["layer"])
-    assert predict_case(case) == pytest.approx(932348, rel=1e-2), case.label()
+    # 932348 before the tiled layer tiled the final norm (which then kept its fp32 input copy and rsqrt)
+    assert predict_case(case) == pytest.approx(898556, rel=1e-2), case.label()
 
 
 def test_cuda_rows_against_h200_readings():
@@ -299,13 +301,13 @@ def test_cuda_rows_against_h200_readings():
 # 4 layers x 1024 tokens, every memory feature): attention in head chunks, and rows marked cuda, where the CPU
 # kernel holds what CUDA's flash / cuDNN backward allocates (kernels.CudaWorkspaceOnCpu) and the planner counts
 # its CUDA terms (the kernels' workspace, per head chunk; for fused Ulysses the call's moment or the exchange's).
-HEAD_CHUNK_READINGS = (5784588, 4718828, 4912140, 4944908, 6562572)
+HEAD_CHUNK_READINGS = (5784588, 4621420, 4912140, 4944908, 6562572)
 CUDA_READINGS = (6325260, 5031020, 4920332, 5178380, 5178380, 6853644, 5184524, 6185996, 4891756, 4912140, 5110796)
 
 
-# memory.keep_attention rows (KEEP_GRID): the kept outputs join each layer still ahead; with them the final
-# norm's backward (HF RMSNorm's fp32 temporaries) is the bf16 row's peak.
-KEEP_READINGS = (6242060, 5308652, 4912140, 5447180, 6954252, 5176332)
+# memory.keep_attention rows (KEEP_GRID): the kept outputs join each layer still ahead (the bf16 row peaked at the
+# final norm's backward, 5308652, until the tiled layer tiled the final norm too).
+KEEP_READINGS = (6242060, 4940524, 4912140, 5447180, 6954252, 5176332)
 
 
 def test_head_chunk_and_cuda_rows_against_memtracker_readings():

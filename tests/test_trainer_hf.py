@@ -427,12 +427,15 @@ def test_hf_trainer_refuses_what_it_cannot_do_under_sp(tmp_path):
     from seqpar.hf.trainer import SequenceParallelDPOTrainer, SequenceParallelTrainer
 
     ds = datasets.Dataset.from_list([{"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8]}] * 2)
+    pairs = datasets.Dataset.from_list([{"prompt_input_ids": [5, 6], "chosen_input_ids": [7, 8],
+                                         "rejected_input_ids": [9, 10]}] * 2)
 
     def args(**kw):
         return TrainingArguments(output_dir=str(tmp_path / "t"), report_to=[], use_cpu=True, disable_tqdm=True, **kw)
 
     def make(cls=SequenceParallelTrainer, a=None, **kw):
-        return cls(model=tiny_model("llama", 2, 1, vocab_size=64, seed=0), args=a or args(), train_dataset=ds, **kw)
+        rows = pairs if cls is SequenceParallelDPOTrainer else ds  # each drop-in refuses the other's rows
+        return cls(model=tiny_model("llama", 2, 1, vocab_size=64, seed=0), args=a or args(), train_dataset=rows, **kw)
 
     with pytest.raises(SeqParError, match="include_for_metrics=\\['loss'\\]: 'loss' is not supported.*drop 'loss'"):
         make(a=args(include_for_metrics=["loss"]), compute_metrics=lambda p: {})
@@ -448,7 +451,7 @@ def test_hf_trainer_refuses_what_it_cannot_do_under_sp(tmp_path):
             return rows
         make(data_collator=my_collate)
     with pytest.raises(SeqParError, match="predict\\(\\) is not supported for DPO.*evaluate\\(\\)"):
-        make(SequenceParallelDPOTrainer).predict(ds)
+        make(SequenceParallelDPOTrainer).predict(pairs)
     t = make(eval_dataset=ds, compute_metrics=lambda p: {"rows": len(p.label_ids)},
              preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1).sum(-1))  # mixes positions
     with pytest.raises(SeqParError, match="preprocess_logits_for_metrics returned \\(2,\\).*position by position"):

@@ -268,6 +268,41 @@ def test_refuses_tools_and_eval(tmp_path):
                                     eval_dataset=_dataset())
 
 
+def reward_fails_on_rank1(completions, **kwargs):
+    if torch.distributed.get_rank() == 1:
+        raise RuntimeError("reward server unreachable from rank 1")
+    return [1.0] * len(completions)
+
+
+def _reward_fails_world(out: str) -> str:
+    import trl
+
+    from seqpar.errors import SeqParError
+    from seqpar.hf import tiny_model
+    from seqpar.trl import SequenceParallelGRPOTrainer
+
+    trl.GRPOTrainer._generate_single_turn = _fake_generate
+    tok = _tok()
+    trainer = SequenceParallelGRPOTrainer(
+        model=tiny_model("llama", 4, 2, num_layers=1, vocab_size=len(tok), seed=0), reward_funcs=reward_fails_on_rank1,
+        args=_config({"loss": "grpo", "beta": 0.0}, out, 4), train_dataset=_dataset(), processing_class=tok,
+        sequence_parallel_size=1)
+    try:
+        trainer.train()
+    except SeqParError as e:
+        return str(e)
+    return "no error"
+
+
+def test_reward_error_on_one_dp_rank_stops_every_rank(tmp_path):
+    """dp 2: each rank scores its own rows, and a reward function failing on rank 1 only used to leave rank 0
+    waiting in TRL's gather (until the collective timeout): both ranks stop with the same one-line SeqParError."""
+    said = run_distributed(_reward_fails_world, 2, str(tmp_path), timeout=300)
+    assert said[0] == said[1], said
+    assert said[0].startswith("scoring failed on rank 1 (every rank stops): RuntimeError: reward server unreachable "
+                              "from rank 1"), said
+
+
 GRPO_STACK_SCRIPT = r'''
 import sys, json
 import torch

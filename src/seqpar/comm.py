@@ -38,6 +38,7 @@ __all__ = [
     "all_gather",
     "broadcast_object",
     "all_gather_object",
+    "agree_on_error",
     "all_reduce_values",
     "RingComm",
     "send_recv",
@@ -279,6 +280,15 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     parts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, obj, group=group)
     return parts
+
+
+def agree_on_error(error: str | None, group: Any = None) -> tuple[int, str] | None:
+    """(rank, error) of the lowest rank of `group` (default: the world) that passed an error, None when none did:
+    the same answer on every rank (one all_gather_object), so all of them stop together. Without a process group:
+    this process's own error."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return None if error is None else (0, error)
+    return next(((r, e) for r, e in all_gather_object((dist.get_rank(), error), group) if e is not None), None)
 
 
 def all_gather(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -92,8 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="demo_output")
     p.add_argument("--tolerance", type=float, default=None, help="max |dloss| bar (default fp32 1e-5)")
     args = p.parse_args(argv)
-
     from .errors import SeqParError
+
+    try:
+        for flag, v in (("--steps", args.steps), ("--max-length", args.max_length), ("--nproc", args.nproc),
+                        ("--rows", args.rows)):
+            if v < 1:
+                raise SeqParError(f"{flag} {v}: give a whole number >= 1")
+        return _run(args)
+    except SeqParError as e:  # bad input: one line, as the seqpar command prints it
+        print(f"seqpar demo: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from .hf import load_smollm2_tokenizer
     from .train.config import config_from_dict
     from .train.model.tokenizers import HFTokenizer
@@ -102,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        tok = HFTokenizer(load_smollm2_tokenizer())
-    except SeqParError as e:
-        print(f"seqpar demo: {e}")
-        return 2
+    tok = HFTokenizer(load_smollm2_tokenizer())
     rows = build_examples(tok, args.rows, args.max_length)
     data = out / "retrieval.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -110,7 +110,7 @@ def _add_gpu(sub: argparse._SubParsersAction) -> None:
     gpu = sub.add_parser("gpu", help="one CUDA GPU: kernels vs torch SDPA, packed rows, seqpar train vs plan")
     gpu.add_argument("--out", default="bench_results/gpu.json", help="JSON output path (rewritten after each part)")
     gpu.add_argument("--parts", default="attention,packed,train", help="comma-separated: attention,packed,train")
-    gpu.add_argument("--runs", default=None, help="comma-separated train runs (bench.gpu_train.RUNS)")
+    gpu.add_argument("--runs", default=None, help="comma-separated train runs (bench.gpu_train.RUNS), or all")
     gpu.add_argument("--trace", default=None, help="a train run whose live tensors at the peak are listed")
     gpu.add_argument("--quick", action="store_true", help="small sizes and the tiny fp32 runs only")
     gpu.add_argument("--timeout", type=float, default=300.0, help="per train run, seconds")

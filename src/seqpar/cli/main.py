@@ -17,6 +17,7 @@ and a message naming the fix, before any process is spawned or any process group
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -41,7 +42,12 @@ def _overrides(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise SeqParError(f"--set {item!r}: use --set key.sub=value")
         k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            problem = (getattr(e, "problem", None) or str(e)).splitlines()[0]
+            raise SeqParError(f"--set {item!r}: the value is not valid YAML ({problem}): quote it (--set "
+                              f"'{k.strip()}=\"...\"') or fix it") from None
     return out
 
 
@@ -91,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="write a checkpoint-N folder as a Hugging Face model / PEFT adapter")
     e.add_argument("checkpoint", help="<output_dir>/checkpoint-<step> of a `seqpar train` run")
-    e.add_argument("out", help="folder to write (replaced if it exists)")
+    e.add_argument("out", help="a new or empty folder to write, outside any run's output_dir and checkpoint")
     e.add_argument("--merge-lora", action="store_true", help="LoRA runs: also write OUT/merged (adapter merged)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="OUT may hold an earlier `seqpar export`: replace it (only if it holds nothing else)")
     return p
 
 
@@ -110,7 +118,7 @@ def _load(args: argparse.Namespace, extra: dict[str, Any] | None = None):
 def _world_for_checks(args: argparse.Namespace, cfg) -> int:
     if _under_torchrun():
         return int(os.environ["WORLD_SIZE"])
-    return args.nproc_per_node or 1
+    return args.nproc_per_node if args.nproc_per_node is not None else 1
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -164,7 +172,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if _under_torchrun():
         raise SeqParError("run `seqpar verify` directly (not under torchrun): it launches the SP run itself")
     cfg = _load(args)
-    nproc = args.nproc_per_node or cfg.sequence_parallel.size
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.sequence_parallel.size
     from ..train.lifecycle.launch import prelaunch_checks
 
     # verify's own runs never resume: check everything else before launching them.
@@ -205,7 +213,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         raise SeqParError("run `seqpar export` as one plain process (not under torchrun)")
     from ..train.lifecycle.export import export_checkpoint
 
-    path = export_checkpoint(args.checkpoint, args.out, merge_lora=args.merge_lora)
+    path = export_checkpoint(args.checkpoint, args.out, merge_lora=args.merge_lora, overwrite=args.overwrite)
     print(f"[seqpar export] exported {args.checkpoint} to {path}", flush=True)
     return 0
 
@@ -247,7 +255,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+# Count arguments: (flag, attribute, least value). argparse takes any int; a 0 or a negative must not slip through
+# an `or` into a default (`--nproc-per-node 0` meaning 1) or reach torchrun as an assertion.
+COUNTS = (("--nproc-per-node", "nproc_per_node", 1), ("--max-steps", "max_steps", 1), ("--steps", "steps", 1),
+          ("--max-restarts", "max_restarts", 0), ("--nnodes", "nnodes", 1), ("--node-rank", "node_rank", 0),
+          ("--emulate-dp", "emulate_dp", 1))
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """SeqParError for a count below its least value, or a --tolerance that is negative or not finite."""
+    for flag, name, least in COUNTS:
+        v = getattr(args, name, None)
+        if v is not None and v < least:
+            raise SeqParError(f"{flag} {v}: give a whole number >= {least}")
+    tol = getattr(args, "tolerance", None)
+    if tol is not None and not (math.isfinite(tol) and tol >= 0):
+        raise SeqParError(f"--tolerance {tol}: give the largest |dloss| that passes, a finite number >= 0 (default: "
+                          f"fp32 1e-5, bf16 5e-2)")
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    _check_counts(args)
     if args.command == "plan":
         return args.func(args)
     return {"train": _cmd_train, "verify": _cmd_verify, "check": _cmd_check,

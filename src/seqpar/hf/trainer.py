@@ -64,7 +64,9 @@ from ..steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
 from .prepare import PrepareSpec, frozen_reference, policy_copy, prepare_model
 from .trainer_args import (
     BF16_ON_CPU,
+    check_dataset_rows,
     check_memory_args,
+    check_sp_sizes,
     drop_input_grads_after_enable,
     has_target,
     pad_id,
@@ -134,6 +136,11 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
     """
 
     _stage = "sft"
+    _sp_row_formats: tuple[tuple[str, ...], ...] = (("input_ids",),)  # what the rows must hold (checked at init)
+    _sp_row_hint = ("this drop-in trains on tokenized rows (input_ids, optional labels with -100 = unsupervised): "
+                    "tokenize them first (e.g. ds.map(lambda r: tok(r['text']), remove_columns=ds.column_names)), "
+                    "or use seqpar.trl.SequenceParallelSFTTrainer, which tokenizes text, messages and "
+                    "prompt/completion rows")
 
     def __init__(self, model: torch.nn.Module | None = None, args: Any = None, *,
                  sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
@@ -154,6 +161,10 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
                                       tiled_mlp=tiled_mlp, tiled_layer=tiled_layer, tile_reference=False,
                                       attention_kernel=check_kernel_name(attention_kernel),
                                       attention_head_chunks=attention_head_chunks, keep_attention=keep_attention)
+        check_sp_sizes(name, sequence_parallel_size, ulysses_degree, ring_degree, mesh)
+        if self._sp_row_formats:  # the TRL drop-ins check their raw rows before TRL prepares them
+            check_dataset_rows(name, {k: kwargs.get(k) for k in ("train_dataset", "eval_dataset")},
+                               list(self._sp_row_formats), self._sp_row_hint)
         sequence_parallel_size = map_parallelism_config(name, args, sequence_parallel_size)
         check_stack_args(name, args)
         use_cpu_when_no_accelerator(args)
@@ -164,7 +175,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         if mesh is None:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             # ddp_timeout reaches seqpar's groups too (accelerate gives it to the default group only).
-            mesh = init_mesh(sequence_parallel_size or world, ulysses_degree, ring_degree,
+            sp = sequence_parallel_size if sequence_parallel_size is not None else world
+            mesh = init_mesh(sp, ulysses_degree, ring_degree,
                              model_config=model.config, layout=layout, timeout=args.ddp_timeout_delta)
         self.sp_mesh = mesh
         self._sp_spec = self._make_spec()
@@ -302,6 +314,10 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
     """
 
     _stage = "dpo"
+    _sp_row_formats = (("prompt_input_ids", "chosen_input_ids", "rejected_input_ids"),)
+    _sp_row_hint = ("this drop-in trains on tokenized preference pairs: tokenize prompt, chosen and rejected into "
+                    "those columns first, or use seqpar.trl.SequenceParallelDPOTrainer, which takes prompt / chosen / "
+                    "rejected text")
 
     def __init__(self, model: torch.nn.Module | None = None, ref_model: torch.nn.Module | None = None,
                  args: Any = None, *, beta: float = 0.1, loss_type: str = "sigmoid", gamma: float = 0.5,

@@ -17,7 +17,8 @@ from .prepare import PrepareSpec, check_memory_features
 from .trainer_stack import deepspeed_stage
 
 __all__ = ["BF16_ON_CPU", "refuse_unsupported", "check_memory_args", "drop_input_grads_after_enable",
-           "use_cpu_when_no_accelerator", "say_bf16_on_cpu", "has_target", "pad_id"]
+           "use_cpu_when_no_accelerator", "say_bf16_on_cpu", "has_target", "pad_id", "check_sp_sizes",
+           "dataset_columns", "check_dataset_rows"]
 
 
 def _is_sp_collator(c: Any) -> bool:
@@ -145,3 +146,47 @@ def pad_id(model: torch.nn.Module, tok: Any) -> int:
             if isinstance(v, int) and v >= 0:
                 return v
     return 0
+
+
+def check_sp_sizes(name: str, sequence_parallel_size: Any, ulysses_degree: Any, ring_degree: Any, mesh: Any) -> None:
+    """The drop-ins' mesh arguments: None (the default: the world size / automatic degrees) or a positive int; a
+    0 must not fall back to the world size. A mesh= and sizes that disagree with it are refused (the mesh wins)."""
+    given = (("sequence_parallel_size", sequence_parallel_size, "the world size"),
+             ("ulysses_degree", ulysses_degree, "automatic"), ("ring_degree", ring_degree, "automatic"))
+    for arg, v, default in given:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise SeqParError(f"{name}: {arg}={v!r}: give a positive int, or leave it unset ({default})")
+    if mesh is None:
+        return
+    have = {"sequence_parallel_size": mesh.sp_size, "ulysses_degree": mesh.ulysses_degree,
+            "ring_degree": mesh.ring_degree}
+    bad = [f"{arg}={v} (the mesh has {have[arg]})" for arg, v, _ in given if v is not None and v != have[arg]]
+    if bad:
+        raise SeqParError(f"{name}: mesh= and {', '.join(bad)} disagree: give the mesh alone, or the sizes alone")
+
+
+def dataset_columns(dataset: Any) -> list[str] | None:
+    """A dataset's column names (a datasets.Dataset's, or the keys of a map-style dataset's first row); None when
+    they cannot be known without iterating it (an IterableDataset) or it is empty."""
+    cols = getattr(dataset, "column_names", None)
+    if isinstance(cols, list):
+        return cols
+    try:
+        first = dataset[0] if len(dataset) else None
+    except (TypeError, KeyError, IndexError):
+        return None
+    return sorted(first) if isinstance(first, dict) else None
+
+
+def check_dataset_rows(name: str, datasets: dict[str, Any], formats: list[tuple[str, ...]], hint: str) -> None:
+    """Every given dataset ({"train_dataset": ds, "eval_dataset": ds or a dict of them}) has the columns of one of
+    `formats`: a SeqParError naming its columns and `hint` otherwise, raised at construction on every rank alike
+    (a missing column used to surface as a KeyError in training, or on one rank while the others waited)."""
+    for which, ds in datasets.items():
+        for key, one in (ds.items() if isinstance(ds, dict) else [(None, ds)]):
+            cols = dataset_columns(one) if one is not None else None
+            if cols is None or any(set(f) <= set(cols) for f in formats):
+                continue
+            what = which if key is None else f"{which}[{key!r}]"
+            want = " or ".join(" + ".join(repr(c) for c in f) for f in formats)
+            raise SeqParError(f"{name}: {what} has columns {cols}, none of the formats it reads ({want}): {hint}")

@@ -85,6 +85,10 @@ def _request(args: argparse.Namespace) -> Any:
         raise SeqParError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
     if not args.max_seq_len and args.seq_len is None:
         raise SeqParError("give --seq-len N or --max-seq-len")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise SeqParError(f"--seq-len must be a number of tokens >= 1, got {args.seq_len}")
+    if args.top < 1:
+        raise SeqParError(f"--top must be >= 1 (rows of the table), got {args.top}")
     if args.prompt_len < 0 or (args.seq_len is not None and args.prompt_len >= args.seq_len):
         raise SeqParError(f"--prompt-len must be >= 0 and shorter than --seq-len, got {args.prompt_len}")
     ac = False if args.no_activation_checkpointing else (True if args.activation_checkpointing else None)

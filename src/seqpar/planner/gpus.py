@@ -115,8 +115,10 @@ def make_cluster(gpus: int, gpus_per_node: int | None = None, gpu: str | None = 
         raise SeqParError(f"unknown GPU {gpu!r}: use one of {', '.join(GPU_PRESETS)} (or --gpu-mem/--peak-tflops)")
     if not isinstance(gpus, int) or gpus < 1:
         raise SeqParError(f"--gpus must be a positive number of GPUs, got {gpus!r}")
+    if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 1):
+        raise SeqParError(f"--gpus-per-node must be a positive number of GPUs, got {gpus_per_node!r}")
     base = GPU_PRESETS[gpu or "h100"]
-    per_node = gpus_per_node or min(gpus, base.gpus_per_node)
+    per_node = gpus_per_node if gpus_per_node is not None else min(gpus, base.gpus_per_node)
     if per_node < 1 or (gpus > per_node and gpus % per_node != 0):
         raise SeqParError(f"--gpus {gpus} is not a whole number of nodes of --gpus-per-node {per_node}")
     for name, v in (("--intra-bw", intra_bw), ("--inter-bw", inter_bw), ("--peak-tflops", peak_tflops)):

@@ -103,7 +103,8 @@ def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Featu
     """Bytes alive per local token at the end of forward (loss working set excluded)."""
     e, full = wl.elt, not wl.lora
     once = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, int64 index tensors
-    once += norm_bytes(m, e, True, full, full and not feats.fused_loss)  # final norm (lm_head keeps its output)
+    # the final norm (lm_head keeps its output); with the tiled layer it runs in tiles and keeps only its input
+    once += e * m.hidden if feats.tiled_layer else norm_bytes(m, e, True, full, full and not feats.fused_loss)
     if feats.fused_loss:
         once += e * m.hidden  # the supervised hidden states the loss chunks keep
     if feats.activation_checkpointing:

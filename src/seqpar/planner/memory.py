@@ -50,7 +50,8 @@ from .tiled import layer_tiles
 from .workload import DEFAULT_LOSS_CHUNK_BYTES, INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
 __all__ = ["Features", "Workload", "Layout", "MemoryBreakdown", "estimate_memory", "activation_bytes_per_token",
-           "layer_bytes_per_token", "host_bytes", "DEFAULT_LOSS_CHUNK_BYTES", "INDEX_BYTES_PER_TOKEN"]
+           "layer_bytes_per_token", "host_bytes", "DEFAULT_LOSS_CHUNK_BYTES", "INDEX_BYTES_PER_TOKEN", "loss_bytes",
+           "final_norm_bytes"]
 
 
 @dataclass
@@ -125,7 +126,7 @@ def host_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> dic
     return {"activations": acts, "optimizer": opt, "total": acts + opt}
 
 
-def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> int:
+def loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> int:
     """At log_softmax's backward: the fp32 log-softmax (saved), its gradient and the logits' gradient,
     12 V bytes per token with logits. Without the fused loss every token has logits; with it only one
     checkpointed chunk of supervised tokens, recomputed in backward (its e-byte logits are upcast, or in
@@ -140,7 +141,7 @@ def _loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> in
     return 12 * m.vocab * min(chunk, supervised) + 20 * supervised + accumulated
 
 
-def _final_norm_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int) -> int:
+def final_norm_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int) -> int:
     """The final norm's backward, right after the loss head's: HF's RMSNorm backward's fp32 [*, h] temporaries
     (four) beside the hidden-state gradient and the loss's per-token index tensors, 16 h + 60 bytes per token
     (measured in bf16 with memory.keep_attention, whose kept outputs put this moment above the others); with the
@@ -180,7 +181,7 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
     if feats.tiled_mlp and mlp_tiles(m, wl, lay) == 1:
         feats = replace(feats, tiled_mlp=False)  # one tile: the plain MLP runs, nothing is recomputed
     acts = activation_bytes_per_token(m, wl, lay.ulysses, feats, lay.ring) * tokens
-    loss = max(_loss_bytes(m, wl, feats, tokens), _final_norm_bytes(m, wl, lay, feats, tokens))
+    loss = max(loss_bytes(m, wl, feats, tokens), final_norm_bytes(m, wl, lay, feats, tokens))
     mlp_bwd, attn_bwd = layer_backward(m, wl, lay, feats, tokens, layer)
     bwd = mlp_bwd if mlp_bwd.total >= attn_bwd.total else attn_bwd
     if feats.fused_loss and feats.fsdp:

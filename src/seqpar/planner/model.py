@@ -13,6 +13,7 @@ from importlib import resources
 from typing import Any
 
 from ..errors import SeqParError
+from ..textfiles import read_json
 from .recurrent import RecurrentFacts, recurrent_facts
 
 __all__ = ["ModelFacts", "load_model_facts", "bundled_models"]
@@ -221,8 +222,10 @@ def load_model_facts(name: str, tiny_kwargs: dict[str, Any] | None = None) -> Mo
             f"model {name!r} is neither a bundled model ({', '.join(bundled_models())}), tiny:<arch>, a model "
             f"directory with config.json nor a config.json file: pass one of those (no hub access here)"
         )
-    with open(path) as f:
-        return _facts(name, json.load(f))
+    c = read_json(path, "model config")
+    if not isinstance(c, dict):
+        raise SeqParError(f"model config {path}: not a JSON object of config fields: give a model's config.json")
+    return _facts(name, c)
 
 
 def trainable_name(name: str) -> str:

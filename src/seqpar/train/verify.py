@@ -24,10 +24,13 @@ import yaml
 
 from ..errors import SeqParError
 from .config import TrainConfig, config_from_dict
+from .lifecycle.output_dir import existing_results, refuse_nested_output_dir, runs_around
 from .loop.grads import GRAD_DUMP_ENV, grad_dump_errors, grad_norm_errors
 from .loop.plots import plot_curves, read_metrics
 
-__all__ = ["verify", "torchrun_command", "write_config"]
+__all__ = ["verify", "torchrun_command", "write_config", "check_verify_folder", "VERIFY_FILES", "without_dropout"]
+
+VERIFY_FILES = ("sp_config.yaml", "ref_config.yaml", "verify.json")  # in an output folder verify wrote
 
 DEFAULT_TOL = {"fp32": 1e-5, "bf16": 5e-2, "bf16-pure": 5e-2}
 # Gradient bars: relative error of the per-step global grad norm; step-1 gradient: max abs difference
@@ -84,10 +87,12 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
             f"{cfg.sequence_parallel.size} gives dp={dp}): the SP=1 reference cannot emulate several dp ranks' "
             f"rollouts; use --nproc-per-node {cfg.sequence_parallel.size}"
         )
+    check_verify_folder(out)
     base = cfg.model_dump(mode="json")
     # verify owns its sp/ and ref/ folders: each run replaces the previous verify's results there.
     base.update(max_steps=steps, num_epochs=None, checkpoint={"every": 0, "save_final": False, "resume": False},
                 overwrite_output_dir=True)
+    dropout = without_dropout(cfg, base)
     sp_cfg = config_from_dict({**base, "output_dir": str(out / "sp")})
     # The reference: one process, SP=1 (any max_length valid under SP is valid at SP=1), no FSDP -- except
     # in bf16, where FSDP's fp32 master weights must be mirrored (FSDP2 on a 1-rank group).
@@ -103,7 +108,36 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
     write_config(ref_cfg, out / "ref_config.yaml")
     with _env(GRAD_DUMP_ENV, str(ref_dump)):
         train(ref_cfg, emulate_dp=dp)
-    return _report(cfg, steps, nproc, dp, out, tolerance, sp_dump, ref_dump)
+    return _report(cfg, steps, nproc, dp, out, tolerance, sp_dump, ref_dump, dropout)
+
+
+def without_dropout(cfg: TrainConfig, base: dict[str, Any]) -> float | None:
+    """LoRA dropout draws its masks per rank from the shard it holds, so the SP run and the SP=1 reference drop
+    different activations by design: both sides of verify run with dropout 0 (the comparison stays exact), and a
+    line says so. Returns the dropout switched off (None: there was none)."""
+    p = cfg.finetuning.dropout if cfg.finetuning.method == "lora" else 0.0
+    if not p:
+        return None
+    base["finetuning"] = {**base["finetuning"], "dropout": 0.0}
+    print(f"[seqpar verify] finetuning.dropout={p}: dropout draws different masks in the SP run (per shard) and in "
+          f"the SP=1 reference, so verify runs both with dropout 0 (training keeps {p})", flush=True)
+    return p
+
+
+def check_verify_folder(out: Path) -> None:
+    """verify writes its report and two runs (sp/, ref/, replaced each time) into `out`: refuse a folder that is a
+    run's output_dir, is or sits inside a checkpoint or another run's results, or whose sp/ or ref/ holds a run that
+    no earlier verify wrote (SeqParError naming the fix)."""
+    runs = runs_around(out)
+    if runs and runs[0][0] == out.resolve():
+        raise SeqParError(f"verify's output folder {out} is {runs[0][1]}: verify writes its report and its sp/ and "
+                          f"ref/ runs there; use another folder (--output-dir; default <output_dir>/verify)")
+    for sub in ("sp", "ref"):
+        refuse_nested_output_dir(out / sub)
+        if existing_results(out / sub) and not any((out / f).is_file() for f in VERIFY_FILES):
+            raise SeqParError(f"{out / sub} holds a run that `seqpar verify` did not write "
+                              f"({', '.join(existing_results(out / sub)[:3])}) and verify would replace it: use "
+                              f"another --output-dir")
 
 
 def _run_sp(sp_cfg: TrainConfig, nproc: int, sp_yaml: Path, sp_dump: Path, timeout: float | None) -> None:
@@ -122,7 +156,7 @@ def _run_sp(sp_cfg: TrainConfig, nproc: int, sp_yaml: Path, sp_dump: Path, timeo
 
 
 def _report(cfg: TrainConfig, steps: int, nproc: int, dp: int, out: Path, tolerance: float | None, sp_dump: Path,
-            ref_dump: Path) -> dict[str, Any]:
+            ref_dump: Path, dropout_off: float | None = None) -> dict[str, Any]:
     """Losses and gradients of both runs compared: verify.json, verify_loss.png, and the report dict."""
     sp_rows = read_metrics(out / "sp" / "metrics.jsonl")
     ref_rows = read_metrics(out / "ref" / "metrics.jsonl")
@@ -139,8 +173,9 @@ def _report(cfg: TrainConfig, steps: int, nproc: int, dp: int, out: Path, tolera
     label_ref = f"SP=1 reference (1 process, {dp} dp slot{'s' if dp > 1 else ''})"
     png = plot_curves(
         {label_sp: [(s, sp_loss[s]) for s in common_steps], label_ref: [(s, ref_loss[s]) for s in common_steps]},
-        out / "verify_loss.png", title=f"seqpar verify: {cfg.stage} {cfg.finetuning.method} {cfg.model.name}",
-        diff_of=(label_sp, label_ref),
+        out / "verify_loss.png", title=f"seqpar verify: {cfg.stage} {cfg.finetuning.method} {cfg.model.name}"
+        + (f" (LoRA dropout {dropout_off} off in both runs)" if dropout_off else ""),
+        diff_of=(label_sp, label_ref), tolerance=tol,
     )
     report = {
         "max_abs_dloss": max(diffs), "tolerance": tol, "loss_passed": max(diffs) <= tol, **grads,
@@ -149,7 +184,7 @@ def _report(cfg: TrainConfig, steps: int, nproc: int, dp: int, out: Path, tolera
         "abs_dloss": diffs, "nproc": nproc, "sp_size": sp.size, "dp_size": dp,
         "sp_mesh": open(out / "sp" / "mesh.txt").read().strip() if (out / "sp" / "mesh.txt").exists() else None,
         "precision": cfg.precision, "stage": cfg.stage, "finetuning": cfg.finetuning.method, "fsdp": bool(cfg.fsdp),
-        "packing": cfg.dataset.packing, "png": str(png),
+        "packing": cfg.dataset.packing, "png": str(png), "lora_dropout_off": dropout_off,
     }
     (out / "verify.json").write_text(json.dumps(report, indent=2))
     report["json"] = str(out / "verify.json")

@@ -25,7 +25,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         f"seqpar.trl needs TRL (import failed: {e}): pip install 'seqpar[trl]'"
     ) from e
 
+from .args import let_trl_configs_run_on_cpu
 from .grpo import SequenceParallelGRPOTrainer
 from .trainer import SequenceParallelDPOTrainer, SequenceParallelSFTTrainer
+
+let_trl_configs_run_on_cpu()  # TRL's bf16 default on a CPU-only machine: see the function
 
 __all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer", "SequenceParallelGRPOTrainer"]

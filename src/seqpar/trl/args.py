@@ -11,9 +11,33 @@ from typing import Any
 import torch
 
 from ..errors import SeqParError
+from ..hf.trainer_args import check_dataset_rows
 from ..mesh import SequenceParallelMesh
 
-__all__ = ["coerce_args", "refuse", "refuse_common", "instantiate", "sp_kwargs", "refuse_moe_aux"]
+__all__ = ["coerce_args", "refuse", "refuse_common", "instantiate", "sp_kwargs", "refuse_moe_aux",
+           "let_trl_configs_run_on_cpu", "check_trl_rows"]
+
+
+def let_trl_configs_run_on_cpu() -> None:
+    """TRL's configs default to bf16=True, and on a machine without an accelerator transformers refuses that in the
+    config's __post_init__ (a ValueError, "Your setup doesn't support bf16/gpu", from every rank) unless use_cpu:
+    before TRL's own __post_init__, a bf16 config on such a machine gets use_cpu=True (the only device there, and
+    what the drop-ins set on CPU ranks anyway); the drop-in then prints its one line about bf16 on CPU
+    (seqpar.hf.trainer_args.BF16_ON_CPU). Called once by `import seqpar.trl`; machines with a GPU are untouched."""
+    from trl.trainer.base_config import _BaseConfig
+
+    if getattr(_BaseConfig.__post_init__, "_seqpar_cpu", False):
+        return
+    original = _BaseConfig.__post_init__
+
+    def __post_init__(self: Any) -> None:
+        bf16 = (not self.fp16) if self.bf16 is None else self.bf16
+        if (bf16 or self.bf16_full_eval) and not self.use_cpu and torch.accelerator.current_accelerator() is None:
+            self.use_cpu = True
+        original(self)
+
+    __post_init__._seqpar_cpu = True  # type: ignore[attr-defined]
+    _BaseConfig.__post_init__ = __post_init__
 
 
 def coerce_args(args: Any, config_cls: type, model: Any, suffix: str) -> Any:
@@ -87,3 +111,27 @@ def refuse_moe_aux(trainer: Any) -> None:
     if getattr(trainer, "aux_loss_enabled", False):
         raise refuse(type(trainer).__name__, "the MoE router auxiliary loss", "seqpar's loss does not add it",
                       "set router_aux_loss_coef=0.0 in the config")
+
+
+TRL_ROWS = {  # what TRL's dataset preparation reads (formats, and what to do otherwise)
+    "SFT": ("rename the columns (e.g. ds.rename_columns({'question': 'prompt', 'answer': 'completion'})), point "
+            "dataset_text_field= at the text column, or pass formatting_func= (docs/trl.md)"),
+    "DPO": "rename the columns to 'chosen' and 'rejected' (and 'prompt', unless both sides start with it)",
+    "GRPO": ("rename the column holding the prompts (text or messages) to 'prompt'; every other column is passed to "
+             "the reward functions"),
+}
+
+
+def check_trl_rows(name: str, kind: str, args: Any, train_dataset: Any, eval_dataset: Any,
+                   kwargs: dict[str, Any]) -> None:
+    """The raw rows are in a format TRL's preparation reads: otherwise a SeqParError on every rank at construction
+    (TRL prepares the data on the main process first: its KeyError came on rank 0 while the others waited in a
+    barrier, then failed with gloo's "Connection closed by peer")."""
+    if kind == "SFT":
+        if kwargs.get("formatting_func") is not None or (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+            return
+        formats = [(args.dataset_text_field,), ("messages",), ("prompt", "completion"), ("conversations",),
+                   ("input_ids",)]
+    else:
+        formats = [("chosen", "rejected")] if kind == "DPO" else [("prompt",)]
+    check_dataset_rows(name, {"train_dataset": train_dataset, "eval_dataset": eval_dataset}, formats, TRL_ROWS[kind])

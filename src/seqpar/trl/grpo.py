@@ -67,7 +67,7 @@ from ..hf.trainer_args import pad_id
 from ..hf.trainer_stack import agree_gathers
 from ..mesh import SequenceParallelMesh
 from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
-from .args import coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
+from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
 
 __all__ = ["SequenceParallelGRPOTrainer"]
 
@@ -169,6 +169,13 @@ def _dp_gather_object(obj: list) -> list:
 _CURRENT_SP = [1]  # SP size for _dp_gather_object while TRL scores (set only inside _dp_scoring)
 
 
+def _stop_if_failed(failed: tuple[int, str] | None) -> None:
+    if failed is not None:
+        rank, error = failed
+        raise SeqParError(f"scoring failed on rank {rank} (every rank stops): {(error.splitlines() or [''])[0][:300]}: "
+                          f"fix the reward function") from None
+
+
 def _rows(inputs: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
     """TRL's padded prompt / completion tensors -> unpadded rows, only completion tokens supervised."""
     out = []
@@ -203,6 +210,8 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
     run under SP.
     """
 
+    _sp_row_formats = ()  # TRL reads the raw rows: check_trl_rows checks them before TRL prepares them
+
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *,
                  sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
@@ -213,6 +222,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         args = coerce_args(args, trl.GRPOConfig, model, "GRPO")
         refuse_common(name, args, kwargs.pop("data_collator", None), kwargs, train_dataset)
         _refuse_grpo(name, args, kwargs, train_dataset, eval_dataset)
+        check_trl_rows(name, "GRPO", args, train_dataset, None, kwargs)
         model = instantiate(model, args, peft_config)
         if args.beta != 0 and hasattr(model, "peft_config") and "ref" in model.peft_config:
             raise refuse(name, "a PEFT model with a 'ref' adapter", "seqpar's reference disables the adapter",
@@ -302,6 +312,27 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         self._sp_den = L.GRPODenominators.from_counts(L.global_token_count(local, self.sp_mesh).cpu(),
                                                       self.args.max_completion_length)
         return out
+
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
+        """TRL's scoring. Each dp rank scores its own rows, so a reward function may fail on one rank only: the
+        ranks agree on the outcome before TRL's gather (one small all-gather) and all stop with the same
+        SeqParError, where the others used to wait in the gather until the timeout."""
+        gather, agreed = _trl_grpo.gather, []
+
+        def gather_after_agreeing(t: Any) -> Any:
+            agreed.append(True)
+            _stop_if_failed(comm.agree_on_error(None))
+            return gather(t)
+
+        _trl_grpo.gather = gather_after_agreeing
+        try:
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        except Exception as e:
+            if not agreed:
+                _stop_if_failed(comm.agree_on_error(f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            _trl_grpo.gather = gather
 
     def _generate_single_turn(self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: int,
                               has_tool_images: bool = False) -> Any:

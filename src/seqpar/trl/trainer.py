@@ -42,7 +42,7 @@ from ..hf.trainer import SequenceParallelDPOTrainer as HFDPOTrainer
 from ..hf.trainer_stack import is_zero3
 from ..mesh import SequenceParallelMesh
 from ..steps import StepSpec, micro_batch_loss, sft_metric_sums
-from .args import coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
+from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
 from .collators import TRLDPOCollator, TRLSFTCollator
 
 __all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer"]
@@ -173,6 +173,8 @@ class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTr
     Packing, max_length and the masks come from the SFTConfig.
     """
 
+    _sp_row_formats = ()  # TRL reads the raw rows: check_trl_rows checks them before TRL prepares them
+
     def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *, sequence_parallel_size: int | None = None,
                  ulysses_degree: int | None = None, ring_degree: int | None = None, layout: str = "zigzag",
@@ -182,6 +184,7 @@ class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTr
         name = type(self).__name__
         args = coerce_args(args, trl.SFTConfig, model, "SFT")
         refuse_common(name, args, data_collator, kwargs, train_dataset)
+        check_trl_rows(name, "SFT", args, train_dataset, eval_dataset, kwargs)
         if args.loss_type != "nll":
             raise refuse(name, f"loss_type={args.loss_type!r}", "seqpar computes the token-mean NLL only",
                           "use loss_type='nll'")
@@ -217,6 +220,8 @@ class SequenceParallelDPOTrainer(_TRLMetrics, HFDPOTrainer, trl.DPOTrainer):
     arguments as SequenceParallelSFTTrainer.
     """
 
+    _sp_row_formats = ()  # TRL reads the raw rows: check_trl_rows checks them before TRL prepares them
+
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None, *,
                  sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
@@ -226,6 +231,7 @@ class SequenceParallelDPOTrainer(_TRLMetrics, HFDPOTrainer, trl.DPOTrainer):
         name = type(self).__name__
         args = coerce_args(args, trl.DPOConfig, model, "DPO")
         refuse_common(name, args, data_collator, kwargs, train_dataset)
+        check_trl_rows(name, "DPO", args, train_dataset, eval_dataset, kwargs)
         loss_type = _dpo_loss_type(name, args)
         model = instantiate(model, args, peft_config)
         if isinstance(ref_model, str):

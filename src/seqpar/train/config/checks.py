@@ -151,11 +151,25 @@ def import_reward(path: str) -> Callable[..., Any]:
     """The function named by "package.module:function" (not a seqpar: built-in); SeqParError naming the fix."""
     mod, name = path.split(":")
     try:
-        fn = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
+        module = importlib.import_module(mod)
+    except SyntaxError as e:  # the module's own code (a bad encoding too): where, and what
+        raise SeqParError(f"reward function {path!r}: {e.filename}:{e.lineno}: {type(e).__name__} ({e.msg}): fix "
+                          f"the module") from None
+    except ModuleNotFoundError as e:
+        if e.name is not None and mod != e.name and not mod.startswith(e.name + "."):  # a module it imports
+            raise SeqParError(f"reward function {path!r}: importing {mod} failed: {e}: install it, or fix that "
+                              f"import") from None
         raise SeqParError(f"reward function {path!r} cannot be imported ({type(e).__name__}: {e}): put {mod}.py "
-                          f"next to the config file or in the working directory, or its package on PYTHONPATH, "
-                          f"and check the function name") from None
+                          f"next to the config file or in the working directory, or its package on PYTHONPATH") \
+            from None
+    except Exception as e:  # noqa: BLE001 - whatever the module's top level raised: one line
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise SeqParError(f"reward function {path!r}: importing {mod} raised {type(e).__name__}: {first}: fix the "
+                          f"module") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise SeqParError(f"reward function {path!r} cannot be imported: {mod} ({getattr(module, '__file__', mod)}) "
+                          f"has no {name!r}: check the function name") from None
     if not callable(fn):
         raise SeqParError(f"reward function {path!r} is not callable")
     return fn

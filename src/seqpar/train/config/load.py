@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from ...errors import SeqParError
+from ...textfiles import read_text
 from .schema import TrainConfig
 
 __all__ = ["config_from_dict", "load_config", "set_dotted"]
@@ -39,14 +40,14 @@ def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None
     p = Path(path)
     if not p.is_file():
         raise SeqParError(f"config file {str(p)!r} does not exist: pass the path to a YAML file")
-    with open(p) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
-            problem = " ".join(x for x in (getattr(e, "problem", None), getattr(e, "context", None)) if x) or str(e)
-            raise SeqParError(f"{where}: YAML syntax error: {problem}: fix the file") from None
+    try:
+        data = yaml.safe_load(read_text(p, "config file")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem = (" ".join(x for x in (getattr(e, "problem", None), getattr(e, "context", None)) if x)
+                   or str(e).splitlines()[0])
+        raise SeqParError(f"{where}: YAML syntax error: {problem}: fix the file") from None
     if not isinstance(data, dict):
         raise SeqParError(f"{p}: the top level must be a mapping of keys (model:, dataset:, ...)")
     _relative_to(data, p.parent)

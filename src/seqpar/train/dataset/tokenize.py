@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import SeqParError
+from ...textfiles import read_text
 from ..model.tokenizers import ByteTokenizer, Tokenizer
 from .formats import Text, Tokenized, check_stage, detect_format, normalize_dpo, normalize_sft
 
@@ -56,7 +57,7 @@ def load_rows(path: str, what: str = "dataset") -> list[dict[str, Any]]:
 
 def _json_rows(path: str, what: str) -> list[dict[str, Any]]:
     """A JSON array of objects, or JSON lines (one object per line; blank lines skipped)."""
-    text = Path(path).read_text(encoding="utf-8")
+    text = read_text(path, f"{what}:")
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

@@ -12,7 +12,11 @@ columns: every other dataset column of the row's prompt, repeated alike (e.g. "a
 None means "no reward for this row" (TRL): the weighted sum over functions skips it (nansum; a row
 with no reward from any function gets 0) and the per-function metrics use nanmean / nanstd.
 
-Policy for values that are not numbers: a NaN or +-inf returned by a function is an ERROR, never a
+A value that is not a number (a string such as "1.0", a list, ...) stops the step with a SeqParError naming the
+function, the completion and the value: nothing is converted. Numbers are int, float, bool, numpy scalars and
+one-element tensors.
+
+Policy for non-finite values: a NaN or +-inf returned by a function is an ERROR, never a
 silent 0 -- the step stops with a SeqParError naming each offending function and how many NaN / inf it
 returned (per step). To skip a row on purpose, return None: Nones are counted per function and step
 (metric `rewards/<f>/none`), rows with no reward from any function as `rewards_missing`, and a step on
@@ -28,6 +32,7 @@ A prompt's completions always live on one dp rank, so no collective is needed he
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -94,10 +99,23 @@ def _one(path: str, fn: Callable[..., list], n: int, args: tuple, kwargs: dict) 
     if len(vals) != n:
         raise SeqParError(f"reward function {path!r} returned {len(vals)} values for {n} completions: "
                           f"return one float (or None) per completion")
-    try:
-        return [None if v is None else float(v) for v in vals]
-    except (TypeError, ValueError):
-        raise SeqParError(f"reward function {path!r} returned a non-number: return floats or None") from None
+    out = []
+    for i, v in enumerate(vals):
+        num = _number(v)
+        if num is None and v is not None:
+            raise SeqParError(f"reward function {path!r} returned {v!r} ({type(v).__name__}) for completion {i}: "
+                              f"return numbers (float, int) or None; strings and other values are not converted")
+        out.append(num)
+    return out
+
+
+def _number(v: Any) -> float | None:
+    """v as a float when it is a number (int, float, bool, a numpy scalar, a one-element tensor), else None."""
+    if isinstance(v, numbers.Real):
+        return float(v)
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex():
+        return float(v.item())
+    return None
 
 
 def score(reward_funcs: Sequence[str], weights: Sequence[float] | None, prompts: list, completions: list,

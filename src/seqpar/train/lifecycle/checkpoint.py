@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ...errors import SeqParError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "full_model_state", "checkpoint_dirs",
-           "checkpoint_step"]
+           "checkpoint_step", "first_failure", "latest_name"]
 
 
 def _rank() -> int:
@@ -52,11 +52,20 @@ def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
+def latest_name(output_dir: str | Path) -> str | None:
+    """What <output_dir>/latest says (None: no such file). Read leniently: a damaged marker names no checkpoint
+    that exists, so resume falls back to the newest complete one (resume.checkpoint_to_resume) with a line."""
     marker = Path(output_dir) / "latest"
     if not marker.is_file():
         return None
-    path = Path(output_dir) / marker.read_text().strip()
+    return marker.read_bytes().decode("utf-8", "replace").replace("\x00", "").strip()
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    name = latest_name(output_dir)
+    if not name:
+        return None
+    path = Path(output_dir) / name
     return path if path.is_dir() else None
 
 
@@ -89,8 +98,8 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
     try:
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))  # raises on every rank if one fails
         err = None
-    except Exception as e:  # noqa: BLE001 - reworded below, the original kept as the cause
-        err = e
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - reworded below, kept as the cause
+        err = e  # (DCP's CheckpointException is a BaseException, not an Exception: named on its own)
     if err is None:
         try:  # per rank: a failure here is agreed on below, so no rank waits alone in the next barrier
             torch.save(dict(trainer_state, rng=rng_state()), path / f"trainer_state_rank{_rank()}.pt")
@@ -123,15 +132,26 @@ def _all_ok(ok: bool) -> bool:
 
 
 def _errors_in(e: BaseException | None) -> list[BaseException]:
-    """e, its causes, and the per-rank failures a DCP CheckpointException carries."""
+    """e, its causes, and the per-rank failures a DCP CheckpointException carries ((exception, stack) pairs)."""
     out, todo = [], [e]
     while todo:
         x = todo.pop()
-        if x is None or any(x is y for y in out):
+        if isinstance(x, tuple) and x and isinstance(x[0], BaseException):
+            x = x[0]
+        if not isinstance(x, BaseException) or any(x is y for y in out):
             continue
         out.append(x)
         todo += [x.__cause__, x.__context__, *(getattr(x, "failures", None) or {}).values()]
     return out
+
+
+def first_failure(err: BaseException) -> BaseException:
+    """The error to name in one line: a CheckpointException's first rank's failure, else err itself."""
+    failures = getattr(err, "failures", None) or {}
+    for rank in sorted(failures):
+        x = failures[rank]
+        return x[0] if isinstance(x, tuple) and x and isinstance(x[0], BaseException) else err
+    return err
 
 
 def _save_error(err: BaseException | None, path: Path, out: Path) -> SeqParError:
@@ -145,7 +165,9 @@ def _save_error(err: BaseException | None, path: Path, out: Path) -> SeqParError
     if any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _errors_in(err)):
         return SeqParError(f"no space left on {path.parent} while saving {path.name}: {still}; free space there (or "
                            f"lower checkpoint.keep_last) and run again to resume")
-    what = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if err is not None else "failed on another rank"
+    first = first_failure(err) if err is not None else None
+    what = (f"{type(first).__name__}: {(str(first).splitlines() or [''])[0][:200]}" if first is not None
+            else "failed on another rank")
     return SeqParError(f"saving {path} failed ({what}): {still}; fix the cause and run again to resume")
 
 
@@ -169,12 +191,12 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     state = {"model": msd, "optim": osd}
     try:
         dcp.load(state, checkpoint_id=str(path))  # raises on every rank if one cannot read its part
-    except Exception as e:  # noqa: BLE001 - a damaged checkpoint: say which, and what else there is
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - damaged: say which, and what else there is
         done = [p for p in checkpoint_dirs(path.parent) if checkpoint_step(p) < checkpoint_step(path)]
         other = (f"the previous checkpoint is {done[-1]}: write {done[-1].name} into {path.parent / 'latest'} to "
                  f"resume from it" if done else "no earlier checkpoint exists")
-        raise SeqParError(f"checkpoint {path} cannot be read ({type(e).__name__}): it is damaged; {other}, or delete "
-                          f"it") from e
+        raise SeqParError(f"checkpoint {path} cannot be read ({type(first_failure(e)).__name__}): it is damaged; "
+                          f"{other}, or delete it") from e
     if trainable_only:
         # Only the trainable (LoRA) weights were saved: load non-strictly, then check that exactly the
         # frozen ones are missing.

@@ -11,12 +11,18 @@ The weights are written from a CLEAN copy of the model (`load_model(cfg)`, + the
 loaded with the trained state: its config never names seqpar's attention (the SP model's own config
 copy says `seqpar_sp_N`) and has no hooks. Under FSDP2 the full state dict is gathered to rank 0
 (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`): every rank must call `export_trained`.
+
+`seqpar export CKPT OUT` writes only where it cannot destroy anything (`check_export_destination`): OUT must not
+be, or sit inside, a run's output_dir or a checkpoint (`--overwrite` does not lift that); an existing OUT must be
+empty, or an earlier export (its seqpar_export.json lists every file it wrote) holding nothing else, which only
+`--overwrite` replaces. The export is written into a fresh hidden folder next to OUT and then moved into place.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +30,18 @@ import torch
 import torch.distributed as dist
 
 from ...errors import SeqParError
+from ...textfiles import read_json
 from ..config import TrainConfig, config_from_dict
 from ..model.load import apply_lora, load_model, load_tokenizer, model_kind
 from ..model.tokenizers import ByteTokenizer
-from .checkpoint import checkpoint_step, full_model_state
+from .checkpoint import checkpoint_step, first_failure, full_model_state
+from .output_dir import in_run_message, runs_around
 
 __all__ = ["export_trained", "export_checkpoint", "build_clean_model", "load_exported_tokenizer",
-           "checkpoint_config"]
+           "checkpoint_config", "check_export_destination", "EXPORT_INFO"]
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
+EXPORT_INFO = "seqpar_export.json"  # what was exported, and every file the export wrote ("files")
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -94,15 +103,77 @@ def load_exported_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(p))
 
 
+def _files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
+
+
+def check_export_destination(out: Path, overwrite: bool) -> None:
+    """SeqParError unless `seqpar export` may write `out` (module docstring): never into a run, never over files
+    an export did not write, an earlier export only with --overwrite."""
+    runs = runs_around(out)
+    if runs:
+        where, instead = in_run_message(out, runs)
+        raise SeqParError(f"export destination {where}: an export never writes into a run or a checkpoint (it would "
+                          f"replace the run's files), with or without --overwrite: choose a folder outside the run, "
+                          f"e.g. {instead}")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        kind = "a symbolic link" if out.is_symlink() else "a file"
+        raise SeqParError(f"export destination {out} is {kind}, not a folder: choose a new folder name")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    info = _export_info(out)
+    if info is None:
+        names = sorted(p.name for p in out.iterdir())
+        raise SeqParError(f"export destination {out} already holds files that `seqpar export` did not write "
+                          f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): choose a new folder (or an "
+                          f"empty one); an export never deletes what it did not write")
+    if not overwrite:
+        raise SeqParError(f"export destination {out} already holds an export (of {info.get('source')}, step "
+                          f"{info.get('step')}): pass --overwrite to replace it, or choose a new folder")
+    if not isinstance(info.get("files"), list):
+        raise SeqParError(f"export destination {out} holds an export whose {EXPORT_INFO} does not list the files it "
+                          f"wrote (an older seqpar): remove the folder yourself, or choose a new folder")
+    extra = sorted(set(_files(out)) - set(info["files"]))
+    if extra:
+        raise SeqParError(f"export destination {out} holds an earlier export and files it did not write "
+                          f"({', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''}): move them away or choose a "
+                          f"new folder (--overwrite replaces only what the earlier export wrote)")
+
+
+def _export_info(out: Path) -> dict[str, Any] | None:
+    """The seqpar_export.json of an earlier export in `out` (None: not an export, or unreadable)."""
+    try:
+        info = json.loads((out / EXPORT_INFO).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def _write(model: torch.nn.Module, cfg: TrainConfig, tok: Any, out: Path, merge_lora: bool, step: int | None,
            source: str) -> Path:
-    """Write the export into a fresh folder next to `out`, then move it into place."""
-    lora = cfg.finetuning.method == "lora"
-    if merge_lora and not lora:
+    """Write the export into a fresh hidden folder next to `out` (removed again if writing fails), then move it
+    into place; an existing `out` (checked by the caller) is replaced."""
+    if merge_lora and cfg.finetuning.method != "lora":
         raise SeqParError("--merge-lora / export.merged_lora is for LoRA runs: this run is full fine-tuning")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))  # a new name: nothing else touched
+    try:
+        info = _write_files(model, cfg, tok, tmp, merge_lora, step, source)
+        info["files"] = sorted([*_files(tmp), EXPORT_INFO])
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.is_dir():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _write_files(model: torch.nn.Module, cfg: TrainConfig, tok: Any, tmp: Path, merge_lora: bool, step: int | None,
+                 source: str) -> dict[str, Any]:
+    """The model / adapter (+ base, merged) and tokenizer files into `tmp`; returns the export's info."""
+    lora = cfg.finetuning.method == "lora"
     info: dict[str, Any] = {"source": source, "step": step, "model": cfg.model.name, "method": cfg.finetuning.method}
     if lora:
         if cfg.model.name.startswith("tiny:"):
@@ -130,10 +201,7 @@ def _write(model: torch.nn.Module, cfg: TrainConfig, tok: Any, out: Path, merge_
     else:
         model.save_pretrained(str(tmp))
     info["tokenizer"] = _save_tokenizer(tok, tmp)
-    (tmp / "seqpar_export.json").write_text(json.dumps(info, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return info
 
 
 def export_trained(model: torch.nn.Module, cfg: TrainConfig, tok: Any, out: str | Path, *, merge_lora: bool = False,
@@ -158,21 +226,26 @@ def checkpoint_config(ckpt: str | Path) -> TrainConfig:
     ckpt = Path(ckpt)
     run = ckpt / "run.json"
     if run.is_file():
-        return config_from_dict(json.loads(run.read_text())["config"], source=str(run))
+        meta = read_json(run, "checkpoint record")
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+            raise SeqParError(f"checkpoint record {run} has no config: it is damaged; export another checkpoint")
+        return config_from_dict(meta["config"], source=str(run))
     cfg_path = ckpt.parent / "config.json"
     if cfg_path.is_file():
-        return config_from_dict(json.loads(cfg_path.read_text()), source=str(cfg_path))
+        return config_from_dict(read_json(cfg_path, "run config"), source=str(cfg_path))
     raise SeqParError(f"{ckpt} has no run.json and {cfg_path} does not exist: export needs the run's config "
                       f"(the output_dir that `seqpar train` wrote, with its checkpoint-N folders)")
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, *, merge_lora: bool = False) -> Path:
-    """Export a saved checkpoint-N folder (one process, no process group) like the end of `seqpar train`."""
+def export_checkpoint(ckpt: str | Path, out: str | Path, *, merge_lora: bool = False, overwrite: bool = False) -> Path:
+    """Export a saved checkpoint-N folder (one process, no process group) like the end of `seqpar train`.
+    `out`: see `check_export_destination` (checked before anything is loaded)."""
     import torch.distributed.checkpoint as dcp
 
     ckpt = Path(ckpt)
     if not (ckpt / ".metadata").is_file():
         raise SeqParError(f"{ckpt} is not a checkpoint folder (no .metadata): pass <output_dir>/checkpoint-<step>")
+    check_export_destination(Path(out), overwrite)
     cfg = checkpoint_config(ckpt)
     lora = cfg.finetuning.method == "lora"
     clean = build_clean_model(cfg)
@@ -180,7 +253,12 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, merge_lora: bool = F
     trainable = {n for n, p in clean.named_parameters() if p.requires_grad}
     want = {k: v for k, v in clean.state_dict().items()
             if f"model.{k}" in saved and (not lora or k in trainable)}
-    dcp.load({"model": want}, checkpoint_id=str(ckpt))
+    try:
+        dcp.load({"model": want}, checkpoint_id=str(ckpt))
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP's exception is a BaseException
+        raise SeqParError(f"checkpoint {ckpt} cannot be read ({type(first_failure(e)).__name__}: "
+                          f"{(str(first_failure(e)).splitlines() or [''])[0][:200]}): it is damaged; export "
+                          f"another checkpoint of the run") from None
     _load_state(clean, want, lora, str(ckpt))
     step = checkpoint_step(ckpt)
     return _write(clean, cfg, load_tokenizer(cfg), Path(out), merge_lora, step, str(ckpt))

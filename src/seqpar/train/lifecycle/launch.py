@@ -66,7 +66,8 @@ def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
     refuse_unsupported_model(cfg, info)  # before the tokenizer: "not a causal LM" is the message that helps
     tok = load_tokenizer(cfg)
     examples, stats = prepare_examples(cfg, tok, info=info)
-    check_model(cfg, examples, info)
+    evals = prepare_examples(cfg, tok, cfg.eval_dataset, info)[0] if cfg.eval_dataset is not None else []
+    check_model(cfg, examples + evals, info)  # the eval rows' errors are input errors too
     n, plan = len(examples), None
     cfg = with_total_steps(cfg, n, world // cfg.sequence_parallel.size, start=resume_start(cfg, n))
     if output_dir:
@@ -186,6 +187,10 @@ def _report_failure(e: Any, errors: Path) -> int:
     else:
         tb = errors / f"rank{first['rank']}_traceback.txt"
         tb.write_text(first["traceback"])
-        print(f"seqpar: error on rank {first['rank']}: {first['type']}: {first['message']}\n"
+        # A message may span many lines (DCP's CheckpointException holds every rank's traceback): its first line
+        # here, all of it in the file.
+        lines = first["message"].splitlines() or [""]
+        more = f" (+{len(lines) - 1} more lines in the traceback file)" if len(lines) > 1 else ""
+        print(f"seqpar: error on rank {first['rank']}: {first['type']}: {lines[0][:300]}{more}\n"
               f"seqpar: its traceback: {tb}", file=sys.stderr, flush=True)
     return int(first["code"])

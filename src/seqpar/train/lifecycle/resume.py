@@ -14,16 +14,22 @@ checkpointing, export, progress and memory settings (exactness features: same lo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...errors import SeqParError
+from ...textfiles import read_json
 from ..config import TrainConfig
-from .checkpoint import checkpoint_step
+from .checkpoint import checkpoint_step, latest_name
 from .lock import run_identity
-from .output_dir import checkpoint_damage, clear_results, complete_checkpoints, refuse_overwrite
+from .output_dir import (
+    checkpoint_damage,
+    clear_results,
+    complete_checkpoints,
+    refuse_nested_output_dir,
+    refuse_overwrite,
+)
 from .run_layout import RunLayout, checkpoint_rows, layout_meta, resume_lines, row_unit
 
 __all__ = ["run_meta", "MUST_MATCH", "find_resume", "config_differences", "resume_point", "checkpoint_to_resume",
@@ -70,11 +76,15 @@ def config_differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
 def _saved_meta(ckpt: Path) -> dict[str, Any] | None:
     run = ckpt / "run.json"
     if run.is_file():
-        return json.loads(run.read_text())
+        meta = read_json(run, "checkpoint record")
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict) or "world_size" not in meta:
+            raise SeqParError(f"checkpoint record {run} lacks the config or world size that wrote it: it is damaged; "
+                              f"restore it, or delete {ckpt} to resume from an earlier checkpoint")
+        return meta
     cfg = ckpt.parent / "config.json"  # checkpoints written before run.json existed
     if cfg.is_file():
         ranks = len(list(ckpt.glob("trainer_state_rank*.pt")))
-        return {"config": json.loads(cfg.read_text()), "world_size": ranks}
+        return {"config": read_json(cfg, "run config"), "world_size": ranks}
     return None
 
 
@@ -83,7 +93,7 @@ def checkpoint_to_resume(out: Path) -> tuple[Path | None, str | None]:
     SeqParError when checkpoints exist but every one is damaged (never a silent fresh start over them)."""
     complete = complete_checkpoints(out)
     marker = out / "latest"
-    named = marker.read_text().strip() if marker.is_file() else None
+    named = latest_name(out)
     damaged = {c: d for c in complete if (d := checkpoint_damage(c)) is not None}
     good = [c for c in complete if c not in damaged]
     if named is not None and (out / named) in good:
@@ -170,8 +180,9 @@ def resume_start(cfg: TrainConfig, examples: int) -> tuple[int, int] | None:
 
 def check_output_dir(cfg: TrainConfig, layout: RunLayout, examples: int) -> ResumePlan | None:
     """plan_resume, and for a fresh start the refusal to replace an earlier run's results (output_dir.py)."""
-    found = plan_resume(cfg, layout, examples)
     out = Path(cfg.output_dir)
+    refuse_nested_output_dir(out)
+    found = plan_resume(cfg, layout, examples)
     if found is None and not _same_run(out):
         refuse_overwrite(out, cfg.overwrite_output_dir)
     return found
@@ -180,7 +191,7 @@ def check_output_dir(cfg: TrainConfig, layout: RunLayout, examples: int) -> Resu
 def _same_run(out: Path) -> bool:
     """The results in `out` are this run's own (a torchrun restart before its first checkpoint)."""
     f = out / RUN_FILE
-    return f.is_file() and f.read_text().strip() == run_identity()[0]
+    return f.is_file() and f.read_bytes().decode("utf-8", "replace").strip() == run_identity()[0]
 
 
 def resume_point(cfg: TrainConfig, now: RunLayout, examples: int, rank: int, out: Path) -> ResumePlan | None:

@@ -52,5 +52,14 @@ def trim_metrics(path: Path, keep_upto: int) -> None:
     if keep_upto == 0 or not path.exists():
         path.write_text("")
         return
-    kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= keep_upto]
+    kept, torn = [], 0
+    for ln in path.read_bytes().decode("utf-8", "replace").splitlines():
+        try:
+            if ln.strip() and int(json.loads(ln)["step"]) <= keep_upto:
+                kept.append(ln)
+        except (ValueError, KeyError, TypeError):  # a row cut short by a crash or a full disk
+            torn += bool(ln.strip())
+    if torn:
+        print(f"[seqpar] {path}: dropped {torn} unreadable row(s) (a write cut short by a crash or a full disk)",
+              flush=True)
     path.write_text("".join(ln + "\n" for ln in kept))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...errors import SeqParError
+from ...textfiles import read_text
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_chat_template"]
 
@@ -87,4 +88,4 @@ def load_chat_template(value: str) -> str:
             f"dataset.chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') nor an existing file: "
             "give the template text or the path of a .jinja file"
         )
-    return p.read_text()
+    return read_text(p, "dataset.chat_template file")
