@@ -23,7 +23,8 @@ from .comm import CommStats
 from .errors import SeqParError
 
 __all__ = ["SequenceParallelMesh", "init_mesh", "auto_degrees", "resolve_degrees", "check_divides", "divisors",
-           "RecurrentHeads", "recurrent_heads", "STATE_PASSING", "node_size_from_env", "spans_nodes_message", "group_timeout_override"]
+           "RecurrentHeads", "recurrent_heads", "STATE_PASSING", "node_size_from_env", "spans_nodes_message",
+           "group_timeout_override"]
 
 LAYOUTS = ("zigzag", "contiguous")
 # How ring ranks combine recurrent layers' states (seqpar.recurrent.combine): point-to-point hand-off or all-gather.

@@ -18,17 +18,7 @@ def add_plan_parser(sub: Any) -> None:
                                     "recommend one and print its YAML")
     p.add_argument("--model", default=None, help="bundled name (llama-3.1-8b, qwen2.5-7b, qwen3-32b, smollm2, ...), "
                                                  "tiny:<arch>, a model directory or config.json")
-    c = p.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, default=8)
-    c.add_argument("--gpus-per-node", type=int, default=None)
-    c.add_argument("--gpu", default=None, help="preset: a100-80g | h100 | h200 (default h100 numbers)")
-    c.add_argument("--gpu-mem", default=None, help="per-GPU memory, e.g. 80GiB")
-    c.add_argument("--host-mem", default=None, help="host RAM per GPU for offloaded tensors, e.g. 256GiB, or none "
-                                                     "(default: a DGX node's RAM less 10%%, shared by the GPUs the "
-                                                     "job uses on it: 2 TiB for h100/h200, 1 TiB for a100-80g)")
-    c.add_argument("--intra-bw", type=float, default=None, help="GB/s per GPU inside a node")
-    c.add_argument("--inter-bw", type=float, default=None, help="GB/s per GPU across nodes")
-    c.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s per GPU")
+    _cluster_args(p.add_argument_group("cluster"))
     w = p.add_argument_group("workload")
     g = w.add_mutually_exclusive_group()
     g.add_argument("--seq-len", type=int, default=None)
@@ -75,6 +65,19 @@ def add_plan_parser(sub: Any) -> None:
                    "(memory.keep_attention)")
     v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")
     p.set_defaults(func=cmd_plan)
+
+
+def _cluster_args(c: Any) -> None:
+    c.add_argument("--gpus", type=int, default=8)
+    c.add_argument("--gpus-per-node", type=int, default=None)
+    c.add_argument("--gpu", default=None, help="preset: a100-80g | h100 | h200 (default h100 numbers)")
+    c.add_argument("--gpu-mem", default=None, help="per-GPU memory, e.g. 80GiB")
+    c.add_argument("--host-mem", default=None, help="host RAM per GPU for offloaded tensors, e.g. 256GiB, or none "
+                                                     "(default: a DGX node's RAM less 10%%, shared by the GPUs the "
+                                                     "job uses on it: 2 TiB for h100/h200, 1 TiB for a100-80g)")
+    c.add_argument("--intra-bw", type=float, default=None, help="GB/s per GPU inside a node")
+    c.add_argument("--inter-bw", type=float, default=None, help="GB/s per GPU across nodes")
+    c.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s per GPU")
 
 
 def _request(args: argparse.Namespace) -> Any:

@@ -105,7 +105,7 @@ def _recurrent(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
         if wl.state_passing == "scan":
             out.append(Collective("state", "all_gather", "ring", n, n * rows * segs * (s_el + m_el) * 4 * (r - 1)))
         else:
-            hops = 2 * r - 1
+            hops = 2 * r - 2  # zigzag: 2R-1 steps, the middle one (chunk R-1 -> R) on one rank
             out.append(Collective("state", "p2p", "ring", n * hops, n * hops * rows * s_el * 4))
     return out
 

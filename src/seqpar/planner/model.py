@@ -129,7 +129,8 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
     if any(t not in known and "sliding" not in str(t) for t in types):
         what.append(f"layer types it does not model ({sorted({str(t) for t in types if t not in known})})")
     experts = [text.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")]
-    if any(isinstance(e, int) and e > 1 for e in experts):
+    dense_blocks = "mlp" in types and "moe" not in types  # Nemotron-H lists its MLP blocks: no expert is used
+    if any(isinstance(e, int) and e > 1 for e in experts) and not dense_blocks:
         what.append("mixture-of-experts MLPs")
     if what:
         raise SeqParError(
@@ -173,7 +174,8 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
         facts = ModelFacts(
             name=name, model_type=str(c.get("model_type", "llama")), hidden=hidden,
             layers=int(c["num_hidden_layers"]), heads=heads, kv_heads=kv,
-            head_dim=int(c.get("head_dim") or hidden // heads), intermediate=int(c["intermediate_size"]),
+            head_dim=int(c.get("head_dim") or hidden // heads),
+            intermediate=int(c.get("shared_intermediate_size") or c["intermediate_size"]),  # Granite 4: its dense MLP
             vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
             max_positions=c.get("max_position_embeddings"),
             qk_norm=c.get("model_type") in QK_NORM_TYPES, gated_attention=c.get("model_type") in GATED_ATTENTION_TYPES,

@@ -6,7 +6,8 @@ incoming state. Ranks compute (M, b) of their chunks in parallel; the incoming s
 S_in(0) = 0, S_in(j) = M_{j-1} S_in(j-1) + b_{j-1} in GLOBAL chunk order. Two ways to get it:
 
 - "chain" (sequential hand-off): each owner waits for S_in(j), sends M_j S_in(j) + b_j to the owner of j+1
-  (point-to-point, 2R-1 hops for the zigzag layout, each one state). Backward runs the chain in reverse:
+  (point-to-point, one state per hop: 2R-2 hops for the zigzag layout, whose middle step R-1 -> R stays on
+  one rank, R-1 contiguous). Backward runs the chain in reverse:
   dS_out(j) = total dS_in(j+1); dS_in(j) += M_j^T dS_out(j); dM_j = dS_out(j) S_in(j)^T; db_j = dS_out(j).
 - "scan": one all-gather of every chunk's (M, b) over the ring group, then each rank composes the prefix of
   its own chunks locally (every rank redoes the O(chunks) small products). Its backward is the all-gather's
