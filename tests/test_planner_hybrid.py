@@ -4,9 +4,9 @@ Checked: the parameter count equals the tiny HF model's (every tensor: the recur
 doubled q_proj, q/k norms); the searched meshes are the ones the recurrent layers allow (Ulysses dividing their
 heads, the rest ring) and a fixed --ulysses-degree they cannot split is refused naming the ones they can; the
 state passing's collectives follow seqpar.recurrent (chain: 2R-2 hops of one fp32 state on every rank's critical
-path, as seqpar.recurrent.combine sends them; scan: one all-gather of every chunk's transition; the conv halo; Ulysses' all-to-alls of the recurrent
-layers) and only softmax layers carry ring K/V traffic; a 1M-token Qwen3.5-shaped run on 32 GPUs plans, with a
-ring across nodes.
+path, as seqpar.recurrent.combine sends them; scan: one all-gather of every chunk's transition; the conv halo;
+Ulysses' all-to-alls of the recurrent layers) and only softmax layers carry ring K/V traffic; a 1M-token
+Qwen3.5-shaped run on 32 GPUs plans, with a ring across nodes.
 """
 
 from __future__ import annotations

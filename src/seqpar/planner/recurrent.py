@@ -9,11 +9,11 @@ chunked recurrence's (`flops_per_token`). Under SP:
 - Ulysses: one all-to-all in (the conv's channels and the gates) and one out (the recurrence's output), per
   forward pass and again in backward (`ulysses_elems`);
 - ring: the conv halo, one all-gather of (K-1) tokens of the conv channels per segment (its backward a
-  reduce-scatter), and the state passing: "chain" sends one fp32 state per hop along the 2R-2 hops of the zigzag
-  order (its middle step stays on one rank; R-1 hops contiguous), which every rank waits for in turn (the hops' latency and bytes are on each rank's
-  critical path), forward and backward; "scan" all-gathers every chunk's transition (M and b; its backward a
-  reduce-scatter). A continuing piece computes dk more value columns (Gated DeltaNet: the transition from the
-  identity state) or a cumulative decay (Mamba2).
+  reduce-scatter), and the state passing: "chain" sends one fp32 state per hop along the 2R-2 hops of the
+  zigzag order (its middle step stays on one rank; R-1 hops contiguous), which every rank waits for in turn (the
+  hops' latency and bytes are on each rank's critical path), forward and backward; "scan" all-gathers every
+  chunk's transition (M and b; its backward a reduce-scatter). A continuing piece computes dk more value
+  columns (Gated DeltaNet: the transition from the identity state) or a cumulative decay (Mamba2).
 """
 
 from __future__ import annotations
