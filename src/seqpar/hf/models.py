@@ -208,7 +208,7 @@ def tiny_model(
     auto = AutoModelForImageTextToText if arch in VLM_ARCHS else AutoModelForCausalLM
     if attn_implementation is None:
         attn_implementation = "eager" if arch == "gemma2" else "sdpa"  # transformers has no SDPA path for Gemma2
-    # torch's grouped_mm (transformers' default MoE path) has no float64: the per-expert loop has
+    # torch's grouped_mm (transformers' default MoE path) has no float64: the eager per-expert loop does
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
