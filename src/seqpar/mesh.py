@@ -247,7 +247,7 @@ def init_mesh(
     the mesh creates (default: the default group's, as init_process_group(timeout=) set it). Every check runs
     before any process group is created. state_passing: how ring ranks combine the recurrent layers' states of
     hybrid models (Gated DeltaNet, Mamba2): "chain" (sequential point-to-point hand-off) or "scan" (one
-    all-gather, each rank composes its prefix); both exact, docs/hf.md compares their cost.
+    all-gather, each rank composes its prefix); both exact, docs/benchmarks.md compares their cost.
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     num_heads, num_kv_heads = _check_mesh_args(sp_size, ulysses_degree, ring_degree, num_heads, num_kv_heads,
