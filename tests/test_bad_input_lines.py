@@ -74,6 +74,8 @@ def test_files_that_are_not_utf8_or_not_json(tmp_path, capsys):
     (["train", "{cfg}", "--max-steps", "0"], "--max-steps 0"),
     (["train", "{cfg}", "--nproc-per-node", "2", "--max-restarts", "-1"], "--max-restarts -1"),  # was: torch's assert
     (["train", "{cfg}", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "-1"], "--node-rank -1"),
+    (["train", "{cfg}", "--nproc-per-node", "2", "--nnodes", "0"], "--nnodes 0"),
+    (["train", "{cfg}", "--nproc-per-node", "2", "--nnodes", "2:1"], "--nnodes '2:1'"),
     (["plan", "--model", "llama-3.1-8b", "--seq-len", "8192", "--gpus-per-node", "0"], "--gpus-per-node"),
     (["plan", "--model", "llama-3.1-8b", "--seq-len", "0"], "--seq-len must be a number of tokens >= 1"),
     (["plan", "--model", "llama-3.1-8b", "--seq-len", "8192", "--top", "-1"], "--top must be >= 1"),

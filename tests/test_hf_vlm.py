@@ -86,6 +86,10 @@ def _straddles(mesh) -> bool:
     return False
 
 
+def mine_of(mesh) -> list[int]:
+    return [i for i, o in enumerate(assign_images([t * h * w for t, h, w in GRIDS], mesh.sp_size)) if o == mesh.sp_rank]
+
+
 def run_case(mesh, arch: str, seed: int = 0) -> dict:
     want, ref_logits, ref_grads = _reference(arch, seed)
     ids, pixels, grid, shift = _batch(seed)
@@ -103,7 +107,7 @@ def run_case(mesh, arch: str, seed: int = 0) -> dict:
     full = seqpar.unshard(logits.detach(), mesh, 1)
     gs = _grads(model)
     assert gs.keys() == ref_grads.keys()
-    mine = [i for i, o in enumerate(assign_images([t * h * w for t, h, w in GRIDS], mesh.sp_size)) if o == mesh.sp_rank]
+    mine = mine_of(mesh)
     return {
         "loss": abs(got - want),
         "grad": max(float((gs[k].double() - ref_grads[k].double()).abs().max()) for k in gs),
@@ -201,7 +205,7 @@ def test_refusals():
         sp_vlm_inputs(model, mesh, ids, pixel_values=pixels[:16], image_grid_thw=grid[:2])
     video = ids.clone()
     video[0, 5] = VIDEO
-    with pytest.raises(SeqParError, match="videos are not supported"):
+    with pytest.raises(SeqParError, match="1 video tokens but video_grid_thw describes 0"):
         sp_vlm_inputs(model, mesh, video, pixel_values=pixels, image_grid_thw=grid)
     with pytest.raises(SeqParError, match="apply_sequence_parallel"):
         sp_vlm_inputs(tiny_model("qwen2_5_vl"), mesh, ids, pixel_values=pixels, image_grid_thw=grid)

@@ -346,3 +346,10 @@ def test_unmodelled_architectures_refused(tmp_path):
     ok = tmp_path / "dense.json"
     ok.write_text(json.dumps({**dense, "layer_types": ["full_attention", "sliding_attention"]}))
     assert load_model_facts(str(ok)).layers == 2
+    # a VL model: refused with the way to plan it (its text decoder from text_config, the tower measured)
+    vl = tiny_config("qwen2_5_vl", 4, 2)
+    vl.save_pretrained(tmp_path / "vl")
+    with pytest.raises(SeqParError, match=r"text_config.*--seq-len = text \+ vision tokens"):
+        load_model_facts(str(tmp_path / "vl"))
+    (tmp_path / "vl_text.json").write_text(json.dumps({**vl.text_config.to_dict(), "model_type": "qwen2"}))
+    assert load_model_facts(str(tmp_path / "vl_text.json")).layers == 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["base_model", "decoder_layers", "BATCH_INPUTS_HOOK"]
+__all__ = ["base_model", "unwrapped_base", "decoder_layers", "vision_blocks", "BATCH_INPUTS_HOOK"]
 
 # On the base model: callable(model, batch, device) -> model kwargs, set by apply_sequence_parallel for
 # models whose batches cannot be sharded without the model (Qwen VL: image encoding, multimodal RoPE).
@@ -24,6 +24,19 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def unwrapped_base(model: torch.nn.Module) -> torch.nn.Module:
+    """base_model of what DDP / a DeepSpeed engine wraps (their `.module`), for code handed the wrapped model."""
+    while type(model).__name__ in ("DistributedDataParallel", "DeepSpeedEngine") and isinstance(
+            getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return base_model(model)
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers (transformers' *DecoderLayer modules), in forward order."""
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def vision_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The vision tower's transformer blocks of a vision-language model (transformers' *VisionBlock), in order."""
+    return [m for m in model.modules() if type(m).__name__.endswith("VisionBlock")]

@@ -256,9 +256,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Count arguments: (flag, attribute, least value). argparse takes any int; a 0 or a negative must not slip through
-# an `or` into a default (`--nproc-per-node 0` meaning 1) or reach torchrun as an assertion.
+# an `or` into a default (`--nproc-per-node 0` meaning 1) or reach torchrun as an assertion. --nnodes (N or
+# MIN:MAX, a string) is read and checked by resolve_nodes.
 COUNTS = (("--nproc-per-node", "nproc_per_node", 1), ("--max-steps", "max_steps", 1), ("--steps", "steps", 1),
-          ("--max-restarts", "max_restarts", 0), ("--nnodes", "nnodes", 1), ("--node-rank", "node_rank", 0),
+          ("--max-restarts", "max_restarts", 0), ("--node-rank", "node_rank", 0),
           ("--emulate-dp", "emulate_dp", 1))
 
 

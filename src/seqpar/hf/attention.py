@@ -33,7 +33,7 @@ from .forward_plan import ForwardPlan, SPState, make_backbone_hook
 from .linear_attention import check_linear_attention, find_linear_attention
 from .mamba2 import check_mamba2, find_mamba2
 from .mixers import check_softmax_attention_only
-from .vision import check_vlm, is_vlm, refuse_unsharded_vision, vision_batch_inputs, vlm_language_model
+from .vision import check_vlm, is_vlm, vision_batch_inputs, vision_pre_hook, vlm_language_model
 
 __all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "is_sequence_parallel", "ForwardPlan",
            "check_config"]
@@ -176,8 +176,7 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     backbone = vlm_language_model(base) if vlm else _backbone(base)
     state.handles.append(backbone.register_forward_pre_hook(make_backbone_hook(state_ref), with_kwargs=True))
     if vlm:  # images and multimodal positions must come from sp_vlm_inputs (the full sequence)
-        state.handles.append(base.model.register_forward_pre_hook(
-            lambda module, args, kwargs: refuse_unsharded_vision(kwargs), with_kwargs=True))
+        state.handles.append(base.model.register_forward_pre_hook(vision_pre_hook, with_kwargs=True))
         setattr(base, BATCH_INPUTS_HOOK, vision_batch_inputs)  # how seqpar.steps feeds a full vision batch
     base._seqpar_state = state
     # Unregister the name when the model is garbage-collected (state lives as long as the model).

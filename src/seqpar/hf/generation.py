@@ -53,7 +53,8 @@ from ..memory.checkpointing import drop_input_require_grads
 from ..mesh import SequenceParallelMesh
 from ..unwrap import base_model as _base_model
 
-__all__ = ["sequence_parallel_paused", "generate_for_group", "sampling_seed", "row_seed", "group_source_rank",
+__all__ = ["sequence_parallel_paused", "generate_for_group", "media_generate_kwargs", "sampling_seed", "row_seed",
+           "group_source_rank",
            "sampling_config", "prompt_share", "is_sharded", "sample_rows", "checkpointing_kept", "fsdp_synced",
            "share_rollout", "rng_states", "set_rng_states"]
 
@@ -180,21 +181,58 @@ def _generation_config(model: torch.nn.Module, cfg: GenerationConfig) -> Iterato
         base.generation_config = saved
 
 
+def media_generate_kwargs(model: torch.nn.Module, x: torch.Tensor, media: Sequence[dict] | None) -> dict[str, Any]:
+    """generate() keyword arguments for rows `x` of a vision-language model whose row i carries media[i] (the
+    VisionCollator keys): the media concatenated in row order, and the token types multimodal RoPE reads."""
+    if not media or not any(media):
+        return {}
+    cfg = _base_model(model).config
+    device = next(model.parameters()).device
+    kw: dict[str, Any] = {"mm_token_type_ids": (x == cfg.image_token_id).int() + 2 * (x == cfg.video_token_id).int()}
+    for pix, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        have = [m for m in media if m.get(grid) is not None]
+        if have:
+            kw[pix] = torch.cat([torch.as_tensor(m[pix]) for m in have]).to(device)
+            kw[grid] = torch.cat([torch.as_tensor(m[grid]).reshape(-1, 3) for m in have]).to(device)
+    ts = [float(t) for m in media for t in (m.get("second_per_grid_ts") or [])]
+    if ts and cfg.model_type == "qwen2_5_vl":
+        kw["second_per_grid_ts"] = torch.tensor(ts)
+    return kw
+
+
+@contextlib.contextmanager
+def _media_encoded_in_forward(model: torch.nn.Module, on: bool) -> Iterator[None]:
+    """transformers' generate() encodes a VL model's images before the prefill, outside the model's forward: under
+    FSDP2 that runs the tower on sharded parameters outside the root unit's gather (a collective the other ranks
+    never enter). Declaring the model text-only for the call leaves the encoding to the prefill forward."""
+    base = _base_model(model)
+    if not on or "input_modalities" in base.__dict__:
+        yield
+        return
+    base.input_modalities = ("text",)
+    try:
+        yield
+    finally:
+        del base.input_modalities
+
+
 @torch.no_grad()
 def sample_rows(model: torch.nn.Module, rows: Sequence[Sequence[int]], seeds: Sequence[int], cfg: GenerationConfig,
                 *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                synced: bool = False) -> list[list[int]]:
+                synced: bool = False, media: Sequence[dict] | None = None) -> list[list[int]]:
     """One batched generate() over `rows` (left-padded, KV cache) with `cfg` (`sampling_config`), row i drawn
-    with a generator seeded seeds[i]; each completion ends at its first EOS (kept). `synced`: synced_gpus."""
+    with a generator seeded seeds[i]; each completion ends at its first EOS (kept). `synced`: synced_gpus.
+    media: per row, a vision-language prompt's images / videos (`media_generate_kwargs`)."""
     device = next(model.parameters()).device
     width = max(len(r) for r in rows)
     pad = cfg.pad_token_id
     x = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
     gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    with _generation_config(model, cfg):
+    with _generation_config(model, cfg), _media_encoded_in_forward(model, synced and bool(media)):
         out = model.generate(input_ids=x, attention_mask=mask, generation_config=cfg, synced_gpus=synced,
-                             logits_processor=LogitsProcessorList([_RowSampler(gens, temperature, top_k, top_p)]))
+                             logits_processor=LogitsProcessorList([_RowSampler(gens, temperature, top_k, top_p)]),
+                             **media_generate_kwargs(model, x, media))
     eos = cfg.eos_token_id
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
@@ -224,8 +262,11 @@ def generate_for_group(
     eos_token_id: int,
     pad_token_id: int,
     prompt_index: Sequence[int] | None = None,
+    media: Sequence[dict] | None = None,
 ) -> list[list[int]]:
     """Completions (token ids, up to and including the first EOS) for this SP group's prompts.
+    media: per prompt, a vision-language prompt's images / videos (seqpar.data.VisionCollator keys; {} for none):
+    the rows of a prompt generate with them.
 
     Returns len(prompt_ids) * num_generations lists, prompt-major ([p0 g0, p0 g1, ..., p1 g0, ...]),
     identical on every rank of the SP group. Every SP rank samples its `prompt_share` (in eval mode,
@@ -242,6 +283,7 @@ def generate_for_group(
     if prompt_index is not None and len(prompt_index) != len(prompt_ids):
         raise SeqParError(f"prompt_index has {len(prompt_index)} positions for {len(prompt_ids)} prompts")
     rows, seeds = _local_rows(prompt_ids, share, num_generations, seed, step, mesh.dp_rank, prompt_index)
+    row_media = [media[i] for i in share for _ in range(num_generations)] if media is not None else None
     synced = is_sharded(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     result: Any = []
     was_training = model.training
@@ -249,10 +291,11 @@ def generate_for_group(
         model.eval()
         with sequence_parallel_paused(model):
             if rows:
-                result = sample_rows(model, rows, seeds, cfg, synced=synced, **warp)
+                result = sample_rows(model, rows, seeds, cfg, synced=synced, media=row_media, **warp)
             elif synced:  # every rank of the shard group runs the same forwards: decode one dummy row
                 dummy = [list(prompt_ids[0]) if prompt_ids else [pad_token_id]]
-                sample_rows(model, dummy, [0], cfg, synced=True, **warp)
+                sample_rows(model, dummy, [0], cfg, synced=True, media=media[:1] if media and prompt_ids else None,
+                            **warp)
     except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
         result = SeqParError(f"generation failed on rank {group_source_rank(mesh) + mesh.sp_rank}: "
                              f"{type(e).__name__}: {e}")

@@ -40,7 +40,9 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
   recomputes (seqpar.memory.checkpointing.checkpoint_kwargs); `tiled_mlp=True | n` tiles every decoder
   MLP (seqpar.memory.tiled_mlp); gradient_checkpointing_kwargs={"offload": True} keeps the checkpointed layer
   inputs in host memory (seqpar.memory.offload; on CPU too, where the meter shows the device bytes drop).
-Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); DPO rows hold
+Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); for Qwen2.5-VL / Qwen3-VL also the
+processor's "pixel_values" / "image_grid_thw" / "pixel_values_videos" / "video_grid_thw" / "second_per_grid_ts"
+(seqpar.data.VisionCollator; FSDP2 units per vision block work: every rank runs the tower); DPO rows hold
 "prompt_input_ids", "chosen_input_ids", "rejected_input_ids".
 """
 
@@ -57,10 +59,11 @@ from transformers import Trainer
 from .. import comm
 from .. import loss as L
 from ..attention.kernel_choice import check_kernel_name
-from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
+from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler, VisionCollator
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh, init_mesh
 from ..steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
+from ..unwrap import base_model
 from .prepare import PrepareSpec, frozen_reference, policy_copy, prepare_model
 from .trainer_args import (
     BF16_ON_CPU,
@@ -86,6 +89,7 @@ from .trainer_stack import (
     prepare_reference,
     wrapper_factor,
 )
+from .vision import is_vlm
 
 __all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer", "DPOSettings", "BF16_ON_CPU"]
 
@@ -230,7 +234,8 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         """Once the Trainer set up its stack: put the frozen reference model where the policy will run."""
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
-        return SequenceParallelCollator(self.sp_mesh, pad_id(model, tok), packing=packing, max_length=max_length)
+        kind = VisionCollator if is_vlm(getattr(base_model(model), "config", None)) else SequenceParallelCollator
+        return kind(self.sp_mesh, pad_id(model, tok), packing=packing, max_length=max_length)
 
     # ------------------------------------------------------------------ data
     def _sp_loader(self, dataset: Any, batch_size: int, shuffle: bool) -> DataLoader:

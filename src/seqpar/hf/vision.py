@@ -5,40 +5,38 @@
     logits = model(**kw).logits                  # this rank's shard, as for a text model
     loss = seqpar.loss.sft_loss(logits, seqpar.shard(full_shift_labels, mesh), num_items)
 
-Every rank of an SP group holds the same full batch (token ids, images); `sp_vlm_inputs` then
-- computes the multimodal RoPE ids with the model's own `get_rope_index` on the FULL sequence (image
-  positions are not previous + 1, so they cannot be computed per shard), prepends the text positions
-  (row 0: 0..S-1, what the ForwardPlan and the causal mask read) and shards the [4, B, S] ids;
-- runs the vision tower ONCE per image over the SP group: images are dealt to the ranks (largest first,
-  to the least loaded rank), each rank encodes its own, and the merged image embeddings (with Qwen3-VL's
-  deepstack features) are all-gathered with a differentiable gather whose backward sums each embedding's
-  gradient from every rank back onto its owner, so the vision tower's gradients are exact after the usual
-  SP gradient sum (each image contributes on exactly one rank);
-- gives the model this rank's token shard and, through `mm_encoder_outputs`, the embeddings of exactly the
-  image tokens in it (in order), so the model's own merge (masked_scatter, deepstack addition) runs on the
-  shard. Image tokens may fall on any shard boundary.
+Every rank of an SP group holds the same full batch (token ids, images, videos); `sp_vlm_inputs` then
+- computes the multimodal RoPE ids with the model's own `get_rope_index` on the FULL sequence, one document at
+  a time (packed rows: `cu_seqlens=` / restarting `position_ids=`; seqpar.hf.vision_rope), prepends the text
+  positions (row 0: what the ForwardPlan and the causal mask read) and shards the [4, B, S] ids;
+- hands the model a `VisionRequest` (seqpar.hf.vision_encode): inside the model's forward, the pre-hook
+  installed by apply_sequence_parallel encodes each image / video ONCE over the SP group and gives the model's
+  own merge (masked_scatter, deepstack addition) exactly the embeddings of the shard's image / video tokens.
+  Image and video tokens may fall on any shard seam. Under FSDP2, ZeRO-3 or DDP the tower runs on every rank in
+  every forward (a blank image where a rank owns none), so its collectives always match.
 
-Not supported (clear errors): videos, packed documents (per-document multimodal RoPE), and calling the
-model under SP with pixel_values (the model would encode every image and merge them into a shard).
+Refused (clear errors): calling the model under SP with pixel_values / videos (it would encode every image and
+merge them into a shard), position ids that are not [4, B, S_local], placeholders that do not match the media.
 """
 
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 import torch
 
-from .. import comm
 from ..errors import SeqParError
 from ..layout import check_length, shard
 from ..mesh import SequenceParallelMesh
-from ..unwrap import base_model
+from ..unwrap import unwrapped_base
+from .vision_encode import VISION_KWARG, VisionRequest, assign_images, tower_must_join
+from .vision_rope import Media, check_media, mrope_positions
 
-__all__ = ["VLM_TYPES", "is_vlm", "check_vlm", "sp_vlm_inputs", "assign_images", "vision_batch_inputs"]
+__all__ = ["VLM_TYPES", "is_vlm", "check_vlm", "sp_vlm_inputs", "assign_images", "vision_batch_inputs",
+           "vision_pre_hook", "Media"]
 
 VLM_TYPES = ("qwen2_5_vl", "qwen3_vl")
-_HOW = "seqpar.hf.vision.sp_vlm_inputs(model, mesh, input_ids, pixel_values=..., image_grid_thw=...)"
+_HOW = "seqpar.hf.sp_vlm_inputs(model, mesh, input_ids, pixel_values=..., image_grid_thw=...)"
 
 
 def is_vlm(cfg: Any) -> bool:
@@ -67,8 +65,8 @@ def refuse_unsharded_vision(kwargs: dict) -> None:
         if kwargs.get(key) is not None:
             raise SeqParError(
                 f"{key}= was passed to a sequence-parallel vision-language model: the model would encode every "
-                f"image and merge it into this rank's shard. Pass the full batch to {_HOW} and call the model "
-                "with what it returns (videos are not supported under SP)"
+                f"image / video and merge it into this rank's shard. Pass the full batch to {_HOW} (videos: "
+                "pixel_values_videos=, video_grid_thw=) and call the model with what it returns"
             )
     pos = kwargs.get("position_ids")
     if pos is None or pos.dim() != 3 or pos.shape[0] != 4:
@@ -78,146 +76,94 @@ def refuse_unsharded_vision(kwargs: dict) -> None:
         )
 
 
-def assign_images(patches: list[int], ranks: int) -> list[int]:
-    """Owner rank of each image: largest first onto the least loaded rank (ties: lower rank). Deterministic,
-    so every rank computes the same assignment from the same grid."""
-    heap = [(0, r) for r in range(ranks)]
-    owner = [0] * len(patches)
-    for i in sorted(range(len(patches)), key=lambda i: (-patches[i], i)):
-        load, r = heapq.heappop(heap)
-        owner[i] = r
-        heapq.heappush(heap, (load + patches[i], r))
-    return owner
 
 
-def _own_features(vlm: torch.nn.Module, pixel_values: torch.Tensor, grid: torch.Tensor, own: list[int],
-                  width: int) -> torch.Tensor:
-    """This rank's images through the vision tower: [own image tokens, width] with the merged embedding and
-    the deepstack features side by side (one gather for all of them)."""
-    if not own:
-        # A rank without images still joins the gather's backward (a reduce-scatter every rank must enter):
-        # its empty input needs a gradient whenever an owner's does (a trainable vision tower).
-        trains = any(p.requires_grad for p in vlm.visual.parameters())
-        return pixel_values.new_zeros(0, width, dtype=vlm.visual.dtype).requires_grad_(trains)
-    starts = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
-    pv = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in own])
-    out = vlm.get_image_features(pv, grid[own], return_dict=True)
-    parts = [torch.cat(out.pooler_output)]
-    parts += [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
-    return torch.cat(parts, dim=-1)
+def vision_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The VL model's forward pre-hook under SP: refuses unsharded media, and encodes the media of a
+    VisionRequest (from sp_vlm_inputs) here, inside the model's forward (seqpar.hf.vision_encode)."""
+    request = kwargs.pop(VISION_KWARG, None)
+    refuse_unsharded_vision(kwargs)
+    if request is not None:
+        if kwargs.get("mm_encoder_outputs") is not None:
+            raise SeqParError("give either the VisionRequest of sp_vlm_inputs or mm_encoder_outputs, not both")
+        outputs = request.encode(module)
+        if outputs:
+            kwargs["mm_encoder_outputs"] = outputs
+    return args, kwargs
 
 
-def _image_embeddings(vlm: torch.nn.Module, mesh: SequenceParallelMesh, pixel_values: torch.Tensor,
-                      grid: torch.Tensor, hidden: int, levels: int) -> torch.Tensor:
-    """[all image tokens of the batch, hidden * (1 + levels)] in image order, each image encoded once in the
-    SP group; differentiable (the gather's backward sums every rank's gradient onto the owner)."""
-    merge = int(vlm.visual.spatial_merge_size) ** 2
-    patches = grid.prod(-1).tolist()
-    tokens = [p // merge for p in patches]
-    owner = assign_images(patches, mesh.sp_size)
-    rank = mesh.sp_rank
-    width = hidden * (1 + levels)
-    device = next(vlm.visual.parameters()).device
-    mine = _own_features(vlm, pixel_values.to(device), grid, [i for i, o in enumerate(owner) if o == rank], width)
-    mine = mine.to(mesh.comm_device)
-    rows = [sum(t for t, o in zip(tokens, owner) if o == r) for r in range(mesh.sp_size)]
-    block = max(rows)
-    mine = torch.cat([mine, mine.new_zeros(block - mine.shape[0], width)])  # equal blocks for the gather
-    every = comm.all_gather(mine, mesh.sp_group, dim=0, stats=mesh.stats, device=mesh.comm_device)
-    offset = [r * block for r in range(mesh.sp_size)]
-    index = []
-    for t, o in zip(tokens, owner):
-        index.extend(range(offset[o], offset[o] + t))
-        offset[o] += t
-    return every[torch.tensor(index, dtype=torch.long, device=every.device)]
-
-
-# GRPO: a text-only policy can sample a placeholder id; the forward cannot embed a placeholder without its media.
-_SAMPLED_HINT = (". In GRPO, this happens when a completion samples the model's image/video placeholder token: "
-                 "such a rollout cannot be trained (lower the temperature, top_p or top_k so these ids are not drawn)")
-
-
-def _check_batch(vlm: torch.nn.Module, mesh: SequenceParallelMesh, input_ids: torch.Tensor,
-                 pixel_values: torch.Tensor | None, grid: torch.Tensor | None) -> None:
-    cfg = vlm.config
-    if input_ids.dim() != 2:
-        raise SeqParError(f"input_ids must be the FULL batch [B, S], got shape {tuple(input_ids.shape)}")
-    check_length(int(input_ids.shape[1]), mesh)
-    if bool((input_ids == cfg.video_token_id).any()):
-        raise SeqParError(f"video tokens (id {cfg.video_token_id}) in input_ids: videos are not supported under SP "
-                          f"(images are){_SAMPLED_HINT}")
-    n_tok = int((input_ids == cfg.image_token_id).sum())
-    if (pixel_values is None) != (grid is None):
-        raise SeqParError("give pixel_values and image_grid_thw together (or neither)")
-    merge = int(cfg.vision_config.spatial_merge_size) ** 2
-    want = 0 if grid is None else int((grid.prod(-1) // merge).sum())
-    if n_tok != want:
-        raise SeqParError(
-            f"input_ids hold {n_tok} image tokens but image_grid_thw describes {want} merged patches: the "
-            "processor's expansion of each image placeholder and the images must match (no truncation inside "
-            f"an image){_SAMPLED_HINT}"
-        )
-    if grid is not None and int(grid.prod(-1).sum()) != int(pixel_values.shape[0]):
-        raise SeqParError(f"pixel_values has {pixel_values.shape[0]} patches, image_grid_thw says "
-                          f"{int(grid.prod(-1).sum())}")
+def _text_positions(b: int, s: int, device: torch.device, position_ids: torch.Tensor | None,
+                    cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """[B, S] text positions of the FULL batch: given, from packed documents' cu_seqlens, or 0..S-1."""
+    if position_ids is not None:
+        pos = position_ids.to(device).long()
+        if pos.dim() == 1:
+            pos = pos[None]
+        if tuple(pos.shape[-1:]) != (s,) or pos.shape[0] not in (1, b):
+            raise SeqParError(f"position_ids must be the FULL batch's [B, S]=[{b}, {s}], got {tuple(pos.shape)}")
+        return pos.expand(b, s)
+    if cu_seqlens is not None:
+        if b != 1:
+            raise SeqParError(f"cu_seqlens (packed documents) needs batch size 1, got B={b}")
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != s:
+            raise SeqParError(f"cu_seqlens must run from 0 to the full length {s}, got {cu}")
+        return torch.cat([torch.arange(hi - lo) for lo, hi in zip(cu[:-1], cu[1:])]).to(device)[None]
+    return torch.arange(s, device=device).expand(b, s)
 
 
 def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh | None, input_ids: torch.Tensor,
                   pixel_values: torch.Tensor | None = None, image_grid_thw: torch.LongTensor | None = None,
-                  attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
-    """This rank's keyword arguments for `model(**kw)` from the FULL batch (identical on every rank of
-    the SP group): input_ids / position_ids / attention_mask shards and the image embeddings of the
-    shard's image tokens (`mm_encoder_outputs`). mesh=None: the mesh SP was applied with. See the module
-    docstring."""
-    base = base_model(model)
+                  attention_mask: torch.Tensor | None = None, *, pixel_values_videos: torch.Tensor | None = None,
+                  video_grid_thw: torch.LongTensor | None = None, second_per_grid_ts: torch.Tensor | None = None,
+                  cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> dict[str, Any]:
+    """This rank's keyword arguments for `model(**kw)` from the FULL batch (identical on every rank of the SP
+    group): input_ids / position_ids / attention_mask shards, cu_seqlens (packed rows, passed on), and the
+    VisionRequest the model's pre-hook encodes the media with. mesh=None: the mesh SP was applied with.
+    Packed rows (B = 1): cu_seqlens= or position_ids= restarting at each document; every document's multimodal
+    RoPE ids restart too. Videos: pixel_values_videos / video_grid_thw (+ Qwen2.5-VL's second_per_grid_ts,
+    seconds per temporal patch; Qwen3-VL reads the timestamps written in the text). See the module docstring."""
+    base = unwrapped_base(model)
     state = getattr(base, "_seqpar_state", None)
     if state is None or not is_vlm(base.config):
         raise SeqParError("sp_vlm_inputs needs a Qwen VL model with apply_sequence_parallel(model, mesh) applied")
     mesh = mesh if mesh is not None else state.mesh
     vlm = base.model
-    _check_batch(vlm, mesh, input_ids, pixel_values, image_grid_thw)
+    if input_ids.dim() != 2:
+        raise SeqParError(f"input_ids must be the FULL batch [B, S], got shape {tuple(input_ids.shape)}")
     b, s = input_ids.shape
-    image_mask = input_ids == vlm.config.image_token_id
-    text = torch.arange(s, device=input_ids.device).expand(b, s)
-    if pixel_values is not None:
-        mrope, _ = vlm.get_rope_index(input_ids, mm_token_type_ids=image_mask.int(), image_grid_thw=image_grid_thw,
-                                      attention_mask=attention_mask)
-    else:
-        mrope = text[None].expand(3, b, s)
+    check_length(int(s), mesh)
+    media = Media(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                  None if second_per_grid_ts is None else torch.as_tensor(second_per_grid_ts, dtype=torch.float32))
+    check_media(vlm.config, input_ids, media)
+    text = _text_positions(b, s, input_ids.device, position_ids, cu_seqlens)
+    mrope = mrope_positions(vlm, input_ids, text, media, attention_mask)
     kw: dict[str, Any] = {"input_ids": shard(input_ids, mesh, 1),
                           "position_ids": shard(torch.cat([text[None], mrope.to(text.device)]), mesh, 2)}
     if attention_mask is not None:
         kw["attention_mask"] = shard(attention_mask, mesh, 1)
-    if pixel_values is None:
-        return kw
-    hidden = int(vlm.config.text_config.hidden_size)
-    levels = len(getattr(vlm.config.vision_config, "deepstack_visual_indexes", None) or [])
-    every = _image_embeddings(vlm, mesh, pixel_values, image_grid_thw, hidden, levels)
-    order = image_mask.flatten().cumsum(0).view(b, s) - 1  # row of each image token in `every`
-    local = shard(order, mesh, 1)[shard(image_mask, mesh, 1)]
-    mine = every[local.to(every.device)]
-    return {**kw, "mm_encoder_outputs": {"image": _encoder_output(mine, hidden, levels)}}
+    if cu_seqlens is not None:
+        kw["cu_seqlens"] = cu_seqlens
+    local = {}
+    for name, token in (("image", vlm.config.image_token_id), ("video", vlm.config.video_token_id)):
+        mask = input_ids == token
+        order = mask.flatten().cumsum(0).view(b, s) - 1  # row of each media token among the batch's
+        local[name] = shard(order, mesh, 1)[shard(mask, mesh, 1)]
+    kw[VISION_KWARG] = VisionRequest(mesh, media, local["image"], local["video"], tower_must_join(model))
+    return kw
 
 
 def vision_batch_inputs(model: torch.nn.Module, batch: dict[str, Any], device: torch.device | str | None) -> dict:
-    """Model kwargs for a collated vision batch (train.dataset.images.VisionCollator: the FULL input ids and
-    the images): sp_vlm_inputs on the mesh SP was applied with. Installed by apply_sequence_parallel as the
-    model's seqpar.unwrap.BATCH_INPUTS_HOOK, which seqpar.steps.model_inputs calls."""
-    move = (lambda t: t.to(device)) if device is not None else (lambda t: t)  # noqa: E731
-    pixels = batch.get("pixel_values")
-    kw = sp_vlm_inputs(model, None, move(batch["full_input_ids"]), pixel_values=move(pixels) if pixels is not None
-                       else None, image_grid_thw=batch.get("image_grid_thw"))
+    """Model kwargs for a collated vision batch (seqpar.data.VisionCollator: the FULL input ids, the media, and
+    cu_seqlens for packed rows): sp_vlm_inputs on the mesh SP was applied with. Installed by
+    apply_sequence_parallel as the model's seqpar.unwrap.BATCH_INPUTS_HOOK, which seqpar.steps.model_inputs calls."""
+    def move(key: str) -> Any:
+        t = batch.get(key)
+        return t.to(device) if t is not None and device is not None and key.startswith("pixel") else t
+
+    kw = sp_vlm_inputs(model, None, batch["full_input_ids"].to(device) if device is not None else
+                       batch["full_input_ids"], pixel_values=move("pixel_values"),
+                       image_grid_thw=batch.get("image_grid_thw"), pixel_values_videos=move("pixel_values_videos"),
+                       video_grid_thw=batch.get("video_grid_thw"), second_per_grid_ts=batch.get("second_per_grid_ts"),
+                       cu_seqlens=batch.get("cu_seqlens"))
     return {**kw, "use_cache": False}
-
-
-def _encoder_output(rows: torch.Tensor, hidden: int, levels: int) -> Any:
-    """The model's own vision-output type, holding this shard's image-token embeddings (one 'image')."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    main = rows[:, :hidden]
-    if not levels:
-        return BaseModelOutputWithPooling(pooler_output=(main,))
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-
-    deep = [(rows[:, hidden * (k + 1): hidden * (k + 2)],) for k in range(levels)]
-    return BaseModelOutputWithDeepstackFeatures(pooler_output=(main,), deepstack_features=deep)

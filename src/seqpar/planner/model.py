@@ -132,6 +132,16 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
     dense_blocks = "mlp" in types and "moe" not in types  # Nemotron-H lists its MLP blocks: no expert is used
     if any(isinstance(e, int) and e > 1 for e in experts) and not dense_blocks:
         what.append("mixture-of-experts MLPs")
+    if "vision_config" in c and len(what) == 1:
+        raise SeqParError(
+            f"model {name!r} is a vision-language model: seqpar plan models the text decoder only, and the vision "
+            "tower's memory depends on the images / videos per sample (each one encoded once per SP group: a rank "
+            "holds the tower's activations for about 1/SP of the batch's patches, plus its weights). Plan the decoder "
+            "with its text config (save config['text_config'] as a JSON file with model_type 'qwen2' for Qwen2.5-VL, "
+            "'qwen3' for Qwen3-VL: the same decoder, and pass it to --model) at --seq-len = "
+            "text + vision tokens (one per merged patch: t*h*w / spatial_merge_size**2 per image or video), then "
+            "leave room for the tower: measure a short run with `seqpar train` (metrics.jsonl peak_alloc_mb per step)"
+        )
     if what:
         raise SeqParError(
             f"model {name!r} has {' and '.join(what)}: seqpar plan models dense decoders (Llama / Qwen2 / Qwen3 / "

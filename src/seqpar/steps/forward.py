@@ -15,7 +15,7 @@ import torch
 from .. import loss as L
 from ..errors import SeqParError
 from ..memory.fused_loss import fused_targets
-from ..unwrap import BATCH_INPUTS_HOOK, base_model
+from ..unwrap import BATCH_INPUTS_HOOK, unwrapped_base
 
 __all__ = ["model_inputs", "forward_logits", "forward_nll", "forward_token_stats"]
 
@@ -32,7 +32,7 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device | str | No
     if batch.get("full_input_ids") is not None:
         if model is None:
             raise SeqParError("a vision-language batch needs the model: model_inputs(batch, device, model)")
-        hook = getattr(base_model(model), BATCH_INPUTS_HOOK, None)
+        hook = getattr(unwrapped_base(model), BATCH_INPUTS_HOOK, None)
         if hook is None:
             raise SeqParError("sp_vlm_inputs needs a Qwen VL model with apply_sequence_parallel(model, mesh) applied")
         return hook(model, batch, device)

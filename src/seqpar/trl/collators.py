@@ -17,7 +17,9 @@ import torch
 from ..data import SequenceParallelCollator, SequenceParallelDPOCollator
 from ..errors import SeqParError
 
-__all__ = ["TRLSFTCollator", "TRLDPOCollator"]
+_IGNORE = -100
+
+__all__ = ["TRLSFTCollator", "TRLDPOCollator", "grpo_rows"]
 
 
 def _sft_row(row: Mapping[str, Any], i: int) -> dict[str, Any]:
@@ -58,3 +60,33 @@ class TRLDPOCollator(SequenceParallelDPOCollator):
 
     def collate_full(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         return super().collate_full([_dpo_row(r, i) for i, r in enumerate(rows)])
+
+
+def _row_media(inputs: dict[str, Any], n_rows: int) -> list[dict[str, Any]]:
+    """Per row, its images from TRL's generation batch (Qwen VL: pixel_values [patches, D], image_grid_thw
+    [images, 3], num_images per row), as seqpar.data.VisionCollator keys; {} for text-only rows."""
+    grid, pixels, counts = inputs.get("image_grid_thw"), inputs.get("pixel_values"), inputs.get("num_images")
+    if grid is None or pixels is None:
+        return [{} for _ in range(n_rows)]
+    counts = list(counts) if counts is not None else [1] * n_rows
+    if len(counts) != n_rows or sum(counts) != grid.shape[0]:
+        raise SeqParError(f"TRL's batch has {grid.shape[0]} images for num_images={counts} over {n_rows} rows")
+    out, img, patch = [], 0, 0
+    for k in counts:
+        g = grid[img:img + k]
+        n = int(g.prod(-1).sum())
+        out.append({"pixel_values": pixels[patch:patch + n], "image_grid_thw": g} if k else {})
+        img, patch = img + k, patch + n
+    return out
+
+
+def grpo_rows(inputs: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """TRL's padded prompt / completion tensors -> unpadded rows, only completion tokens supervised, each with its
+    prompt's images (vision-language models)."""
+    rows = []
+    for p, pm, c, cm in zip(inputs["prompt_ids"].tolist(), inputs["prompt_mask"].tolist(),
+                            inputs["completion_ids"].tolist(), inputs["completion_mask"].tolist()):
+        prompt = [t for t, m in zip(p, pm) if m]
+        comp = [t for t, m in zip(c, cm) if m]
+        rows.append({"input_ids": prompt + comp, "labels": [_IGNORE] * len(prompt) + comp})
+    return [{**r, **m} for r, m in zip(rows, _row_media(inputs, len(rows)))]

@@ -12,12 +12,14 @@ changes, under SP:
 - generation (TRL's transformers path, SP paused) is shared over the SP group: each rank samples a share
   of the prompts (whole groups of num_generations rows) under its own seed, the completion ids are
   all-gathered, and SP rank 0's RNG state goes to the group (TRL's later row shuffle agrees): every SP
-  rank scores and trains identical completions (seqpar.hf.generation.share_rollout). Image prompts:
-  one rank per SP group generates and broadcasts. FSDP2 and DeepSpeed ZeRO-3: every rank makes exactly one
-  generate() per rollout (synced_gpus; ZeRO-3: inside TRL's one GatheredParameters, or its per-module
-  fetches with ds3_gather_for_generation=False); image prompts with either are refused at construction.
-  Layer checkpointing is put back exactly after
-  each generation on every rank (TRL re-enables it with the stored kwargs: every layer);
+  rank scores and trains identical completions (seqpar.hf.generation.share_rollout). Image prompts
+  (a Qwen VL model with its processor): one rank per SP group generates and broadcasts; the completion rows
+  keep their prompt's images (pixel_values / image_grid_thw / num_images of TRL's batch) and the loss runs on the
+  full multimodal sequence (seqpar.data.VisionCollator, sp_vlm_inputs).
+  FSDP2 and DeepSpeed ZeRO-3: every rank makes exactly one generate() per rollout (synced_gpus; ZeRO-3:
+  inside TRL's one GatheredParameters, or its per-module fetches with ds3_gather_for_generation=False); image
+  prompts with either are refused at construction. Layer checkpointing is put back exactly after each
+  generation on every rank (TRL re-enables it with the stored kwargs: every layer);
 - TRL's gathers while scoring (`accelerator.gather`, `gather`, `gather_object`) and its
   `process_index` / `num_processes` see the dp ranks only: a gather over all ranks keeps the SP
   group's first rank's copy, so rewards and advantages are the SP group's first rank's values;
@@ -49,7 +51,7 @@ from trl.trainer import grpo_trainer as _trl_grpo
 
 from .. import comm
 from .. import loss as L
-from ..data import SequenceParallelCollator
+from ..data import SequenceParallelCollator, VisionCollator
 from ..errors import SeqParError
 from ..hf.generation import (
     checkpointing_kept,
@@ -65,14 +67,14 @@ from ..hf.prepare import frozen_reference
 from ..hf.trainer import SequenceParallelTrainer
 from ..hf.trainer_args import pad_id
 from ..hf.trainer_stack import agree_gathers
+from ..hf.vision import is_vlm
 from ..mesh import SequenceParallelMesh
 from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
+from ..unwrap import unwrapped_base
 from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
+from .collators import grpo_rows
 
 __all__ = ["SequenceParallelGRPOTrainer"]
-
-_IGNORE = -100
-
 
 class _GRPOBase(trl.GRPOTrainer):
     """trl.GRPOTrainer taking (and dropping) the data_collator seqpar's HF drop-in always passes: TRL's
@@ -176,17 +178,6 @@ def _stop_if_failed(failed: tuple[int, str] | None) -> None:
                           f"fix the reward function") from None
 
 
-def _rows(inputs: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
-    """TRL's padded prompt / completion tensors -> unpadded rows, only completion tokens supervised."""
-    out = []
-    for p, pm, c, cm in zip(inputs["prompt_ids"].tolist(), inputs["prompt_mask"].tolist(),
-                            inputs["completion_ids"].tolist(), inputs["completion_mask"].tolist()):
-        prompt = [t for t, m in zip(p, pm) if m]
-        comp = [t for t, m in zip(c, cm) if m]
-        out.append({"input_ids": prompt + comp, "labels": [_IGNORE] * len(prompt) + comp})
-    return out
-
-
 def _refuse_sharded_generation(trainer: Any) -> None:
     """Image prompts are generated on one rank per SP group; a sharded model (FSDP2, or DeepSpeed ZeRO-3 whose
     generation gathers the weights) needs every rank in each generation: refused at construction, before any
@@ -197,8 +188,8 @@ def _refuse_sharded_generation(trainer: Any) -> None:
                                                                              ProcessorMixin):
         raise refuse(type(trainer).__name__, f"{'DeepSpeed ZeRO-3' if zero3 else 'FSDP'} with a vision-language "
                       "processor", "image prompts are generated on one rank per SP group, a sharded model needs "
-                      "every rank in each generation", "train without fsdp= / ZeRO-3 (DDP or ZeRO-1/2), or use a "
-                      "text-only tokenizer")
+                      "every rank in each generation", "train without fsdp= / ZeRO-3 (DDP or ZeRO-1/2), or run "
+                      "GRPO with image prompts under FSDP2 with `seqpar train` (stage: grpo, fsdp: true)")
 
 
 class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
@@ -220,7 +211,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
                  peft_config: Any = None, **kwargs: Any) -> None:
         name = type(self).__name__
         args = coerce_args(args, trl.GRPOConfig, model, "GRPO")
-        refuse_common(name, args, kwargs.pop("data_collator", None), kwargs, train_dataset)
+        refuse_common(name, args, kwargs.pop("data_collator", None), kwargs, train_dataset, images=True)
         _refuse_grpo(name, args, kwargs, train_dataset, eval_dataset)
         check_trl_rows(name, "GRPO", args, train_dataset, None, kwargs)
         model = instantiate(model, args, peft_config)
@@ -243,7 +234,9 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
                               f"divisible by num_generations={args.num_generations} (dp = world / SP size)")
         args.generation_batch_size = per_step
         self._sp_reference = self._grpo_reference()
-        self._sp_collator = SequenceParallelCollator(self.sp_mesh, pad_id(self.model, self._tokenizer))
+        vlm = is_vlm(getattr(unwrapped_base(self.model), "config", None))  # image prompts: the full multimodal rows
+        self._sp_collator = (VisionCollator if vlm else SequenceParallelCollator)(self.sp_mesh,
+                                                                                 pad_id(self.model, self._tokenizer))
 
     # ------------------------------------------------------------------ set-up
     def _make_spec(self) -> StepSpec:
@@ -375,7 +368,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         if return_outputs:
             raise SeqParError(f"{type(self).__name__}.compute_loss(return_outputs=True) is not supported "
                               "(logits are sharded over the sequence)")
-        batch = self._sp_collator(_rows(inputs))
+        batch = self._sp_collator(grpo_rows(inputs))
         batch["advantages"] = inputs["advantages"].detach().float().cpu()
         den = self._sp_den
         if den is None:

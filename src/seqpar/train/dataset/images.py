@@ -1,18 +1,19 @@
-"""Chat data with images for `seqpar train` on a vision-language model (Qwen2.5-VL, Qwen3-VL).
+"""Chat data with images and videos for `seqpar train` on a vision-language model (Qwen2.5-VL, Qwen3-VL).
 
 A row is a conversation (`messages`, ShareGPT `conversations`, ...: what seqpar.train.dataset.formats reads) plus
-`images`: local image files (paths relative to the dataset file), one per `<image>` placeholder in the
-message contents, in order:
+`images` (local image files) and / or `videos` (frame folders, GIFs: train/dataset/videos.py), paths relative to
+the dataset file, one per `<image>` / `<video>` placeholder in the message contents, in order:
 
-    {"messages": [{"role": "user", "content": "<image>What is drawn here?"},
-                  {"role": "assistant", "content": "A red square."}],
-     "images": ["imgs/square.png"]}
+    {"messages": [{"role": "user", "content": "<image>What is drawn here? <video>And here?"},
+                  {"role": "assistant", "content": "A red square, then a ball rolling."}],
+     "images": ["imgs/square.png"], "videos": [{"path": "clips/ball", "fps": 2}]}
 
-Each placeholder becomes vision start + N image tokens + vision end (N = the image's merged patches from
-the model's image processor); none of them is supervised. The examples carry the images' patches
-(`pixel_values`, `image_grid_thw`); `VisionCollator` hands the FULL batch to the step, which calls
-`seqpar.hf.sp_vlm_inputs` (multimodal RoPE on the full sequence, each image encoded once per SP group).
-SFT only; packing, truncation inside an image and videos are refused.
+Each image placeholder becomes vision start + N image tokens + vision end (N = the image's merged patches from
+the model's image processor); a video the same with video tokens (Qwen3-VL: one such run per temporal patch,
+after its `<t seconds>` timestamp); none of them is supervised. The examples carry the media's patches;
+seqpar.data.VisionCollator hands the FULL batch to the step, which calls `seqpar.hf.sp_vlm_inputs`
+(multimodal RoPE on the full sequence, per document of a packed row; each medium encoded once per SP group).
+Truncation inside a medium is refused. `expand_media` does the same for GRPO prompts.
 """
 
 from __future__ import annotations
@@ -24,28 +25,35 @@ from typing import Any
 
 import torch
 
-from ...data import SequenceParallelCollator
+from ...data import VisionCollator
 from ...errors import SeqParError
 from ..model.tokenizers import ByteTokenizer
 from .formats import check_stage, detect_format
-from .tokenize import IGNORE, tokenize_sft
+from .tokenize import IGNORE, pack_rows, tokenize_sft
+from .videos import frame_timestamps, read_frames, video_patches
 
-__all__ = ["VisionSpec", "PLACEHOLDER", "build_vision_examples", "VisionCollator"]
+__all__ = ["VisionSpec", "PLACEHOLDER", "VIDEO_PLACEHOLDER", "build_vision_examples", "expand_media",
+           "media_columns", "VisionCollator"]
 
 PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 # Qwen VL tokenizers know these as single special tokens; a byte tokenizer renders the placeholder as bytes.
-_QWEN_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+_QWEN_MARKERS = {PLACEHOLDER: "<|vision_start|><|image_pad|><|vision_end|>",
+                 VIDEO_PLACEHOLDER: "<|vision_start|><|video_pad|><|vision_end|>"}
 
 
 @dataclass
 class VisionSpec:
-    """What the data path needs from the model: its special ids and an image processor."""
+    """What the data path needs from the model: its special ids, an image processor and the video timing."""
 
     image_token_id: int
     vision_start_id: int
     vision_end_id: int
     merge: int  # spatial merge size: a grid of t x h x w patches becomes t*h*w / merge**2 tokens
     processor: Any
+    video_token_id: int = -1
+    temporal: int = 2  # frames per patch in time
+    timestamps: bool = False  # Qwen3-VL: a `<t seconds>` text before each temporal patch of a video
 
     @classmethod
     def from_model_config(cls, config: Any, name: str | None = None) -> VisionSpec:
@@ -63,7 +71,8 @@ class VisionSpec:
                                             temporal_patch_size=vc.temporal_patch_size,
                                             min_pixels=unit * unit, max_pixels=(8 * unit) ** 2)
         return cls(int(config.image_token_id), int(config.vision_start_token_id), int(config.vision_end_token_id),
-                   int(vc.spatial_merge_size), proc)
+                   int(vc.spatial_merge_size), proc, int(config.video_token_id), int(vc.temporal_patch_size),
+                   config.model_type == "qwen3_vl")
 
     def encode_images(self, paths: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         from PIL import Image
@@ -78,30 +87,48 @@ class VisionSpec:
         out = self.processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
+    def encode_videos(self, entries: Sequence[Any], base_dir: str) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+        """(patches, grids [n, 3], seconds per temporal patch, per-patch timestamps) of the videos."""
+        pv, grids, seconds, stamps = [], [], [], []
+        for e in entries:
+            frames, fps = read_frames(e, base_dir)
+            x, grid = video_patches(self.processor, frames, self.temporal)
+            pv.append(x)
+            grids.append(grid)
+            seconds.append(self.temporal / fps)
+            stamps.append(frame_timestamps(len(frames), fps, self.temporal))
+        return torch.cat(pv), torch.tensor(grids), seconds, stamps
 
-def _marker_ids(tok: Any) -> tuple[str, list[int]]:
+
+def _marker_ids(tok: Any, placeholder: str) -> tuple[str, list[int]]:
     """The text a placeholder is rendered as, and the ids it tokenizes to (context-free: bytes, or the
     Qwen special tokens)."""
     if isinstance(tok, ByteTokenizer):
-        return PLACEHOLDER, tok.encode(PLACEHOLDER)
-    ids = tok.encode(_QWEN_MARKER)
+        return placeholder, tok.encode(placeholder)
+    marker = _QWEN_MARKERS[placeholder]
+    ids = tok.encode(marker)
     if len(ids) != 3:
-        raise SeqParError("the tokenizer does not know Qwen's <|vision_start|><|image_pad|><|vision_end|> special "
-                          "tokens: use the vision-language model's own tokenizer (model.tokenizer)")
-    return _QWEN_MARKER, ids
+        raise SeqParError(f"the tokenizer does not know Qwen's {marker} special tokens: use the vision-language "
+                          "model's own tokenizer (model.tokenizer)")
+    return marker, ids
 
 
-def _with_marker(row: Mapping[str, Any], marker: str) -> dict[str, Any]:
+def with_markers(row: Mapping[str, Any], tok: Any) -> dict[str, Any]:
+    """The row with its placeholders rendered as the tokenizer's markers (media columns untouched)."""
+    marks = {p: _marker_ids(tok, p)[0] for p in (PLACEHOLDER, VIDEO_PLACEHOLDER)}
+
     def swap(v: Any) -> Any:
         if isinstance(v, str):
-            return v.replace(PLACEHOLDER, marker)
+            for p, m in marks.items():
+                v = v.replace(p, m)
+            return v
         if isinstance(v, list):
             return [swap(x) for x in v]
         if isinstance(v, dict):
             return {k: swap(x) for k, x in v.items()}
         return v
 
-    return {k: (swap(v) if k != "images" else v) for k, v in row.items()}
+    return {k: (swap(v) if k not in ("images", "videos") else v) for k, v in row.items()}
 
 
 def _find_all(ids: list[int], pattern: list[int]) -> list[int]:
@@ -115,44 +142,85 @@ def _find_all(ids: list[int], pattern: list[int]) -> list[int]:
     return out
 
 
-def _expand(ids: list[int], labels: list[int], starts: list[int], width: int, counts: list[int],
-            spec: VisionSpec) -> tuple[list[int], list[int]]:
+def media_columns(row: Mapping[str, Any]) -> tuple[list, list]:
+    """(image paths, video entries) of a row."""
+    def listed(key: str) -> list:
+        v = row.get(key) or []
+        return [v] if isinstance(v, (str, dict)) else list(v)
+
+    return listed("images"), listed("videos")
+
+
+def _video_tokens(spec: VisionSpec, tok: Any, grid: list[int], stamps: list[float]) -> list[int]:
+    t, h, w = grid
+    per = h * w // spec.merge ** 2
+    if not spec.timestamps:
+        return [spec.vision_start_id] + [spec.video_token_id] * (t * per) + [spec.vision_end_id]
+    out: list[int] = []
+    for s in stamps:
+        out += tok.encode(f"<{s:.1f} seconds>") + [spec.vision_start_id] + [spec.video_token_id] * per + \
+            [spec.vision_end_id]
+    return out
+
+
+def expand_media(ids: list[int], labels: list[int] | None, row: Mapping[str, Any], tok: Any, spec: VisionSpec,
+                 base_dir: str, i: int) -> dict[str, Any]:
+    """ids (tokenized from `with_markers(row, tok)`) with each placeholder marker replaced by its medium's tokens
+    (unsupervised), plus the media tensors; labels None: no labels (GRPO prompts)."""
+    images, videos = media_columns(row)
+    found = []
+    for placeholder, entries in ((PLACEHOLDER, images), (VIDEO_PLACEHOLDER, videos)):
+        _, pattern = _marker_ids(tok, placeholder)
+        starts = _find_all(ids, pattern)
+        if len(starts) != len(entries):
+            raise SeqParError(f"row {i}: {len(starts)} {placeholder} placeholders but {len(entries)} "
+                              f"{'images' if placeholder == PLACEHOLDER else 'videos'}: put one {placeholder} in the "
+                              "messages where each goes")
+        found += [(at, len(pattern), placeholder, k) for k, at in enumerate(starts)]
+    out: dict[str, Any] = {}
+    tokens: dict[tuple[str, int], list[int]] = {}
+    if images:
+        pixels, grid = spec.encode_images([p if os.path.isabs(p) else os.path.join(base_dir, p) for p in images])
+        out.update(pixel_values=pixels, image_grid_thw=grid)
+        for k, n in enumerate((grid.prod(-1) // spec.merge ** 2).tolist()):
+            tokens[(PLACEHOLDER, k)] = [spec.vision_start_id] + [spec.image_token_id] * n + [spec.vision_end_id]
+    if videos:
+        pixels, grid, seconds, stamps = spec.encode_videos(videos, base_dir)
+        out.update(pixel_values_videos=pixels, video_grid_thw=grid, second_per_grid_ts=seconds)
+        for k, g in enumerate(grid.tolist()):
+            tokens[(VIDEO_PLACEHOLDER, k)] = _video_tokens(spec, tok, g, stamps[k])
     new_ids: list[int] = []
     new_labels: list[int] = []
     prev = 0
-    for at, n in zip(starts, counts):
-        new_ids += ids[prev:at] + [spec.vision_start_id] + [spec.image_token_id] * n + [spec.vision_end_id]
-        new_labels += labels[prev:at] + [IGNORE] * (n + 2)
+    for at, width, placeholder, k in sorted(found):
+        media = tokens[(placeholder, k)]
+        new_ids += ids[prev:at] + media
+        new_labels += (labels[prev:at] if labels is not None else []) + [IGNORE] * len(media)
         prev = at + width
-    return new_ids + ids[prev:], new_labels + labels[prev:]
+    out["input_ids"] = new_ids + ids[prev:]
+    if labels is not None:
+        out["labels"] = new_labels + labels[prev:]
+    return out
 
 
 def _vision_row(row: Mapping[str, Any], i: int, fmt: str, tok: Any, spec: VisionSpec, base_dir: str,
                 train_on_prompt: bool, mask_history: bool) -> dict[str, Any]:
-    paths = row.get("images") or []
-    if isinstance(paths, str):
-        paths = [paths]
-    marker, pattern = _marker_ids(tok)
-    out = tokenize_sft(_with_marker(row, marker), fmt, tok, train_on_prompt=train_on_prompt,
+    out = tokenize_sft(with_markers(row, tok), fmt, tok, train_on_prompt=train_on_prompt,
                        mask_history=mask_history, index=i)
-    starts = _find_all(out["input_ids"], pattern)
-    if len(starts) != len(paths):
-        raise SeqParError(f"row {i}: {len(starts)} {PLACEHOLDER} placeholders but {len(paths)} images: put one "
-                          f"{PLACEHOLDER} in the messages where each image goes")
-    if not paths:
-        return out
-    pixels, grid = spec.encode_images([p if os.path.isabs(p) else os.path.join(base_dir, p) for p in paths])
-    counts = (grid.prod(-1) // spec.merge**2).tolist()
-    ids, labels = _expand(out["input_ids"], out["labels"], starts, len(pattern), counts, spec)
-    return {"input_ids": ids, "labels": labels, "pixel_values": pixels, "image_grid_thw": grid}
+    return expand_media(out["input_ids"], out["labels"], row, tok, spec, base_dir, i)
+
+
+def _last_media_token(ids: list[int], spec: VisionSpec) -> int:
+    return max((j for j, t in enumerate(ids) if t == spec.vision_end_id), default=-1)
 
 
 def build_vision_examples(rows: list[dict[str, Any]], fmt: str, tok: Any, spec: VisionSpec, max_length: int,
-                          base_dir: str, *, train_on_prompt: bool = False,
-                          mask_history: bool = False) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Tokenized rows with their images (see the module docstring) + the stats build_examples reports."""
+                          base_dir: str, *, train_on_prompt: bool = False, mask_history: bool = False,
+                          packing: bool = False) -> tuple[list[Any], dict[str, int]]:
+    """Tokenized rows with their media (see the module docstring) + the stats build_examples reports;
+    packing: greedy packs of at most max_length tokens (lists of rows, media kept with their rows)."""
     if fmt == "auto":
-        fmt = detect_format([c for c in rows[0] if c != "images"])
+        fmt = detect_format([c for c in rows[0] if c not in ("images", "videos")])
     check_stage(fmt, "sft")
     stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
              "dropped_long_prompt": 0}
@@ -160,10 +228,10 @@ def build_vision_examples(rows: list[dict[str, Any]], fmt: str, tok: Any, spec: 
     for i, row in enumerate(rows, 1):  # 1-based: the line of a JSONL file
         ex = _vision_row(row, i, fmt, tok, spec, base_dir, train_on_prompt, mask_history)
         if len(ex["input_ids"]) > max_length:
-            last_image = max((j for j, t in enumerate(ex["input_ids"]) if t == spec.vision_end_id), default=-1)
-            if last_image >= max_length:
-                raise SeqParError(f"row {i}: its images end at token {last_image + 1}, beyond dataset.max_length="
-                                  f"{max_length}: raise max_length (an image cannot be cut)")
+            last = _last_media_token(ex["input_ids"], spec)
+            if last >= max_length:
+                raise SeqParError(f"row {i}: its images / videos end at token {last + 1}, beyond dataset.max_length="
+                                  f"{max_length}: raise max_length (an image or video cannot be cut)")
             ex = {**ex, "input_ids": ex["input_ids"][:max_length], "labels": ex["labels"][:max_length]}
             stats["truncated"] += 1
         if not any(lab != IGNORE for lab in ex["labels"][1:]):
@@ -172,18 +240,4 @@ def build_vision_examples(rows: list[dict[str, Any]], fmt: str, tok: Any, spec: 
         examples.append(ex)
     if not examples:
         raise SeqParError(f"no row keeps a supervised token within dataset.max_length={max_length}")
-    return examples, stats
-
-
-class VisionCollator(SequenceParallelCollator):
-    """The text collator's shards, plus the FULL input ids and the batch's images for sp_vlm_inputs."""
-
-    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        full = self.collate_full(rows)
-        out = self.shard_batch(full)
-        out["full_input_ids"] = full["input_ids"]
-        pixels = [r["pixel_values"] for r in rows if r.get("pixel_values") is not None]
-        if pixels:
-            out["pixel_values"] = torch.cat(pixels)
-            out["image_grid_thw"] = torch.cat([r["image_grid_thw"] for r in rows if r.get("pixel_values") is not None])
-        return out
+    return (pack_rows(examples, max_length) if packing else examples), stats

@@ -24,7 +24,7 @@ def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None
     info: the run's model config (default: read here)."""
     tok = tok if tok is not None else load_tokenizer(cfg)
     if cfg.stage == "grpo" and spec is None:
-        return load_prompts(cfg, tok)  # prompt rows (dataset/prompts.py)
+        return load_prompts(cfg, tok, info or model_info(cfg))  # prompt rows (dataset/prompts.py)
     d = spec if spec is not None else cfg.dataset
     what = "dataset" if spec is None else "eval_dataset"
     rows = load_rows(d.path, what)
@@ -40,11 +40,11 @@ def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None
 
 
 def vision_examples(cfg: TrainConfig, d: DatasetSpec, rows: list, tok: Any, mc: Any) -> tuple[list, dict[str, int]]:
-    """Chat rows with images for a vision-language model (dataset/images.py); SFT without packing only."""
-    if cfg.stage != "sft" or d.packing:
-        raise SeqParError(f"vision-language models train with stage: sft and dataset.packing: false here (got "
-                          f"stage {cfg.stage!r}, packing {d.packing}): DPO / GRPO / packed rows with images are "
-                          "not supported")
+    """Chat rows with images / videos for a vision-language model (dataset/images.py): SFT, packed or not (GRPO
+    prompts: dataset/prompts.py)."""
+    if cfg.stage != "sft":
+        raise SeqParError(f"vision-language models train with stage: sft or grpo (got {cfg.stage!r}): DPO pairs with "
+                          "images are not implemented; train DPO on the text model, or SFT / GRPO on the VL model")
     spec = VisionSpec.from_model_config(mc, cfg.model.name)
     return build_vision_examples(rows, d.format, tok, spec, d.max_length, os.path.dirname(os.path.abspath(d.path)),
-                                 train_on_prompt=d.train_on_prompt, mask_history=d.mask_history)
+                                 train_on_prompt=d.train_on_prompt, mask_history=d.mask_history, packing=d.packing)

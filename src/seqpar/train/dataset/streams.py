@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler
+from ...data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler, VisionCollator
 from ...errors import SeqParError
 from ..config import DatasetSpec, TrainConfig
 from ..model.load import ModelInfo, model_info
-from .images import VisionCollator
 
 __all__ = ["DataStream", "build_data", "make_collator"]
 

@@ -9,7 +9,9 @@ same rows; any failure (generation or a reward
 function) is agreed over dp and raised as the same SeqParError on every rank before the step's
 first training collective. Rows are prompt + completion with only completion tokens supervised,
 collated by seqpar.data.SequenceParallelCollator (the same padding, sharding and position_ids as
-SFT), each micro-batch carrying "advantages" [B] for `micro_batch_loss` stage "grpo".
+SFT; seqpar.data.VisionCollator for a vision-language model, whose prompts' images / videos go to the rollout's
+generate() and with every completion row into the loss), each micro-batch carrying "advantages" [B] for
+`micro_batch_loss` stage "grpo".
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class GRPORollout:
                 model, self.mesh, [r.prompt_ids for r in rows], num_generations=g.num_generations,
                 max_new_tokens=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
                 seed=self.cfg.seed, step=step, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
-                prompt_index=index)
+                prompt_index=index, media=[r.media for r in rows] if any(r.media for r in rows) else None)
         except SeqParError as e:
             err = e
         if err is None:
@@ -119,7 +121,7 @@ class GRPORollout:
         full = []
         for j, c in enumerate(completions):
             p = rows[j // n_gen].prompt_ids
-            full.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c})
+            full.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c, **rows[j // n_gen].media})
         out = []
         for s in range(0, len(full), mbs):
             b = self.collator(full[s:s + mbs])

@@ -71,8 +71,10 @@ def _wrap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, world:
         prec = MasterWeights(model)
         model.to(torch.bfloat16)
     if cfg.fsdp:
+        # GRPO rollouts run the model's own image path, which only ranks whose prompts hold images would enter:
+        # the tower stays in the root unit there (gathered by every rank's forward), per-block units otherwise.
         apply_fsdp(model, device, world, cfg.precision == "bf16", offload=cfg.fsdp.offload,
-                   timeout=cfg.collective_timeout)
+                   timeout=cfg.collective_timeout, vision="root" if cfg.stage == "grpo" else "blocks")
     return prec
 
 
@@ -112,7 +114,7 @@ def check_memory_features(cfg: TrainConfig, model: torch.nn.Module, on_accelerat
 
 
 def apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: bool, offload: bool = False,
-               timeout: timedelta | None = None) -> None:
+               timeout: timedelta | None = None, vision: str = "blocks") -> None:
     """FSDP2 over the flattened dp x sp world; its mesh's group times out after `timeout` (None: the default
     group's timeout; seqpar.mesh.group_timeout_override says why that needs saying)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -122,4 +124,4 @@ def apply_fsdp(model: torch.nn.Module, device: torch.device, world: int, bf16: b
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload:  # runs on CPU (host-to-host, exact; tests/test_memory_offload.py); pinned buffers on accelerators
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
-    shard_over_world(model, device.type, world, timeout, **kw)
+    shard_over_world(model, device.type, world, timeout, vision=vision, **kw)

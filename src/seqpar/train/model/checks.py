@@ -76,11 +76,6 @@ def refuse_unsupported_model(cfg: TrainConfig, info: ModelInfo | None = None) ->
                           "not build): give rope_parameters with rope_type, factor and rope_theta")
     if c is not None:
         refuse_non_causal(c, cfg.model.name)
-    if is_vlm(c) and cfg.fsdp:
-        # FSDP2 gathers a unit's parameters collectively, but only the ranks that own an image run the vision
-        # tower (seqpar.hf.vision): the others would never join that gather.
-        raise SeqParError("fsdp: true with a vision-language model is not supported (each image is encoded on one "
-                          "SP rank only): set fsdp: false")
     return c
 
 
