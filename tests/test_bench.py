@@ -285,3 +285,38 @@ def test_step_benchmark_quick(tmp_path):
         assert ratio == pytest.approx(want) and ratio > 0
     assert res["profile_per_step_s"]["sp2"]["collectives"] > 0 and "loadavg_start" in res["machine"]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_recurrent_benchmark_quick(tmp_path):
+    """`python -m seqpar.bench recurrent --quick`: every layer x SP size x mode timed, and the bytes seqpar's
+    counters saw agree with the planner's (planner.recurrent) up to the documented factors: the planner adds the
+    all-gathers' backward reduce-scatters, and its chain state bytes are the whole chain's
+    2R-2 hops (each rank's critical path), the sum of what the ranks send."""
+    out = tmp_path / "recurrent.json"
+    assert main(["recurrent", "--quick", "--out", str(out), "--timeout", "600"]) == 0
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "recurrent" and res["seq_len"] == 64
+    seen = {(p["layer"], p["sp"], p["mode"]) for p in res["points"]}
+    assert len(seen) == len(res["points"]) == 2 * (4 + 5)
+    for p in res["points"]:
+        assert p["seconds"] > 0 and len(p["bytes_per_rank"]) == p["sp"], p
+        sent = p["bytes_per_rank"][0]
+        drop = ("state_fwd", "state_bwd")  # the chain: the ends of the zigzag order send one state, the others two
+        assert all({k: v for k, v in b.items() if k not in drop} == {k: v for k, v in sent.items() if k not in drop}
+                   for b in p["bytes_per_rank"]), p  # otherwise every rank sends alike
+        if p["mode"] == "sp1":
+            assert sent == {} and "planner_bytes" not in p
+            continue
+        plan, r = p["planner_bytes"], p["ring"]
+        if p["ulysses"] > 1:
+            assert plan["ulysses_recurrent"] == sent["ulysses_fwd"] + sent["ulysses_bwd"], p
+        if r > 1:
+            gathered = sent["all_gather"]
+            if p["mode"] == "ring-scan":
+                assert plan["halo"] + plan["state"] == 2 * gathered, p
+            else:  # chain (ring or USP): backward sends what forward did; the planner: the chain's hops, both passes
+                chain = sum(b["state_fwd"] for b in p["bytes_per_rank"]) // (p["sp"] // r)  # per ring group
+                assert all(b["state_bwd"] == b["state_fwd"] > 0 for b in p["bytes_per_rank"]), p
+                assert plan["state"] == 2 * chain, p
+                assert plan["halo"] == 2 * gathered, p

@@ -11,7 +11,8 @@ Tolerance: parameters and loss within 1e-5 absolute (fp32).
 fast: dp2 x sp2 (ulysses 2), two steps (the second samples from the updated policy, KL > 0),
 metrics logged. slow: ring 2 (zigzag, world 2), one step, vs the same reference, and the SP=2 run
 vs the trainer's own SP=1 run (same seed: identical completions); Qwen3.5, Qwen3-Next (Gated DeltaNet),
-Qwen2.5-VL and Qwen3-VL (text prompts) at SP=2, two steps, vs the same reference.
+Nemotron-H (Mamba2; Ulysses and ring) and Qwen2.5-VL and Qwen3-VL (text prompts) at SP=2, two steps, vs the same
+reference.
 """
 
 from __future__ import annotations
@@ -196,10 +197,13 @@ def test_grpo_ring2_and_sp1_same_step(data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,fsdp", [("qwen3_5", False), ("qwen3_next", False), ("qwen2_5_vl", False),
-                                       ("qwen3_vl", False), ("qwen3_5", True)])
-def test_grpo_hybrid_and_vl_sp2_match_reference(data, tmp_path, arch, fsdp):
-    """Qwen3.5 / Qwen3-Next (Gated DeltaNet under Ulysses) and Qwen2.5-VL / Qwen3-VL (text prompts): two GRPO
+@pytest.mark.parametrize("arch,fsdp,mode", [("qwen3_5", False, "ulysses"), ("qwen3_next", False, "ulysses"),
+                                            ("qwen2_5_vl", False, "ulysses"), ("qwen3_vl", False, "ulysses"),
+                                            ("qwen3_5", True, "ulysses"), ("qwen3_5", False, "ring"),
+                                            ("nemotron_h", False, "ring"), ("qwen3_next", True, "ring")])
+def test_grpo_hybrid_and_vl_sp2_match_reference(data, tmp_path, arch, fsdp, mode):
+    """Qwen3.5 / Qwen3-Next (Gated DeltaNet) and Nemotron-H (Mamba2) under Ulysses and under a ring of 2 (state
+    passing), and Qwen2.5-VL / Qwen3-VL (text prompts): two GRPO
     steps at SP=2 (every SP rank generating with SP paused, KL on) vs the independent reference on the
     unpatched model; before the fix generation stopped at step 1 (linear-attention forward without a plan,
     a VL model's plan hook left in place). VL seed 24: the random tiny policy samples its image / video
@@ -207,7 +211,8 @@ def test_grpo_hybrid_and_vl_sp2_match_reference(data, tmp_path, arch, fsdp):
     in none of the completions, and step 1's rewards differ within a group (the policy moves)."""
     model = {"name": f"tiny:{arch}", "kwargs": {"num_heads": 4, "num_kv_heads": 2}}
     seed = 24 if arch.endswith("_vl") else 9
-    cfg = {**_cfg_dict(data, tmp_path / "run", {"size": 2, "ulysses_degree": 2}, model), "max_steps": 2, "seed": seed,
+    degrees = {"size": 2, "ulysses_degree": 2} if mode == "ulysses" else {"size": 2, "ring_degree": 2}
+    cfg = {**_cfg_dict(data, tmp_path / "run", degrees, model), "max_steps": 2, "seed": seed,
            "fsdp": fsdp}  # FSDP2: every rank generates its share with synced forwards (all-gathers), SP paused
     cfg["grpo"] = {**cfg["grpo"], "max_completion_length": 6}
     res = run_distributed(_train_world, 2, cfg, timeout=600)
@@ -250,18 +255,23 @@ def test_generation_pause_lifts_linear_forwards_and_vl_hooks(arch):
         assert torch.allclose(out, plain(input_ids=x).logits, atol=1e-5)
 
 
-def test_hybrid_ring_refused_before_launch(data, tmp_path):
-    """A Gated DeltaNet model with an explicit ring degree: refused by the launch checks (`seqpar check`, before
-    any process starts), not by apply_sequence_parallel after the process group exists."""
+def test_hybrid_degrees_checked_before_launch(data, tmp_path):
+    """A Gated DeltaNet model: ring and USP pass the launch checks (state passing); a Ulysses degree its linear k
+    heads cannot split is refused there (`seqpar check`, before any process starts), not by
+    apply_sequence_parallel after the process group exists."""
     from seqpar.errors import SeqParError
     from seqpar.train.config import config_from_dict, validate_for_launch
-    from seqpar.train.model.load import model_heads, model_needs_full_sequence
+    from seqpar.train.model.load import model_heads, model_recurrent_heads
 
     model = {"name": "tiny:qwen3_5", "kwargs": {"num_heads": 4, "num_kv_heads": 2}}
     cfg = config_from_dict(_cfg_dict(data, tmp_path / "run", {"size": 2, "ring_degree": 2}, model))
     nh, nkv = model_heads(cfg)
-    assert model_needs_full_sequence(cfg)
-    with pytest.raises(SeqParError, match="ring_degree=1 / pure Ulysses"):
-        validate_for_launch(cfg, 2, num_heads=nh, num_kv_heads=nkv, ulysses_only=True)
+    rec = model_recurrent_heads(cfg)
+    assert rec is not None and rec.heads == 4
+    assert validate_for_launch(cfg, 2, num_heads=nh, num_kv_heads=nkv, recurrent=rec) == (1, 2)
     ok = config_from_dict(_cfg_dict(data, tmp_path / "run", {"size": 2}, model))
-    assert validate_for_launch(ok, 2, num_heads=nh, num_kv_heads=nkv, ulysses_only=True) == (2, 1)
+    assert validate_for_launch(ok, 2, num_heads=nh, num_kv_heads=nkv, recurrent=rec) == (2, 1)
+    model8 = {"name": "tiny:qwen3_5", "kwargs": {"num_heads": 8, "num_kv_heads": 8}}
+    bad = config_from_dict(_cfg_dict(data, tmp_path / "run", {"size": 8, "ulysses_degree": 8}, model8))
+    with pytest.raises(SeqParError, match=r"which ulysses_degree=8 cannot split: use a ulysses_degree among"):
+        validate_for_launch(bad, 8, num_heads=8, num_kv_heads=8, recurrent=model_recurrent_heads(bad))

@@ -170,7 +170,8 @@ _SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
               num_key_value_heads=2)
 _MAMBA2_MIX = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4)
 # (family, config class, model class, tiny config kwargs, what the refusal must name)
-# (Qwen3-Next / Qwen3.5 Gated DeltaNet are supported under Ulysses: tests/test_hf_hybrid.py.)
+# (Qwen3-Next / Qwen3.5 Gated DeltaNet and the Mamba2 mixers of Nemotron-H, Granite 4 and Bamba are supported:
+# tests/test_hf_hybrid.py; Bamba and Granite 4 built from the configs below pass: test_supported_mamba2_hybrids.)
 NON_ATTENTION_MODELS = [
     ("mamba", "MambaConfig", "MambaForCausalLM",
      dict(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4), "MambaMixer"),
@@ -181,15 +182,11 @@ NON_ATTENTION_MODELS = [
      dict(_SMALL, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
           expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
           mamba_dt_rank=4), "JambaMambaMixer"),
-    ("bamba", "BambaConfig", "BambaForCausalLM", dict(_SMALL, attn_layer_indices=[1], **_MAMBA2_MIX), "BambaMixer"),
     ("falcon_h1", "FalconH1Config", "FalconH1ForCausalLM",
      dict(_SMALL, head_dim=8, mamba_d_ssm=64, **_MAMBA2_MIX), "FalconH1Mixer"),
     ("zamba2", "Zamba2Config", "Zamba2ForCausalLM",
      dict(_SMALL, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=4, mamba_ngroups=1, num_mem_blocks=1,
           layers_block_type=["mamba", "hybrid"]), "Zamba2MambaMixer"),
-    ("granite_moe_hybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
-     dict(_SMALL, num_local_experts=2, num_experts_per_tok=1, layer_types=["mamba", "attention"], **_MAMBA2_MIX),
-     "GraniteMoeHybridMambaLayer"),
     ("llama4_chunked", "Llama4TextConfig", "Llama4ForCausalLM",
      dict(_SMALL, head_dim=8, num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=64,
           attention_chunk_size=16), "attention_chunk_size=16"),
@@ -219,6 +216,26 @@ def test_refuses_non_softmax_sequence_mixers(family, cfg_cls, model_cls, kw, nam
         apply_sequence_parallel(model, seqpar.init_mesh(1))
     assert named in str(e.value) and "softmax-attention models only" in str(e.value), str(e.value)
     assert not is_sequence_parallel(model)
+
+
+@pytest.mark.parametrize("cfg_cls,model_cls,kw", [
+    ("BambaConfig", "BambaForCausalLM", dict(_SMALL, attn_layer_indices=[1], **_MAMBA2_MIX)),
+    ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+     dict(_SMALL, num_local_experts=2, num_experts_per_tok=1, layer_types=["mamba", "attention"], **_MAMBA2_MIX)),
+], ids=["bamba", "granite_moe_hybrid"])
+def test_supported_mamba2_hybrids(cfg_cls, model_cls, kw):
+    """Bamba and Granite 4 (legacy "mamba" layer names included): their Mamba2 mixers get seqpar's forward, and
+    at SP=1 it gives the model's own logits (fp32, 1e-5); other mixers stay refused (the list above)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kw)).eval()
+    ids = _ids(40, b=1) % 64  # the configs' vocabulary
+    want = model(input_ids=ids).logits
+    apply_sequence_parallel(model, seqpar.init_mesh(1))
+    assert any("forward" in m.__dict__ for m in model.modules())
+    got = model(input_ids=ids, position_ids=_pos(40, 1)).logits
+    assert float((got - want).abs().max()) <= 1e-5
 
 
 def test_mixer_detection_by_structure_and_config():

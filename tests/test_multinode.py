@@ -84,19 +84,20 @@ def test_launch_arguments_from_flags_and_slurm():
 
 
 def test_node_size_aware_degrees(monkeypatch):
-    from seqpar.mesh import auto_degrees, node_size_from_env, spans_nodes_message
+    from seqpar.mesh import RecurrentHeads, auto_degrees, node_size_from_env, spans_nodes_message
     from seqpar.train.config import config_from_dict, validate_for_launch
 
     assert auto_degrees(8, 8, 8) == (8, 1)
     assert auto_degrees(8, 8, 8, node_size=4) == (4, 2)  # a Ulysses group never spans two nodes of 4
     assert auto_degrees(8, 8, 8, node_size=6) == (2, 4)  # ... nor straddles a node boundary (6 % 4 != 0)
     assert auto_degrees(8, 8, 8, node_size=1) == (1, 8)
-    assert auto_degrees(8, 8, 8, ulysses_only=True, node_size=4) == (8, 1)  # linear attention: pure Ulysses
+    # hybrids: the recurrent layers' heads bound Ulysses too, the rest is ring (state passing); the node still does
+    assert auto_degrees(8, 8, 8, recurrent=RecurrentHeads("gated_deltanet", 2), node_size=4) == (2, 4)
+    assert auto_degrees(8, 8, 8, recurrent=RecurrentHeads("gated_deltanet", 16), node_size=4) == (4, 2)
     assert spans_nodes_message(4, 2, 8) is None and spans_nodes_message(4, 2, 4) is None
     msg = spans_nodes_message(4, 1, 2)
     assert "ulysses_degree=4 does not divide the 2 processes per node" in msg
     assert "set ulysses_degree=2 and ring_degree=2" in msg
-    assert "pure Ulysses" in spans_nodes_message(4, 1, 2, ulysses_only=True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert node_size_from_env(8) == 2 and node_size_from_env(3) == 3  # 2 does not divide 3: no placement
     monkeypatch.delenv("LOCAL_WORLD_SIZE")

@@ -322,15 +322,16 @@ def test_time_ordering_on_this_machine():
 
 
 def test_unmodelled_architectures_refused(tmp_path):
-    """Hybrid linear-attention, MoE and vision-language configs would be planned as dense decoders:
-    refused with what is missing (not silently mis-planned)."""
+    """MoE, vision-language configs, unknown layer types and block-per-mixer hybrids (Nemotron-H) would be planned
+    wrong: refused with what is missing (not silently mis-planned). Hybrids with a mixer and an MLP per layer are
+    planned (tests/test_planner_hybrid.py)."""
     from seqpar.hf.models import tiny_config
 
-    with pytest.raises(SeqParError, match="linear-attention layers"):
-        load_model_facts("tiny:qwen3_5")
     tiny_config("qwen3_next", 4, 2).save_pretrained(tmp_path / "q3n")
-    with pytest.raises(SeqParError, match="linear-attention layers .* mixture-of-experts"):
+    with pytest.raises(SeqParError, match="mixture-of-experts"):
         load_model_facts(str(tmp_path / "q3n"))
+    with pytest.raises(SeqParError, match="one mixer or MLP per block"):
+        load_model_facts("tiny:nemotron_h", {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"]})
     dense = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
              "vocab_size": 512}
     for extra, what in (({"num_local_experts": 8}, "mixture-of-experts"),
@@ -339,6 +340,10 @@ def test_unmodelled_architectures_refused(tmp_path):
         path.write_text(json.dumps({**dense, **extra}))
         with pytest.raises(SeqParError, match=what):
             load_model_facts(str(path))
+    path = tmp_path / "conv.json"
+    path.write_text(json.dumps({**dense, "layer_types": ["conv", "full_attention"]}))
+    with pytest.raises(SeqParError, match=r"layer types it does not model \(\['conv'\]\)"):
+        load_model_facts(str(path))
     ok = tmp_path / "dense.json"
     ok.write_text(json.dumps({**dense, "layer_types": ["full_attention", "sliding_attention"]}))
     assert load_model_facts(str(ok)).layers == 2

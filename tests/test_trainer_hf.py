@@ -20,7 +20,7 @@ import pytest
 from procs import SFT_ROWS_SCRIPT, plain_and_sp, run_script
 
 SCRIPT = r'''
-import json, sys
+import json, os, sys
 import torch, datasets
 from transformers import Trainer, TrainingArguments
 from seqpar.hf import tiny_model
@@ -53,7 +53,8 @@ def args(sub, **kw):
                              train_sampling_strategy="sequential", use_cpu=True, seed=0, disable_tqdm=True,
                              **{"learning_rate": 1e-2, **kw})
 
-model = tiny_model("llama", 3, 1, vocab_size=64, seed=0)
+arch = os.environ.get("SEQPAR_TEST_ARCH", "llama")  # hybrids: the recurrent layers pass state around the ring
+model = tiny_model(arch, 3, 1, vocab_size=64, seed=0)
 Cls = SequenceParallelTrainer if mode == "sp" else Trainer          # <- the change
 collate = pad_collate if mode == "plain" else None                  # <- and seqpar builds the SP collator
 trainer = Cls(model=model, args=args("sft", optim="sgd", learning_rate=0.1, max_grad_norm=1.0), train_dataset=ds,
@@ -79,7 +80,7 @@ else:  # independent reference for the SP eval: global token-mean CE of the fina
 if sp_kw:  # the dp x sp variant checks SFT only
     json.dump(res, open(f"{out}/result.json", "w")) if trainer.is_world_process_zero() else None
     sys.exit(0)
-dpo = SequenceParallelDPOTrainer(model=tiny_model("llama", 3, 1, vocab_size=64, seed=1),
+dpo = SequenceParallelDPOTrainer(model=tiny_model(arch, 3, 1, vocab_size=64, seed=1),
                                  args=args("dpo", optim="sgd", learning_rate=0.1, max_grad_norm=1.0),
                                  train_dataset=datasets.Dataset.from_list(pairs), beta=0.5)
 dpo.train()
@@ -114,6 +115,19 @@ def _check_grad_norms(sp: dict, plain: dict, key: str = "grad_norms") -> None:
 
 
 def test_hf_trainer_gains_sp_by_changing_the_class(tmp_path):
+    _gains_sp(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
+def test_hf_trainer_hybrids_ring(tmp_path, monkeypatch, arch):
+    """The same script with a Gated DeltaNet (Qwen3.5) and a Mamba2 (Nemotron-H) hybrid: 3 q / 1 kv softmax heads
+    make the automatic mesh a ring of 2, so the recurrent layers pass state (SFT + SP evaluate + DPO)."""
+    monkeypatch.setenv("SEQPAR_TEST_ARCH", arch)
+    _gains_sp(tmp_path)
+
+
+def _gains_sp(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     _run([sys.executable, str(script), "plain", str(tmp_path / "plain")], tmp_path)

@@ -213,6 +213,15 @@ SLOW = [
 ]
 
 
+# Hybrids: 3 q / 1 kv softmax heads, so the automatic mesh is a ring of 2 and the recurrent layers pass state.
+HYBRIDS = [
+    {"name": "sft qwen3_5 (Gated DeltaNet) ring 2", "stage": "sft", "arch": "qwen3_5", "data": "prompt_completion"},
+    {"name": "sft nemotron_h (Mamba2) ring 2, packing", "stage": "sft", "arch": "nemotron_h", "data": "text",
+     "packing": True, "max_length": 40},
+    {"name": "dpo qwen3_next (Gated DeltaNet, MoE) ring 2", "stage": "dpo", "arch": "qwen3_next", "data": "pairs"},
+]
+
+
 def test_trl_sp2_matches_stock_trl(tmp_path):
     _run_cases(FAST, 2, tmp_path)
 
@@ -220,6 +229,12 @@ def test_trl_sp2_matches_stock_trl(tmp_path):
 @pytest.mark.slow
 def test_trl_sp4_matches_stock_trl(tmp_path):
     _run_cases(SLOW, 4, tmp_path)
+
+
+@pytest.mark.slow
+def test_trl_hybrids_ring_match_stock_trl(tmp_path):
+    """Gated DeltaNet and Mamba2 hybrids through the TRL drop-ins under a ring (state passing) vs stock TRL."""
+    _run_cases(HYBRIDS, 2, tmp_path)
 
 
 def _refusal_cases():

@@ -124,7 +124,7 @@ def _sp_world(cases: list[dict], model_dir: str, refs: str, out: str) -> list[di
     return res
 
 
-def _references(cases: list[dict], tmp_path) -> tuple[str, str]:
+def _references(cases: list[dict], tmp_path, arch: str = "llama", heads: tuple[int, int] = (4, 2)) -> tuple[str, str]:
     """Save the tiny model, run stock TRL on every case here; (model folder, file of the references and the initial
     parameters) for _sp_world."""
     from transformers import AutoModelForCausalLM
@@ -132,7 +132,7 @@ def _references(cases: list[dict], tmp_path) -> tuple[str, str]:
     from seqpar.hf import tiny_model
 
     model_dir = str(tmp_path / "tiny")
-    tiny_model("llama", 4, 2, vocab_size=len(_tok()), seed=0).save_pretrained(model_dir)
+    tiny_model(arch, *heads, vocab_size=len(_tok()), seed=0).save_pretrained(model_dir)
     init = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
     refs = [_train(c, model_dir, str(tmp_path / f"ref{i}"), None) for i, c in enumerate(cases)]
     torch.save([*refs, {k: v.detach() for k, v in init.items()}], tmp_path / "refs.pt")
@@ -152,8 +152,8 @@ def _check(results: list[list[dict]]) -> None:
         assert r["dloss"] <= TOL and r["dparam"] <= TOL, r
 
 
-def _run(cases: list[dict], world: int, tmp_path) -> None:
-    model_dir, refs = _references(cases, tmp_path)
+def _run(cases: list[dict], world: int, tmp_path, arch: str = "llama", heads: tuple[int, int] = (4, 2)) -> None:
+    model_dir, refs = _references(cases, tmp_path, arch, heads)
     _check(run_distributed(_sp_world, world, cases, model_dir, refs, str(tmp_path / "sp"), timeout=480))
 
 
@@ -169,6 +169,14 @@ def test_grpo_sp2_beta_matches_stock_trl(tmp_path):
 @pytest.mark.slow
 def test_grpo_dp2_matches_stock_trl(tmp_path):
     _run(SLOW_CASES, 4, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
+def test_grpo_hybrid_ring_matches_stock_trl(tmp_path, arch):
+    """A Gated DeltaNet (Qwen3.5) and a Mamba2 (Nemotron-H) hybrid with 3 q / 1 kv heads: the automatic mesh at
+    SP=2 is a ring, so the recurrent layers pass state; vs stock TRL's GRPOTrainer."""
+    _run(CASES[:1], 2, tmp_path, arch, (3, 1))
 
 
 # ---------------------------------------------------------------------------- (a) completions per SP group

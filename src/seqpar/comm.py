@@ -41,6 +41,7 @@ __all__ = [
     "agree_on_error",
     "all_reduce_values",
     "RingComm",
+    "send_recv",
     "STRICT_DEVICE_ENV",
     "strict_device_checks",
     "check_device",
@@ -311,6 +312,27 @@ def all_gather(
     xt = x.movedim(dim, 0).contiguous()
     out = gather(xt, gather_dim=0, group=group)
     return out.movedim(0, dim)
+
+
+def send_recv(send: torch.Tensor | None, dst: int | None, recv_like: torch.Tensor | None, src: int | None,
+              group: Any, stats: CommStats | None = None, channel: str = "p2p",
+              device: torch.device | None = None) -> torch.Tensor | None:
+    """Blocking point-to-point inside `group` (dst / src are ranks of the group): send `send` to dst and / or
+    receive a tensor shaped like `recv_like` from src (returned; None when nothing is received). Not
+    differentiable: callers wrap it in their own autograd Function (seqpar.recurrent.combine)."""
+    check_device([t for t in (send, recv_like) if t is not None], device, "send_recv")
+    works, out = [], None
+    if recv_like is not None:
+        out = torch.empty_like(recv_like, memory_format=torch.contiguous_format)
+        works.append(dist.irecv(out, dist.get_global_rank(group, src), group=group))
+    if send is not None:
+        send = send.contiguous()
+        if stats is not None:
+            stats.add(channel, _nbytes(send))
+        works.append(dist.isend(send, dist.get_global_rank(group, dst), group=group))
+    for w in works:
+        w.wait()
+    return out
 
 
 class RingComm:

@@ -23,20 +23,59 @@ from .comm import CommStats
 from .errors import SeqParError
 
 __all__ = ["SequenceParallelMesh", "init_mesh", "auto_degrees", "resolve_degrees", "check_divides", "divisors",
-           "needs_full_sequence", "node_size_from_env", "spans_nodes_message", "group_timeout_override"]
+           "RecurrentHeads", "recurrent_heads", "STATE_PASSING", "node_size_from_env", "spans_nodes_message",
+           "group_timeout_override"]
 
 LAYOUTS = ("zigzag", "contiguous")
+# How ring ranks combine recurrent layers' states (seqpar.recurrent.combine): point-to-point hand-off or all-gather.
+STATE_PASSING = ("chain", "scan")
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def needs_full_sequence(model_config: Any) -> bool:
-    """Whether the model has linear-attention layers (Qwen3-Next / Qwen3.5 Gated DeltaNet): their recurrence
-    needs the whole sequence on one rank, so SP must be pure Ulysses (seqpar.hf.linear_attention)."""
+@dataclass(frozen=True)
+class RecurrentHeads:
+    """The head counts of a hybrid model's recurrent layers, which bound its Ulysses degree (the ring has no
+    bound: state passing, seqpar.recurrent). kind "gated_deltanet" (Qwen3-Next / Qwen3.5): the degree divides the
+    k heads; "mamba2" (Nemotron-H, Granite 4, Bamba): it divides the heads and divides or is a multiple of the
+    B / C groups (seqpar.hf.mamba2)."""
+
+    kind: str
+    heads: int
+    groups: int = 1
+
+    def allows(self, ulysses: int) -> bool:
+        if self.heads % ulysses != 0:
+            return False
+        return self.kind != "mamba2" or self.groups % ulysses == 0 or ulysses % self.groups == 0
+
+    def degrees(self, sp_size: int) -> list[int]:
+        """The Ulysses degrees dividing sp_size that these layers allow."""
+        return [u for u in divisors(sp_size) if self.allows(u)]
+
+
+_RECURRENT_FIELDS = (  # (kind, heads field, groups field) of the config families seqpar runs
+    ("gated_deltanet", "linear_num_key_heads", None),
+    ("mamba2", "mamba_num_heads", "n_groups"),  # Nemotron-H
+    ("mamba2", "mamba_n_heads", "mamba_n_groups"),  # Granite 4 (GraniteMoeHybrid), Bamba
+)
+
+
+def recurrent_heads(model_config: Any) -> RecurrentHeads | None:
+    """The recurrent layers' head counts of a hybrid model's config (None: softmax attention only, or no
+    recurrent layer in its layer_types)."""
     cfg = getattr(model_config, "text_config", None) or model_config
-    return "linear_attention" in (getattr(cfg, "layer_types", None) or ())
+    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None) or ()
+    if not any(str(t) in ("linear_attention", "mamba") for t in types):
+        return None
+    for kind, heads, groups in _RECURRENT_FIELDS:
+        h = getattr(cfg, heads, None)
+        if isinstance(h, int) and h > 0:
+            g = getattr(cfg, groups, None) if groups else 1
+            return RecurrentHeads(kind, h, int(g) if isinstance(g, int) and g > 0 else 1)
+    return None
 
 
 def node_size_from_env(world: int) -> int:
@@ -50,30 +89,27 @@ def node_size_from_env(world: int) -> int:
 
 
 def auto_degrees(sp_size: int, num_heads: int | None = None, num_kv_heads: int | None = None, *,
-                 ulysses_only: bool = False, node_size: int | None = None) -> tuple[int, int]:
+                 recurrent: RecurrentHeads | None = None, node_size: int | None = None) -> tuple[int, int]:
     """Pick (ulysses_degree, ring_degree) with ulysses * ring == sp_size.
 
     With head counts: the largest ulysses degree that divides sp_size, num_heads, num_kv_heads and
     node_size (no dummy heads, no KV replication, and, since ranks are numbered node by node, no Ulysses
-    group across nodes: its all-to-alls stay on the fast intra-node links), the rest ring. Without head
-    counts: pure ring (ulysses=1), which is correct for every head count. ulysses_only (models with
-    linear-attention layers, `needs_full_sequence`): pure Ulysses, whatever node_size says (init_mesh warns
-    when that spans nodes); softmax heads it does not divide get dummy heads.
+    group across nodes: its all-to-alls stay on the fast intra-node links) and that a hybrid model's recurrent
+    layers allow (`recurrent`: their heads; they pass state around the ring for the rest), the rest ring.
+    Without head counts: pure ring (ulysses=1), which is correct for every head count and layer kind.
     """
-    if ulysses_only:
-        return sp_size, 1
     if num_heads is None:
         return 1, sp_size
     kv = num_kv_heads if num_kv_heads is not None else num_heads
     best = 1
     for u in divisors(sp_size):
-        if num_heads % u == 0 and kv % u == 0 and (node_size is None or node_size % u == 0):
+        if (num_heads % u == 0 and kv % u == 0 and (node_size is None or node_size % u == 0)
+                and (recurrent is None or recurrent.allows(u))):
             best = u
     return best, sp_size // best
 
 
-def spans_nodes_message(ulysses_degree: int, ring_degree: int, node_size: int, *,
-                        ulysses_only: bool = False) -> str | None:
+def spans_nodes_message(ulysses_degree: int, ring_degree: int, node_size: int) -> str | None:
     """Why a Ulysses degree that does not divide the processes per node is slow, and the fix (None: it fits)."""
     if ulysses_degree == 1 or node_size % ulysses_degree == 0:
         return None
@@ -82,8 +118,6 @@ def spans_nodes_message(ulysses_degree: int, ring_degree: int, node_size: int, *
     why = (f"ulysses_degree={ulysses_degree} does not divide the {node_size} processes per node (LOCAL_WORLD_SIZE): "
            f"some Ulysses groups span nodes and run their all-to-alls over the inter-node network (correct, but "
            f"slow); ")
-    if ulysses_only:  # linear-attention layers need the whole sequence per rank: pure Ulysses only
-        return why + f"this model needs pure Ulysses, so use a sequence-parallel size that divides {node_size}"
     return why + (f"set ulysses_degree={u} and ring_degree={sp // u} (ring traffic crosses nodes well), or leave "
                   f"both unset for the automatic choice")
 
@@ -113,6 +147,7 @@ class SequenceParallelMesh:
     ring_rank: int = 0
     ulysses_rank: int = 0
     layout: str = "zigzag"
+    state_passing: str = "chain"  # how the ring combines recurrent states (STATE_PASSING; seqpar.recurrent)
     device_mesh: Any = None
     sp_group: Any = None
     dp_group: Any = None
@@ -174,12 +209,12 @@ def check_divides(value: Any, size: int, message: str) -> None:
 
 
 def resolve_degrees(sp_size: int, ulysses_degree: int | None, ring_degree: int | None,
-                    num_heads: int | None = None, num_kv_heads: int | None = None, *, ulysses_only: bool = False,
-                    node_size: int | None = None) -> tuple[int, int]:
+                    num_heads: int | None = None, num_kv_heads: int | None = None, *,
+                    recurrent: RecurrentHeads | None = None, node_size: int | None = None) -> tuple[int, int]:
     """(ulysses, ring) as the mesh takes them: both given, one given (the other is sp_size // it), or neither
     (`auto_degrees`). The degrees given must divide sp_size (`check_divides`)."""
     if ulysses_degree is None and ring_degree is None:
-        return auto_degrees(sp_size, num_heads, num_kv_heads, ulysses_only=ulysses_only, node_size=node_size)
+        return auto_degrees(sp_size, num_heads, num_kv_heads, recurrent=recurrent, node_size=node_size)
     if ulysses_degree is None:
         return sp_size // ring_degree, ring_degree
     if ring_degree is None:
@@ -199,16 +234,20 @@ def init_mesh(
     device_type: str | None = None,
     node_size: int | None = None,
     timeout: timedelta | None = None,
+    state_passing: str = "chain",
 ) -> SequenceParallelMesh:
     """Build the dp x ring x ulysses mesh. Needs torch.distributed initialised unless world size is 1.
 
     dp = world_size // sp_size. ulysses_degree * ring_degree must equal sp_size; give one, both or
     neither (automatic, see `auto_degrees`; pass head counts or an HF `model_config` for the best
-    choice). `layout` is the ring sequence layout: "zigzag" (causal load balance, default) or
-    "contiguous". node_size: processes per node (default: LOCAL_WORLD_SIZE, see `node_size_from_env`);
-    the automatic degrees keep each Ulysses group inside a node, explicit degrees that do not get a
-    warning naming the fix. timeout: for every process group the mesh creates (default: the default
-    group's, as init_process_group(timeout=) set it). Every check runs before any process group is created.
+    choice: a hybrid model's config also bounds the Ulysses degree by its recurrent layers' heads). `layout` is
+    the ring sequence layout: "zigzag" (causal load balance, default) or "contiguous". node_size: processes per
+    node (default: LOCAL_WORLD_SIZE, see `node_size_from_env`); the automatic degrees keep each Ulysses group
+    inside a node, explicit degrees that do not get a warning naming the fix. timeout: for every process group
+    the mesh creates (default: the default group's, as init_process_group(timeout=) set it). Every check runs
+    before any process group is created. state_passing: how ring ranks combine the recurrent layers' states of
+    hybrid models (Gated DeltaNet, Mamba2): "chain" (sequential point-to-point hand-off) or "scan" (one
+    all-gather, each rank composes its prefix); both exact, docs/benchmarks.md compares their cost.
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     num_heads, num_kv_heads = _check_mesh_args(sp_size, ulysses_degree, ring_degree, num_heads, num_kv_heads,
@@ -216,22 +255,27 @@ def init_mesh(
     node = node_size if node_size is not None else node_size_from_env(world)
     if not isinstance(node, int) or node < 1:
         raise SeqParError(f"node_size={node!r} must be a positive int (processes per node)")
+    if state_passing not in STATE_PASSING:
+        raise SeqParError(f"state_passing={state_passing!r} is unknown: use one of {STATE_PASSING}")
     if timeout is not None and not isinstance(timeout, timedelta):
         raise SeqParError(f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None")
-    full = model_config is not None and needs_full_sequence(model_config)
+    rec = recurrent_heads(model_config) if model_config is not None else None
     ulysses_degree, ring_degree = resolve_degrees(sp_size, ulysses_degree, ring_degree, num_heads, num_kv_heads,
-                                                  ulysses_only=full, node_size=node)
+                                                  recurrent=rec, node_size=node)
     if ulysses_degree * ring_degree != sp_size:
         raise SeqParError(
             f"ulysses_degree={ulysses_degree} x ring_degree={ring_degree} = {ulysses_degree * ring_degree} "
             f"!= sp_size={sp_size}: choose degrees whose product is sp_size"
         )
     if world == 1:
-        return SequenceParallelMesh(dp_size=1, ring_degree=1, ulysses_degree=1, layout=layout)
-    span = spans_nodes_message(ulysses_degree, ring_degree, node, ulysses_only=full)
+        return SequenceParallelMesh(dp_size=1, ring_degree=1, ulysses_degree=1, layout=layout,
+                                    state_passing=state_passing)
+    span = spans_nodes_message(ulysses_degree, ring_degree, node)
     if span is not None and dist.get_rank() == 0:
         warnings.warn(span, stacklevel=2)
-    return _build_mesh(world, sp_size, ulysses_degree, ring_degree, layout, device_type or _device_type(), timeout)
+    mesh = _build_mesh(world, sp_size, ulysses_degree, ring_degree, layout, device_type or _device_type(), timeout)
+    mesh.state_passing = state_passing
+    return mesh
 
 
 def _check_mesh_args(sp_size: Any, ulysses_degree: Any, ring_degree: Any, num_heads: int | None,

@@ -5,7 +5,9 @@
      python -m seqpar.bench gpu [--out bench_results/gpu.json] [--parts attention,packed,train] [--runs A,B]
                                 [--trace RUN] [--quick]   (needs a CUDA GPU: docs/gpu.md)
      python -m seqpar.bench layer-memory [--out bench_results/layer_memory.json] [--lengths 1152,2304]
-                                         [--configs A,B] [--quick]."""
+                                         [--configs A,B] [--quick]
+     python -m seqpar.bench recurrent [--out bench_results/recurrent.json] [--seq-len 4096] [--sp 2,4] [--quick]
+                                      (hybrid layers: state passing across a ring vs Ulysses)."""
 
 from __future__ import annotations
 
@@ -54,9 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     rol.add_argument("--quick", action="store_true", help="tiny model, few tokens (smoke test)")
     rol.add_argument("--sp", default="1,2,4", help="comma-separated SP sizes")
     rol.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
+    rec = sub.add_parser("recurrent", help="Gated DeltaNet / Mamba2 layers: ring state passing vs Ulysses at one SP")
+    rec.add_argument("--out", default="bench_results/recurrent.json", help="JSON output path")
+    rec.add_argument("--quick", action="store_true", help="tiny layers, 64 tokens (smoke test)")
+    rec.add_argument("--seq-len", type=int, default=None, help="full sequence length (default 4096)")
+    rec.add_argument("--sp", default="2,4", help="comma-separated SP sizes (2 and / or 4)")
+    rec.add_argument("--reps", type=int, default=3, help="timed repetitions per point (after one warm-up)")
+    rec.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
     _add_gpu(sub)
     args = parser.parse_args(argv)
-    other = {"gpu": _gpu, "rollout": _rollout, "step": _step, "memory": _memory, "layer-memory": _layer_memory}
+    other = {"gpu": _gpu, "rollout": _rollout, "step": _step, "memory": _memory, "layer-memory": _layer_memory,
+             "recurrent": _recurrent}
     if args.bench in other:
         return other[args.bench](args)
 
@@ -121,6 +131,19 @@ def _gpu(args: argparse.Namespace) -> int:
 
     result = run(tuple(args.parts.split(",")), quick=args.quick, runs=args.runs.split(",") if args.runs else None,
                  timeout=args.timeout, trace=args.trace, out=args.out)
+    args.png = "none"
+    return _report(args, result, summary_lines)
+
+
+def _recurrent(args: argparse.Namespace) -> int:
+    from .recurrent import run, summary_lines
+
+    sp = tuple(int(x) for x in args.sp.split(","))
+    if any(p not in (2, 4) for p in sp):
+        from ..errors import SeqParError
+
+        raise SeqParError(f"--sp {args.sp}: the recurrent benchmark runs SP sizes 2 and 4")
+    result = run(quick=args.quick, seq_len=args.seq_len, reps=args.reps, sp_sizes=sp, timeout=args.timeout)
     args.png = "none"
     return _report(args, result, summary_lines)
 

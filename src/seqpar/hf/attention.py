@@ -31,6 +31,7 @@ from ..unwrap import base_model as _base_model
 from .attention_fn import make_attention_fn, make_linear_forward
 from .forward_plan import ForwardPlan, SPState, make_backbone_hook
 from .linear_attention import check_linear_attention, find_linear_attention
+from .mamba2 import check_mamba2, find_mamba2
 from .mixers import check_softmax_attention_only
 from .vision import check_vlm, is_vlm, vision_batch_inputs, vision_pre_hook, vlm_language_model
 
@@ -106,8 +107,11 @@ def _checked_config(base: torch.nn.Module, mesh: SequenceParallelMesh) -> tuple[
             "model.language_model with its own lm_head)"
         )
     check_config(cfg)
-    linear = find_linear_attention(base)  # Gated DeltaNet (Qwen3-Next, Qwen3.5): run by seqpar under Ulysses
+    linear = find_linear_attention(base)  # Gated DeltaNet (Qwen3-Next, Qwen3.5): run by seqpar (recurrent/)
     check_linear_attention(linear, mesh)
+    mamba = find_mamba2(base)  # Mamba2 mixers (Nemotron-H, Granite 4, Bamba)
+    check_mamba2(mamba, mesh)
+    linear = linear + mamba
     allowed = frozenset({"linear_attention"}) if linear else frozenset()
     decoder = vlm_language_model(base) if vlm else base  # a vision tower's patch convolution is no sequence mixer
     check_softmax_attention_only(decoder, cfg, tuple(linear), allowed)  # other linear attention, SSMs, convs, ...
@@ -140,12 +144,14 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, attention
     sinks, nested/encoder-decoder configs, MoE router aux losses (output_router_logits), any sequence
     mixing outside softmax attention (linear attention, Mamba/SSM, convolutions, recurrences, chunked
-    attention: see seqpar.hf.mixers) except the Gated DeltaNet layers of Qwen3-Next / Qwen3.5, which
-    run under pure Ulysses (ring_degree=1, k heads divisible by the degree: seqpar.hf.linear_attention)
+    attention: see seqpar.hf.mixers) except the Gated DeltaNet layers of Qwen3-Next / Qwen3.5 and the Mamba2
+    mixers of Nemotron-H / Granite 4 / Bamba, which run in every mode (ring / USP by state passing:
+    seqpar.hf.linear_attention, seqpar.hf.mamba2; the Ulysses degree must split their heads)
     (here); attention dropout in train mode, non-causal attention, sliding windows shorter than
     the sequence (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
     the kernel each model's first attention call resolves to is printed once per process, on rank 0.
     head_chunks: seqpar.attention's head_chunks= (the kernels run per group of heads; attention.heads).
+    The recurrent layers' states travel the ring as the mesh's `state_passing` says (seqpar.init_mesh).
     """
     from transformers import AttentionInterface
 

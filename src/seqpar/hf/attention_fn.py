@@ -18,6 +18,7 @@ from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 from .forward_plan import PLAN_KWARG, ForwardPlan, SPState
 from .linear_attention import sp_gated_delta_forward
+from .mamba2 import MAMBA2_CLASSES, sp_mamba2_forward
 
 __all__ = ["make_attention_fn", "make_linear_forward", "check_attention_call"]
 
@@ -153,7 +154,8 @@ def _planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: 
 
 
 def make_linear_forward(state_ref: weakref.ReferenceType) -> Any:
-    """Replacement forward for a Gated DeltaNet layer (bound to the instance; same signature as upstream's)."""
+    """Replacement forward for a recurrent mixer (Gated DeltaNet, Mamba2) bound to the instance; same signature as
+    upstream's."""
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache_params: Any = None,
                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
@@ -172,6 +174,7 @@ def make_linear_forward(state_ref: weakref.ReferenceType) -> Any:
             )
         # cache_params (transformers >= 5.24: `cache`, in kwargs): never filled under SP (use_cache is forced off;
         # filled caches are refused by the plan).
-        return sp_gated_delta_forward(self, hidden_states, attention_mask, plan.row_bounds, state.mesh)
+        run = sp_mamba2_forward if type(self).__name__ in MAMBA2_CLASSES else sp_gated_delta_forward
+        return run(self, hidden_states, attention_mask, plan.row_bounds, state.mesh)
 
     return forward

@@ -1,24 +1,26 @@
-"""Sequence-parallel Gated DeltaNet (the linear-attention layers of Qwen3-Next / Qwen3.5) under Ulysses.
+"""Sequence-parallel Gated DeltaNet (the linear-attention layers of Qwen3-Next / Qwen3.5): Ulysses, ring, USP.
 
 A Gated DeltaNet layer (transformers' `Qwen3NextGatedDeltaNet.forward`, `Qwen3_5GatedDeltaNet.forward`):
 per-token input projections -> depthwise causal Conv1d over the sequence on the q|k|v channels ->
 gated delta-rule recurrence per head over the sequence -> gated RMSNorm per v-head vector -> out_proj.
-Only the conv and the recurrence look along the sequence, and both are independent per head (per
-channel), so Ulysses applies as to softmax attention: after the per-token projections on the local
-shard, one all-to-all turns sequence shards into k-head-GROUP shards of the FULL sequence (a rank
-owns num_k_heads / P k heads and the v heads under them), the conv runs with this rank's channel
-slice of `conv1d.weight`, the recurrence with this rank's slice of `A_log` / `dt_bias` (slicing a
-parameter is differentiable: LoRA / FSDP still see the layer's own parameters used), then a second
-all-to-all returns the outputs to sequence shards for the per-token norm and out_proj.
+Only the conv and the recurrence look along the sequence, and both are independent per head (per channel):
+
+- Ulysses: after the per-token projections on the local shard, one all-to-all turns sequence shards into
+  k-head-GROUP shards of the ring rank's sequence (a rank owns num_k_heads / U k heads and the v heads under
+  them); the conv runs with this rank's channel slice of `conv1d.weight`, the recurrence with its slice of
+  `A_log` / `dt_bias` (slicing a parameter is differentiable: LoRA / FSDP still see the layer's own
+  parameters used); a second all-to-all returns the outputs to sequence shards for the norm and out_proj.
+- Ring (and USP, ring across Ulysses groups): the ring rank's segments are stretches of the sequence, so the
+  conv gets its history and the recurrence its incoming state from the chunks before them, by state passing
+  (seqpar.recurrent: each rank runs its pieces from a zero state in parallel, the ring combines the pieces'
+  affine transitions, outputs are corrected with the incoming state; backward by autograd through the same
+  ops). Zigzag segments are handled in global order; packed documents restart conv and state at every boundary.
 
 The conv and the recurrence are the layer module's own functions (`causal_conv1d_fn`,
 `torch_chunk_gated_delta_rule`: the torch fallbacks, or a hub kernel where transformers loaded one).
-The torch fallbacks ignore `cu_seqlens`, so packed documents run one document at a time (both the
-conv and the recurrence restart at every boundary, as for a document on its own).
 
-Refused (SeqParError at apply time, identically on every rank, before any collective): a ring
-degree > 1 (the recurrence needs the whole sequence on one rank) and k-head counts the Ulysses
-degree does not divide.
+Refused (SeqParError at apply time, identically on every rank, before any collective): k-head counts the
+Ulysses degree does not divide.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ import torch.nn.functional as F
 from ..attention.ulysses import heads_to_seq, seq_to_heads
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh, divisors
+from ..recurrent import delta_piece, ring_plan, ring_recurrence
 
-__all__ = ["LINEAR_ATTENTION_CLASSES", "find_linear_attention", "check_linear_attention", "sp_gated_delta_forward"]
+__all__ = ["LINEAR_ATTENTION_CLASSES", "find_linear_attention", "check_linear_attention", "sp_gated_delta_forward",
+           "head_space_plan"]
 
 # Layers whose forward sp_gated_delta_forward reproduces (same algorithm; they differ only in the projections).
 LINEAR_ATTENTION_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
@@ -48,12 +52,6 @@ def check_linear_attention(layers: list[torch.nn.Module], mesh: SequenceParallel
     """Raise SeqParError (same on every rank: depends on config and mesh only) if SP cannot run these layers."""
     if not layers:
         return
-    if mesh.ring_degree > 1:
-        raise SeqParError(
-            f"{type(layers[0]).__name__}: linear-attention layers need the full sequence on one rank: use "
-            f"ring_degree=1 / pure Ulysses (got ulysses={mesh.ulysses_degree} x ring={mesh.ring_degree}; e.g. "
-            f"sequence_parallel: {{size: {mesh.sp_size}, ring_degree: 1}})"
-        )
     p = mesh.ulysses_degree
     for layer in layers:
         nk, nv = int(layer.num_k_heads), int(layer.num_v_heads)
@@ -81,23 +79,18 @@ def _project(layer: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...
     return q, k, v, z, layer.in_proj_b(h), layer.in_proj_a(h)
 
 
-def _conv_and_recurrence(layer: torch.nn.Module, fns: Any, parts: tuple, params: tuple) -> torch.Tensor:
-    """Upstream's conv + delta rule on one stretch of the sequence (head space): -> [B, L, nv_loc, dv]."""
-    q, k, v, b, a = parts
-    weight, bias, a_log, dt_bias = params
-    bsz, n = q.shape[:2]
-    mixed = torch.cat([q.reshape(bsz, n, -1), k.reshape(bsz, n, -1), v.reshape(bsz, n, -1)], dim=-1)
-    mixed = fns.causal_conv1d_fn(mixed.transpose(1, 2), weight, bias, activation=layer.activation).transpose(1, 2)
-    q, k, v = torch.split(mixed, [q.shape[2] * q.shape[3], k.shape[2] * k.shape[3], v.shape[2] * v.shape[3]], -1)
-    q = q.reshape(bsz, n, -1, layer.head_k_dim)
-    k = k.reshape(bsz, n, -1, layer.head_k_dim)
-    v = v.reshape(bsz, n, -1, layer.head_v_dim)
-    beta = b.sigmoid()
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)  # as upstream (A_log in fp32)
-    out, _ = fns.torch_chunk_gated_delta_rule(
-        q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True
-    )
-    return out
+def _delta_piece_fn(layer: torch.nn.Module, fns: Any, nk_l: int) -> Any:
+    """The engine's piece function: conv output [b, L, C] + (beta, g) -> the delta rule on the piece."""
+    kd, vd = layer.head_k_dim, layer.head_v_dim
+
+    def piece(y: torch.Tensor, side: tuple[torch.Tensor, ...], carries: bool) -> Any:
+        b, n = y.shape[:2]
+        q, k, v = torch.split(y, [nk_l * kd, nk_l * kd, y.shape[-1] - 2 * nk_l * kd], dim=-1)
+        beta, g = side
+        return delta_piece(fns.torch_chunk_gated_delta_rule, q.reshape(b, n, nk_l, kd), k.reshape(b, n, nk_l, kd),
+                           v.reshape(b, n, -1, vd), g, beta, carries)
+
+    return piece
 
 
 def _param_slices(layer: torch.nn.Module, rank: int, p: int) -> tuple:
@@ -117,6 +110,11 @@ def _param_slices(layer: torch.nn.Module, rank: int, p: int) -> tuple:
     return weight, bias, layer.A_log[heads], layer.dt_bias[heads]
 
 
+def head_space_plan(mesh: SequenceParallelMesh, full_len: int, row_bounds: tuple[tuple[int, ...], ...]) -> Any:
+    """The ring plan of this rank's head-space sequence (its ring rank's segments, after Ulysses' all-to-all)."""
+    return ring_plan(full_len, mesh.ring_degree, mesh.ring_rank, mesh.effective_layout, row_bounds)
+
+
 def sp_gated_delta_forward(
     layer: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -124,9 +122,10 @@ def sp_gated_delta_forward(
     row_bounds: tuple[tuple[int, ...], ...],
     mesh: SequenceParallelMesh,
 ) -> torch.Tensor:
-    """The layer's forward on this rank's sequence shard [B, S/P, H] (contiguous layout) -> [B, S/P, H].
+    """The layer's forward on this rank's sequence shard [B, S/sp, H] (the mesh's layout) -> [B, S/sp, H].
 
     `row_bounds`: per row, the inner packed-document starts in the full sequence (ForwardPlan.row_bounds).
+    Ring ranks combine their chunks' states as mesh.state_passing says (seqpar.recurrent.combine).
     """
     fns = sys.modules[type(layer).__module__]  # the layer's own conv / recurrence functions
     if attention_mask is not None:  # 2-D padding mask of the local shard (upstream zeroes padded states)
@@ -138,23 +137,20 @@ def sp_gated_delta_forward(
     packed = torch.cat([q, k, v.reshape(bsz, s_loc, nk, -1), b.reshape(bsz, s_loc, nk, r),
                         a.reshape(bsz, s_loc, nk, r)], dim=-1)
     group, dev = mesh.ulysses_group, mesh.comm_device
-    packed = seq_to_heads(packed, group, mesh.stats, device=dev)  # [B, S, nk/P, C]
+    packed = seq_to_heads(packed, group, mesh.stats, device=dev)  # [B, n, nk/U, C]: the ring rank's segments
     n, nk_l = packed.shape[1], packed.shape[2]
     qh, kh, vh, bh, ah = torch.split(packed, [dk, dk, r * layer.head_v_dim, r, r], dim=-1)
-    parts = (qh, kh, vh.reshape(bsz, n, nk_l * r, layer.head_v_dim), bh.reshape(bsz, n, -1), ah.reshape(bsz, n, -1))
-    params = _param_slices(layer, mesh.ulysses_rank, mesh.ulysses_degree)
-    if not any(row_bounds):
-        out = _conv_and_recurrence(layer, fns, parts, params)
-    else:  # packed documents: the conv and the recurrence restart at every boundary
-        rows = []
-        for i, bounds in enumerate(row_bounds):
-            edges = [0, *bounds, n]
-            docs = [
-                _conv_and_recurrence(layer, fns, tuple(t[i : i + 1, s:e] for t in parts), params)
-                for s, e in zip(edges[:-1], edges[1:])
-            ]
-            rows.append(torch.cat(docs, dim=1))
-        out = torch.cat(rows, dim=0)
+    weight, bias, a_log, dt_bias = _param_slices(layer, mesh.ulysses_rank, mesh.ulysses_degree)
+    mixed = torch.cat([qh.reshape(bsz, n, -1), kh.reshape(bsz, n, -1), vh.reshape(bsz, n, -1)], dim=-1)
+    beta = bh.reshape(bsz, n, -1).sigmoid()
+    g = -a_log.float().exp() * F.softplus(ah.reshape(bsz, n, -1).float() + dt_bias)  # as upstream (A_log in fp32)
+
+    def conv(x: torch.Tensor) -> torch.Tensor:
+        return fns.causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=layer.activation).transpose(1, 2)
+
+    plan = head_space_plan(mesh, s_loc * mesh.sp_size, row_bounds)
+    out = ring_recurrence(mixed, (beta, g), plan, mesh, conv, _delta_piece_fn(layer, fns, nk_l), "matrix",
+                          int(layer.conv_kernel_size), mesh.state_passing)  # [B, n, nv/U, dv]
     out = heads_to_seq(out.contiguous(), group, mesh.stats, device=dev)  # [B, s, nv, dv]
     # Per token, as upstream: gated RMSNorm per v-head vector, then out_proj.
     normed = layer.norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))

@@ -9,8 +9,9 @@ local shard alone and silently give wrong results. Three independent signals, an
   LinearAttention, LightningAttention, ShortConv, ...);
 - the config: `layer_types` entries that are not softmax attention ("linear_attention", "mamba",
   "conv", "hybrid", "chunked_attention", ...), `layers_block_type`, `attention_chunk_size`.
-The Gated DeltaNet layers of Qwen3-Next / Qwen3.5 are the exception: seqpar.hf.linear_attention runs
-them under Ulysses, and apply_sequence_parallel passes them here as `supported`.
+The Gated DeltaNet layers of Qwen3-Next / Qwen3.5 and the Mamba2 mixers of Nemotron-H / Granite 4 / Bamba are
+the exception: seqpar.hf.linear_attention and seqpar.hf.mamba2 run them (Ulysses, ring, USP), and
+apply_sequence_parallel passes them here as `supported`.
 Sliding-window attention is softmax attention with a window: it is checked per forward instead
 (refused only when the window is shorter than the sequence).
 """
@@ -26,8 +27,10 @@ from ..errors import SeqParError
 
 __all__ = ["ATTENTION_LAYER_TYPES", "find_sequence_mixers", "check_softmax_attention_only"]
 
-# layer_types values that are plain softmax attention (full or sliding window).
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
+# layer_types values that are plain softmax attention (full or sliding window), or per-token blocks that mix
+# nothing along the sequence (Nemotron-H lists its MLP / MoE blocks as layers).
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global", "local", "mlp",
+                                   "moe"})
 _MIXER_NAMES = re.compile(
     r"GatedDeltaNet|DeltaNet|Mamba|SSM|Ssm|Mixer|Recurrent|Rglru|RWKV|Rwkv|xLSTM|mLSTM|sLSTM|LinearAttention|"
     r"LinearAttn|LightningAttention|ShortConv|Hyena|Retention"
@@ -111,5 +114,6 @@ def check_softmax_attention_only(
             f"{type(model).__name__} mixes information along the sequence outside softmax attention ({listed}). "
             "seqpar supports softmax-attention models only: these layers would see only their rank's shard and "
             "give silently wrong results. Use a softmax-attention model (Llama, Qwen2/3, Mistral, Gemma2/3, "
-            "Phi3, ...) or a supported hybrid (Qwen3-Next, Qwen3.5 text: Gated DeltaNet), or train without SP"
+            "Phi3, ...) or a supported hybrid (Qwen3-Next, Qwen3.5 text: Gated DeltaNet; Nemotron-H, Granite 4 "
+            "(GraniteMoeHybrid), Bamba: Mamba2), or train without SP"
         )

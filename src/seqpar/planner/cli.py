@@ -18,17 +18,7 @@ def add_plan_parser(sub: Any) -> None:
                                     "recommend one and print its YAML")
     p.add_argument("--model", default=None, help="bundled name (llama-3.1-8b, qwen2.5-7b, qwen3-32b, smollm2, ...), "
                                                  "tiny:<arch>, a model directory or config.json")
-    c = p.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, default=8)
-    c.add_argument("--gpus-per-node", type=int, default=None)
-    c.add_argument("--gpu", default=None, help="preset: a100-80g | h100 | h200 (default h100 numbers)")
-    c.add_argument("--gpu-mem", default=None, help="per-GPU memory, e.g. 80GiB")
-    c.add_argument("--host-mem", default=None, help="host RAM per GPU for offloaded tensors, e.g. 256GiB, or none "
-                                                     "(default: a DGX node's RAM less 10%%, shared by the GPUs the "
-                                                     "job uses on it: 2 TiB for h100/h200, 1 TiB for a100-80g)")
-    c.add_argument("--intra-bw", type=float, default=None, help="GB/s per GPU inside a node")
-    c.add_argument("--inter-bw", type=float, default=None, help="GB/s per GPU across nodes")
-    c.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s per GPU")
+    _cluster_args(p.add_argument_group("cluster"))
     w = p.add_argument_group("workload")
     g = w.add_mutually_exclusive_group()
     g.add_argument("--seq-len", type=int, default=None)
@@ -57,6 +47,8 @@ def add_plan_parser(sub: Any) -> None:
                    help="memory.tiled_layer: norms, projections and MLP in sequence tiles (planner.tiled)")
     s.add_argument("--offload-activations", action="store_true")
     s.add_argument("--offload-optimizer", action="store_true")
+    s.add_argument("--state-passing", choices=("chain", "scan"), default="chain",
+                   help="hybrids under a ring: how the recurrent layers' states travel (docs/hf.md)")
     s.add_argument("--keep-attention", action="store_true",
                    help="memory.keep_attention: checkpointing keeps attention's outputs (no recompute of it)")
     s.add_argument("--attention-head-chunks", default="1",
@@ -73,6 +65,19 @@ def add_plan_parser(sub: Any) -> None:
                    "(memory.keep_attention)")
     v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")
     p.set_defaults(func=cmd_plan)
+
+
+def _cluster_args(c: Any) -> None:
+    c.add_argument("--gpus", type=int, default=8)
+    c.add_argument("--gpus-per-node", type=int, default=None)
+    c.add_argument("--gpu", default=None, help="preset: a100-80g | h100 | h200 (default h100 numbers)")
+    c.add_argument("--gpu-mem", default=None, help="per-GPU memory, e.g. 80GiB")
+    c.add_argument("--host-mem", default=None, help="host RAM per GPU for offloaded tensors, e.g. 256GiB, or none "
+                                                     "(default: a DGX node's RAM less 10%%, shared by the GPUs the "
+                                                     "job uses on it: 2 TiB for h100/h200, 1 TiB for a100-80g)")
+    c.add_argument("--intra-bw", type=float, default=None, help="GB/s per GPU inside a node")
+    c.add_argument("--inter-bw", type=float, default=None, help="GB/s per GPU across nodes")
+    c.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s per GPU")
 
 
 def _request(args: argparse.Namespace) -> Any:
@@ -92,7 +97,7 @@ def _request(args: argparse.Namespace) -> Any:
     ac = False if args.no_activation_checkpointing else (True if args.activation_checkpointing else None)
     return Request(
         workload=Workload(args.seq_len or 0, args.stage, args.finetuning, args.precision, args.micro_batch_size,
-                          unsupervised_tokens=args.prompt_len),
+                          unsupervised_tokens=args.prompt_len, state_passing=args.state_passing),
         ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, activation_checkpointing=ac,
         fused_loss=not args.no_fused_loss, tiled_mlp=args.tiled_mlp, tiled_layer=args.tiled_layer,
         offload_activations=args.offload_activations,

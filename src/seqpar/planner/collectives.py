@@ -4,11 +4,11 @@ The time model charges each collective `calls x latency + bytes / bandwidth`, so
 much as the bytes when messages are small (gloo on a CPU: ~0.2-1.6 ms a call). They follow what
 `seqpar train`'s step runs (tests/test_planner.py checks every count against torch.profiler's c10d ops):
 
-- per decoder layer and forward pass: Ulysses 2 all-to-alls (q, k, v fused out; the output back), ring
+- per softmax-attention layer and forward pass: Ulysses 2 all-to-alls (q, k, v fused out; the output back), ring
   2 (r-1) sends (K and V, r-1 hops); per backward: Ulysses 2 all-to-alls, ring 2 (r-1) K/V sends plus
   r-1 dK/dV sends (one stacked buffer a hop; a reduce-scatter ring: each rank keeps its own block's
   part). Forward passes: the policy's, its recomputation under activation checkpointing, and DPO's
-  reference pass (no backward);
+  reference pass (no backward); a hybrid's recurrent layers: planner.recurrent (Ulysses, conv halo, state passing);
 - one small all-gather of position ids per model call (the ForwardPlan: all SP ranks decide alike);
 - gradients: without FSDP, over sp and then over dp, one all-reduce per large trainable tensor (in place)
   and one for all the small ones (fp32: bf16 runs reduce the fp32 master gradients); with FSDP2 (one unit
@@ -70,7 +70,7 @@ def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
     out: list[Collective] = []
     hq, hkv = sent_ulysses_heads(m, lay)  # the ring (USP) moves the kv heads the exchange placed
     fwd_bwd, fwd_only = passes(wl, feats)
-    fwds, L, r = fwd_bwd + fwd_only, m.layers, lay.ring
+    fwds, L, r = fwd_bwd + fwd_only, m.attn_layers, lay.ring
     if lay.ulysses > 1:
         one = ulysses_theory(wl.seq_len // r, wl.rows, hq, hkv, m.head_dim, lay.ulysses, wl.elt)
         out.append(Collective("ulysses", "all_to_all", "ulysses", 2 * L * (fwds + 1), one * L * (fwds + 1)))
@@ -78,6 +78,35 @@ def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
         t = ring_theory(wl.seq_len, wl.rows, hkv, m.head_dim, r, wl.elt)
         calls = L * (2 * (r - 1) * fwds + 2 * (r - 1) + (r - 1))
         out.append(Collective("ring", "p2p", "ring", calls, L * (t["fwd"] * fwds + t["bwd"]) // lay.ulysses))
+    return out
+
+
+def _recurrent(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
+    """A hybrid's recurrent layers (planner.recurrent): Ulysses' two all-to-alls, the conv halo and the state
+    passing, per forward pass and again in backward. The chain's hops wait on each other, so its calls and bytes
+    are the whole chain's (each rank's critical path), not only this rank's sends."""
+    rec, L = m.recurrent, m.linear_layers
+    if rec is None or L == 0:
+        return []
+    fwd_bwd, fwd_only = passes(wl, feats)
+    n = L * (fwd_bwd + fwd_only + 1)  # forward passes and the backward
+    u, r, e, rows = lay.ulysses, lay.ring, wl.elt, wl.rows
+    tokens = rows * wl.seq_len // lay.sp
+    out: list[Collective] = []
+    if u > 1:
+        inward, outward = rec.ulysses_elems(u)
+        out.append(Collective("ulysses_recurrent", "all_to_all", "ulysses", 2 * n,
+                              n * tokens * (inward + outward) * e * (u - 1) // u))
+    if r > 1:
+        segs = 2  # zigzag: two segments per ring rank
+        halo = rows * segs * (rec.conv_kernel - 1) * (rec.conv_channels // u) * e * (r - 1)
+        out.append(Collective("halo", "all_gather", "ring", n, n * halo))
+        s_el, m_el = rec.state_elems(u)
+        if wl.state_passing == "scan":
+            out.append(Collective("state", "all_gather", "ring", n, n * rows * segs * (s_el + m_el) * 4 * (r - 1)))
+        else:
+            hops = 2 * r - 2  # zigzag: 2R-1 steps, the middle one (chunk R-1 -> R) on one rank
+            out.append(Collective("state", "p2p", "ring", n * hops, n * hops * rows * s_el * 4))
     return out
 
 
@@ -116,7 +145,7 @@ def _bookkeeping(wl: Workload, lay: Layout) -> list[Collective]:
 
 def step_collectives(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
     """Every collective one rank issues in one optimizer step (one micro-batch)."""
-    out = _attention(m, wl, lay, feats)
+    out = _attention(m, wl, lay, feats) + _recurrent(m, wl, lay, feats)
     if lay.sp > 1:
         model_calls = 1 + int(wl.stage == "dpo")
         tokens = wl.rows * (wl.seq_len // lay.sp)

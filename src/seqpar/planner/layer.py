@@ -25,11 +25,22 @@ def norm_bytes(m: ModelFacts, e: int, input_grad: bool, weight_trains: bool, con
 
 
 def attention_bytes(m: ModelFacts, wl: Workload, u: int) -> int:
+    """The mixer's saved bytes per local token: softmax attention's, or for a hybrid the average over its layers
+    of attention's and the recurrent mixer's (planner.recurrent; counted with state passing's extra columns)."""
+    soft = _softmax_bytes(m, wl, u)
+    if not m.linear_layers or m.recurrent is None:
+        return soft
+    rec = m.recurrent.saved_bytes_per_token(wl.elt, 2)
+    return (m.attn_layers * soft + m.linear_layers * rec) // m.layers
+
+
+def _softmax_bytes(m: ModelFacts, wl: Workload, u: int) -> int:
     e, d = wl.elt, m.head_dim
     n = 0
     if m.qk_norm:
         full = not wl.lora
         n += 4 * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads) + (e * (m.q_dim + m.kv_dim) if full else 0)
+    n += e * m.q_dim if m.gated_attention else 0  # the output gate
     if u == 1:
         return n + e * (2 * m.q_dim + 2 * m.kv_dim) + 4 * m.heads
     plan = head_plan(m.heads, m.kv_heads, u)
@@ -84,7 +95,8 @@ def kept_attention_bytes(m: ModelFacts, e: int, u: int, ring: int) -> int:
         wq, heads = plan.padded_heads * m.head_dim, plan.padded_heads
     else:
         wq, heads = m.q_dim, m.heads
-    return math.ceil(ring_rows_factor(ring) * (e * wq + 4 * heads))
+    # a hybrid's recurrent layers keep nothing of the kind: spread over all layers as the callers count them
+    return math.ceil(ring_rows_factor(ring) * (e * wq + 4 * heads) * m.attn_layers / m.layers)
 
 
 def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features, ring: int = 1) -> int:

@@ -14,11 +14,14 @@ from typing import Any
 
 from ..errors import SeqParError
 from ..textfiles import read_json
+from .recurrent import RecurrentFacts, recurrent_facts
 
 __all__ = ["ModelFacts", "load_model_facts", "bundled_models"]
 
 # Architectures whose attention normalises q and k per head (RMSNorm over head_dim) before RoPE.
-QK_NORM_TYPES = ("qwen3",)
+QK_NORM_TYPES = ("qwen3", "qwen3_5_text", "qwen3_next")
+# Gated attention (Qwen3.5 / Qwen3-Next): q_proj also produces a per-channel output gate (twice q's width).
+GATED_ATTENTION_TYPES = ("qwen3_5_text", "qwen3_next")
 # Architectures with a bias on the q/k/v projections.
 QKV_BIAS_TYPES = ("qwen2",)
 
@@ -39,6 +42,14 @@ class ModelFacts:
     qk_norm: bool = False
     qkv_bias: bool = False
     sliding_window: int | None = None  # the window of the model's sliding-attention layers (None: none)
+    recurrent: RecurrentFacts | None = None  # hybrids: the recurrent mixer of `linear_layers` of the layers
+    linear_layers: int = 0
+    gated_attention: bool = False  # q_proj also gives attention's output gate (GATED_ATTENTION_TYPES)
+
+    @property
+    def attn_layers(self) -> int:
+        """Layers whose mixer is softmax attention (all of them but a hybrid's recurrent ones)."""
+        return self.layers - self.linear_layers
 
     @property
     def q_dim(self) -> int:
@@ -50,15 +61,30 @@ class ModelFacts:
 
     def _layer_tensors(self) -> list[int]:
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        t = [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h, h, h]  # q k v o, gate up down, two norms
+        gq = 2 * q if self.gated_attention else q
+        t = [h * gq, h * kv, h * kv, q * h, h * i, h * i, i * h, h, h]  # q k v o, gate up down, two norms
         if self.qkv_bias:
             t += [q, kv, kv]
         if self.qk_norm:
             t += [self.head_dim, self.head_dim]
         return t
 
+    def _recurrent_layer_tensors(self) -> list[int]:
+        """A hybrid's recurrent layer: its mixer, the MLP (gate up down) and two norms."""
+        h, i = self.hidden, self.intermediate
+        assert self.recurrent is not None
+        return self.recurrent.mixer_tensors(h) + [h * i, h * i, i * h, h, h]
+
+    def decoder_tensors(self) -> list[int]:
+        """Element counts of every decoder layer's parameters."""
+        rec = self.linear_layers * self._recurrent_layer_tensors() if self.linear_layers else []
+        return self.attn_layers * self._layer_tensors() + rec
+
     def layer_params(self) -> int:
-        return sum(self._layer_tensors())
+        """Parameters of one decoder layer (a hybrid's: the average over its layer kinds)."""
+        if not self.linear_layers:
+            return sum(self._layer_tensors())
+        return sum(self.decoder_tensors()) // self.layers
 
     def embed_params(self) -> int:
         return self.vocab * self.hidden
@@ -79,9 +105,11 @@ class ModelFacts:
             h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
             shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                       "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-            return self.layers * [lora_r * n for t in targets if t in shapes for n in shapes[t]]
+            mlp = ("gate_proj", "up_proj", "down_proj")  # a recurrent layer has these, not q / k / v / o
+            return (self.attn_layers * [lora_r * n for t in targets if t in shapes for n in shapes[t]]
+                    + self.linear_layers * [lora_r * n for t in targets if t in mlp for n in shapes[t]])
         head = [self.lm_head_params()] if not self.tied else []
-        return [self.embed_params()] + self.layers * self._layer_tensors() + [self.hidden] + head
+        return [self.embed_params()] + self.decoder_tensors() + [self.hidden] + head
 
 
 def bundled_models() -> list[str]:
@@ -96,10 +124,13 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
     if "vision_config" in c:
         what.append("a vision tower (vision_config)")
     text = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
-    if any(t != "full_attention" and "sliding" not in str(t) for t in text.get("layer_types") or []):
-        what.append("linear-attention layers (layer_types)")
+    known = ("full_attention", "attention", "linear_attention", "mamba", "mlp", "moe")  # recurrent: .recurrent
+    types = text.get("layer_types") or text.get("layers_block_type") or []
+    if any(t not in known and "sliding" not in str(t) for t in types):
+        what.append(f"layer types it does not model ({sorted({str(t) for t in types if t not in known})})")
     experts = [text.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")]
-    if any(isinstance(e, int) and e > 1 for e in experts):
+    dense_blocks = "mlp" in types and "moe" not in types  # Nemotron-H lists its MLP blocks: no expert is used
+    if any(isinstance(e, int) and e > 1 for e in experts) and not dense_blocks:
         what.append("mixture-of-experts MLPs")
     if "vision_config" in c and len(what) == 1:
         raise SeqParError(
@@ -113,8 +144,9 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
         )
     if what:
         raise SeqParError(
-            f"model {name!r} has {' and '.join(what)}: seqpar plan models dense softmax-attention decoders only "
-            "(Llama / Qwen2 / Qwen3 / Mistral-like); its memory and time would be wrong for this model. "
+            f"model {name!r} has {' and '.join(what)}: seqpar plan models dense decoders (Llama / Qwen2 / Qwen3 / "
+            "Mistral-like, and hybrids whose layers each hold softmax attention or Gated DeltaNet / Mamba2 plus a "
+            "dense MLP: Qwen3.5, Granite 4, Bamba); its memory and time would be wrong for this model. "
             "Measure it instead (seqpar train with `memory:` features logs peak memory per step)"
         )
 
@@ -145,17 +177,20 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
     _refuse_unmodelled(name, c)
     c = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
     window = _trainer_view(name, c)
+    rec = recurrent_facts(name, c) if "hidden_size" in c else None
     try:
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         kv = int(c.get("num_key_value_heads") or heads)
         facts = ModelFacts(
             name=name, model_type=str(c.get("model_type", "llama")), hidden=hidden,
             layers=int(c["num_hidden_layers"]), heads=heads, kv_heads=kv,
-            head_dim=int(c.get("head_dim") or hidden // heads), intermediate=int(c["intermediate_size"]),
+            head_dim=int(c.get("head_dim") or hidden // heads),
+            intermediate=int(c.get("shared_intermediate_size") or c["intermediate_size"]),  # Granite 4: its dense MLP
             vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
             max_positions=c.get("max_position_embeddings"),
-            qk_norm=c.get("model_type") in QK_NORM_TYPES,
+            qk_norm=c.get("model_type") in QK_NORM_TYPES, gated_attention=c.get("model_type") in GATED_ATTENTION_TYPES,
             qkv_bias=bool(c.get("attention_bias", c.get("model_type") in QKV_BIAS_TYPES)), sliding_window=window,
+            recurrent=rec[0] if rec else None, linear_layers=rec[1] if rec else 0,
         )
     except KeyError as e:
         raise SeqParError(
@@ -178,7 +213,8 @@ def _tiny(name: str, kwargs: dict[str, Any] | None) -> ModelFacts:
     kw = dict(kwargs or {})
     kw.setdefault("vocab_size", 259)  # the byte tokenizer seqpar train gives tiny models
     c = tiny_config(arch, **kw).to_dict()
-    c["model_type"] = arch
+    if arch not in HYBRID_ARCHS:  # (a hybrid keeps its text config's own type: qwen3_5 is the VL wrapper's)
+        c["model_type"] = arch
     return _facts(name, c)
 
 

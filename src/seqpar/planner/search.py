@@ -123,11 +123,16 @@ def _layouts(m: ModelFacts, cl: Cluster, req: Request) -> list[Layout]:
     for name, v in (("--ulysses-degree", u_fix), ("--ring-degree", r_fix)):
         if v is not None:
             check_divides(v, cl.gpus, f"{name} {v} must divide --gpus {cl.gpus}: use one of {{ok}}")
+    rec = m.recurrent.ulysses if m.recurrent is not None else None  # hybrids: what their recurrent layers split
+    if rec is not None and u_fix is not None and not rec.allows(u_fix):
+        raise SeqParError(f"--ulysses-degree {u_fix}: the model's {rec.kind} layers ({rec.heads} heads"
+                          + (f" in {rec.groups} groups" if rec.kind == "mamba2" else "") + ") cannot be split by it: "
+                          f"use one of {rec.degrees(cl.gpus)} (the rest ring: state passing)")
     out = []
     for sp in divisors(cl.gpus):
         for u in divisors(sp):
             r = sp // u
-            if (u_fix is None or u == u_fix) and (r_fix is None or r == r_fix):
+            if (u_fix is None or u == u_fix) and (r_fix is None or r == r_fix) and (rec is None or rec.allows(u)):
                 out.append(Layout(u, r, cl.gpus // sp))
     if not out:
         raise SeqParError(f"no mesh has ulysses={u_fix} x ring={r_fix} dividing --gpus {cl.gpus}: "
@@ -235,6 +240,9 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
     if usable_bytes(cl) <= 0:
         raise SeqParError(f"--gpu-mem {cl.mem_bytes} bytes leaves nothing after the planner's margin "
                           f"({MARGIN_FRACTION:.0%} + {MARGIN_BYTES / 2**30:.0f} GiB): give the real GPU memory")
+    if m.recurrent is not None and req.tiled_layer:
+        raise SeqParError("--tiled-layer tiles standard decoder layers only, not a hybrid's recurrent layers (seqpar "
+                          "refuses it at apply time too): drop it")
     ctx = context_limit(m, req.max_position, req.rope_scaling)
     cands = []
     if req.max_seq_len:
@@ -298,7 +306,8 @@ def train_yaml(model_name: str, c: Candidate, wl: Workload, seq_len: int, ctx: C
         "stage": wl.stage,
         "finetuning": {"method": wl.finetuning},
         "sequence_parallel": {"size": c.layout.sp, "ulysses_degree": c.layout.ulysses,
-                              "ring_degree": c.layout.ring},
+                              "ring_degree": c.layout.ring,
+                              **({"state_passing": wl.state_passing} if wl.state_passing != "chain" else {})},
         "fsdp": {"enabled": f.fsdp, "offload": f.offload_optimizer},
         "memory": {"activation_checkpointing": f.activation_checkpointing,
                    "offload_activations": f.offload_activations, "fused_loss": f.fused_loss,

@@ -38,7 +38,7 @@ from .memory import Features, Layout, Workload, layer_bytes_per_token
 from .model import ModelFacts
 
 __all__ = ["TimeEstimate", "estimate_time", "offload_s", "comm_bytes_per_layer", "attention_flops", "step_flops",
-           "DEFAULT_MFU"]
+           "recurrent_flops", "DEFAULT_MFU"]
 
 DEFAULT_MFU = 0.45
 BACKWARD_SHARE = 2 / 3  # of a step's compute: backward's 2 matmuls per forward one, which gradient sums can hide behind
@@ -66,6 +66,18 @@ def attention_flops(m: ModelFacts, wl: Workload, lay: Layout) -> float:
     return per_ring_rank / lay.ulysses  # each ulysses rank holds 1/u of the (padded) heads
 
 
+def recurrent_flops(m: ModelFacts, wl: Workload, lay: Layout) -> float:
+    """Forward FLOPs of one recurrent layer's conv + recurrence on one rank (hybrids; 0 otherwise). Under a ring a
+    continuing Gated DeltaNet piece carries dk more value columns (seqpar.recurrent.delta)."""
+    rec = m.recurrent
+    if rec is None:
+        return 0.0
+    per_token = rec.flops_per_token()
+    if lay.ring > 1 and rec.kind == "gated_deltanet":
+        per_token = per_token * (rec.v_dim + rec.k_dim) / rec.v_dim
+    return wl.rows * wl.seq_len / lay.sp * per_token
+
+
 def comm_bytes_per_layer(m: ModelFacts, wl: Workload, lay: Layout) -> dict[str, int]:
     """Bytes one rank sends per decoder layer for one forward + backward, from seqpar.attention.costs."""
     hq, hkv = sent_ulysses_heads(m, lay)  # the ring (USP) moves the kv heads the exchange placed
@@ -87,7 +99,7 @@ def step_flops(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> tup
         linear += 2 * tokens * m.layers * (m.layer_params() - 2 * m.hidden)
     elif feats.tiled_mlp and not feats.activation_checkpointing:
         linear += 2 * tokens * mlp_w * m.layers  # the MLP tiles run again in backward
-    a_fwd = attention_flops(m, wl, lay) * m.layers
+    a_fwd = attention_flops(m, wl, lay) * m.attn_layers + recurrent_flops(m, wl, lay) * m.linear_layers
     kept = int(feats.keep_attention and feats.activation_checkpointing)  # the recompute reuses attention's outputs
     return linear, a_fwd * (fwd_bwd - kept + fwd_only + 2.5)
 
@@ -132,7 +144,8 @@ def param_tensors(m: ModelFacts) -> int:
     """Parameter tensors (FSDP2's per-tensor costs): 7 projections + 2 norms a layer (+ q/k norms, q/k/v
     biases), the embedding, the final norm and an untied head."""
     per_layer = 9 + (2 if m.qk_norm else 0) + (3 if m.qkv_bias else 0)
-    return m.layers * per_layer + 2 + (0 if m.tied else 1)
+    rec = len(m.recurrent.mixer_tensors(m.hidden)) + 5 if m.recurrent is not None else 0  # + MLP and norms
+    return m.attn_layers * per_layer + m.linear_layers * rec + 2 + (0 if m.tied else 1)
 
 
 def _group(lay: Layout, group: str) -> tuple[int, int]:

@@ -51,6 +51,8 @@ class Workload:
     # which attention kernels the peak is planned for: "cuda" (flash / cuDNN: their backward's workspaces count,
     # planner.tiled.cuda_attention_workspace) or "cpu" (seqpar's CPU kernel: the validation rows' meter)
     device: str = "cuda"
+    # hybrids under a ring: how the recurrent layers' states travel (seqpar.init_mesh's state_passing)
+    state_passing: str = "chain"
 
     @property
     def elt(self) -> int:

@@ -103,7 +103,7 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     info = model_info(cfg)
     nh, nkv = info.heads
     node = node_size_from_env(world)
-    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=info.needs_full_sequence,
+    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, recurrent=info.recurrent,
                                node_size=node)
     tok = load_tokenizer(cfg)
     if cfg.stage == "grpo" and emulate_dp > 1:
@@ -140,7 +140,8 @@ def _start_process_group(cfg: TrainConfig, world: int, pg_ready: bool) -> bool:
 def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_dp: int) -> TrainResult:
     cfg = prep.cfg
     mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=prep.ulysses, ring_degree=prep.ring,
-                     layout=cfg.sequence_parallel.layout, node_size=prep.node_size, timeout=cfg.collective_timeout)
+                     layout=cfg.sequence_parallel.layout, node_size=prep.node_size, timeout=cfg.collective_timeout,
+                     state_passing=cfg.sequence_parallel.state_passing)
     out = Path(cfg.output_dir)
     loop = build_loop(cfg, mesh, prep.model, prep.tok, prep.examples, device, world, rank, emulate_dp=emulate_dp,
                       out=out, eval_data=prep.eval_data, info=prep.info)

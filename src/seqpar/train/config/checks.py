@@ -20,7 +20,7 @@ from typing import Any
 
 from ...errors import SeqParError
 from ...layout import required_multiple
-from ...mesh import check_divides, resolve_degrees
+from ...mesh import RecurrentHeads, check_divides, resolve_degrees
 from .schema import SequenceParallelSpec, TrainConfig
 
 __all__ = ["resolve_sp_degrees", "validate_for_launch", "steps_for_epochs", "with_total_steps", "rows_per_step",
@@ -28,28 +28,30 @@ __all__ = ["resolve_sp_degrees", "validate_for_launch", "steps_for_epochs", "wit
 
 
 def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_heads: int | None, *,
-                       ulysses_only: bool = False, node_size: int | None = None) -> tuple[int, int]:
-    """(ulysses, ring) as seqpar.init_mesh will choose them (ulysses_only: models with linear attention;
+                       recurrent: RecurrentHeads | None = None, node_size: int | None = None) -> tuple[int, int]:
+    """(ulysses, ring) as seqpar.init_mesh will choose them (recurrent: a hybrid model's recurrent-layer heads;
     node_size: processes per node, which an automatic Ulysses degree divides)."""
     return resolve_degrees(sp.size, sp.ulysses_degree, sp.ring_degree, num_heads, num_kv_heads,
-                           ulysses_only=ulysses_only, node_size=node_size)
+                           recurrent=recurrent, node_size=node_size)
 
 
 def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | None = None,
-                        num_kv_heads: int | None = None, ulysses_only: bool = False,
+                        num_kv_heads: int | None = None, recurrent: RecurrentHeads | None = None,
                         node_size: int | None = None) -> tuple[int, int]:
     """Checks that need the world size and head counts; returns (ulysses, ring). No collectives.
     node_size: processes per node (None: one node holds the world)."""
     sp = cfg.sequence_parallel.size
     check_divides(sp, world_size, f"sequence_parallel.size={sp} does not divide the world size {world_size}: set "
                   f"size to one of {{ok}}, or launch a multiple of {sp} processes (--nproc-per-node)")
-    u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads, ulysses_only=ulysses_only,
+    u, r = resolve_sp_degrees(cfg.sequence_parallel, num_heads, num_kv_heads, recurrent=recurrent,
                               node_size=node_size)
-    if ulysses_only and r > 1:  # what apply_sequence_parallel refuses after launch (seqpar.hf.linear_attention)
+    if recurrent is not None and not recurrent.allows(u):  # what apply_sequence_parallel refuses after launch
+        ok = recurrent.degrees(sp)
         raise SeqParError(
-            f"model.name={cfg.model.name!r} has linear-attention layers, which need the full sequence on one rank: "
-            f"use ring_degree=1 / pure Ulysses (got ulysses={u} x ring={r}; e.g. sequence_parallel: "
-            f"{{size: {sp}, ring_degree: 1}})"
+            f"model.name={cfg.model.name!r} has {recurrent.kind} layers with {recurrent.heads} heads"
+            + (f" in {recurrent.groups} groups" if recurrent.kind == "mamba2" else "")
+            + f", which ulysses_degree={u} cannot split: use a ulysses_degree among {ok} (the rest ring: state "
+            f"passing), e.g. sequence_parallel: {{size: {sp}, ulysses_degree: {max(ok)}}}, or leave the degrees unset"
         )
     m = required_multiple(r, u, cfg.sequence_parallel.layout if r > 1 else "contiguous")
     for name, ds in (("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset)):

@@ -72,6 +72,8 @@ class SequenceParallelSpec(_Strict):
     ulysses_degree: int | None = Field(default=None, ge=1)
     ring_degree: int | None = Field(default=None, ge=1)
     layout: Literal["zigzag", "contiguous"] = "zigzag"
+    # hybrid models under a ring: how the recurrent layers' states travel (seqpar.init_mesh's state_passing)
+    state_passing: Literal["chain", "scan"] = "chain"
 
     @model_validator(mode="after")
     def _degrees(self) -> SequenceParallelSpec:

@@ -54,11 +54,11 @@ def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
 
     info = model_info(cfg)  # the model's config, read once for every check below
     nh, nkv = info.heads
-    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, ulysses_only=info.needs_full_sequence,
+    u, r = validate_for_launch(cfg, world, num_heads=nh, num_kv_heads=nkv, recurrent=info.recurrent,
                                node_size=node_size)
     for w in other_worlds or ():
         try:
-            validate_for_launch(cfg, w, num_heads=nh, num_kv_heads=nkv, ulysses_only=info.needs_full_sequence,
+            validate_for_launch(cfg, w, num_heads=nh, num_kv_heads=nkv, recurrent=info.recurrent,
                                 node_size=node_size)
         except SeqParError as e:
             raise SeqParError(f"this elastic run may restart at world size {w} after losing nodes, and there: {e}") \

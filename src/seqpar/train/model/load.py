@@ -13,11 +13,11 @@ import torch
 
 from ...errors import SeqParError
 from ...hf.vision import is_vlm
-from ...mesh import needs_full_sequence
+from ...mesh import RecurrentHeads, recurrent_heads
 from ..config import TrainConfig
 from .tokenizers import ByteTokenizer, HFTokenizer, load_chat_template
 
-__all__ = ["model_kind", "model_config", "ModelInfo", "model_info", "model_heads", "model_needs_full_sequence",
+__all__ = ["model_kind", "model_config", "ModelInfo", "model_info", "model_heads", "model_recurrent_heads",
            "load_tokenizer", "load_model", "loaded_heads", "apply_lora", "tiny_kwargs"]
 
 
@@ -121,9 +121,9 @@ class ModelInfo:
         return h, int(getattr(c, "num_key_value_heads", None) or h)
 
     @property
-    def needs_full_sequence(self) -> bool:
-        """Linear-attention layers (Qwen3-Next / Qwen3.5): automatic SP degrees are pure Ulysses."""
-        return self.config is not None and needs_full_sequence(self.config)
+    def recurrent(self) -> RecurrentHeads | None:
+        """A hybrid model's recurrent-layer heads (Gated DeltaNet, Mamba2), which bound the Ulysses degree."""
+        return recurrent_heads(self.config) if self.config is not None else None
 
 
 def model_info(cfg: TrainConfig) -> ModelInfo:
@@ -135,9 +135,9 @@ def model_heads(cfg: TrainConfig, info: ModelInfo | None = None) -> tuple[int | 
     return (info or model_info(cfg)).heads
 
 
-def model_needs_full_sequence(cfg: TrainConfig, info: ModelInfo | None = None) -> bool:
-    """Linear-attention layers (Qwen3-Next / Qwen3.5): automatic SP degrees are pure Ulysses."""
-    return (info or model_info(cfg)).needs_full_sequence
+def model_recurrent_heads(cfg: TrainConfig, info: ModelInfo | None = None) -> RecurrentHeads | None:
+    """A hybrid model's recurrent-layer heads (Gated DeltaNet, Mamba2), which bound the Ulysses degree."""
+    return (info or model_info(cfg)).recurrent
 
 
 def load_tokenizer(cfg: TrainConfig) -> Any:

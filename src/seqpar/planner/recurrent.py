@@ -1,0 +1,141 @@
+"""Hybrid models' recurrent layers (Gated DeltaNet, Mamba2) for the planner: parameters, saved bytes, FLOPs and
+the collectives of their sequence parallelism (seqpar.recurrent, seqpar.hf.linear_attention / mamba2).
+
+Modelled: decoders whose every layer holds one mixer (softmax attention, or a recurrent one in `linear_layers`
+of them) and one dense MLP: Qwen3.5 (dense), Granite 4 and Bamba with dense MLPs. A recurrent layer replaces
+attention's q/k/v/o by its own projections (`mixer_tensors`), its saved tensors by the torch path's
+(`saved_bytes_per_token`, an estimate from the tensors autograd keeps, not a measurement) and its FLOPs by the
+chunked recurrence's (`flops_per_token`). Under SP:
+- Ulysses: one all-to-all in (the conv's channels and the gates) and one out (the recurrence's output), per
+  forward pass and again in backward (`ulysses_elems`);
+- ring: the conv halo, one all-gather of (K-1) tokens of the conv channels per segment (its backward a
+  reduce-scatter), and the state passing: "chain" sends one fp32 state per hop along the 2R-2 hops of the
+  zigzag order (its middle step stays on one rank; R-1 hops contiguous), which every rank waits for in turn (the
+  hops' latency and bytes are on each rank's critical path), forward and backward; "scan" all-gathers every
+  chunk's transition (M and b; its backward a reduce-scatter). A continuing piece computes dk more value
+  columns (Gated DeltaNet: the transition from the identity state) or a cumulative decay (Mamba2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SeqParError
+from ..mesh import RecurrentHeads
+
+__all__ = ["RecurrentFacts", "recurrent_facts", "DELTA_CHUNK"]
+
+DELTA_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk
+
+
+@dataclass(frozen=True)
+class RecurrentFacts:
+    kind: str  # "gated_deltanet" | "mamba2"
+    heads: int  # Gated DeltaNet: k heads; Mamba2: heads
+    v_heads: int  # Gated DeltaNet: v heads; Mamba2: = heads
+    k_dim: int  # Gated DeltaNet: k head dim; Mamba2: state size n
+    v_dim: int  # Gated DeltaNet: v head dim; Mamba2: head dim p
+    groups: int  # Mamba2: B / C groups (Gated DeltaNet: 1)
+    conv_kernel: int
+    chunk: int  # the recurrence's chunk (SSD: the config's; delta rule: 64)
+
+    @property
+    def ulysses(self) -> RecurrentHeads:
+        return RecurrentHeads(self.kind, self.heads, self.groups)
+
+    @property
+    def conv_channels(self) -> int:
+        if self.kind == "gated_deltanet":
+            return 2 * self.heads * self.k_dim + self.v_heads * self.v_dim
+        return self.v_heads * self.v_dim + 2 * self.groups * self.k_dim
+
+    @property
+    def value_width(self) -> int:
+        """Output channels of the recurrence (v heads x v dim)."""
+        return self.v_heads * self.v_dim
+
+    def mixer_tensors(self, hidden: int) -> list[int]:
+        """Element counts of the mixer's parameters (projections, conv, per-head scalars, gated norm, out_proj)."""
+        c, w = self.conv_channels, self.value_width
+        if self.kind == "gated_deltanet":  # in_proj q|k|v|z and b|a, conv, dt_bias, A_log, norm (v dim), out_proj
+            return [hidden * (c + w), hidden * 2 * self.v_heads, c * self.conv_kernel, self.v_heads, self.v_heads,
+                    self.v_dim, w * hidden]
+        return [hidden * (w + c + self.heads), c * self.conv_kernel, c, 3 * self.heads, w, w * hidden]
+
+    def saved_bytes_per_token(self, e: int, ring: int) -> int:
+        """Bytes one recurrent mixer keeps for backward per local token (estimate; see the module docstring)."""
+        c, w, h = self.conv_channels, self.value_width, self.v_heads
+        extra = self.k_dim if ring > 1 else 0  # a continuing piece's extra value columns (delta rule)
+        proj = e * (c + 2 * w + 2 * h)  # projection outputs (z / gate and gates included), conv input
+        conv = 2 * e * c  # the conv's pre-activation and output
+        norm = 8 * w + e * w  # the gated norm's fp32 input and gate, out_proj's input
+        if self.kind == "gated_deltanet":
+            kd, vd = self.k_dim, self.v_dim + extra
+            rec = 4 * h * (4 * self.chunk + 6 * kd + 5 * vd + kd * vd // self.chunk)
+        else:
+            p, n = self.v_dim, self.k_dim
+            rec = 4 * h * (3 * self.chunk + 7 * p + 3 * n + p * n // self.chunk)
+        return proj + conv + norm + rec
+
+    def flops_per_token(self) -> int:
+        """Forward FLOPs of the recurrence per token (the projections are counted with the layer's weights)."""
+        c, h = self.chunk, self.v_heads
+        if self.kind == "gated_deltanet":
+            kd, vd = self.k_dim, self.v_dim
+            return 2 * h * (c * (3 * kd + vd) + 4 * kd * vd) + 2 * self.conv_channels * self.conv_kernel
+        p, n = self.v_dim, self.k_dim
+        return 2 * h * (c * (n + p) + 2 * n * p) + 2 * self.conv_channels * self.conv_kernel
+
+    def ulysses_elems(self, u: int) -> tuple[int, int]:
+        """Elements per token the Ulysses all-to-alls move in (conv channels + gates) and out (the output)."""
+        if self.kind == "gated_deltanet":
+            inward = self.conv_channels + 2 * self.v_heads
+        else:  # groups a rank's heads share go to every such rank (u a multiple of the groups)
+            rep = max(1, u // self.groups)
+            inward = self.value_width + 2 * self.groups * self.k_dim * rep + self.heads
+        return inward, self.value_width
+
+    def state_elems(self, u: int) -> tuple[int, int]:
+        """(elements of one state S, of one transition M) per row on one Ulysses rank."""
+        h = self.v_heads // u
+        if self.kind == "gated_deltanet":
+            return h * self.k_dim * self.v_dim, h * self.k_dim * self.k_dim
+        return h * self.v_dim * self.k_dim, h
+
+
+def _get(c: dict[str, Any], *names: str) -> Any:
+    return next((c[n] for n in names if c.get(n) is not None), None)
+
+
+def recurrent_facts(name: str, c: dict[str, Any]) -> tuple[RecurrentFacts, int] | None:
+    """(the recurrent layers' facts, how many layers are recurrent) from a text config dict; None without any.
+    Raises SeqParError for hybrids the planner does not model (block-per-mixer decoders such as Nemotron-H)."""
+    types = [str(t) for t in (c.get("layer_types") or c.get("layers_block_type") or [])]
+    linear = sum(t in ("linear_attention", "mamba") for t in types)
+    if linear == 0:
+        return None
+    if any(t in ("mlp", "moe") for t in types):
+        raise SeqParError(
+            f"model {name!r} is a hybrid with one mixer or MLP per block (Nemotron-H): seqpar runs it (docs/hf.md), "
+            "but seqpar plan models decoders whose layers each hold a mixer and an MLP (Qwen3.5, Granite 4, Bamba); "
+            "measure it instead (seqpar train with `memory:` features logs peak memory per step)"
+        )
+    hidden = int(c["hidden_size"])
+    k = _get(c, "linear_num_key_heads")
+    if k is not None:
+        f = RecurrentFacts("gated_deltanet", int(k), int(c["linear_num_value_heads"]), int(c["linear_key_head_dim"]),
+                           int(c["linear_value_head_dim"]), 1, int(c.get("linear_conv_kernel_dim") or 4), DELTA_CHUNK)
+        return f, linear
+    heads = _get(c, "mamba_n_heads", "mamba_num_heads")
+    if heads is None:
+        raise SeqParError(f"model {name!r} has recurrent layers (layer_types) seqpar plan does not know: it models "
+                          "Gated DeltaNet (Qwen3.5) and Mamba2 (Granite 4, Bamba) layers")
+    head_dim = _get(c, "mamba_d_head", "mamba_head_dim")
+    if head_dim is None or head_dim == "auto":
+        head_dim = int(_get(c, "mamba_expand") or 2) * hidden // int(heads)
+    f = RecurrentFacts("mamba2", int(heads), int(heads), int(_get(c, "mamba_d_state", "ssm_state_size") or 128),
+                       int(head_dim), int(_get(c, "mamba_n_groups", "n_groups") or 1),
+                       int(_get(c, "mamba_d_conv", "conv_kernel") or 4), int(_get(c, "mamba_chunk_size", "chunk_size")
+                                                                              or 256))
+    return f, linear

@@ -1,0 +1,77 @@
+"""Independent float64 references for the recurrent layers: token-by-token loops, written from the equations.
+
+- gated delta rule (Gated DeltaNet): S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t,
+  with q, k L2-normalised (eps 1e-6 inside the rsqrt, as transformers / FLA) and q scaled by dk^-1/2;
+- Mamba2 SSD: dt_t = clamp(softplus(dt_t + dt_bias)), h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,
+  y_t = h_t C_t + D x_t.
+They keep the dtype they are given (transformers' torch paths compute in fp32 even for fp64 inputs), and have the
+signatures of transformers' `torch_chunk_gated_delta_rule` / `mamba2_chunk_scan`, so a test can put them in the
+model's module for the unsharded reference AND the SP run (`patched_float64_kernels`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def naive_gated_delta(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, **kwargs):
+    r = value.shape[2] // key.shape[2]
+    q, k = query.repeat_interleave(r, 2), key.repeat_interleave(r, 2)
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    b, n, h, dv = value.shape
+    s = torch.zeros(b, h, k.shape[-1], dv, dtype=value.dtype) if initial_state is None else initial_state.to(value)
+    outs = []
+    for t in range(n):
+        s = s * g[:, t].to(s.dtype).exp()[..., None, None]
+        read = (s * k[:, t, :, :, None]).sum(-2)
+        delta = (value[:, t] - read) * beta[:, t, :, None].to(s.dtype)
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append((s * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(outs, 1), (s if output_final_state else None)
+
+
+def naive_ssd(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None,
+              dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+    x = hidden_states
+    b, n, h, p = x.shape
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+    rep = h // B.shape[2]
+    bb, cc = B.repeat_interleave(rep, 2), C.repeat_interleave(rep, 2)
+    s = torch.zeros(b, h, p, B.shape[-1], dtype=x.dtype) if initial_states is None else initial_states.to(x)
+    ys = []
+    for t in range(n):
+        s = (dt[:, t] * A).exp()[..., None, None] * s + (dt[:, t, :, None, None] * x[:, t, :, :, None]
+                                                         * bb[:, t, :, None, :])
+        y = (s * cc[:, t, :, None, :]).sum(-1)
+        ys.append(y + (D[:, None] * x[:, t] if D is not None else 0))
+    y = torch.stack(ys, 1)
+    return (y, s) if return_final_states else y
+
+
+@contextlib.contextmanager
+def patched_float64_kernels(*modules: str):
+    """Swap the named transformers modeling modules' recurrence functions for the float64-faithful loops."""
+    saved = []
+    for name in modules:
+        mod = sys.modules[name]
+        for attr, fn in (("torch_chunk_gated_delta_rule", naive_gated_delta), ("mamba2_chunk_scan", naive_ssd)):
+            if hasattr(mod, attr):
+                saved.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, fn)
+    try:
+        yield
+    finally:
+        for mod, attr, fn in saved:
+            setattr(mod, attr, fn)

@@ -1,0 +1,98 @@
+"""seqpar plan for hybrid models (planner.recurrent): Gated DeltaNet / Mamba2 layers beside softmax attention.
+
+Checked: the parameter count equals the tiny HF model's (every tensor: the recurrent mixers, gated attention's
+doubled q_proj, q/k norms); the searched meshes are the ones the recurrent layers allow (Ulysses dividing their
+heads, the rest ring) and a fixed --ulysses-degree they cannot split is refused naming the ones they can; the
+state passing's collectives follow seqpar.recurrent (chain: 2R-2 hops of one fp32 state on every rank's critical
+path, as seqpar.recurrent.combine sends them; scan: one all-gather of every chunk's transition; the conv halo;
+Ulysses' all-to-alls of the recurrent layers) and only softmax layers carry ring K/V traffic; a 1M-token
+Qwen3.5-shaped run on 32 GPUs plans, with a ring across nodes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from seqpar.errors import SeqParError
+from seqpar.planner.collectives import step_collectives
+from seqpar.planner.gpus import make_cluster
+from seqpar.planner.model import load_model_facts
+from seqpar.planner.search import Request, plan
+from seqpar.planner.workload import Features, Layout, Workload
+
+# A Qwen3.5-shaped dense hybrid (the numbers are illustrative, not a published checkpoint's): 3 Gated DeltaNet
+# layers for every gated-attention layer.
+QWEN35_LIKE = {
+    "model_type": "qwen3_5_text", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 16,
+    "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 12288, "vocab_size": 151936,
+    "max_position_embeddings": 1048576, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "tie_word_embeddings": False,
+    "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(32)],
+}
+
+
+@pytest.mark.parametrize("arch,kw", [("qwen3_5", {}), ("granitemoehybrid", {"num_local_experts": 0})])
+def test_hybrid_params_equal_the_model(tmp_path, arch, kw):
+    from seqpar.hf.models import tiny_config, tiny_model
+
+    path = tmp_path / f"{arch}.json"  # (save_pretrained's JSON of Granite's infinite time_step_limit does not load)
+    cfg = {k: v for k, v in tiny_config(arch, 4, 2, vocab_size=259, **kw).to_dict().items() if k != "time_step_limit"}
+    path.write_text(json.dumps(cfg))
+    m = load_model_facts(str(path))
+    assert m.recurrent is not None and m.linear_layers == 1 and m.attn_layers == 1
+    model = tiny_model(arch, 4, 2, vocab_size=259, **kw)
+    assert m.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_hybrid_meshes_follow_the_recurrent_heads(tmp_path):
+    """4 linear k heads: Ulysses 1 / 2 / 4 only, whatever the GPU count; the rest is ring."""
+    m = load_model_facts("tiny:qwen3_5", {"max_position_embeddings": 1 << 20})
+    cl = make_cluster(8, 8, "h100")
+    cands, best = plan(m, cl, Request(workload=Workload(8192), fsdp=False, activation_checkpointing=True))
+    assert best is not None and {c.layout.ulysses for c in cands} == {1, 2, 4}
+    with pytest.raises(SeqParError, match=r"--ulysses-degree 8: the model's gated_deltanet layers \(4 heads\) cannot "
+                                          r"be split by it: use one of \[1, 2, 4\]"):
+        plan(m, cl, Request(workload=Workload(8192), ulysses_degree=8))
+    with pytest.raises(SeqParError, match="--tiled-layer"):
+        plan(m, cl, Request(workload=Workload(8192), tiled_layer=True))
+
+
+def test_state_passing_collectives(tmp_path):
+    path = tmp_path / "q35.json"
+    path.write_text(json.dumps(QWEN35_LIKE))
+    m = load_model_facts(str(path))
+    assert (m.linear_layers, m.attn_layers) == (24, 8)
+    feats = Features(activation_checkpointing=True)
+    lay, seq = Layout(4, 8, 1), 1 << 20
+    rec = {(c.what, wl.state_passing): c for wl in (Workload(seq), Workload(seq, state_passing="scan"))
+           for c in step_collectives(m, wl, lay, feats)}
+    passes = 24 * (2 + 1)  # recurrent layers x (forward, checkpointed recompute, backward)
+    state = 32 // 4 * 128 * 128 * 4  # one fp32 state of a Ulysses rank's 8 v heads
+    chain = rec[("state", "chain")]
+    assert chain.kind == "p2p" and chain.calls == passes * 14 and chain.nbytes == passes * 14 * state
+    scan = rec[("state", "scan")]
+    assert scan.kind == "all_gather" and scan.calls == passes
+    assert scan.nbytes == passes * 2 * (state + 32 // 4 * 128 * 128 * 4) * 7  # 2 segments of (b, M), to 7 peers
+    halo = rec[("halo", "chain")]
+    assert halo.nbytes == passes * 2 * 3 * (2 * 16 * 128 + 32 * 128) // 4 * 2 * 7
+    uly = rec[("ulysses_recurrent", "chain")]
+    tokens = seq // 32
+    assert uly.calls == 2 * passes and uly.nbytes == passes * tokens * ((2 * 2048 + 4096 + 64) + 4096) * 2 * 3 // 4
+    ring = rec[("ring", "chain")]
+    assert ring.calls == 8 * (2 * 7 * 2 + 2 * 7 + 7)  # K/V ring of the 8 softmax layers only
+
+
+def test_one_million_tokens_on_32_gpus(tmp_path):
+    """The issue's user: 1M tokens of a Qwen3.5-shaped model on 4 nodes of 8 H100: planned, Ulysses inside a node,
+    the ring across nodes, the recurrent layers passing state."""
+    path = tmp_path / "q35.json"
+    path.write_text(json.dumps(QWEN35_LIKE))
+    m = load_model_facts(str(path))
+    cands, best = plan(m, make_cluster(32, 8, "h100"), Request(workload=Workload(1 << 20)))
+    assert best is not None
+    c = cands[best]
+    assert c.layout.ulysses <= 8 and c.layout.ring > 1 and c.fits
+    assert c.time.parts.get("comm_state", 0.0) > 0
