@@ -117,12 +117,12 @@ def test_attention_world3_odd_degree():
 
 @pytest.mark.slow
 def test_attention_world6_usp_3x2_2x3():
-    _check(_all_ranks_agree(run_distributed(world6_grid, 6, timeout=600)))
+    _check(_all_ranks_agree(run_distributed(world6_grid, 6, timeout=540)))
 
 
 @pytest.mark.slow
 def test_attention_world8_big_head_configs():
-    _check(_all_ranks_agree(run_distributed(world8_grid, 8, timeout=600)))
+    _check(_all_ranks_agree(run_distributed(world8_grid, 8, timeout=540)))
 
 
 def world6_fast():
@@ -144,7 +144,27 @@ def world16_case():
 
 @pytest.mark.slow
 def test_attention_world16_32q_8kv_ring2():
-    _check(_all_ranks_agree(run_distributed(world16_case, 16, timeout=600)))
+    _check(_all_ranks_agree(run_distributed(world16_case, 16, timeout=540)))
+
+
+def world16_fast():
+    """The fast twin of the world-8 and world-16 tests in ONE world of 16: the world-16 case (ulysses 8 x ring 2),
+    then each world-8 mesh as dp 2 x sp 8 (every SP group of 8 on its own rows) with its hardest head counts:
+    (6, 6) at ulysses 4 leaves a Ulysses rank without heads, (28, 4) / (32, 8) the big GQA configs."""
+    res = world16_case()
+    for u, r, heads in ((4, 2, [(6, 6), (28, 4)]), (8, 1, [(32, 8)]), (2, 4, [(14, 2)])):
+        mesh = seqpar.init_mesh(8, ulysses_degree=u, ring_degree=r)
+        assert mesh.dp_size == 2
+        for hq, hkv in heads:
+            key = (u, r, "zigzag", hq, hkv, True, 1, "packed", "float32")
+            res.append((key, run_case(mesh, hq, hkv, True, 1, 64, cu=[0, 9, 33, 64])))
+    return res
+
+
+def test_attention_world8_and_world16_fast():
+    res = _all_ranks_agree(run_distributed(world16_fast, 16, timeout=400))
+    assert len(res) == 16 * 5
+    _check(res)
 
 
 def dp_sp_world():

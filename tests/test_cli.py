@@ -7,13 +7,12 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 import torch
 import yaml
-from procs import phrase
+from procs import phrase, run_command
 
 
 def _write_config(tmp_path, name, stage="sft", **over):
@@ -45,15 +44,17 @@ def _write_config(tmp_path, name, stage="sft", **over):
 
 def _seqpar(*args, env=None, timeout=400):
     e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    r = subprocess.run([sys.executable, "-m", "seqpar", *args], capture_output=True, text=True, env=e, timeout=timeout)
+    r = run_command([sys.executable, "-m", "seqpar", *args], env=e, timeout=timeout)
     return r
 
 
-def _verify(tmp_path, name, stage, nproc, tol=1e-5, grad_tol=(1e-4, 1e-5), env=None, expect_pass=True, **over):
+def _verify(tmp_path, name, stage, nproc, tol=1e-5, grad_tol=(1e-4, 1e-5), env=None, expect_pass=True, steps=5,
+            **over):
     """grad_tol: (relative per-step grad-norm error, step-1 gradient error: abs for fp32, relative for bf16)."""
     cfg = _write_config(tmp_path, name, stage, **over)
     out = tmp_path / f"{name}_verify"
-    r = _seqpar("verify", str(cfg), "--steps", "5", "--nproc-per-node", str(nproc), "--output-dir", str(out), env=env)
+    r = _seqpar("verify", str(cfg), "--steps", str(steps), "--nproc-per-node", str(nproc), "--output-dir", str(out),
+                env=env)
     rep = json.loads((out / "verify.json").read_text())
     g1 = rep[rep["grad_step1_measure"]]
     print(f"{name}: max |dloss| = {rep['max_abs_dloss']:.2e}, max rel dgrad_norm = {rep['max_rel_dgrad_norm']:.2e}, "
@@ -63,7 +64,7 @@ def _verify(tmp_path, name, stage, nproc, tol=1e-5, grad_tol=(1e-4, 1e-5), env=N
         return rep
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (out / "verify_loss.png").stat().st_size > 10_000
-    assert rep["passed"] and rep["max_abs_dloss"] <= tol and len(rep["steps"]) == 5, rep
+    assert rep["passed"] and rep["max_abs_dloss"] <= tol and len(rep["steps"]) == steps, rep
     assert rep["grads_passed"] and rep["max_rel_dgrad_norm"] <= grad_tol[0] and g1 <= grad_tol[1], rep
     assert min(rep["ref_grad_norm"]) > 0 and math.isfinite(rep["max_abs_dgrad_step1"])
     assert "PASS" in r.stdout and str(out / "verify_loss.png") in r.stdout
@@ -87,6 +88,15 @@ def test_cli_verify_fails_on_injected_gradient_scale_fault(tmp_path):
     """The SP run's gradients are scaled by dp x sp = 2 (test-only env fault, SP side only): with AdamW the
     loss curves still agree to ~1e-6, but the gradient checks of verify catch it and it FAILS (exit 1)."""
     rep = _verify(tmp_path, "fault", "sft", 2, env={"SEQPAR_FAULT_GRAD_SCALE": "2"}, expect_pass=False)
+    assert not rep["grads_passed"] and rep["max_rel_dgrad_norm"] > 0.9, rep
+
+
+def test_cli_verify_fails_on_injected_gradient_scale_fault_fast(tmp_path):
+    """Fast twin of the test above: 2 steps of a 1-layer model, the same fault, verify FAILS (exit 1) on the
+    gradients alone (the AdamW losses agree)."""
+    model = {"name": "tiny:qwen3", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 1}}
+    rep = _verify(tmp_path, "fault", "sft", 2, env={"SEQPAR_FAULT_GRAD_SCALE": "2"}, expect_pass=False, steps=2,
+                  model=model, max_steps=2)
     assert not rep["grads_passed"] and rep["max_rel_dgrad_norm"] > 0.9, rep
 
 

@@ -55,17 +55,24 @@ def test_kernel_classes_pass_the_cuda_rules(kcls, dtypes, b, s, hq, hkv, d, caus
         assert sum(spy.launches.values()) == 3
 
 
-def test_flash_varlen_passes_the_cuda_rules():
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cu_k,max_k", [((0, 5, 17, 40), 23), ((0, 9, 20, 56), 36)], ids=["same_len", "longer_kv"])
+def test_flash_varlen_passes_the_cuda_rules(causal, cu_k, max_k):
+    """Queries and keys with the same or other document lengths (a ring step's pieces), causal or not; dout, out, k
+    and v distinct tensors (an argument passed in another's place would go unseen where the shapes agree)."""
     kern = FlashKernel()
-    cu = (0, 5, 17, 40)
-    q, k, v = _meta(40, 32, 128), _meta(40, 8, 128), _meta(40, 8, 128)
+    cu_q, t_k = (0, 5, 17, 40), cu_k[-1]
+    q, k, v = _meta(40, 32, 128), _meta(t_k, 8, 128), _meta(t_k, 8, 128)
     with CudaOpSpy() as spy:
-        out, lse = kern.varlen_forward(q, k, v, cu, cu, 23, 23, True, 0.1)
+        out, lse = kern.varlen_forward(q, k, v, cu_q, cu_k, 23, max_k, causal, 0.1)
         assert out.shape == q.shape and lse.shape == (40, 32)
-        dq, dk, dv = kern.varlen_backward(out, q, k, v, out, lse, cu, cu, 23, 23, True, 0.1)
-        # the merged lse of a ring step: [T, H] in seqpar's layout, not the kernel's [H, T]
-        kern.varlen_backward(out, q, k, v, out, _meta(40, 32, dtype=torch.float32), cu, cu, 23, 23, True, 0.1)
-    assert dk.shape == k.shape and spy.launches == {"_flash_attention_forward": 1, "_flash_attention_backward": 2}
+        dout = _meta(40, 32, 128)
+        dq, dk, dv = kern.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 23, max_k, causal, 0.1)
+        # the merged out / lse of a ring step: fresh tensors, the lse [T, H] in seqpar's layout, not the kernel's
+        merged_out, merged_lse = _meta(40, 32, 128), _meta(40, 32, dtype=torch.float32)
+        kern.varlen_backward(dout, q, k, v, merged_out, merged_lse, cu_q, cu_k, 23, max_k, causal, 0.1)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert spy.launches == {"_flash_attention_forward": 1, "_flash_attention_backward": 2}
 
 
 def test_the_old_bf16_backward_call_is_refused():
@@ -125,13 +132,13 @@ def test_cudnn_one_token_document_runs_without_cudnn():
     from seqpar.attention.pieces import KernelCall, Piece
 
     kern = CudnnKernel()
-    q, k = _meta(1, 9, 4, 64), _meta(1, 9, 2, 64)
+    q, k, v = _meta(1, 9, 4, 64), _meta(1, 9, 2, 64), _meta(1, 9, 2, 64)
     with CudaOpSpy() as spy:
         for p in (Piece(0, 1, 0, 1, True), Piece(1, 9, 1, 9, True)):
             call = KernelCall(True, (p,))
-            o, lse = call_forward(kern, call, q, k, k, 0.1)
-            full = _meta(1, 9, 4, 64)
-            call_backward(kern, call, full, q, k, k, full, _meta(1, 9, 4, dtype=torch.float32), 0.1)
+            o, lse = call_forward(kern, call, q, k, v, 0.1)
+            dout, out = _meta(1, 9, 4, 64), _meta(1, 9, 4, 64)
+            call_backward(kern, call, dout, q, k, v, out, _meta(1, 9, 4, dtype=torch.float32), 0.1)
     assert spy.launches == {"_scaled_dot_product_cudnn_attention": 1, "_scaled_dot_product_cudnn_attention_backward": 1}
 
 

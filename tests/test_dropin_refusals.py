@@ -119,7 +119,7 @@ def test_trl_default_config_on_a_cpu_only_machine(tmp_path, capsys):
     (transformers used to raise "Your setup doesn't support bf16/gpu" from every rank) and the drop-in prints its one
     line about bf16 on CPU."""
     if torch.accelerator.current_accelerator() is not None:
-        pytest.skip("a machine with an accelerator: TRL's bf16 default is for it")
+        pytest.skip("checks a machine without CUDA or another accelerator (TRL's bf16 default is for one)")
     from trl import SFTConfig
 
     from seqpar.hf import load_smollm2_tokenizer, tiny_model

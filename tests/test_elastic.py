@@ -12,6 +12,7 @@ Every process has a deadline and is killed on every path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from procs import write_sft_rows
+from procs import communicate, run_command, spawned, write_sft_rows
 
 from seqpar.spawn import free_port
 from seqpar.train.lifecycle.nodes import NodeLaunch, resolve_nodes
@@ -87,9 +88,9 @@ def test_elastic_launch_checks_every_world(tmp_path):
     data = write_sft_rows(tmp_path)
     cfg = dict(_cfg(data, tmp_path / "out"), sequence_parallel=4)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    r = subprocess.run([sys.executable, "-m", "seqpar", "train", str(tmp_path / "cfg.yaml"), "--nproc-per-node", "2",
-                        "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"], capture_output=True,
-                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = run_command([sys.executable, "-m", "seqpar", "train", str(tmp_path / "cfg.yaml"), "--nproc-per-node", "2",
+                     "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"], timeout=300,
+                    env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
     assert "may restart at world size 2 after losing nodes" in r.stderr, r.stderr[-3000:]
     assert "sequence_parallel.size=4 does not divide the world size 2" in r.stderr, r.stderr[-3000:]
@@ -102,15 +103,15 @@ def test_elastic_restart_after_a_lost_node(tmp_path):
     cfg.write_text(yaml.safe_dump(_cfg(data, out)))
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    nodes = []
-    try:
+    with contextlib.ExitStack() as stack:  # both nodes (launcher and ranks) killed on every way out
+        nodes = []
         for node in (0, 1):
             cwd = tmp_path / f"node{node}"
             cwd.mkdir()
             cmd = [sys.executable, "-m", "seqpar", "train", str(cfg), "--nproc-per-node", "2", "--nnodes", "1:2",
                    "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "2"]
-            nodes.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, start_new_session=True))
+            nodes.append(stack.enter_context(spawned(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                                     stderr=subprocess.PIPE, text=True)))
             time.sleep(0.5)
         deadline = time.time() + 400
         while not (out / "latest").is_file() and time.time() < deadline and nodes[0].poll() is None:
@@ -119,11 +120,7 @@ def test_elastic_restart_after_a_lost_node(tmp_path):
         assert "world=4" in (out / "mesh.txt").read_text()
         _kill_node(nodes[1])
         lost_at = time.time()
-        stdout, stderr = nodes[0].communicate(timeout=max(10.0, deadline + 200 - time.time()))
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                _kill_node(p)
+        stdout, stderr = communicate(nodes[0], timeout=max(10.0, deadline + 200 - time.time()))
     assert nodes[0].returncode == 0, stdout[-3000:] + stderr[-4000:]
     print(f"node 0 went on alone and finished {time.time() - lost_at:.0f} s after node 1 was lost")
     assert "[seqpar] resuming from step" in stdout and "this run is world 2 (dp 1 x sp 2" in stdout, stdout[-3000:]
@@ -134,9 +131,8 @@ def test_elastic_restart_after_a_lost_node(tmp_path):
 
 
 def _compare_with_one_process(cfg: Path, out: Path, ref: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "seqpar", "train", str(cfg), "--output-dir", str(ref), "--set",
-                        "sequence_parallel=1"], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = run_command([sys.executable, "-m", "seqpar", "train", str(cfg), "--output-dir", str(ref), "--set",
+                     "sequence_parallel=1"], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = _rows(out), _rows(ref)
     assert [x["step"] for x in got] == [x["step"] for x in want] == list(range(1, 9))

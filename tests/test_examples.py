@@ -5,10 +5,10 @@ import importlib.util
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+from procs import run_command
 
 from seqpar.spawn import run_distributed
 
@@ -36,7 +36,7 @@ def test_grpo_tiny_example_learns(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-c", "import sys; from seqpar.cli.main import main; sys.exit(main(sys.argv[1:]))",
            "train", str(cfg), "--nproc-per-node", "2", "--output-dir", str(tmp_path / "run"), "--set", "progress=false"]
-    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    p = run_command(cmd, cwd=tmp_path, env=env, timeout=540)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward"] for r in rows]

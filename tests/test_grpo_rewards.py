@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from procs import run_command
 
 from seqpar.errors import SeqParError
 from seqpar.train.grpo.rewards import reward_health, score
@@ -54,7 +55,7 @@ def _cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-c", "import sys; from seqpar.cli.main import main; sys.exit(main(sys.argv[1:]))", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_command(cmd, cwd=cwd, env=env, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- fast guard (in-process)

@@ -25,9 +25,6 @@ import torch
 
 from seqpar.spawn import run_distributed
 
-# The GRPO loss core (seqpar.loss.grpo, the "grpo" branch of train/steps.py) lands on its own branch.
-pytest.importorskip("seqpar.loss.grpo", reason="needs the GRPO loss core (seqpar.loss.grpo)")
-
 TOL = 1e-5
 PROMPTS = [{"prompt": "alpha beta", "answer": "a"}, {"prompt": "gamma", "answer": "m"},
            {"prompt": "delta epsilon zeta", "answer": "z"}, {"prompt": "eta", "answer": "t"},

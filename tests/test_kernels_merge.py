@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from procs import run_command
 from reference import reference_attention
 
 from seqpar.attention.kernels import CpuFlashKernel, MathKernel, default_scale
@@ -91,7 +91,7 @@ def test_cpu_path_imports_nothing_cuda_only():
         "assert not bad, bad\n"
         "print('ok')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = run_command([sys.executable, "-c", code], timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
@@ -151,8 +151,7 @@ def test_kernel_choice_line_names_the_flash_implementation():
 # ----------------------------------------------------------------------------- no import cycle
 @pytest.mark.parametrize("first", ["seqpar.attention.cuda_kernels", "seqpar.attention.kernels"])
 def test_kernel_modules_import_first_in_fresh_interpreter(first):
-    r = subprocess.run([sys.executable, "-c", f"import {first}; print('ok')"], capture_output=True, text=True,
-                       timeout=120)
+    r = run_command([sys.executable, "-c", f"import {first}; print('ok')"], timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 

@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 import torch
+from procs import communicate, run_command, spawned
 
 from seqpar.spawn import run_distributed
 
@@ -84,9 +85,8 @@ LOADER = textwrap.dedent("""
 def _fresh_logits(tmp_path, jobs):
     """Load each export with transformers/peft in a new Python process; its logits on IDS."""
     torch.save(IDS, tmp_path / "ids.pt")
-    r = subprocess.run([sys.executable, "-c", LOADER, json.dumps(jobs), str(tmp_path / "ids.pt"),
-                        str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = run_command([sys.executable, "-c", LOADER, json.dumps(jobs), str(tmp_path / "ids.pt"),
+                     str(tmp_path / "logits.pt")], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(tmp_path / "logits.pt")
 
@@ -134,8 +134,7 @@ def _check_export_dir(path, lora: bool):
 
 def _seqpar(*args, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "seqpar", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return run_command([sys.executable, "-m", "seqpar", *args], env=env, timeout=timeout)
 
 
 def test_export_lora_full_and_checkpoint(data, tmp_path):
@@ -244,7 +243,7 @@ def test_output_dir_lock(tmp_path):
         same.release()
         assert path.exists()  # only the owner removes it
     assert not path.exists()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = run_command([sys.executable, "-c", "import os; print(os.getpid())"], timeout=60)
     # A lock left by a run whose processes have all exited (written as it would have: no one holds the file).
     path.write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "run_id": "old"}))
     with pytest.raises(RuntimeError):
@@ -442,14 +441,15 @@ def test_cli_ctrl_c_one_line(data, tmp_path):
     out = tmp_path / "int"
     cfg = _cfg(data, out, sequence_parallel={"size": 2}, max_steps=100000, checkpoint={"every": 1})
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "seqpar", "train", _write_yaml(tmp_path, "int", cfg),
-                             "--nproc-per-node", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
-    deadline = time.time() + 300
-    while not (out / "latest").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    # The run would go on for hours: `spawned` kills it (and its ranks) however this test ends.
+    with spawned([sys.executable, "-m", "seqpar", "train", _write_yaml(tmp_path, "int", cfg), "--nproc-per-node", "2"],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        deadline = time.time() + 300
+        while not (out / "latest").exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert (out / "latest").exists(), f"no checkpoint after {time.time() - deadline + 300:.0f} s"
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = communicate(proc, timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
     # Everything but progress bars (datasets' "Generating train split", DCP's "Writing model shards") and the
     # run's start line.
@@ -471,8 +471,8 @@ def test_cli_rank_failure_reported_once(data, tmp_path):
     _one_error(r, "consecutive steps")
     cfg = _cfg(data, tmp_path / "fault", sequence_parallel={"size": 2}, max_steps=4, checkpoint={"every": 0})
     env = dict(os.environ, OMP_NUM_THREADS="1", SEQPAR_FAULT_AFTER_STEP="2", SEQPAR_FAULT_RANK="1")
-    r = subprocess.run([sys.executable, "-m", "seqpar", "train", _write_yaml(tmp_path, "fault", cfg),
-                        "--nproc-per-node", "2"], capture_output=True, text=True, env=env, timeout=300)
+    r = run_command([sys.executable, "-m", "seqpar", "train", _write_yaml(tmp_path, "fault", cfg), "--nproc-per-node",
+                     "2"], env=env, timeout=300)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("rank 1: exit code 13") == 1, r.stderr[-3000:]

@@ -448,7 +448,6 @@ def _docs_loop(sp: int, batch_size: int):
 def test_docs_training_loop_matches_single_process():
     """dp=2 x sp=2 (2 rows per dp rank) vs one process (4 rows): the same rows per step, so the
     same losses and weights after 2 AdamW steps. Tolerance fp32: loss 1e-5, weights 2e-5."""
-    pytest.importorskip("transformers")
     results = run_distributed(_docs_loop, 4, 2, 2, timeout=300)
     ref_losses, ref_w = _docs_loop(1, 4)
     assert len(ref_losses) == 2

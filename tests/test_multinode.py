@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from procs import write_sft_rows
+from procs import communicate, run_command, spawned, write_sft_rows
 
 from seqpar.errors import SeqParError
 from seqpar.spawn import free_port
@@ -163,14 +164,11 @@ def test_collective_timeout_reaches_every_group(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
                LOCAL_WORLD_SIZE="1")
     flag, out = tmp_path / "flag", str(tmp_path / "res")
-    procs = [subprocess.Popen([sys.executable, "-c", HANG, str(flag), out], env=dict(env, RANK=str(r), LOCAL_RANK="0"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    with contextlib.ExitStack() as stack:  # both killed on every way out
+        procs = [stack.enter_context(spawned([sys.executable, "-c", HANG, str(flag), out],
+                                             env=dict(env, RANK=str(r), LOCAL_RANK="0"), stdout=subprocess.PIPE,
+                                             stderr=subprocess.STDOUT, text=True)) for r in range(2)]
+        logs = [communicate(p, timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
     r0, r1 = (json.loads(Path(f"{out}{r}.json").read_text()) for r in range(2))
     print("rank 0:", {k: r0[k] for k in ("elapsed", "error")})
@@ -207,22 +205,17 @@ def _env():
 
 def _two_nodes(cmd_for_node, cwds: list[Path], timeout: float = 420) -> list[subprocess.CompletedProcess]:
     """Start one launcher per "node" (its own working folder), wait for both (killed after `timeout`)."""
-    procs = []
-    for node, cwd in enumerate(cwds):
-        cwd.mkdir(parents=True, exist_ok=True)
-        procs.append(subprocess.Popen(cmd_for_node(node), cwd=cwd, env=_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
-        time.sleep(0.5)  # node 0 first, as a real job would usually start it (not required)
-    deadline, outs = time.time() + timeout, []
-    try:
+    with contextlib.ExitStack() as stack:  # every launcher and its ranks killed on every way out
+        procs = []
+        for node, cwd in enumerate(cwds):
+            cwd.mkdir(parents=True, exist_ok=True)
+            procs.append(stack.enter_context(spawned(cmd_for_node(node), cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+                                                     stderr=subprocess.PIPE, text=True)))
+            time.sleep(0.5)  # node 0 first, as a real job would usually start it (not required)
+        deadline, outs = time.time() + timeout, []
         for p in procs:
-            o, e = p.communicate(timeout=max(1.0, deadline - time.time()))
+            o, e = communicate(p, timeout=max(1.0, deadline - time.time()))
             outs.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
     return outs
 
 
@@ -257,9 +250,8 @@ def test_two_nodes_fsdp_resume_matches_one_process(data, tmp_path):
     said = "".join(r.stdout for r in second)
     assert "resuming from step 2" in said and said.count("launching node") == 2, said
     ref = tmp_path / "ref"
-    r = subprocess.run([sys.executable, "-m", "seqpar", "train", cfg, "--output-dir", str(ref), "--set",
-                        "sequence_parallel=1", "--set", "fsdp=false"], env=_env(), capture_output=True, text=True,
-                       timeout=300)
+    r = run_command([sys.executable, "-m", "seqpar", "train", cfg, "--output-dir", str(ref), "--set",
+                     "sequence_parallel=1", "--set", "fsdp=false"], env=_env(), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = _rows(out), _rows(ref)
     assert [x["step"] for x in got] == [1, 2, 3, 4] == [x["step"] for x in want]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from procs import write_sft_rows
+from procs import run_command, spawned, write_sft_rows
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,7 @@ def _yaml(data: Path, out: Path, name: str = "cfg.yaml", **over) -> str:
 
 def _seqpar(*args, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "seqpar", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return run_command([sys.executable, "-m", "seqpar", *args], env=env, timeout=timeout)
 
 
 def _steps(out: Path) -> list[int]:
@@ -91,20 +90,16 @@ def test_lock_of_a_dead_owner_is_kept_while_its_processes_live(tmp_path):
     from seqpar.errors import SeqParError
     from seqpar.train.lifecycle.lock import LOCK_NAME, OutputDirLock
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    with spawned([sys.executable, "-c", "pass"]) as dead:
+        dead.wait(timeout=60)
     (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "run_id": "old"}))
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({str(tmp_path / LOCK_NAME)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_SH)\n"
-        "print('held', flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
-    try:
+    with spawned([sys.executable, "-c", (
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(tmp_path / LOCK_NAME)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_SH)\n"
+            "print('held', flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True) as holder:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(SeqParError, match="still hold"):
             OutputDirLock(tmp_path, run_id="new").acquire()
-    finally:
-        holder.kill()
-        holder.wait()
     lock = OutputDirLock(tmp_path, run_id="new")
     lock.acquire()  # the owner and every holder are gone: stale, replaced
     assert json.loads((tmp_path / LOCK_NAME).read_text())["run_id"] == "new"
@@ -127,9 +122,8 @@ def test_kill9_launcher_takes_its_ranks_down(data, tmp_path):
     out = tmp_path / "run"
     y = _yaml(data, out, max_steps=100000, sequence_parallel={"size": 2}, export={"final": False})
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    launcher = subprocess.Popen([sys.executable, "-m", "seqpar", "train", y, "--nproc-per-node", "2"], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
+    with spawned([sys.executable, "-m", "seqpar", "train", y, "--nproc-per-node", "2"], env=env,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as launcher:  # killed, with its ranks, at exit
         deadline = time.time() + 240
         while len(_steps(out)) < 2:
             assert launcher.poll() is None and time.time() < deadline, "the run did not start training"
@@ -145,11 +139,6 @@ def test_kill9_launcher_takes_its_ranks_down(data, tmp_path):
         n = len(_steps(out))
         time.sleep(2)
         assert len(_steps(out)) == n  # nobody writes into the folder any more
-    finally:
-        for p in _alive(_children(launcher.pid) if launcher.poll() is None else []):
-            os.kill(p, signal.SIGKILL)
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
     # The dead run's lock is stale now; its results are still protected from a fresh start.
     r = _seqpar("train", y, "--max-steps", "2", "--nproc-per-node", "2")
     assert r.returncode == 2 and "already holds a run's results" in r.stderr, r.stderr[-2000:]

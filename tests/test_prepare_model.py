@@ -9,12 +9,9 @@ which only `seqpar train` gives its reference (PrepareSpec.tile_reference). One 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-pytest.importorskip("trl")
-
-from seqpar.spawn import run_distributed  # noqa: E402
+from seqpar.spawn import run_distributed
 
 VOCAB_ROWS = [[5, 9, 11, 2, 7, 31, 8, 3, 14, 6, 22, 17], [4, 12, 19, 25, 3, 9, 40, 2]]
 

@@ -9,9 +9,10 @@ same rule holds for its parts: config -> model -> dataset -> grpo -> loop -> lif
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
+
+from procs import run_command
 
 import seqpar
 
@@ -193,7 +194,7 @@ def test_no_private_names_imported_across_modules():
 def test_import_seqpar_loads_no_trainer():
     code = ("import sys, seqpar; print(sorted(m for m in sys.modules if m.startswith(('seqpar.train', 'seqpar.trl', "
             "'seqpar.hf', 'seqpar.cli', 'seqpar.planner', 'seqpar.bench'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = run_command([sys.executable, "-c", code], timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
 

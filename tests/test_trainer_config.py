@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 
 import pytest
+from procs import run_command
 
 from seqpar import SeqParError
 from seqpar.train.config import config_from_dict, load_config, validate_for_launch
@@ -132,8 +132,7 @@ def test_cli_bad_config_fails_before_spawning(tmp_path, sft_file):
     p = tmp_path / "cfg.yaml"
     p.write_text(f"model: tiny:llama\ndataset: {{path: {sft_file}, max_length: 64}}\nsequence_parallel: 2\n")
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "seqpar", "train", str(p), "--nproc-per-node", "3"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_command([sys.executable, "-m", "seqpar", "train", str(p), "--nproc-per-node", "3"], timeout=120)
     assert r.returncode == 2, r.stderr
     assert "does not divide the world size 3" in r.stderr and "1, 3" in r.stderr
     assert "torch.distributed" not in r.stderr and time.time() - t0 < 120

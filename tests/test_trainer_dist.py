@@ -67,13 +67,28 @@ def _case(data, out, stage="sft", method="full", sp=None, fsdp=False, packing=Fa
 
 
 def _train_cases(cases, env=None):
+    """Each (name, config[, env]) through train(); env (the world's) and a case's own env: test-only fault hooks
+    (seqpar.train.loop.grads), a case's only for that case."""
     import os
 
     from seqpar.train.config import config_from_dict
     from seqpar.train.run import train
 
-    os.environ.update(env or {})  # test-only fault hooks (seqpar.train.loop.grads)
-    return {name: train(config_from_dict(c)).losses for name, c in cases}
+    os.environ.update(env or {})
+    out = {}
+    for name, c, *case_env in cases:
+        extra = case_env[0] if case_env else {}
+        old = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            out[name] = train(config_from_dict(c)).losses
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return out
 
 
 def _reference(case: dict, dp: int) -> list[float]:
@@ -86,7 +101,7 @@ def _reference(case: dict, dp: int) -> list[float]:
 
 def _check(data, tmp_path, grid, results=None):
     cases = [(name, _case(data, tmp_path / name, **kw)) for name, kw in grid]
-    results = results or run_distributed(_train_cases, WORLD, cases, timeout=900)
+    results = results or run_distributed(_train_cases, WORLD, cases, timeout=540)
     for name, case in cases:
         losses = results[0][name]
         assert len(losses) == case["max_steps"]
@@ -115,6 +130,11 @@ SGD = dict(optimizer={"name": "sgd", "lr": 0.5}, steps=3, shuffle=False, save_fi
 # CPU "auto" sums after backward, which the no-FSDP cases above and below run), the dp sum after it.
 SGD_FAST = [("sft_full_ring2_dp2_fsdp_sgd", dict(sp=RING2, fsdp=True, **SGD)),
             ("sft_full_uly2_dp2_overlap_sgd", dict(sp=ULY2, grad_sync="overlap", **SGD))]
+# The same SGD runs with the SP side's gradients scaled by dp x sp = 4 (a test-only fault, for that case only):
+# the plain-loop comparison must fail by far (the FSDP path and the plain all-reduce path).
+FAULT = {"SEQPAR_FAULT_GRAD_SCALE": "4"}
+FAULT_FAST = [("fault4_sft_full_ring2_dp2_fsdp_sgd", dict(sp=RING2, fsdp=True, **SGD)),
+              ("fault4_sft_full_usp2x2_nofsdp_sgd", dict(sp=USP, **SGD))]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +142,8 @@ def fast_world(data, tmp_path_factory):
     """One spawned 4-rank world for every fast case of this module."""
     root = tmp_path_factory.mktemp("fast_world")
     cases = [(name, _case(data, root / name, **kw)) for name, kw in FAST_GRID + SGD_FAST]
-    return root, run_distributed(_train_cases, WORLD, cases, timeout=900)
+    cases += [(name, _case(data, root / name, **kw), FAULT) for name, kw in FAULT_FAST]
+    return root, run_distributed(_train_cases, WORLD, cases, timeout=540)
 
 
 def test_train_loop_matches_sp1_reference(data, fast_world):
@@ -205,17 +226,27 @@ def test_train_loop_matches_plain_pytorch_sgd(data, fast_world):
         assert moved > 1e-2, moved  # the steps really changed the parameters
 
 
+def _assert_fault_seen(root, names_kw, results, data) -> None:
+    for name, kw in names_kw:
+        dloss, dparam, _ = _check_vs_plain_loop(root, name, results[0][name], _case(data, root / name, **kw))
+        assert dloss > 100 * TOL and dparam > 100 * TOL, (name, dloss, dparam)
+
+
+def test_plain_pytorch_sgd_check_sees_gradient_scale_fault_fast(data, fast_world):
+    """Fast twin of the slow test below, in the fast world (the fault set for those two cases only)."""
+    root, results = fast_world
+    _assert_fault_seen(root, FAULT_FAST, results, data)
+
+
 @pytest.mark.slow
 def test_plain_pytorch_sgd_check_sees_gradient_scale_fault(data, tmp_path):
     """The same SGD comparisons (FSDP and plain all-reduce paths) with the SP run's gradients scaled by
-    dp x sp = 4 (test-only env fault): both must fail by far."""
+    dp x sp = 4 (test-only env fault, for the whole world): both must fail by far."""
     grid = [("sft_full_ring2_dp2_fsdp_sgd", dict(sp=RING2, fsdp=True, **SGD)),
             ("sft_full_usp2x2_nofsdp_sgd", dict(sp=USP, **SGD))]
     cases = [(name, _case(data, tmp_path / name, **kw)) for name, kw in grid]
-    results = run_distributed(_train_cases, WORLD, cases, {"SEQPAR_FAULT_GRAD_SCALE": "4"}, timeout=900)
-    for name, case in cases:
-        dloss, dparam, _ = _check_vs_plain_loop(tmp_path, name, results[0][name], case)
-        assert dloss > 100 * TOL and dparam > 100 * TOL, (name, dloss, dparam)
+    results = run_distributed(_train_cases, WORLD, cases, FAULT, timeout=540)
+    _assert_fault_seen(tmp_path, grid, results, data)
 
 
 def _full_grid():
@@ -246,7 +277,7 @@ SGD_SLOW = [("sft_full_usp2x2_nofsdp_sgd", dict(sp=USP, **SGD)),  # dp 1: the al
 def test_train_loop_sgd_more_meshes(data, tmp_path):
     """More SGD cases vs the SP=1 reference; the full fine-tuning ones also vs the plain-PyTorch loop."""
     cases = [(name, _case(data, tmp_path / name, **kw)) for name, kw in SGD_SLOW]
-    results = run_distributed(_train_cases, WORLD, cases, timeout=900)
+    results = run_distributed(_train_cases, WORLD, cases, timeout=540)
     _check(data, tmp_path, SGD_SLOW, results)
     for name, case in cases:
         if case["finetuning"]["method"] == "full":  # the plain loop trains every parameter

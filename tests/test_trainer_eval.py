@@ -6,12 +6,16 @@ One spawned 4-rank gloo world (sp=2 x dp=2) runs both cases through `seqpar.trai
   last eval_loss must equal a single-process token-mean cross-entropy of the final weights (plain HF
   forward of the full rows, computed here) within 1e-5 (fp32).
 - DPO with one pair whose prompt alone exceeds max_length among good pairs: it is skipped and
-  counted, training runs, and the DPO eval (7 pairs over dp=2, with the reference model) runs.
+  counted, training runs, and the DPO eval (7 pairs over dp=2, with the reference model) must equal the
+  pair-mean sigmoid DPO loss (beta 0.1) of the final weights against the initial ones (the reference),
+  computed here in one process with the plain HF model on every pair (tests/test_hf_equivalence.py's
+  formula), within 1e-5.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -52,7 +56,8 @@ def _cases(d):
         ("dpo_long_prompt", {**common, "stage": "dpo", "dataset": {"path": _write(d / "dpo.jsonl", dpo),
                                                                   "max_length": 96},
                              "eval_dataset": str(d / "dpo.jsonl"),  # DPO eval (pair-mean), after the last step
-                             "max_steps": 2, "output_dir": str(d / "dpo_long_prompt")}),
+                             "max_steps": 2, "checkpoint": {"save_final": True},
+                             "output_dir": str(d / "dpo_long_prompt")}),
     ]
 
 
@@ -90,6 +95,31 @@ def _reference_eval_loss(case) -> tuple[float, int]:
     return float(total / count), count
 
 
+def _reference_dpo_eval_loss(case) -> tuple[float, int]:
+    """Pair-mean DPO loss (the config's: sigmoid, beta 0.1) of the final weights against the initial ones (seqpar
+    train's DPO reference: a frozen copy of the policy at the start) over every kept eval pair: one process, plain
+    HF forward."""
+    from test_hf_equivalence import _ref_dpo
+
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.dataset.prepare import prepare_examples
+    from seqpar.train.model.load import load_model, load_tokenizer
+
+    cfg = config_from_dict(case)
+    assert cfg.dpo.loss_type == "sigmoid" and cfg.dpo.beta == 0.1
+    initial = load_model(cfg).eval()  # the weights the run started from (a tiny model seeded by cfg.seed)
+    final = load_model(cfg).eval()
+    final.load_state_dict(torch.load(f"{case['output_dir']}/final_state.pt"))
+    examples, _ = prepare_examples(cfg, load_tokenizer(cfg), cfg.eval_dataset)
+    rows = [{k: torch.tensor(ex[k]) for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")}
+            for ex in examples]
+    with torch.no_grad():
+        loss = _ref_dpo(final, initial, [rows], cfg.dpo.loss_type, cfg.dpo.beta, cfg.dpo.gamma)
+    moved = max(float((a - b).abs().max()) for a, b in zip(final.parameters(), initial.parameters()))
+    assert moved > 1e-4, moved  # two steps changed the policy: the reference differs from it
+    return float(loss), len(rows)
+
+
 def test_eval_epochs_and_long_dpo_prompt(tmp_path, capfd):
     cases = _cases(tmp_path)
     results = run_distributed(_train_all, WORLD, cases, timeout=900)
@@ -115,8 +145,13 @@ def test_eval_epochs_and_long_dpo_prompt(tmp_path, capfd):
     assert lrs == [pytest.approx(2e-2 / 3), pytest.approx(1e-2), pytest.approx(1e-2)]
 
     dpo = res["dpo_long_prompt"]
-    assert len(dpo["losses"]) == 2 and all(x == x for x in dpo["losses"])
-    assert [s for s, _ in dpo["eval"]] == [2] and 0 < dpo["eval"][0][1] < 10
+    assert len(dpo["losses"]) == 2 and all(math.isfinite(x) for x in dpo["losses"])
+    assert [s for s, _ in dpo["eval"]] == [2]
+    want, n_pairs = _reference_dpo_eval_loss(cases[1][1])
+    got = dpo["eval"][0][1]
+    assert n_pairs == 7 and abs(got - want) <= TOL, f"DPO eval_loss {got} vs single-process {want} over {n_pairs} pairs"
+    with capfd.disabled():
+        print(f"DPO eval_loss SP=2 x dp=2 vs single process: |d| = {abs(got - want):.2e} over {n_pairs} pairs")
     printed = capfd.readouterr().out
     assert "dataset: 1 of 8 rows dropped (the DPO prompt alone reaches max_length=96)" in printed
     assert "eval_dataset: 1 of 8 rows dropped (the DPO prompt alone reaches max_length=96)" in printed

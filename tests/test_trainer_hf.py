@@ -6,7 +6,8 @@ auto mesh is a zigzag ring of 2). Per-step logged training losses and the final 
 agree within 1e-5 (fp32, grad accumulation 2, SGD lr 0.1 without clipping: unlike AdamW or
 clipping, SGD is not blind to a gradient-scale error), and the SP `evaluate()` must equal an
 independent one-process global token-mean CE of the plain run's final model within 1e-5. The script then runs
-`SequenceParallelDPOTrainer` at SP=2 and at SP=1 (one process): losses within 1e-5.
+`SequenceParallelDPOTrainer` at SP=2 and at SP=1 (one process), SGD lr 0.1 with max_grad_norm 1.0: every step's
+gradient norm before clipping (1e-5 relative), the losses and the final parameters within 1e-5.
 """
 
 from __future__ import annotations
@@ -79,10 +80,14 @@ else:  # independent reference for the SP eval: global token-mean CE of the fina
 if sp_kw:  # the dp x sp variant checks SFT only
     json.dump(res, open(f"{out}/result.json", "w")) if trainer.is_world_process_zero() else None
     sys.exit(0)
-dpo = SequenceParallelDPOTrainer(model=tiny_model(arch, 3, 1, vocab_size=64, seed=1), args=args("dpo"),
+dpo = SequenceParallelDPOTrainer(model=tiny_model(arch, 3, 1, vocab_size=64, seed=1),
+                                 args=args("dpo", optim="sgd", learning_rate=0.1, max_grad_norm=1.0),
                                  train_dataset=datasets.Dataset.from_list(pairs), beta=0.5)
 dpo.train()
 res["dpo_losses"] = [h["loss"] for h in dpo.state.log_history if "loss" in h]
+res["dpo_grad_norms"] = [h["grad_norm"] for h in dpo.state.log_history if "grad_norm" in h]
+if dpo.is_world_process_zero():
+    torch.save({k: v.detach() for k, v in dpo.model.named_parameters()}, f"{out}/dpo_params.pt")
 res["dpo_metrics"] = sorted(k for h in dpo.state.log_history for k in h if k.startswith("rewards/"))
 if trainer.is_world_process_zero():
     json.dump(res, open(f"{out}/result.json", "w"))
@@ -94,19 +99,19 @@ def _run(cmd, tmp_path):
     run_script(cmd, tmp_path, result=Path(cmd[script + 2]) / "result.json")  # args: script mode out ...
 
 
-def _param_err(tmp_path):
+def _param_err(tmp_path, stage: str = "sft"):
     import torch
 
-    a = torch.load(tmp_path / "plain" / "sft_params.pt")
-    b = torch.load(tmp_path / "sp" / "sft_params.pt")
+    a = torch.load(tmp_path / "plain" / f"{stage}_params.pt")
+    b = torch.load(tmp_path / "sp" / f"{stage}_params.pt")
     assert a.keys() == b.keys() and len(a) > 0
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _check_grad_norms(sp: dict, plain: dict) -> None:
+def _check_grad_norms(sp: dict, plain: dict, key: str = "grad_norms") -> None:
     """Every step's gradient norm before clipping (max_grad_norm 1.0, the Trainer's default) at 1e-5 relative."""
-    assert len(sp["grad_norms"]) == len(plain["grad_norms"]) == 4, (sp, plain)
-    assert max(abs(a - b) / b for a, b in zip(sp["grad_norms"], plain["grad_norms"])) <= 1e-5, (sp, plain)
+    assert len(sp[key]) == len(plain[key]) == 4, (sp, plain)
+    assert max(abs(a - b) / b for a, b in zip(sp[key], plain[key])) <= 1e-5, (sp, plain)
 
 
 def test_hf_trainer_gains_sp_by_changing_the_class(tmp_path):
@@ -139,6 +144,8 @@ def _gains_sp(tmp_path):
     assert abs(sp["eval_loss"] - plain["ref_eval_loss"]) <= 1e-5, (sp["eval_loss"], plain["ref_eval_loss"])
     assert len(sp["dpo_losses"]) == len(plain["dpo_losses"]) == 4
     assert max(abs(a - b) for a, b in zip(sp["dpo_losses"], plain["dpo_losses"])) <= 1e-5, (sp, plain)
+    _check_grad_norms(sp, plain, "dpo_grad_norms")
+    assert _param_err(tmp_path, "dpo") <= 1e-5, _param_err(tmp_path, "dpo")
     assert "rewards/accuracies" in sp["dpo_metrics"]
 
 

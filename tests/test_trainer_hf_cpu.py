@@ -38,7 +38,7 @@ def _train_both(out: str) -> dict:
     return res
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only setup")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only setup: this machine has CUDA")
 def test_trainer_on_cpu_without_use_cpu(tmp_path):
     r0, r1 = run_distributed(_train_both, 2, str(tmp_path), timeout=600)
     assert r0 == r1

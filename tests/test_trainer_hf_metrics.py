@@ -242,7 +242,6 @@ def test_trl_sft_trainer_compute_metrics_matches_stock_trl(tmp_path):
     """The TRL SFT drop-in (it inherits the HF drop-in's evaluation) at SP 2 against stock trl.SFTTrainer on one
     process (eval batch 1): prompt/completion rows (completion-only labels), argmax predictions and label_ids
     equal exactly, token accuracy and target count equal."""
-    pytest.importorskip("trl")
     script = tmp_path / "trl_metrics.py"
     script.write_text(TRL_SCRIPT)
     stock, spd = tmp_path / "stock", tmp_path / "sp"

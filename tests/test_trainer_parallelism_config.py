@@ -4,7 +4,7 @@ The HF "Ulysses SP" recipe sets `TrainingArguments(parallelism_config=Parallelis
 sp_size=..., dp_shard_size=...), deepspeed=<ZeRO-3 config>)`. With only the trainer class swapped to
 `SequenceParallelTrainer` (no sequence_parallel_size given), the run must use seqpar's SP over sp_size ranks
 (DeepSpeed's own Ulysses and torch context parallelism must not run underneath) and train exactly like the stock
-Trainer on one process: every step's gradient norm at 1e-5 relative, every loss at 1e-5.
+Trainer on one process: every step's gradient norm at 1e-5 relative, every loss and the final parameters at 1e-5.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import json
 import sys
 
 import pytest
-from procs import SFT_ROWS_SCRIPT, run_script
-
-pytest.importorskip("deepspeed")
+from procs import FULL_PARAMS_SCRIPT, SFT_ROWS_SCRIPT, check_params, run_script
 
 SCRIPT = r'''
 import json, sys
@@ -25,7 +23,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from seqpar.hf.trainer import SequenceParallelTrainer
 
 mode, out, model_dir, sp, dp_shard = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-''' + SFT_ROWS_SCRIPT + r'''
+''' + SFT_ROWS_SCRIPT + FULL_PARAMS_SCRIPT + r'''
 kw = {}
 if mode == "sp":  # the ALST recipe: ZeRO-3 + parallelism_config(sp_backend="deepspeed", sp_size, dp_shard_size)
     kw["parallelism_config"] = ParallelismConfig(sp_backend="deepspeed", sp_size=sp, dp_shard_size=dp_shard)
@@ -42,7 +40,12 @@ if mode == "sp":
     trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=ds)   # <- the only change
 else:
     trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=pad_collate)
+if mode == "plain":
+    torch.save(full_params(model), f"{out}/init_params.pt")
 trainer.train()
+params = full_params(trainer.model)  # every rank: a collective under ZeRO-3
+if trainer.is_world_process_zero():
+    torch.save(params, f"{out}/params.pt")
 res = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]}
 if mode == "sp":
@@ -66,8 +69,8 @@ def _run(tmp_path, mode: str, nproc: int, sp: int, dp_shard: int) -> dict:
     cmd = [str(script), mode, str(out), str(tmp_path / "model"), str(sp), str(dp_shard)]
     if nproc > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd]
-    run_script([sys.executable, *cmd], tmp_path, result=out / "result.json", timeout=420)
-    return json.loads((out / "result.json").read_text())
+    run_script([sys.executable, *cmd], tmp_path, result=out / "result.json", timeout=280)
+    return {**json.loads((out / "result.json").read_text()), "dir": str(out)}
 
 
 def _check(tmp_path, nproc: int, sp: int, dp_shard: int) -> None:
@@ -77,6 +80,7 @@ def _check(tmp_path, nproc: int, sp: int, dp_shard: int) -> None:
     assert len(got["grad_norms"]) == len(ref["grad_norms"]) == 4, (got, ref)
     assert max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"])) <= 1e-5, (got, ref)
     assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= 1e-5, (got, ref)
+    check_params(got["dir"], ref["dir"])
 
 
 @pytest.mark.slow

@@ -23,9 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import run_script
-
-pytest.importorskip("trl")
+from procs import run_command, run_script
 
 TOL = 1e-5
 
@@ -185,12 +183,11 @@ def test_dropins_resume_on_another_layout(tmp_path):
 
 def _universal(tmp_path: Path, ckpt: str) -> None:
     """What the refusal says to do: DeepSpeed's conversion to a universal checkpoint, and latest_universal."""
-    import subprocess
 
     folder = tmp_path / "out" / ckpt
-    r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
-                        "--input_folder", str(folder / "global_step2"), "--output_folder",
-                        str(folder / "global_step2_universal")], capture_output=True, text=True, timeout=300)
+    r = run_command([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
+             "--input_folder", str(folder / "global_step2"), "--output_folder", str(folder / "global_step2_universal")],
+            timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (folder / "latest_universal").write_text("global_step2_universal")
 

@@ -5,14 +5,17 @@ independent reference) and (b) with `SequenceParallelTrainer` under torchrun on 
 in TrainingArguments (`deepspeed={...}` / `fsdp="full_shard", fsdp_config={"fsdp_version": 2}`), SP = 2 (a
 zigzag ring: 3 q / 1 kv heads). The model is loaded with `from_pretrained` after the TrainingArguments, as
 users do (under ZeRO-3 that partitions it at load time). SGD lr 0.1, grad-accum 2, max_grad_norm 1.0: every
-step's gradient norm (before clipping) must agree to 1e-5 relative and every logged loss to 1e-5 absolute,
-so a gradient scale or weighting error shows at step 1. TrainingArguments.ddp_timeout must reach every
-process group of seqpar's mesh. ZeRO-3 runs with stage3_param_persistence_threshold
-0, so every parameter is gathered at each module call (a mismatched gather between ranks would hang or fail).
+step's gradient norm (before clipping) must agree to 1e-5 relative, every logged loss and the final parameters
+(gathered from the shards) to 1e-5 absolute, so a gradient scale or weighting error shows at step 1.
+TrainingArguments.ddp_timeout must reach every process group of seqpar's mesh. ZeRO-3 runs with
+stage3_param_persistence_threshold 0, so every parameter is gathered at each module call (a mismatched gather
+between ranks would hang or fail).
 DeepSpeed's optimizer offload replaces the client SGD's update with its own, so that case is compared with
 the stock Trainer under the same DeepSpeed config on one process instead. Checkpoints (slow): under ZeRO-3 and
 FSDP2 a run saving every 2 steps, resumed from checkpoint-2 in a fresh torchrun, logs the uninterrupted run's
 steps 3 and 4. The TRL drop-ins and DPO under these stacks: tests/test_trainer_stacks_trl.py.
+Fast (`make test`): ZeRO-3 with checkpointing and tiled MLP, ZeRO-2, FSDP2 with LoRA, and the accelerate config
+file with a parallelism_config (ZeRO-3), all but the LoRA case against one shared stock run; the rest is slow.
 """
 
 from __future__ import annotations
@@ -21,9 +24,7 @@ import json
 import sys
 
 import pytest
-from procs import SFT_ROWS_SCRIPT, run_script
-
-pytest.importorskip("deepspeed")
+from procs import FULL_PARAMS_SCRIPT, SFT_ROWS_SCRIPT, check_params, run_script
 
 SCRIPT = r'''
 import json, os, sys
@@ -34,7 +35,7 @@ from seqpar.hf.trainer import SequenceParallelTrainer
 mode, stack, out, model_dir = sys.argv[1:5]
 opts = set(sys.argv[5].split(",")) if len(sys.argv) > 5 and sys.argv[5] else set()
 resume = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6] else None  # a checkpoint folder to resume from
-''' + SFT_ROWS_SCRIPT + r'''
+''' + SFT_ROWS_SCRIPT + FULL_PARAMS_SCRIPT + r'''
 kw = {}
 if stack.startswith("zero"):
     zo = {"stage": int(stack[4]), "stage3_param_persistence_threshold": 0}
@@ -66,7 +67,12 @@ if mode == "sp":
                                       tiled_mlp="tiled" in opts)
 else:
     trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=pad_collate)
+if mode == "plain":  # the reference's starting point (one process, nothing sharded)
+    torch.save(full_params(model), f"{out}/init_params.pt")
 trainer.train(resume_from_checkpoint=resume)
+params = full_params(trainer.model)  # every rank: a collective under ZeRO-3 / FSDP2
+if trainer.is_world_process_zero():
+    torch.save(params, f"{out}/params.pt")
 res = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
        "steps": [h["step"] for h in trainer.state.log_history if "loss" in h],
        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
@@ -106,29 +112,40 @@ def _launch(tmp_path, name: str, mode: str, stack: str, opts: str, nproc: int, e
     old = dict(os.environ)
     os.environ.update(env or {})
     try:
-        run_script(cmd, tmp_path, result=out / "result.json", timeout=420)
+        run_script(cmd, tmp_path, result=out / "result.json", timeout=280)
     finally:
         os.environ.clear()
         os.environ.update(old)
-    return json.loads((out / "result.json").read_text())
+    return {**json.loads((out / "result.json").read_text()), "dir": str(out)}
 
 
-def _check(sp: dict, ref: dict) -> None:
+def _check(sp: dict, ref: dict, param_tol: float = 1e-5) -> None:
     assert len(sp["grad_norms"]) == len(ref["grad_norms"]) == 4, (sp, ref)
     assert max(abs(a - b) / b for a, b in zip(sp["grad_norms"], ref["grad_norms"])) <= 1e-5, (sp, ref)
     assert max(abs(a - b) for a, b in zip(sp["losses"], ref["losses"])) <= 1e-5, (sp, ref)
+    check_params(sp["dir"], ref["dir"], param_tol)
 
 
-def _case(tmp_path, stack: str, opts: str = "", ref_stack: str = "ddp", env: dict | None = None) -> dict:
-    ref = _launch(tmp_path, "plain", "plain", ref_stack, opts.replace("tiled", "").replace("ckpt", ""), 1)
+def _case(tmp_path, stack: str, opts: str = "", ref_stack: str = "ddp", env: dict | None = None,
+          ref: dict | None = None, param_tol: float = 1e-5) -> dict:
+    """ref: a stock run already made (the `stock` fixture), else one is launched here (checkpointing and tiling
+    change nothing the reference computes, so they are left out of it)."""
+    ref = ref or _launch(tmp_path, "plain", "plain", ref_stack, opts.replace("tiled", "").replace("ckpt", ""), 1)
     sp = _launch(tmp_path, "sp", "sp", stack, opts, 2, env)
-    _check(sp, ref)
+    _check(sp, ref, param_tol)
     return sp
 
 
-def test_zero3_sp2_checkpointing_tiled_mlp_matches_stock_trainer(tmp_path):
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory) -> dict:
+    """The stock Trainer on one process, no stack, no options: the reference of the fast cases that need no other
+    (launched once for them; the model is the same seeded tiny Llama in every test's folder)."""
+    return _launch(tmp_path_factory.mktemp("stock"), "plain", "plain", "ddp", "", 1)
+
+
+def test_zero3_sp2_checkpointing_tiled_mlp_matches_stock_trainer(tmp_path, stock):
     """ZeRO-3 (every parameter gathered per call) + activation checkpointing + tiled MLP + fused loss."""
-    sp = _case(tmp_path, "zero3", "ckpt,tiled")
+    sp = _case(tmp_path, "zero3", "ckpt,tiled", ref=stock)
     assert sp["wrapped"] == "DeepSpeedEngine" and sp["sharded"], sp
     assert sp["timeouts"] == [1234.0] * 4, sp["timeouts"]
 
@@ -139,10 +156,11 @@ def test_fsdp2_sp2_lora_checkpointing_tiled_mlp_matches_stock_trainer(tmp_path):
     assert sp["wrapped"].startswith("FSDP") and sp["sharded"], sp
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stack", ["zero1", "zero2"])
-def test_zero1_zero2_sp2_match_stock_trainer(tmp_path, stack):
-    _case(tmp_path, stack, "ckpt")
+@pytest.mark.parametrize("stack", [pytest.param("zero1", marks=pytest.mark.slow), "zero2"])
+def test_zero1_zero2_sp2_match_stock_trainer(tmp_path, stack, stock):
+    """ZeRO-2 (gradients partitioned, so their reduction is what is compared) is fast, against the shared stock run."""
+    sp = _case(tmp_path, stack, "ckpt", ref=stock)
+    assert sp["wrapped"] == "DeepSpeedEngine", sp
 
 
 @pytest.mark.slow
@@ -153,8 +171,10 @@ def test_zero3_lora_checkpointing(tmp_path):
 @pytest.mark.slow
 def test_zero3_offload_matches_stock_deepspeed(tmp_path):
     """Optimizer + parameter offload to CPU: DeepSpeed's own CPU optimizer steps, so the reference is the stock
-    Trainer with the same DeepSpeed config on one process."""
-    _case(tmp_path, "zero3", "offload", ref_stack="zero3")
+    Trainer with the same DeepSpeed config on one process. The final parameters differ by 1.9e-5 (measured; every
+    other stack within 1e-5): gradient norms and losses are held to 1e-5, the parameters to 5e-5 (not explained:
+    DeepSpeed's offloaded update on 2 partitions vs 1; issue 44's notes)."""
+    _case(tmp_path, "zero3", "offload", ref_stack="zero3", param_tol=5e-5)
 
 
 @pytest.mark.slow
@@ -252,14 +272,15 @@ def test_accelerate_config_file_zero3_matches_stock_trainer(tmp_path):
     assert sp["wrapped"] == "DeepSpeedEngine" and sp["sharded"], sp
 
 
-@pytest.mark.slow
-def test_accelerate_config_file_parallelism_config_becomes_the_seqpar_mesh(tmp_path):
+def test_accelerate_config_file_parallelism_config_becomes_the_seqpar_mesh(tmp_path, stock):
     """The HF Ulysses recipe as an accelerate config file (DeepSpeed ZeRO-3 + parallelism_config sp_size 2,
-    sp_backend deepspeed) with only the trainer class swapped: seqpar's SP over 2 ranks, exact."""
+    sp_backend deepspeed) with only the trainer class swapped: seqpar's SP over 2 ranks, exact. Fast: the twin of
+    the slow accelerate-config-file cases above and of tests/test_trainer_parallelism_config.py (the same recipe
+    given as TrainingArguments(parallelism_config=...)), against the same stock run."""
     pc = ("parallelism_config:\n  parallelism_config_dp_replicate_size: 1\n  parallelism_config_dp_shard_size: 1\n"
           "  parallelism_config_tp_size: 1\n  parallelism_config_sp_size: 2\n"
           "  parallelism_config_sp_backend: deepspeed\n")
-    ref = _launch(tmp_path, "plain", "plain", "ddp", "", 1)
+    ref = stock
     sp = _launch(tmp_path, "sp", "sp", "accelerate", "", 2, env={"SP": ""}, accelerate_config=ACCELERATE_ZERO3 + pc)
     _check(sp, ref)
     assert sp["wrapped"] == "DeepSpeedEngine" and sp["sharded"] and sp["sp_size"] == 2, sp

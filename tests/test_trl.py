@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from procs import run_command
 
-pytest.importorskip("trl")
-
-from seqpar.spawn import run_distributed  # noqa: E402
+from seqpar.spawn import run_distributed
 
 TOL = 1e-5
 WORDS = "the cat sat on a mat while dogs ran far and birds sang songs of long summer days".split()
@@ -175,7 +174,7 @@ def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
     refs = [_train(c, str(tmp_path / f"ref{i}"), None) for i, c in enumerate(cases)]
     torch.save(refs, tmp_path / "refs.pt")
     _check(run_distributed(_sp_world, world, cases, str(tmp_path / "refs.pt"), str(tmp_path / "sp"),
-                           timeout=900))
+                           timeout=480))
 
 
 FAST = [
@@ -191,6 +190,12 @@ FAST = [
     # (loss, parameters, relative gradient norm).
     {"name": "sft bf16 autocast (TRL's default)", "stage": "sft", "arch": "llama", "data": "prompt_completion",
      "bf16": True, "tol": (1e-2, 2e-3, 5e-3)},
+    # The fast twins of SLOW's LoRA, padding-free and IPO cases (there at SP 4); dp 2 x sp 2: tests/test_trl_dp2.py.
+    {"name": "sft lora", "stage": "sft", "arch": "llama", "data": "messages", "lora": True},
+    {"name": "sft padding_free", "stage": "sft", "arch": "qwen2", "data": "prompt_completion", "padding_free": True,
+     "max_length": None},
+    {"name": "dpo ipo lora (adapter disabled = reference)", "stage": "dpo", "arch": "llama", "data": "pairs",
+     "loss": "ipo", "lora": True},
 ]
 SLOW = [
     {"name": "sft prompt/completion", "stage": "sft", "arch": "llama", "data": "prompt_completion"},
@@ -275,12 +280,11 @@ def test_trl_refusals_name_the_alternative():
 
 def test_trl_missing_says_how_to_install():
     import os
-    import subprocess
     import sys
 
     code = ("import sys; sys.modules['trl'] = None\n"
             "from seqpar.errors import SeqParError\n"
             "try:\n    import seqpar.trl\nexcept SeqParError as e:\n    print('REFUSED', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    out = run_command([sys.executable, "-c", code], timeout=120,
+                      env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert "REFUSED" in out.stdout and "pip install 'seqpar[trl]'" in out.stdout, out.stdout + out.stderr

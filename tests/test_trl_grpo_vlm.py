@@ -13,12 +13,9 @@ relative), the logged losses and every updated parameter (vision tower included)
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-pytest.importorskip("trl")
-
-from seqpar.spawn import run_distributed  # noqa: E402
+from seqpar.spawn import run_distributed
 
 TOL = 1e-5
 NUM_GEN = 2

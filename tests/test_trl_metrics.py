@@ -20,12 +20,9 @@ import math
 
 import pytest
 import torch
+from test_trl import WORDS, _config, _dataset, _tok
 
-pytest.importorskip("trl")
-
-from test_trl import WORDS, _config, _dataset, _tok  # noqa: E402
-
-from seqpar.spawn import run_distributed  # noqa: E402
+from seqpar.spawn import run_distributed
 
 TOL = 1e-5
 BETA = 0.5  # test_trl._config's DPO beta
@@ -115,14 +112,18 @@ def _compare(name: str, got: dict, ref: dict) -> tuple[float, str]:
     return worst
 
 
-def _run(cases: list[dict], world: int, tmp_path) -> None:
-    refs = [_train(c, str(tmp_path / f"ref{i}"), None) for i, c in enumerate(cases)]
-    results = run_distributed(_sp_world, world, cases, str(tmp_path / "sp"), timeout=600)
+def _check_all(results: list[list[dict]], cases: list[dict], refs: list[dict]) -> None:
     for rank_res in results[1:]:
         assert rank_res == results[0]  # every rank logs the same values
+    assert len(results[0]) == len(cases) == len(refs)
     for case, got, ref in zip(cases, results[0], refs):
         err, where = _compare(case["name"], got, ref)
         print(f"{case['name']}: max error {err:.1e} ({where}); stock rows {ref}")
+
+
+def _run(cases: list[dict], world: int, tmp_path) -> None:
+    refs = [_train(c, str(tmp_path / f"ref{i}"), None) for i, c in enumerate(cases)]
+    _check_all(run_distributed(_sp_world, world, cases, str(tmp_path / "sp"), timeout=480), cases, refs)
 
 
 FAST = [
@@ -147,7 +148,10 @@ SLOW = [
 ]
 
 
-@pytest.mark.slow  # the fast suite was at 15.3 min on 2 cores; the one-process kernel test below stays fast
+# The fast twin of both slow tests here: SLOW's dp 2 x sp 2 rows (SFT on messages, DPO IPO, every training row and
+# the eval row vs stock TRL) run in tests/test_trl_dp2.py's 4-rank world, with the TRL SFT / GRPO dp 2 twins (an SP 2
+# world of its own for these cases cost ~1 min of the fast suite's budget).
+@pytest.mark.slow
 def test_trl_metrics_sp2_match_stock_trl(tmp_path):
     _run(FAST, 2, tmp_path)
 

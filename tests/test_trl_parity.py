@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
-
-pytest.importorskip("trl")
 
 WORDS = "the cat sat on a mat while dogs ran far and birds sang songs of long summer days".split()
 

@@ -1,7 +1,9 @@
 """Spawn N gloo processes, run a function on each, gather results — always with a timeout.
 
 Used by the test suite, the benchmarks and `seqpar verify`. Each rank runs with 1 thread.
-Rendezvous uses a fresh free TCP port on 127.0.0.1.
+Rendezvous uses a fresh free TCP port on 127.0.0.1. A harness with its own time limit (the test suite: each test's
+timeout) sets $SEQPAR_SPAWN_DEADLINE to the wall-clock time (time.time()) by which every spawned world must be over:
+a `timeout` that reaches past it is cut to it, so the harness's own limit never kills a world it cannot report on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "free_port", "DistributedFailure"]
+__all__ = ["run_distributed", "free_port", "DistributedFailure", "DEADLINE_ENV", "capped_timeout"]
+
+DEADLINE_ENV = "SEQPAR_SPAWN_DEADLINE"
 
 
 class DistributedFailure(RuntimeError):
@@ -30,6 +34,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def capped_timeout(timeout: float) -> tuple[float, str]:
+    """(timeout cut to $SEQPAR_SPAWN_DEADLINE's time left, at least 1 s; what cut it, or "")."""
+    deadline = os.environ.get(DEADLINE_ENV)
+    if deadline:
+        left = max(1.0, float(deadline) - time.time())
+        if left < timeout:
+            return left, f" (cut from {timeout:.0f}s to the caller's deadline, ${DEADLINE_ENV})"
+    return timeout, ""
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict, out_dir: str, threads: int):
@@ -70,6 +84,7 @@ def run_distributed(
     fn must be importable (module level). Raises DistributedFailure with every failing rank's
     traceback, or after `timeout` seconds (all processes are killed: a test never hangs).
     """
+    timeout, cut = capped_timeout(timeout)
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
@@ -83,7 +98,7 @@ def run_distributed(
         results: dict[int, Any] = {}
         errors: list[str] = []
         try:
-            _wait_for_ranks(procs, out_dir, deadline, timeout, results, errors)
+            _wait_for_ranks(procs, out_dir, deadline, f"{timeout:.0f}s{cut}", results, errors)
             if not errors:
                 for p in procs:
                     p.join(timeout=max(1.0, deadline - time.monotonic()))
@@ -97,7 +112,7 @@ def run_distributed(
         return [results[r] for r in range(world_size)]
 
 
-def _wait_for_ranks(procs: list, out_dir: str, deadline: float, timeout: float, results: dict[int, Any],
+def _wait_for_ranks(procs: list, out_dir: str, deadline: float, timeout: str, results: dict[int, Any],
                     errors: list[str]) -> None:
     """Collect each rank's result file into `results` (or its traceback into `errors`) until all reported, one
     failed (the others get a moment to report: they may be blocked in a collective), one died, or time is up."""
@@ -123,6 +138,6 @@ def _wait_for_ranks(procs: list, out_dir: str, deadline: float, timeout: float, 
             errors.append(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
             return
         if time.monotonic() > deadline:
-            errors.append(f"timed out after {timeout:.0f}s; finished ranks: {sorted(results)}")
+            errors.append(f"timed out after {timeout}; finished ranks: {sorted(results)}")
             return
         time.sleep(0.02)
