@@ -216,6 +216,7 @@ CASES_W2 = [
     ("ring2", "nemotron_h", "packed"),
     ("ring2", "f64:qwen3_5", "packed"),
     ("ring2scan", "f64:nemotron_h", "packed"),
+    ("ring2", "bamba", "packed"),  # Bamba: Granite 4's Mamba2 mixer with a dense MLP
 ]
 CASES_W2_SLOW = [
     ("ulysses2", "qwen3_next", "packed"),
@@ -225,6 +226,7 @@ CASES_W2_SLOW = [
     ("ring2c", "qwen3_next", "pad"),
     ("ring2c", "granitemoehybrid", "packed"),
     ("ring2", "granitemoehybrid", "pad"),
+    ("ulysses2", "bamba", "pad"),
     ("ring2scan", "nemotron_h", "pad"),
     ("ulysses2", "f64:qwen3_next", "packed"),
     ("ring2", "lora:qwen3_next", "packed"),
@@ -245,6 +247,7 @@ CASES_W4 = [
     ("usp2x2scan", "qwen3_5", "packed"),
     ("usp2x2", "nemotron_h", "pad"),
     ("usp2x2", "granitemoehybrid", "packed"),
+    ("usp2x2", "bamba", "pad"),
     ("dp2xring2", "qwen3_5", "packed"),
     ("usp2x2", "f64:qwen3_next", "packed"),
     ("ring4", "f64:nemotron_h", "packed"),
@@ -259,8 +262,8 @@ CASES_W3 = [  # odd sizes: 3 ranks (shards of 160 / 6 ~ 27 tokens: rows padded t
 
 
 def test_hybrid_world2_fast():
-    """Gated DeltaNet (Qwen3-Next MoE, Qwen3.5) and Mamba2 (Nemotron-H) under Ulysses 2 and ring 2 (chain and
-    scan), fp32 and float64; refusals on both ranks."""
+    """Gated DeltaNet (Qwen3-Next MoE, Qwen3.5) and Mamba2 (Nemotron-H, Bamba) under Ulysses 2 and ring 2 (chain
+    and scan), fp32 and float64; refusals on both ranks."""
     _assert_results(run_distributed(world_cases, 2, CASES_W2, refusals=True, timeout=600))
 
 
@@ -286,7 +289,7 @@ def _mesh(ulysses: int, ring: int) -> SequenceParallelMesh:
     return SequenceParallelMesh(dp_size=1, ring_degree=ring, ulysses_degree=ulysses, layout="zigzag")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "nemotron_h", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "nemotron_h", "granitemoehybrid", "bamba"])
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 2), (1, 3)])
 def test_ring_and_usp_accepted(arch, ulysses, ring):
     """Ring and USP meshes are no longer refused for hybrids: every recurrent layer gets the SP forward."""

@@ -34,7 +34,7 @@ QWEN35_LIKE = {
 }
 
 
-@pytest.mark.parametrize("arch,kw", [("qwen3_5", {}), ("granitemoehybrid", {"num_local_experts": 0})])
+@pytest.mark.parametrize("arch,kw", [("qwen3_5", {}), ("granitemoehybrid", {"num_local_experts": 0}), ("bamba", {})])
 def test_hybrid_params_equal_the_model(tmp_path, arch, kw):
     from seqpar.hf.models import tiny_config, tiny_model
 

@@ -22,8 +22,8 @@ __all__ = ["ARCHS", "HYBRID_ARCHS", "VLM_ARCHS", "tiny_config", "tiny_model", "s
            "load_smollm2", "load_smollm2_tokenizer"]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
-# Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5) or Mamba2 (Nemotron-H, Granite 4) + softmax attention.
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid")
+# Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5) or Mamba2 (Nemotron-H, Granite 4, Bamba) + softmax attention.
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba")
 # Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -48,6 +48,7 @@ def _config_class(arch: str) -> Any:
         "qwen3_5_moe": tf.Qwen3_5MoeTextConfig,
         "nemotron_h": tf.NemotronHConfig,
         "granitemoehybrid": tf.GraniteMoeHybridConfig,
+        "bamba": tf.BambaConfig,
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS + VLM_ARCHS}")
@@ -158,13 +159,18 @@ def _tiny_vlm_config(arch: str, num_heads: int, num_kv_heads: int, head_dim: int
 def _mamba2_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
     """Mamba2 shapes: 8 heads of dim 4 in 2 groups, state 8, conv kernel 4, SSD chunk 16. Nemotron-H: blocks
     Mamba2, MoE (4 experts, top-2, a shared expert), attention, MLP (repeated: 2 blocks per layer); Granite 4:
-    layers alternate Mamba2 / attention, each with a 4-expert top-2 MoE and a shared MLP."""
+    layers alternate Mamba2 / attention, each with a 4-expert top-2 MoE and a shared MLP; Bamba: the same
+    alternation with a dense MLP per layer."""
     if arch == "nemotron_h":
         kinds = ["linear_attention", "moe", "full_attention", "mlp"]
         return dict(layers_block_type=[kinds[i % 4] for i in range(2 * num_layers)], num_hidden_layers=None,
                     mamba_num_heads=8, mamba_head_dim=4, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=16,
                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                     moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1)
+    mamba = dict(mamba_n_heads=8, mamba_d_head=4, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
+                 mamba_chunk_size=16, mamba_expand=1)
+    if arch == "bamba":
+        return dict(attn_layer_indices=[i for i in range(num_layers) if i % 2], **mamba)
     return dict(layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(num_layers)],
                 mamba_n_heads=8, mamba_d_head=4, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
                 mamba_chunk_size=16, mamba_expand=1, num_local_experts=4, num_experts_per_tok=2,
@@ -175,7 +181,7 @@ def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
     """Gated DeltaNet shapes: 4 k heads with 2 v heads each, k/v head dims 8 / 12; layers alternate
     linear / full attention (linear first). Qwen3-Next's and Qwen3.5-MoE's MLPs are MoE (4 experts, top-2, a
     shared expert). Mamba2 hybrids: _mamba2_kwargs."""
-    if arch in ("nemotron_h", "granitemoehybrid"):
+    if arch in ("nemotron_h", "granitemoehybrid", "bamba"):
         return _mamba2_kwargs(arch, num_layers)
     kw: dict[str, Any] = dict(
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=12,

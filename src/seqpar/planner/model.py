@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import SeqParError
 from ..textfiles import read_json
-from .recurrent import RecurrentFacts, recurrent_facts
+from .recurrent import RecurrentFacts, layer_kinds, recurrent_facts
 
 __all__ = ["ModelFacts", "load_model_facts", "bundled_models"]
 
@@ -125,7 +125,7 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
         what.append("a vision tower (vision_config)")
     text = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
     known = ("full_attention", "attention", "linear_attention", "mamba", "mlp", "moe")  # recurrent: .recurrent
-    types = text.get("layer_types") or text.get("layers_block_type") or []
+    types = layer_kinds(text)
     if any(t not in known and "sliding" not in str(t) for t in types):
         what.append(f"layer types it does not model ({sorted({str(t) for t in types if t not in known})})")
     experts = [text.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")]

@@ -108,10 +108,23 @@ def _get(c: dict[str, Any], *names: str) -> Any:
     return next((c[n] for n in names if c.get(n) is not None), None)
 
 
+def layer_kinds(c: dict[str, Any]) -> list[str]:
+    """A text config dict's per-layer kinds: `layer_types` (Qwen3.5, Granite 4), `layers_block_type` (Nemotron-H),
+    or Bamba's `attn_layer_indices` (every other layer is Mamba2; its `layers_block_type` is a property that a
+    saved config.json does not hold)."""
+    types = c.get("layer_types") or c.get("layers_block_type")
+    if types:
+        return [str(t) for t in types]
+    attn = c.get("attn_layer_indices")
+    if attn is not None and c.get("num_hidden_layers"):
+        return ["attention" if i in set(attn) else "mamba" for i in range(int(c["num_hidden_layers"]))]
+    return []
+
+
 def recurrent_facts(name: str, c: dict[str, Any]) -> tuple[RecurrentFacts, int] | None:
     """(the recurrent layers' facts, how many layers are recurrent) from a text config dict; None without any.
     Raises SeqParError for hybrids the planner does not model (block-per-mixer decoders such as Nemotron-H)."""
-    types = [str(t) for t in (c.get("layer_types") or c.get("layers_block_type") or [])]
+    types = layer_kinds(c)
     linear = sum(t in ("linear_attention", "mamba") for t in types)
     if linear == 0:
         return None
