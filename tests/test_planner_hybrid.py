@@ -96,3 +96,15 @@ def test_one_million_tokens_on_32_gpus(tmp_path):
     c = cands[best]
     assert c.layout.ulysses <= 8 and c.layout.ring > 1 and c.fits
     assert c.time.parts.get("comm_state", 0.0) > 0
+
+
+def test_hybrid_plans_say_their_memory_is_unvalidated():
+    """The recurrent layers' memory is an estimate the meter contradicts (docs/planner.md): every hybrid plan says
+    so, in the table's notes and in --json; a dense model's plan does not."""
+    from seqpar.planner.search import HYBRID_NOTE
+
+    cl = make_cluster(8, 8, "h100")
+    for name, hybrid in (("tiny:qwen3_5", True), ("tiny:llama", False)):
+        notes: list[str] = []
+        plan(load_model_facts(name), cl, Request(workload=Workload(2048)), notes)
+        assert (HYBRID_NOTE in notes) == hybrid, name

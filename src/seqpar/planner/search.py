@@ -229,6 +229,13 @@ def _rank(cands: list[Candidate], cl: Cluster, max_len: bool) -> None:
                                   -c.tokens_per_s, c.memory.total))
 
 
+# What the meter says of a hybrid plan (docs/planner.md, "Hybrid models"): said with every plan of one.
+HYBRID_NOTE = ("hybrid model: the recurrent layers' memory is an estimate, not validated like the rest: tiny "
+               "Qwen3.5 runs on CPU (transformers' torch fallbacks of the recurrence) peaked 4-5% above the plan "
+               "without memory features and 33% above with checkpointing (the recurrent layer's backward working set "
+               "is not modelled); leave headroom and read peak_alloc_mb of a short seqpar train run")
+
+
 def plan(m: ModelFacts, cl: Cluster, req: Request,
          notes: list[str] | None = None) -> tuple[list[Candidate], int | None]:
     """All candidates, best first, and the index of the recommended one (None if nothing fits). `notes`
@@ -243,6 +250,8 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
     if m.recurrent is not None and req.tiled_layer:
         raise SeqParError("--tiled-layer tiles standard decoder layers only, not a hybrid's recurrent layers (seqpar "
                           "refuses it at apply time too): drop it")
+    if m.recurrent is not None:
+        notes.append(HYBRID_NOTE)
     ctx = context_limit(m, req.max_position, req.rope_scaling)
     cands = []
     if req.max_seq_len:
