@@ -452,9 +452,9 @@ def test_cli_ctrl_c_one_line(data, tmp_path):
         stdout, stderr = communicate(proc, timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
     # Everything but progress bars (datasets' "Generating train split", DCP's "Writing model shards") and the
-    # run's start line.
+    # run's start lines (its configuration, the attention kernel it chose).
     lines = [ln for ln in (stdout + stderr).splitlines() if ln.strip() and "it/s]" not in ln and "s/s]" not in ln
-             and not ln.startswith("[seqpar] sft fp32: ")]
+             and not ln.startswith(("[seqpar] sft fp32: ", "[seqpar] attention kernel: "))]
     assert len(lines) == 1 and lines[0].startswith("seqpar: interrupted; last checkpoint: "), "\n".join(lines)
     assert (out / lines[0].rsplit(": ", 1)[1].split("/")[-1]).is_dir()
     assert not (out / LOCK_NAME).exists()

@@ -39,7 +39,9 @@ from seqpar.spawn import run_distributed
 from seqpar.steps import ReferenceLogps, StepSpec, forward_logits, micro_batch_loss
 
 REF_TOL = 1e-5  # featured SP vs the independent plain-HF reference
-SELF_TOL = 1e-6  # featured SP vs the same SP run without the features
+# featured SP vs the same SP run without the features: fp32 rounding of reordered sums (tiles, offload) only; the
+# worst measured, 1.55e-6, is a DPO loss (~1.26) at USP 2 x 2 with LoRA, checkpointing, offload and 2 tiles
+SELF_TOL = 2e-6
 VOCAB = 160
 HEADS = (4, 2)  # head_dim 8 -> hidden 32, intermediate 128: auto tiling kicks in above 32 local tokens
 LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]  # an MLP projection too: LoRA inside the tiles
