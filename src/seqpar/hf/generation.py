@@ -75,7 +75,7 @@ def sequence_parallel_paused(model: torch.nn.Module) -> Iterator[torch.nn.Module
         return
     # Every hook dict an SP handle lives in (the decoder's plan hook; a Qwen-VL model's input guard on its
     # outer model) is restored wholesale (same OrderedDict contents and order), not re-registered; the
-    # Gated DeltaNet layers' instance forwards are lifted so the class forward runs, and put back.
+    # recurrent layers' instance forwards (Gated DeltaNet, Mamba2) are lifted so the class forward runs, and put back.
     dicts: list = []
     for h in state.handles:
         for ref in (h.hooks_dict_ref, *getattr(h, "extra_dict_ref", ())):
