@@ -7,8 +7,9 @@ block (transformers' _no_split_modules). Rows are the processor's output (input_
 labels, pixel_values / image_grid_thw, pixel_values_videos / video_grid_thw / second_per_grid_ts) of a tiny
 Qwen2.5-VL: rows with one image, two images, a video, and none, so some micro-batches give one SP rank no image
 (it encodes a blank one so FSDP2's gathers match) and some have no media at all. SGD lr 0.1, batch 2, grad-accum 1
-(the stock VL model normalises per micro-batch), 4 steps: every logged loss to 1e-5 absolute and every step's
-gradient norm to 1e-5 relative.
+(the stock VL model normalises per micro-batch), 4 steps: every logged loss to 1e-5 absolute, every step's
+gradient norm to 1e-5 relative, and every final parameter (vision tower included; gathered from the FSDP2 shards)
+to 1e-5 of the stock run's, which moved.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 
-from procs import run_script
+from procs import FULL_PARAMS_SCRIPT, check_params, run_script
 
 SCRIPT = r'''
 import json, os, sys
@@ -27,6 +28,7 @@ sys.path.insert(0, sys.argv[4])
 from vlm_cases import Doc, SECONDS, media_kwargs
 
 mode, out, model_dir = sys.argv[1:4]
+''' + FULL_PARAMS_SCRIPT + r'''
 g = torch.Generator().manual_seed(0)
 specs = [[("text", 9), ("image", (1, 4, 4)), ("text", 12)], [("text", 20)],
          [("text", 5), ("image", (1, 2, 4)), ("text", 6), ("image", (1, 4, 2)), ("text", 8)], [("text", 14)],
@@ -71,7 +73,11 @@ if mode == "sp":
     trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=ds, sequence_parallel_size=2)
 else:
     trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=stock_collate)
+    torch.save(full_params(model), f"{out}/ref/init_params.pt")
 trainer.train()
+params = full_params(trainer.model)  # every rank: FSDP2's full_tensor is a collective
+if int(os.environ.get("RANK", "0")) == 0:
+    torch.save(params, f"{out}/{mode}/params.pt")
 res = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
        "vision_units": sum(type(m).__name__.startswith("FSDP") and type(m).__name__.endswith("VisionBlock")
@@ -87,6 +93,8 @@ def test_trainer_fsdp2_vlm_matches_stock_trainer(tmp_path):
     from seqpar.hf import tiny_model
 
     tiny_model("qwen2_5_vl", seed=0).save_pretrained(tmp_path / "model")
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "sp").mkdir()
     (tmp_path / "train.py").write_text(SCRIPT)
     tests = str(Path(__file__).parent)
     run_script([sys.executable, str(tmp_path / "train.py"), "ref", str(tmp_path), str(tmp_path / "model"), tests],
@@ -100,3 +108,4 @@ def test_trainer_fsdp2_vlm_matches_stock_trainer(tmp_path):
         assert abs(a - b) <= 1e-5, (sp, ref)
     for a, b in zip(sp["grad_norms"], ref["grad_norms"]):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (sp, ref)
+    check_params(tmp_path / "sp", tmp_path / "ref")
