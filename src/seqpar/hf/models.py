@@ -171,10 +171,9 @@ def _mamba2_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
                  mamba_chunk_size=16, mamba_expand=1)
     if arch == "bamba":
         return dict(attn_layer_indices=[i for i in range(num_layers) if i % 2], **mamba)
-    return dict(layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(num_layers)],
-                mamba_n_heads=8, mamba_d_head=4, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
-                mamba_chunk_size=16, mamba_expand=1, num_local_experts=4, num_experts_per_tok=2,
-                shared_intermediate_size=24, position_embedding_type="rope")
+    return dict(layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(num_layers)], **mamba,
+                num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=24,
+                position_embedding_type="rope")
 
 
 def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:

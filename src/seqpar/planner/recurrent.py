@@ -117,7 +117,8 @@ def layer_kinds(c: dict[str, Any]) -> list[str]:
         return [str(t) for t in types]
     attn = c.get("attn_layer_indices")
     if attn is not None and c.get("num_hidden_layers"):
-        return ["attention" if i in set(attn) else "mamba" for i in range(int(c["num_hidden_layers"]))]
+        attn = set(attn)
+        return ["attention" if i in attn else "mamba" for i in range(int(c["num_hidden_layers"]))]
     return []
 
 
