@@ -18,7 +18,12 @@ import time
 
 import pytest
 
-from seqpar.spawn import DEADLINE_ENV
+# The suite never downloads (models are tiny configs or bundled files): a hub id that is not cached must fail at
+# once, as it does offline for users with HF_HUB_OFFLINE=1, not after huggingface_hub's ~20 s of retries.
+# Set before anything imports huggingface_hub, which reads it once; spawned ranks inherit it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from seqpar.spawn import DEADLINE_ENV  # noqa: E402
 
 ALLOWED_SKIP = re.compile(r"\bCUDA\b")
 MARGIN_S = 30.0  # for the test to kill its processes and report; at most a tenth of a short limit
