@@ -9,7 +9,10 @@ several sizes; formats: messages, conversational prompt / completion (completion
 with assistant_only_loss, and a text-only dataset on the VL model. TRL's own vision collator builds each batch on
 both sides; the seqpar run must find an image whose tokens cross a shard seam. SGD lr 0.1, TRL's clipping
 (max_grad_norm 1.0), batch 2, grad-accum 2, 2 steps: every step's gradient norm (1e-5 relative), every logged loss
-and every final parameter (vision tower included, which must have moved) at fp32 1e-5 absolute.
+and every final parameter (vision tower included, which must have moved) at fp32 1e-5 absolute; one case also
+the eval loss after training (every eval row in one batch). Grad accumulation: the VL model classes declare
+accepts_loss_kwargs=False, so the stock Trainer would average the micro-batches' own token means; the reference
+turns its token-count normalisation on (model_accepts_loss_kwargs), the global token mean seqpar computes.
 Fast: Qwen2.5-VL, messages, Ulysses, DDP. Slow: Qwen3-VL / ring / FSDP2 (fsdp_version 2, every vision block a unit) /
 assistant_only_loss with gradient checkpointing / text rows.
 """
@@ -105,7 +108,7 @@ def _train(case: dict, model_dir: str, out: str, sp: bool):
                          logging_steps=1, report_to=[], save_strategy="no", train_sampling_strategy="sequential",
                          use_cpu=True, seed=0, disable_tqdm=True, bf16=False, optim="sgd", learning_rate=0.1,
                          max_grad_norm=1.0, gradient_checkpointing=case.get("checkpointing", False),
-                         assistant_only_loss=case["fmt"] == "assistant_only", **fsdp)
+                         assistant_only_loss=case["fmt"] == "assistant_only", per_device_eval_batch_size=8, **fsdp)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     proc = _processor()
     if case["fmt"] == "assistant_only":
@@ -125,10 +128,13 @@ def _train(case: dict, model_dir: str, out: str, sp: bool):
     init = _full_params(trainer.model)
     trainer.train()
     log = trainer.state.log_history
+    # one eval batch of every row: stock TRL's eval loss (a mean of per-batch means) is then the token mean too
+    evaluated = trainer.evaluate(_dataset(case["fmt"]))["eval_loss"] if case.get("eval") else 0.0
     return {"losses": [h["loss"] for h in log if "loss" in h], "gnorms": [h["grad_norm"] for h in log
                                                                          if "grad_norm" in h],
-            "params": _full_params(trainer.model), "init": init, "crossings": crossings,
-            "units": sum(type(m).__name__.startswith("FSDP") for m in trainer.model_wrapped.modules())}
+            "params": _full_params(trainer.model), "init": init, "crossings": crossings, "eval_loss": evaluated,
+            "vision_units": sum(type(m).__name__.startswith("FSDP") and type(m).__name__.endswith("VisionBlock")
+                                for m in trainer.model_wrapped.modules())}
 
 
 def _sp_world(case: dict, model_dir: str, refs: str, out: str) -> dict:
@@ -136,7 +142,8 @@ def _sp_world(case: dict, model_dir: str, refs: str, out: str) -> dict:
     got = _train(case, model_dir, out, sp=True)
     p, q = got["params"], ref["params"]
     assert p.keys() == q.keys(), (sorted(p)[:4], sorted(q)[:4])
-    return {"losses": got["losses"], "ref_losses": ref["losses"], "crossings": got["crossings"], "units": got["units"],
+    return {"losses": got["losses"], "ref_losses": ref["losses"], "crossings": got["crossings"],
+            "vision_units": got["vision_units"], "deval": abs(got["eval_loss"] - ref["eval_loss"]),
             "dgnorm": max(abs(a - b) / b for a, b in zip(got["gnorms"], ref["gnorms"])),
             "dloss": max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),
             "dparam": max(float((p[k] - v).abs().max()) for k, v in q.items()),
@@ -155,13 +162,13 @@ def _run(tmp_path, case: dict) -> dict:
                         timeout=600)[0]
     print(case, r)
     assert len(r["losses"]) == len(r["ref_losses"]) == 2, r
-    assert r["dgnorm"] <= TOL and r["dloss"] <= TOL and r["dparam"] <= TOL, r
+    assert r["dgnorm"] <= TOL and r["dloss"] <= TOL and r["dparam"] <= TOL and r["deval"] <= TOL, r
     assert r["moved"] > 1e-3, r
     if case["fmt"] != "text":
         assert r["vision_moved"] > 1e-4, r  # the images reached the loss: the tower trained
         assert r["crossings"] > 0, r  # an image's tokens cross a shard seam
     if case.get("fsdp2"):
-        assert r["units"] > 4, r  # fully_shard-ed: decoder layers and vision blocks are FSDP2 units
+        assert r["vision_units"] == 2, r  # every vision block is its own FSDP2 unit (every rank runs the tower)
     return r
 
 
@@ -173,7 +180,7 @@ def test_trl_sft_images_sp2_ddp_matches_stock_trl(tmp_path):
 @pytest.mark.parametrize("case", [
     {"arch": "qwen3_vl", "fmt": "prompt_completion", "ring": 2, "fsdp2": True},
     {"arch": "qwen2_5_vl", "fmt": "assistant_only", "fsdp2": True, "checkpointing": True},
-    {"arch": "qwen3_vl", "fmt": "messages", "ring": 2},
+    {"arch": "qwen3_vl", "fmt": "messages", "ring": 2, "eval": True},
     {"arch": "qwen2_5_vl", "fmt": "text", "ring": 2},
 ], ids=["qwen3-completion-ring-fsdp2", "qwen25-assistant-fsdp2-ckpt", "qwen3-messages-ring", "qwen25-text-rows"])
 def test_trl_sft_images_slow_cases_match_stock_trl(tmp_path, case):
