@@ -18,9 +18,10 @@ sp and dp at the log row, so each value is what stock TRL logs on one process fo
 
 TRL options that would silently do something else under SP are refused at construction with a
 SeqParError naming the alternative (identically on every rank, before any collective):
-- both: use_liger_kernel, activation_offloading, compute_loss_func, a custom data_collator, vision data;
+- both: use_liger_kernel, activation_offloading, compute_loss_func, a custom data_collator; DPO: vision data;
 - SFT: loss_type="dft", label_smoothing_factor > 0. padding_free=True (flash-attn in TRL) is mapped
-  to seqpar's packing path (documents separated by position_ids / cu_seqlens), as is packing;
+  to seqpar's packing path (documents separated by position_ids / cu_seqlens), as is packing. Image datasets
+  (Qwen VL): TRL's vision collator builds each batch, seqpar shards it (sft_vision.py; videos and packing refused);
 - DPO: loss_type other than one of "sigmoid" / "ipo" (with weight 1), f_divergence_type other than
   "reverse_kl", ld_alpha, use_weighting, sync_ref_model, precompute_ref_log_probs (TRL's precompute
   runs the un-sharded model), truncation_mode="keep_end".
