@@ -12,6 +12,7 @@ here, so `import seqpar` never needs TRL.
     grpo.py        SequenceParallelGRPOTrainer
     args.py        what they share: TRL config coercion, model instantiation (PEFT first), common refusals
     collators.py   seqpar's collators over TRL's prepared rows
+    sft_vision.py  the SFT drop-in with images: TRL's vision collator's batch -> seqpar's vision batch
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ sp and dp at the log row, so each value is what stock TRL logs on one process fo
 
 TRL options that would silently do something else under SP are refused at construction with a
 SeqParError naming the alternative (identically on every rank, before any collective):
-- both: use_liger_kernel, activation_offloading, compute_loss_func, a custom data_collator, vision data;
+- both: use_liger_kernel, activation_offloading, compute_loss_func, a custom data_collator; DPO: vision data;
 - SFT: loss_type="dft", label_smoothing_factor > 0. padding_free=True (flash-attn in TRL) is mapped
-  to seqpar's packing path (documents separated by position_ids / cu_seqlens), as is packing;
+  to seqpar's packing path (documents separated by position_ids / cu_seqlens), as is packing. Image datasets
+  (Qwen VL): TRL's vision collator builds each batch, seqpar shards it (sft_vision.py; videos and packing refused);
 - DPO: loss_type other than one of "sigmoid" / "ipo" (with weight 1), f_divergence_type other than
   "reverse_kl", ld_alpha, use_weighting, sync_ref_model, precompute_ref_log_probs (TRL's precompute
   runs the un-sharded model), truncation_mode="keep_end".
@@ -40,10 +41,13 @@ from ..hf.prepare import policy_copy
 from ..hf.trainer import DPOSettings, SequenceParallelTrainer
 from ..hf.trainer import SequenceParallelDPOTrainer as HFDPOTrainer
 from ..hf.trainer_stack import is_zero3
+from ..hf.vision import is_vlm
 from ..mesh import SequenceParallelMesh
 from ..steps import StepSpec, micro_batch_loss, sft_metric_sums
+from ..unwrap import unwrapped_base
 from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
 from .collators import TRLDPOCollator, TRLSFTCollator
+from .sft_vision import TRLVisionSFTCollator, TRLVLMTextCollator, check_sft_vision
 
 __all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer"]
 
@@ -183,7 +187,8 @@ class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTr
                  **kwargs: Any) -> None:
         name = type(self).__name__
         args = coerce_args(args, trl.SFTConfig, model, "SFT")
-        refuse_common(name, args, data_collator, kwargs, train_dataset)
+        refuse_common(name, args, data_collator, kwargs, train_dataset, images=True)
+        check_sft_vision(name, args, train_dataset, eval_dataset)  # images: TRL's vision collator (sft_vision.py)
         check_trl_rows(name, "SFT", args, train_dataset, eval_dataset, kwargs)
         if args.loss_type != "nll":
             raise refuse(name, f"loss_type={args.loss_type!r}", "seqpar computes the token-mean NLL only",
@@ -201,8 +206,18 @@ class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTr
         # TRL's padding_free (flash-attn varlen) and packing both mean "several documents in one row":
         # seqpar's packing path separates them by position_ids / cu_seqlens in its own attention.
         packing = bool(args.packing or args.padding_free)
-        self.data_collator = TRLSFTCollator(self.sp_mesh, self._tokenizer.pad_token_id, packing=packing)
+        pad = self._tokenizer.pad_token_id
+        if self._is_vision_dataset:  # TRL's vision collator builds each full micro-batch, seqpar shards it
+            self.data_collator = TRLVisionSFTCollator(self.data_collator, self.sp_mesh, pad)
+        elif is_vlm(getattr(unwrapped_base(self.model), "config", None)):  # text rows on a VL model
+            self.data_collator = TRLVLMTextCollator(self.sp_mesh, pad, packing=packing)
+        else:
+            self.data_collator = TRLSFTCollator(self.sp_mesh, pad, packing=packing)
         self._init_trl_metrics()
+
+    def _supervised_only(self, dataset: Any) -> Any:
+        # Image rows get their labels from TRL's collator per micro-batch: every row is kept, as stock TRL keeps it.
+        return dataset if self._is_vision_dataset else super()._supervised_only(dataset)
 
     def _trl_values(self, s: dict[str, float]) -> dict[str, float]:
         return {"entropy": _ratio(s["entropy"], s["tokens"]), "mean_token_accuracy": _ratio(s["top1"], s["tokens"]),
