@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -208,11 +209,13 @@ def _truncate_prompt(ids: list[int], keep: int, mode: str) -> list[int]:
 
 
 def _build_dpo(rows: list[dict[str, Any]], tok: Tokenizer, max_length: int, max_prompt_length: int | None,
-               truncation_mode: str, stats: dict[str, int]) -> list[dict[str, Any]]:
-    """Pairs; prompts cut to max_prompt_length (when set), pairs whose prompt still reaches max_length skipped."""
+               truncation_mode: str, stats: dict[str, int],
+               encode: Callable[[dict[str, Any], int], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Pairs; prompts cut to max_prompt_length (when set), pairs whose prompt still reaches max_length skipped.
+    encode(row, i): the tokenized pair (default tokenize_dpo; vision-language pairs add their prompt's media)."""
     out, longest = [], 0
     for i, row in enumerate(rows, 1):  # 1-based: the line of a JSONL file
-        ex = tokenize_dpo(row, tok, i)
+        ex = encode(row, i) if encode is not None else tokenize_dpo(row, tok, i)
         n_prompt = len(ex["prompt_input_ids"])
         if max_prompt_length is not None and n_prompt > max_prompt_length:
             if "ref_chosen_logps" in ex:
