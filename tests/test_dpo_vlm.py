@@ -10,8 +10,9 @@ policy and for a frozen copy (the reference model), the DPO / IPO / SimPO loss w
 step's pairs, SGD. Tolerance: every step's loss and every parameter (vision tower included) within 1e-5 absolute
 (fp32) after the steps, and the tower must have moved (the images reached the loss).
 The data puts an image across the Ulysses shard seam (asserted), images on some pairs only, B = 2 pairs.
-fast: Qwen2.5-VL, Ulysses 2, sigmoid, two steps. slow: Qwen3-VL ring 2 IPO; USP 2x2 SimPO; dp 2 x SP 2 with
-fsdp: true (the reference model sharded too); precomputed reference log-probs.
+fast: Qwen2.5-VL, Ulysses 2, sigmoid, two steps of one micro-batch; each prompt medium encoded once (in process).
+slow (two micro-batches per step): Qwen3-VL ring 2 IPO; USP 2x2 SimPO; dp 2 x SP 2 with fsdp: true (the reference
+model sharded too); precomputed reference log-probs.
 """
 
 from __future__ import annotations
@@ -156,13 +157,16 @@ def _compare(res, cfg, dp):
     assert max(abs(a - b) for a, b in zip(res[0]["losses"], ref_losses)) <= TOL, (res[0]["losses"], ref_losses)
     worst = max(float((state[k].float() - v).abs().max()) for k, v in ref_params.items())
     moved = max(float((state[k].float() - v).abs().max()) for k, v in init.items() if "visual" in k)
+    print(f"dloss {max(abs(a - b) for a, b in zip(res[0]['losses'], ref_losses)):.3g} dparam {worst:.3g} "
+          f"tower moved {moved:.3g}")
     assert worst <= TOL, worst
     assert moved > 1e-4, moved  # the vision tower trained: the images reached the loss
     return batches
 
 
 def test_dpo_image_prompts_ulysses2(data, tmp_path):
-    cfg = _cfg(data, tmp_path / "run", "qwen2_5_vl", {"size": 2, "ulysses_degree": 2})
+    # seed 4, one micro-batch per step: [pairs 4, 5] (a video, an image across the seam), then [1, 2] (text only)
+    cfg = _cfg(data, tmp_path / "run", "qwen2_5_vl", {"size": 2, "ulysses_degree": 2}, seed=4, grad_accum=1)
     batches = _compare(run_distributed(_train_world, 2, cfg, timeout=600), cfg, dp=1)
     assert _seam_crossed(batches, "qwen2_5_vl")
     media = [("pixel_values" in e, "pixel_values_videos" in e) for b in batches for e in b]
@@ -218,3 +222,35 @@ def test_dpo_media_in_a_response_refused(data):
     cfg = config_from_dict(_cfg(data, Path("/tmp/x"), "qwen2_5_vl", {"size": 1}, dataset={"max_prompt_length": 8}))
     with pytest.raises(SeqParError, match="an image or video cannot be cut"):
         prepare_examples(cfg)
+
+
+def test_each_prompt_medium_encoded_once(data):
+    """In process (SP size 1): VisionDPOCollator gives the rejected rows their chosen rows' media, which the tower
+    encodes once (patches counted); the logits equal those of the same batch with every medium encoded (same_as
+    dropped); a same_as that names a different medium is refused."""
+    import seqpar
+    from seqpar.data import VisionDPOCollator
+    from seqpar.errors import SeqParError
+    from seqpar.hf import apply_sequence_parallel
+    from seqpar.hf.vision import vision_batch_inputs
+    from seqpar.hf.vision_encode import VISION_KWARG
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.dataset.prepare import prepare_examples
+    from seqpar.train.model.load import load_model
+
+    cfg = config_from_dict(_cfg(data, Path("/tmp/x"), "qwen2_5_vl", {"size": 1}))
+    examples, _ = prepare_examples(cfg)
+    mesh = seqpar.init_mesh(1)
+    model = apply_sequence_parallel(load_model(cfg), mesh).eval()
+    batch = VisionDPOCollator(mesh, 258)([examples[1], examples[2], examples[4]])  # 2 images, none, a video
+    assert batch["media_same_as"].tolist() == [0, 1, 0, 1, 4, 4]
+    once = vision_batch_inputs(model, batch, None)
+    twice = vision_batch_inputs(model, {k: v for k, v in batch.items() if k != "media_same_as"}, None)
+    with torch.no_grad():
+        a, b = model(**once).logits, model(**twice).logits
+    chosen = int(examples[1]["image_grid_thw"].prod(-1).sum() + examples[4]["video_grid_thw"].prod(-1).sum())
+    assert once[VISION_KWARG].encoded_patches == chosen and twice[VISION_KWARG].encoded_patches == 2 * chosen
+    assert torch.equal(a, b)
+    for bad in ([0, 1, 1, 1, 4, 4], [0, 1, 0, 1, 4], [0, 1, 0, 0, 4, 4]):  # grid differs / count / images crossed
+        with pytest.raises(SeqParError, match="same_as"):
+            vision_batch_inputs(model, {**batch, "media_same_as": torch.tensor(bad)}, None)

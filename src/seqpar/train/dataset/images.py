@@ -34,7 +34,7 @@ from ...data import VisionCollator
 from ...errors import SeqParError
 from ..model.tokenizers import ByteTokenizer
 from .formats import check_stage, detect_format
-from .tokenize import IGNORE, _build_dpo, pack_rows, tokenize_dpo, tokenize_sft
+from .tokenize import IGNORE, build_dpo_pairs, pack_rows, tokenize_dpo, tokenize_sft
 from .videos import frame_timestamps, read_frames, video_patches
 
 __all__ = ["VisionSpec", "PLACEHOLDER", "VIDEO_PLACEHOLDER", "build_vision_examples", "build_vision_dpo_examples",
@@ -273,4 +273,4 @@ def build_vision_dpo_examples(rows: list[dict[str, Any]], fmt: str, tok: Any, sp
         ex["prompt_input_ids"] = got.pop("input_ids")
         return {**ex, **got}
 
-    return _build_dpo(rows, tok, max_length, max_prompt_length, truncation_mode, stats, encode), stats
+    return build_dpo_pairs(rows, tok, max_length, max_prompt_length, truncation_mode, stats, encode), stats

@@ -22,7 +22,7 @@ from ..model.tokenizers import ByteTokenizer, Tokenizer
 from .formats import Text, Tokenized, check_stage, detect_format, normalize_dpo, normalize_sft
 
 __all__ = ["IGNORE", "load_rows", "detect_format", "tokenize_sft", "tokenize_dpo", "build_examples", "pack_rows",
-           "describe_stats"]
+           "describe_stats", "build_dpo_pairs"]
 
 IGNORE = -100
 
@@ -208,7 +208,7 @@ def _truncate_prompt(ids: list[int], keep: int, mode: str) -> list[int]:
     return ids[-keep:] if mode == "keep_end" else ids[:keep]
 
 
-def _build_dpo(rows: list[dict[str, Any]], tok: Tokenizer, max_length: int, max_prompt_length: int | None,
+def build_dpo_pairs(rows: list[dict[str, Any]], tok: Tokenizer, max_length: int, max_prompt_length: int | None,
                truncation_mode: str, stats: dict[str, int],
                encode: Callable[[dict[str, Any], int], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Pairs; prompts cut to max_prompt_length (when set), pairs whose prompt still reaches max_length skipped.
@@ -264,7 +264,7 @@ def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokeni
     stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
              "dropped_long_prompt": 0, "identical_pairs": 0}
     if stage == "dpo":
-        return _build_dpo(rows, tok, max_length, max_prompt_length, truncation_mode, stats), stats
+        return build_dpo_pairs(rows, tok, max_length, max_prompt_length, truncation_mode, stats), stats
     examples = []
     longest_prompt = 0
     no_labels = 0  # rows whose labels are all -100 (no max_length helps them)
