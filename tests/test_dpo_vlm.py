@@ -12,7 +12,8 @@ step's pairs, SGD. Tolerance: every step's loss and every parameter (vision towe
 The data puts an image across the Ulysses shard seam (asserted), images on some pairs only, B = 2 pairs.
 fast: Qwen2.5-VL, Ulysses 2, sigmoid, two steps of one micro-batch; each prompt medium encoded once (in process).
 slow (two micro-batches per step): Qwen3-VL ring 2 IPO; USP 2x2 SimPO; dp 2 x SP 2 with fsdp: true (the reference
-model sharded too); precomputed reference log-probs.
+model sharded too); LoRA at ring 2 (the reference: the adapter disabled); precomputed reference log-probs; the HF
+Trainer DPO drop-in (seqpar.hf.SequenceParallelDPOTrainer) on the same pair rows.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _cfg(data: Path, out: Path, arch: str, sp: dict, **over) -> dict:
            "export": {"final": False}, "memory": {"measure": False},
            "dpo": {"beta": 0.5, "loss_type": "sigmoid"}}
     for k, v in over.items():
-        cfg[k] = {**cfg[k], **v} if isinstance(v, dict) else v
+        cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
     return cfg
 
 
@@ -97,20 +98,24 @@ def _pair_loss(d, pc, pr, rc, rr, nc, nr) -> torch.Tensor:
 
 def _reference(cfg_dict: dict, dp: int) -> tuple[list[float], dict, dict, list]:
     """(loss per step, parameters after the last step, initial parameters, the micro-batches) of the reference."""
+    import contextlib
     import copy
 
     from seqpar.train.config import config_from_dict
     from seqpar.train.dataset.prepare import prepare_examples
     from seqpar.train.dataset.streams import DataStream
-    from seqpar.train.model.load import load_model
+    from seqpar.train.model.load import apply_lora, load_model
 
     cfg = config_from_dict(cfg_dict)
     examples, _ = prepare_examples(cfg)  # tokenization + media: checked below, not the SP path under test
     torch.manual_seed(cfg.seed)
     model = load_model(cfg)
-    init = {k: p.detach().clone() for k, p in model.named_parameters()}
     ref = copy.deepcopy(model).eval()
-    streams = [DataStream(len(examples), dp, d, shuffle=True, seed=cfg.seed) for d in range(dp)]
+    if cfg.finetuning.method == "lora":  # the reference is the policy with its adapter disabled
+        torch.manual_seed(cfg.seed)
+        model, ref = apply_lora(model, cfg), None
+    init = {k: p.detach().clone() for k, p in model.named_parameters()}
+    streams = [DataStream(len(examples), dp, d, shuffle=cfg.dataset.shuffle, seed=cfg.seed) for d in range(dp)]
     losses, batches = [], []
     for _ in range(cfg.max_steps):
         batches += [[examples[i] for i in s.take(cfg.micro_batch_size)] for s in streams for _ in range(cfg.grad_accum)]
@@ -118,8 +123,9 @@ def _reference(cfg_dict: dict, dp: int) -> tuple[list[float], dict, dict, list]:
         total = 0.0
         for ex in pairs:
             (pc, nc), (pr, nr) = (_logp(model, ex, s, cfg.dataset.max_length) for s in ("chosen", "rejected"))
-            with torch.no_grad():
-                rc, rr = (_logp(ref, ex, s, cfg.dataset.max_length)[0] for s in ("chosen", "rejected"))
+            frozen = model if ref is None else ref
+            with torch.no_grad(), (model.disable_adapter() if ref is None else contextlib.nullcontext()):
+                rc, rr = (_logp(frozen, ex, s, cfg.dataset.max_length)[0] for s in ("chosen", "rejected"))
             if "ref_chosen_logps" in ex:  # precomputed: the reference model's values must be what the rows carry
                 assert abs(ex["ref_chosen_logps"] - float(rc)) < 1e-9
                 assert abs(ex["ref_rejected_logps"] - float(rr)) < 1e-9
@@ -153,14 +159,16 @@ def _seam_crossed(batches: list, arch: str) -> bool:
 
 def _compare(res, cfg, dp):
     ref_losses, ref_params, init, batches = _reference(cfg, dp)
-    state = torch.load(res[0]["state"])
+    state = torch.load(res[0]["state"])  # LoRA: the adapter's weights only
     assert max(abs(a - b) for a, b in zip(res[0]["losses"], ref_losses)) <= TOL, (res[0]["losses"], ref_losses)
-    worst = max(float((state[k].float() - v).abs().max()) for k, v in ref_params.items())
-    moved = max(float((state[k].float() - v).abs().max()) for k, v in init.items() if "visual" in k)
+    assert set(state) <= set(ref_params) and (len(state) == len(ref_params) or all("lora_" in k for k in state))
+    worst = max(float((v.float() - ref_params[k]).abs().max()) for k, v in state.items())
+    # the tower trained (the images reached the loss); LoRA on the decoder's attention: its adapters moved
+    moved = max(float((v.float() - init[k]).abs().max()) for k, v in state.items() if "visual" in k or "lora_" in k)
     print(f"dloss {max(abs(a - b) for a, b in zip(res[0]['losses'], ref_losses)):.3g} dparam {worst:.3g} "
           f"tower moved {moved:.3g}")
     assert worst <= TOL, worst
-    assert moved > 1e-4, moved  # the vision tower trained: the images reached the loss
+    assert moved > 1e-4, moved
     return batches
 
 
@@ -178,6 +186,7 @@ def test_dpo_image_prompts_ulysses2(data, tmp_path):
     ("qwen3_vl", {"size": 2, "ring_degree": 2}, "ipo", 2, {}),
     ("qwen2_5_vl", {"size": 4, "ulysses_degree": 2, "ring_degree": 2}, "simpo", 4, {}),
     ("qwen2_5_vl", {"size": 2, "ulysses_degree": 2}, "sigmoid", 4, {"fsdp": True}),
+    ("qwen2_5_vl", {"size": 2, "ring_degree": 2}, "sigmoid", 2, {"finetuning": {"method": "lora", "r": 4}}),
 ])
 def test_dpo_image_prompts_slow(data, tmp_path, arch, sp, loss, world, extra):
     cfg = _cfg(data, tmp_path / "run", arch, sp, dpo={"loss_type": loss}, **extra)
@@ -206,6 +215,42 @@ def test_dpo_image_prompts_precomputed_ref(data, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg["dataset"]["path"] = str(path)
     _compare(run_distributed(_train_world, 2, cfg, timeout=600), cfg, dp=1)
+
+
+def _hf_world(cfg_dict: dict, out: str) -> dict:
+    """seqpar.hf.SequenceParallelDPOTrainer on the examples `seqpar train` would build (rows with their prompt's
+    media: VisionDPOCollator), the same seeded model, sequential order, constant lr SGD."""
+    from transformers import TrainingArguments
+
+    from seqpar.hf import SequenceParallelDPOTrainer
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.dataset.prepare import prepare_examples
+    from seqpar.train.model.load import load_model
+
+    cfg = config_from_dict(cfg_dict)
+    examples, _ = prepare_examples(cfg)
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg)
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=cfg.micro_batch_size,
+                             gradient_accumulation_steps=cfg.grad_accum, max_steps=cfg.max_steps, logging_steps=1,
+                             report_to=[], save_strategy="no", train_sampling_strategy="sequential", use_cpu=True,
+                             seed=cfg.seed, disable_tqdm=True, optim="sgd", learning_rate=cfg.optimizer.lr,
+                             lr_scheduler_type="constant", max_grad_norm=0.0, remove_unused_columns=False)
+    trainer = SequenceParallelDPOTrainer(model=model, args=args, train_dataset=examples, beta=cfg.dpo.beta,
+                                         loss_type=cfg.dpo.loss_type, sequence_parallel_size=cfg.sequence_parallel.size)
+    trainer.train()
+    state = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    path = f"{out}/state.pt"
+    if torch.distributed.get_rank() == 0:
+        torch.save(state, path)
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "state": path}
+
+
+@pytest.mark.slow
+def test_hf_dpo_trainer_image_prompts(data, tmp_path):
+    """The HF Trainer DPO drop-in with VL pair rows (prompt media as the processor's keys), SP=2 Ulysses."""
+    cfg = _cfg(data, tmp_path / "run", "qwen2_5_vl", {"size": 2, "ulysses_degree": 2}, dataset={"shuffle": False})
+    _compare(run_distributed(_hf_world, 2, cfg, str(tmp_path), timeout=600), cfg, dp=1)
 
 
 def test_dpo_media_in_a_response_refused(data):
