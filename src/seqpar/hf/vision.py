@@ -13,7 +13,9 @@ Every rank of an SP group holds the same full batch (token ids, images, videos);
   installed by apply_sequence_parallel encodes each image / video ONCE over the SP group and gives the model's
   own merge (masked_scatter, deepstack addition) exactly the embeddings of the shard's image / video tokens.
   Image and video tokens may fall on any shard seam. Under FSDP2, ZeRO-3 or DDP the tower runs on every rank in
-  every forward (a blank image where a rank owns none), so its collectives always match.
+  every forward (a blank image where a rank owns none), so its collectives always match. `same_as=` marks media
+  that repeat an earlier one (DPO: the rejected rows' prompt media are the chosen rows'): encoded once, their
+  embedding used at every place, its gradient summed over them.
 
 Refused (clear errors): calling the model under SP with pixel_values / videos (it would encode every image and
 merge them into a shard), position ids that are not [4, B, S_local], placeholders that do not match the media.
@@ -158,9 +160,10 @@ def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh | None, inp
 
 
 def vision_batch_inputs(model: torch.nn.Module, batch: dict[str, Any], device: torch.device | str | None) -> dict:
-    """Model kwargs for a collated vision batch (seqpar.data.VisionCollator: the FULL input ids, the media, and
-    cu_seqlens for packed rows): sp_vlm_inputs on the mesh SP was applied with. Installed by
-    apply_sequence_parallel as the model's seqpar.unwrap.BATCH_INPUTS_HOOK, which seqpar.steps.model_inputs calls."""
+    """Model kwargs for a collated vision batch (seqpar.data.VisionCollator / VisionDPOCollator: the FULL input ids,
+    the media, cu_seqlens for packed rows, media_same_as for DPO pairs): sp_vlm_inputs on the mesh SP was applied
+    with. Installed by apply_sequence_parallel as the model's seqpar.unwrap.BATCH_INPUTS_HOOK, which
+    seqpar.steps.model_inputs calls."""
     def move(key: str) -> Any:
         t = batch.get(key)
         return t.to(device) if t is not None and device is not None and key.startswith("pixel") else t
