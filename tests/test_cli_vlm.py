@@ -119,7 +119,7 @@ def test_bad_image_rows_refused(tmp_path):
         build_vision_examples(rows[1:2], "auto", ByteTokenizer(), spec, 256, str(tmp_path))
 
 
-@pytest.mark.parametrize("over,match", [({"stage": "dpo"}, "stage: sft or grpo")])
+@pytest.mark.parametrize("over,match", [({"stage": "dpo"}, "stage: dpo needs rows with prompt, chosen and rejected")])
 def test_unsupported_vlm_runs_refused(tmp_path, over, match):
     from seqpar.train.config import config_from_dict
     from seqpar.train.dataset.prepare import prepare_examples

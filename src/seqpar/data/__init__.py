@@ -3,7 +3,7 @@
     sequence.py    full-sequence helpers: document starts, cu_seqlens, labels shifted on the full sequence
     collators.py   SequenceParallelCollator, SequenceParallelDPOCollator (row checks, padding, sharding)
     sampler.py     SequenceParallelSampler, sp_sampler
-    vision.py      VisionCollator: vision-language rows (full input ids + images / videos for the model)
+    vision.py      VisionCollator, VisionDPOCollator: vision-language rows / DPO pairs (full input ids + media)
 
 What the collators guarantee:
 - labels are shifted on the FULL sequence before sharding, so no target is lost at a shard
@@ -27,12 +27,13 @@ from __future__ import annotations
 from .collators import SequenceParallelCollator, SequenceParallelDPOCollator
 from .sampler import SequenceParallelSampler, sp_sampler
 from .sequence import cu_seqlens_from_position_ids, document_starts, shift_labels_full
-from .vision import VisionCollator
+from .vision import VisionCollator, VisionDPOCollator
 
 __all__ = [
     "SequenceParallelCollator",
     "SequenceParallelDPOCollator",
     "VisionCollator",
+    "VisionDPOCollator",
     "SequenceParallelSampler",
     "sp_sampler",
     "document_starts",

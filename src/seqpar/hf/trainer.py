@@ -43,7 +43,7 @@ What changes against the stock Trainer (all built on the pieces the plain loop u
 Rows are dicts with "input_ids" and optional "labels" (-100 = unsupervised); for Qwen2.5-VL / Qwen3-VL also the
 processor's "pixel_values" / "image_grid_thw" / "pixel_values_videos" / "video_grid_thw" / "second_per_grid_ts"
 (seqpar.data.VisionCollator; FSDP2 units per vision block work: every rank runs the tower); DPO rows hold
-"prompt_input_ids", "chosen_input_ids", "rejected_input_ids".
+"prompt_input_ids", "chosen_input_ids", "rejected_input_ids" (VL models: + the prompt's media, VisionDPOCollator).
 """
 
 from __future__ import annotations
@@ -59,7 +59,13 @@ from transformers import Trainer
 from .. import comm
 from .. import loss as L
 from ..attention.kernel_choice import check_kernel_name
-from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler, VisionCollator
+from ..data import (
+    SequenceParallelCollator,
+    SequenceParallelDPOCollator,
+    SequenceParallelSampler,
+    VisionCollator,
+    VisionDPOCollator,
+)
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh, init_mesh
 from ..steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
@@ -362,7 +368,9 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
         ref.ref_model = prepared if prepared is not None else prepare_reference(self, ref.ref_model)
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
-        return SequenceParallelDPOCollator(self.sp_mesh, pad_id(model, tok), max_length=max_length)
+        vlm = is_vlm(getattr(base_model(model), "config", None))  # pairs with prompt images / videos
+        return (VisionDPOCollator if vlm else SequenceParallelDPOCollator)(self.sp_mesh, pad_id(model, tok),
+                                                                           max_length=max_length)
 
     def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
         return dataset  # the pair columns are not model.forward arguments, but the collator needs them

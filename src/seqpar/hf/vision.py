@@ -13,7 +13,9 @@ Every rank of an SP group holds the same full batch (token ids, images, videos);
   installed by apply_sequence_parallel encodes each image / video ONCE over the SP group and gives the model's
   own merge (masked_scatter, deepstack addition) exactly the embeddings of the shard's image / video tokens.
   Image and video tokens may fall on any shard seam. Under FSDP2, ZeRO-3 or DDP the tower runs on every rank in
-  every forward (a blank image where a rank owns none), so its collectives always match.
+  every forward (a blank image where a rank owns none), so its collectives always match. `same_as=` marks media
+  that repeat an earlier one (DPO: the rejected rows' prompt media are the chosen rows'): encoded once, their
+  embedding used at every place, its gradient summed over them.
 
 Refused (clear errors): calling the model under SP with pixel_values / videos (it would encode every image and
 merge them into a shard), position ids that are not [4, B, S_local], placeholders that do not match the media.
@@ -29,7 +31,7 @@ from ..errors import SeqParError
 from ..layout import check_length, shard
 from ..mesh import SequenceParallelMesh
 from ..unwrap import unwrapped_base
-from .vision_encode import VISION_KWARG, VisionRequest, assign_images, tower_must_join
+from .vision_encode import VISION_KWARG, VisionRequest, assign_images, check_same_as, tower_must_join
 from .vision_rope import Media, check_media, mrope_positions
 
 __all__ = ["VLM_TYPES", "is_vlm", "check_vlm", "sp_vlm_inputs", "assign_images", "vision_batch_inputs",
@@ -116,13 +118,16 @@ def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh | None, inp
                   pixel_values: torch.Tensor | None = None, image_grid_thw: torch.LongTensor | None = None,
                   attention_mask: torch.Tensor | None = None, *, pixel_values_videos: torch.Tensor | None = None,
                   video_grid_thw: torch.LongTensor | None = None, second_per_grid_ts: torch.Tensor | None = None,
-                  cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> dict[str, Any]:
+                  cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                  same_as: Any = None) -> dict[str, Any]:
     """This rank's keyword arguments for `model(**kw)` from the FULL batch (identical on every rank of the SP
     group): input_ids / position_ids / attention_mask shards, cu_seqlens (packed rows, passed on), and the
     VisionRequest the model's pre-hook encodes the media with. mesh=None: the mesh SP was applied with.
     Packed rows (B = 1): cu_seqlens= or position_ids= restarting at each document; every document's multimodal
     RoPE ids restart too. Videos: pixel_values_videos / video_grid_thw (+ Qwen2.5-VL's second_per_grid_ts,
-    seconds per temporal patch; Qwen3-VL reads the timestamps written in the text). See the module docstring."""
+    seconds per temporal patch; Qwen3-VL reads the timestamps written in the text). same_as: per medium (images,
+    then videos) the index of an earlier identical one whose embedding it reuses, or its own (DPO: a rejected
+    row repeats its chosen row's prompt media, encoded once). See the module docstring."""
     base = unwrapped_base(model)
     state = getattr(base, "_seqpar_state", None)
     if state is None or not is_vlm(base.config):
@@ -136,6 +141,7 @@ def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh | None, inp
     media = Media(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
                   None if second_per_grid_ts is None else torch.as_tensor(second_per_grid_ts, dtype=torch.float32))
     check_media(vlm.config, input_ids, media)
+    same = check_same_as(media, same_as)
     text = _text_positions(b, s, input_ids.device, position_ids, cu_seqlens)
     mrope = mrope_positions(vlm, input_ids, text, media, attention_mask)
     kw: dict[str, Any] = {"input_ids": shard(input_ids, mesh, 1),
@@ -149,14 +155,15 @@ def sp_vlm_inputs(model: torch.nn.Module, mesh: SequenceParallelMesh | None, inp
         mask = input_ids == token
         order = mask.flatten().cumsum(0).view(b, s) - 1  # row of each media token among the batch's
         local[name] = shard(order, mesh, 1)[shard(mask, mesh, 1)]
-    kw[VISION_KWARG] = VisionRequest(mesh, media, local["image"], local["video"], tower_must_join(model))
+    kw[VISION_KWARG] = VisionRequest(mesh, media, local["image"], local["video"], tower_must_join(model), same)
     return kw
 
 
 def vision_batch_inputs(model: torch.nn.Module, batch: dict[str, Any], device: torch.device | str | None) -> dict:
-    """Model kwargs for a collated vision batch (seqpar.data.VisionCollator: the FULL input ids, the media, and
-    cu_seqlens for packed rows): sp_vlm_inputs on the mesh SP was applied with. Installed by
-    apply_sequence_parallel as the model's seqpar.unwrap.BATCH_INPUTS_HOOK, which seqpar.steps.model_inputs calls."""
+    """Model kwargs for a collated vision batch (seqpar.data.VisionCollator / VisionDPOCollator: the FULL input ids,
+    the media, cu_seqlens for packed rows, media_same_as for DPO pairs): sp_vlm_inputs on the mesh SP was applied
+    with. Installed by apply_sequence_parallel as the model's seqpar.unwrap.BATCH_INPUTS_HOOK, which
+    seqpar.steps.model_inputs calls."""
     def move(key: str) -> Any:
         t = batch.get(key)
         return t.to(device) if t is not None and device is not None and key.startswith("pixel") else t
@@ -165,5 +172,5 @@ def vision_batch_inputs(model: torch.nn.Module, batch: dict[str, Any], device: t
                        batch["full_input_ids"], pixel_values=move("pixel_values"),
                        image_grid_thw=batch.get("image_grid_thw"), pixel_values_videos=move("pixel_values_videos"),
                        video_grid_thw=batch.get("video_grid_thw"), second_per_grid_ts=batch.get("second_per_grid_ts"),
-                       cu_seqlens=batch.get("cu_seqlens"))
+                       cu_seqlens=batch.get("cu_seqlens"), same_as=batch.get("media_same_as"))
     return {**kw, "use_cache": False}

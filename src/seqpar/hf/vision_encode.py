@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from .. import comm
+from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 from .vision_rope import Media
 
-__all__ = ["VISION_KWARG", "VisionRequest", "assign_images", "tower_must_join"]
+__all__ = ["VISION_KWARG", "VisionRequest", "assign_images", "tower_must_join", "check_same_as"]
 
 VISION_KWARG = "seqpar_vision"
 
@@ -44,6 +45,26 @@ def assign_images(patches: list[int], ranks: int) -> list[int]:
         owner[i] = r
         heapq.heappush(heap, (load + patches[i], r))
     return owner
+
+
+def check_same_as(media: Media, same_as: Any) -> list[int] | None:
+    """`same_as` as a list, checked: one entry per medium (images, then videos), each naming itself or an earlier
+    medium of the same kind that names itself, with the same grid and the same pixels (so reusing its embedding
+    is exact). Raises SeqParError alike on every rank."""
+    if same_as is None:
+        return None
+    same = [int(j) for j in torch.as_tensor(same_as).reshape(-1).tolist()]
+    grids, n_img = media.grids, media.n_images
+    if len(same) != len(grids):
+        raise SeqParError(f"same_as names {len(same)} media but the batch holds {len(grids)} (images, then videos)")
+    for i, j in enumerate(same):
+        if j == i:
+            continue
+        if not (0 <= j < i and same[j] == j and (j < n_img) == (i < n_img) and grids[i] == grids[j]
+                and torch.equal(media.patches(i), media.patches(j))):
+            raise SeqParError(f"same_as[{i}] = {j}: a medium may only reuse an earlier, identical medium (same kind, "
+                              "grid and pixels) that is encoded itself")
+    return same
 
 
 def tower_must_join(model: torch.nn.Module) -> bool:
@@ -63,9 +84,12 @@ class VisionRequest:
     A plain class, not a dataclass: DDP / FSDP would rebuild a dataclass input field by field."""
 
     def __init__(self, mesh: SequenceParallelMesh, media: Media, image_rows: torch.Tensor,
-                 video_rows: torch.Tensor, join: bool = False) -> None:
+                 video_rows: torch.Tensor, join: bool = False, same_as: list[int] | None = None) -> None:
         self.mesh, self.media, self.join = mesh, media, join
         self.image_rows, self.video_rows = image_rows, video_rows  # shard's image / video tokens: batch order
+        # Medium i takes the embedding of medium same_as[i] (an identical earlier one): encoded once, its
+        # gradient the sum over every place it appears (the gather's index repeats it).
+        self.same_as = same_as
         self.encoded_patches = 0  # patches this rank ran through the tower (tests count them)
 
     def encode(self, vlm: torch.nn.Module) -> dict[str, Any]:
@@ -76,23 +100,23 @@ class VisionRequest:
         width = hidden * (1 + levels)
         merge = int(vlm.visual.spatial_merge_size) ** 2
         grids = media.grids
-        patches = [t * h * w for t, h, w in grids]
-        owner = assign_images(patches, mesh.sp_size)
-        own = [i for i, o in enumerate(owner) if o == mesh.sp_rank]
         if not grids:  # no media in the batch: a joining tower's empty rows, else nothing
             return {"image": _encoder_output(self._own_features(vlm, [], width), hidden, levels)} if self.join else {}
-        mine = self._own_features(vlm, own, width)
+        same = self.same_as if self.same_as is not None else list(range(len(grids)))
+        unique = [i for i, j in enumerate(same) if i == j]
+        patches = [t * h * w for t, h, w in grids]
         tokens = [p // merge for p in patches]
-        rows = [sum(t for t, o in zip(tokens, owner) if o == r) for r in range(mesh.sp_size)]
-        block = max(rows)
+        owner = dict(zip(unique, assign_images([patches[i] for i in unique], mesh.sp_size)))
+        mine = self._own_features(vlm, [i for i in unique if owner[i] == mesh.sp_rank], width)
+        block = max(sum(tokens[i] for i in unique if owner[i] == r) for r in range(mesh.sp_size))
         mine = torch.cat([mine.to(mesh.comm_device), mine.new_zeros(block - mine.shape[0], width,
                                                                      device=mesh.comm_device)])
         every = comm.all_gather(mine, mesh.sp_group, dim=0, stats=mesh.stats, device=mesh.comm_device)
-        offset = [r * block for r in range(mesh.sp_size)]
-        index = []
-        for t, o in zip(tokens, owner):  # media order: images, then videos
-            index.extend(range(offset[o], offset[o] + t))
-            offset[o] += t
+        offset, start = [r * block for r in range(mesh.sp_size)], {}
+        for i in unique:  # each rank's media, in media order (images, then videos)
+            start[i] = offset[owner[i]]
+            offset[owner[i]] += tokens[i]
+        index = [k for i in range(len(grids)) for k in range(start[same[i]], start[same[i]] + tokens[i])]
         index = torch.tensor(index, dtype=torch.long, device=every.device)
         n_img_tok = sum(tokens[:media.n_images])
         out = {"image": _encoder_output(every[index[:n_img_tok][self.image_rows.to(every.device)]], hidden, levels)}

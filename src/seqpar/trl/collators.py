@@ -4,7 +4,10 @@ SFT rows from `trl.SFTTrainer._prepare_dataset`: "input_ids", "labels" (-100 = n
 them from completion_mask / assistant_masks) and, for packed rows, "seq_lengths" (document lengths),
 which become per-document position_ids so seqpar's packing path gets cu_seqlens and never attends or
 predicts across a document boundary. DPO rows from `trl.DPOTrainer._prepare_dataset`: "prompt_ids",
-"chosen_ids", "rejected_ids" (+ optional "ref_chosen_logps"/"ref_rejected_logps").
+"chosen_ids", "rejected_ids" (+ optional "ref_chosen_logps"/"ref_rejected_logps"). DPO rows with images (TRL does not
+prepare those): TRL's own DataCollatorForVisionPreference renders and tokenizes each micro-batch with the processor
+(the images' placeholders expanded, their pixel values made), and `TRLVisionDPOCollator` takes the pairs and their
+prompt images back out of its padded output for seqpar.data.VisionDPOCollator.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ from typing import Any
 
 import torch
 
-from ..data import SequenceParallelCollator, SequenceParallelDPOCollator
+from ..data import SequenceParallelCollator, SequenceParallelDPOCollator, VisionDPOCollator
 from ..errors import SeqParError
+from ..mesh import SequenceParallelMesh
 
 _IGNORE = -100
 
-__all__ = ["TRLSFTCollator", "TRLDPOCollator", "grpo_rows"]
+__all__ = ["TRLSFTCollator", "TRLDPOCollator", "TRLVisionDPOCollator", "grpo_rows"]
 
 
 def _sft_row(row: Mapping[str, Any], i: int) -> dict[str, Any]:
@@ -60,6 +64,49 @@ class TRLDPOCollator(SequenceParallelDPOCollator):
 
     def collate_full(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         return super().collate_full([_dpo_row(r, i) for i, r in enumerate(rows)])
+
+
+def _image_count(row: Mapping[str, Any]) -> int:
+    if row.get("images") is not None:
+        return len(row["images"])
+    return int(row.get("image") is not None)
+
+
+def vision_pairs(trl_collator: Any, rows: Sequence[Mapping[str, Any]], max_length: int | None) -> list[dict]:
+    """TRL vision DPO rows -> pairs (prompt / chosen / rejected ids + the prompt's images) through TRL's collator:
+    its output holds [chosen..., rejected...] rows (prompt + response, flushed left, cut at max_length) and every
+    row's images, the rejected rows' repeating the chosen rows'."""
+    counts = [_image_count(r) for r in rows]
+    out = trl_collator([dict(r) for r in rows])  # TRL's collator rewrites the rows' keys
+    ids, keep, comp = out["input_ids"], out["attention_mask"].bool(), out["completion_mask"].bool()
+    b = len(rows)
+    media = {"num_images": counts}
+    if out.get("image_grid_thw") is not None:  # the chosen rows' images come first
+        grid = out["image_grid_thw"][:sum(counts)]
+        media.update(image_grid_thw=grid, pixel_values=out["pixel_values"][:int(grid.prod(-1).sum())])
+    pairs = []
+    for i, m in enumerate(_row_media(media, b)):
+        sides = [(ids[j][keep[j]], comp[j][keep[j]]) for j in (i, i + b)]
+        prompt = sides[0][0][~sides[0][1]]
+        if not bool(sides[0][1].any() and sides[1][1].any()):
+            raise SeqParError(f"pair {i}: its prompt (images expanded) has {prompt.numel()} tokens, which leaves "
+                              f"no chosen or rejected token within max_length={max_length}: raise max_length")
+        pairs.append({"prompt_input_ids": prompt, "chosen_input_ids": sides[0][0][sides[0][1]],
+                      "rejected_input_ids": sides[1][0][sides[1][1]], **m})
+    return pairs
+
+
+class TRLVisionDPOCollator(VisionDPOCollator):
+    """seqpar.data.VisionDPOCollator over TRL's raw vision DPO rows ("prompt", "chosen", "rejected", "images" or
+    "image"): TRL's DataCollatorForVisionPreference renders them as stock TRL does (vision_pairs)."""
+
+    def __init__(self, mesh: SequenceParallelMesh, pad_token_id: int, trl_collator: Any,
+                 max_length: int | None = None) -> None:
+        super().__init__(mesh, pad_token_id, max_length=max_length)
+        self.trl_collator = trl_collator
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        return super().__call__(vision_pairs(self.trl_collator, rows, self.max_length))
 
 
 def _row_media(inputs: dict[str, Any], n_rows: int) -> list[dict[str, Any]]:

@@ -18,13 +18,16 @@ sp and dp at the log row, so each value is what stock TRL logs on one process fo
 
 TRL options that would silently do something else under SP are refused at construction with a
 SeqParError naming the alternative (identically on every rank, before any collective):
-- both: use_liger_kernel, activation_offloading, compute_loss_func, a custom data_collator; DPO: vision data;
+- both: use_liger_kernel, activation_offloading, compute_loss_func, a custom data_collator;
 - SFT: loss_type="dft", label_smoothing_factor > 0. padding_free=True (flash-attn in TRL) is mapped
   to seqpar's packing path (documents separated by position_ids / cu_seqlens), as is packing. Image datasets
   (Qwen VL): TRL's vision collator builds each batch, seqpar shards it (sft_vision.py; videos and packing refused);
 - DPO: loss_type other than one of "sigmoid" / "ipo" (with weight 1), f_divergence_type other than
   "reverse_kl", ld_alpha, use_weighting, sync_ref_model, precompute_ref_log_probs (TRL's precompute
-  runs the un-sharded model), truncation_mode="keep_end".
+  runs the un-sharded model), truncation_mode="keep_end", video columns (stock TRL's DPO has no video path).
+DPO with images (a processor as processing_class, an "images" / "image" column): TRL's
+DataCollatorForVisionPreference renders each micro-batch as stock; seqpar trains the pairs with their prompt
+images under SP (seqpar.trl.collators.TRLVisionDPOCollator, each image encoded once per SP group).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from ..mesh import SequenceParallelMesh
 from ..steps import StepSpec, micro_batch_loss, sft_metric_sums
 from ..unwrap import unwrapped_base
 from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
-from .collators import TRLDPOCollator, TRLSFTCollator
+from .collators import TRLDPOCollator, TRLSFTCollator, TRLVisionDPOCollator
 from .sft_vision import TRLVisionSFTCollator, TRLVLMTextCollator, check_sft_vision
 
 __all__ = ["SequenceParallelSFTTrainer", "SequenceParallelDPOTrainer"]
@@ -245,7 +248,8 @@ class SequenceParallelDPOTrainer(_TRLMetrics, HFDPOTrainer, trl.DPOTrainer):
                  peft_config: Any = None, **kwargs: Any) -> None:
         name = type(self).__name__
         args = coerce_args(args, trl.DPOConfig, model, "DPO")
-        refuse_common(name, args, data_collator, kwargs, train_dataset)
+        refuse_common(name, args, data_collator, kwargs, train_dataset, images=True)  # images: TRL's vision path
+        _refuse_videos(name, train_dataset, eval_dataset)
         check_trl_rows(name, "DPO", args, train_dataset, eval_dataset, kwargs)
         loss_type = _dpo_loss_type(name, args)
         model = instantiate(model, args, peft_config)
@@ -262,10 +266,13 @@ class SequenceParallelDPOTrainer(_TRLMetrics, HFDPOTrainer, trl.DPOTrainer):
             **sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
                          loss_chunk_tokens, tiled_mlp), **kwargs)
         refuse_moe_aux(self)
-        pad = self.processing_class.pad_token_id if self.processing_class is not None else None
+        pad = getattr(self.processing_class, "pad_token_id", None)  # a processor: its tokenizer's, below
         if pad is None:
             pad = getattr(getattr(self.processing_class, "tokenizer", None), "pad_token_id", None)
-        self.data_collator = TRLDPOCollator(self.sp_mesh, pad, max_length=args.max_length)
+        if getattr(self, "_is_vision_dataset", False):  # TRL's vision collator renders each micro-batch
+            self.data_collator = TRLVisionDPOCollator(self.sp_mesh, pad, self.data_collator, max_length=args.max_length)
+        else:
+            self.data_collator = TRLDPOCollator(self.sp_mesh, pad, max_length=args.max_length)
         self._init_trl_metrics()
 
     def _trl_values(self, s: dict[str, float]) -> dict[str, float]:
@@ -284,6 +291,13 @@ class SequenceParallelDPOTrainer(_TRLMetrics, HFDPOTrainer, trl.DPOTrainer):
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
         return None  # TRL builds its own during __init__; ours (over TRL's rows) replaces it right after
+
+
+def _refuse_videos(name: str, *datasets: Any) -> None:
+    for ds in datasets:
+        if {"video", "videos"} & set(getattr(ds, "column_names", None) or []):
+            raise refuse(name, "a video column", "stock trl.DPOTrainer's vision path takes images only",
+                          "train preference pairs with videos with `seqpar train` (stage: dpo, docs/hf.md)")
 
 
 def _reload_reference(name: str, model: torch.nn.Module, args: Any) -> torch.nn.Module:

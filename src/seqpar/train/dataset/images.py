@@ -14,6 +14,11 @@ after its `<t seconds>` timestamp); none of them is supervised. The examples car
 seqpar.data.VisionCollator hands the FULL batch to the step, which calls `seqpar.hf.sp_vlm_inputs`
 (multimodal RoPE on the full sequence, per document of a packed row; each medium encoded once per SP group).
 Truncation inside a medium is refused. `expand_media` does the same for GRPO prompts.
+
+DPO rows ({"prompt", "chosen", "rejected"} + `images` / `videos`): the placeholders go in the prompt, whose
+media both responses see; prompts with media are never cut (max_prompt_length refuses them), and pairs whose
+prompt reaches max_length are dropped as for text pairs. seqpar.data.VisionDPOCollator gives each chosen and
+rejected row its prompt's media.
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ from ...data import VisionCollator
 from ...errors import SeqParError
 from ..model.tokenizers import ByteTokenizer
 from .formats import check_stage, detect_format
-from .tokenize import IGNORE, pack_rows, tokenize_sft
+from .tokenize import IGNORE, build_dpo_pairs, pack_rows, tokenize_dpo, tokenize_sft
 from .videos import frame_timestamps, read_frames, video_patches
 
-__all__ = ["VisionSpec", "PLACEHOLDER", "VIDEO_PLACEHOLDER", "build_vision_examples", "expand_media",
-           "media_columns", "VisionCollator"]
+__all__ = ["VisionSpec", "PLACEHOLDER", "VIDEO_PLACEHOLDER", "build_vision_examples", "build_vision_dpo_examples",
+           "expand_media", "media_columns", "VisionCollator"]
 
 PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -241,3 +246,31 @@ def build_vision_examples(rows: list[dict[str, Any]], fmt: str, tok: Any, spec: 
     if not examples:
         raise SeqParError(f"no row keeps a supervised token within dataset.max_length={max_length}")
     return (pack_rows(examples, max_length) if packing else examples), stats
+
+
+def build_vision_dpo_examples(rows: list[dict[str, Any]], fmt: str, tok: Any, spec: VisionSpec, max_length: int,
+                              base_dir: str, *, max_prompt_length: int | None = None,
+                              truncation_mode: str = "keep_end") -> tuple[list[Any], dict[str, int]]:
+    """DPO pairs whose prompts carry images / videos (see the module docstring) + build_examples' stats."""
+    if fmt == "auto":
+        fmt = detect_format([c for c in rows[0] if c not in ("images", "videos")])
+    check_stage(fmt, "dpo")
+    stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
+             "dropped_long_prompt": 0, "identical_pairs": 0}
+    markers = [_marker_ids(tok, p)[1] for p in (PLACEHOLDER, VIDEO_PLACEHOLDER)]
+
+    def encode(row: dict[str, Any], i: int) -> dict[str, Any]:
+        ex = tokenize_dpo(with_markers(row, tok), tok, i)
+        for side in ("chosen", "rejected"):
+            if any(_find_all(ex[f"{side}_input_ids"], m) for m in markers):
+                raise SeqParError(f"row {i}: the {side} response holds an {PLACEHOLDER} / {VIDEO_PLACEHOLDER} "
+                                  "placeholder: put every image / video in the prompt (both responses answer it)")
+        got = expand_media(ex["prompt_input_ids"], None, row, tok, spec, base_dir, i)
+        n = len(got["input_ids"])
+        if len(got) > 1 and max_prompt_length is not None and n > max_prompt_length:
+            raise SeqParError(f"row {i}: its prompt holds images / videos and {n} tokens > dataset.max_prompt_length="
+                              f"{max_prompt_length}: an image or video cannot be cut, raise max_prompt_length")
+        ex["prompt_input_ids"] = got.pop("input_ids")
+        return {**ex, **got}
+
+    return build_dpo_pairs(rows, tok, max_length, max_prompt_length, truncation_mode, stats, encode), stats

@@ -1,5 +1,5 @@
 """A run's dataset as training examples: rows read, normalised, tokenized with the model's tokenizer and
-packed (SFT / DPO), chat rows with images for vision-language models, or GRPO prompt rows; with the
+packed (SFT / DPO), chat rows or DPO pairs with images for vision-language models, or GRPO prompt rows; with the
 counts of what was truncated or dropped. Every dataset check runs here, before any process group.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 from ...errors import SeqParError
 from ..config import DatasetSpec, TrainConfig
 from ..model.load import ModelInfo, load_tokenizer, model_info
-from .images import VisionSpec, build_vision_examples
+from .images import VisionSpec, build_vision_dpo_examples, build_vision_examples
 from .prompts import load_prompts
 from .tokenize import build_examples, load_rows
 
@@ -40,11 +40,12 @@ def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None
 
 
 def vision_examples(cfg: TrainConfig, d: DatasetSpec, rows: list, tok: Any, mc: Any) -> tuple[list, dict[str, int]]:
-    """Chat rows with images / videos for a vision-language model (dataset/images.py): SFT, packed or not (GRPO
-    prompts: dataset/prompts.py)."""
-    if cfg.stage != "sft":
-        raise SeqParError(f"vision-language models train with stage: sft or grpo (got {cfg.stage!r}): DPO pairs with "
-                          "images are not implemented; train DPO on the text model, or SFT / GRPO on the VL model")
+    """Chat rows with images / videos for a vision-language model (dataset/images.py): SFT, packed or not; DPO
+    pairs whose prompts carry the media (GRPO prompts: dataset/prompts.py)."""
     spec = VisionSpec.from_model_config(mc, cfg.model.name)
-    return build_vision_examples(rows, d.format, tok, spec, d.max_length, os.path.dirname(os.path.abspath(d.path)),
+    base = os.path.dirname(os.path.abspath(d.path))
+    if cfg.stage == "dpo":
+        return build_vision_dpo_examples(rows, d.format, tok, spec, d.max_length, base,
+                                         max_prompt_length=d.max_prompt_length, truncation_mode=d.truncation_mode)
+    return build_vision_examples(rows, d.format, tok, spec, d.max_length, base,
                                  train_on_prompt=d.train_on_prompt, mask_history=d.mask_history, packing=d.packing)

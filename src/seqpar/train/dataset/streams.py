@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...data import SequenceParallelCollator, SequenceParallelDPOCollator, SequenceParallelSampler, VisionCollator
+from ...data import (
+    SequenceParallelCollator,
+    SequenceParallelDPOCollator,
+    SequenceParallelSampler,
+    VisionCollator,
+    VisionDPOCollator,
+)
 from ...errors import SeqParError
 from ..config import DatasetSpec, TrainConfig
 from ..model.load import ModelInfo, model_info
@@ -76,7 +82,9 @@ def build_data(cfg: TrainConfig, mesh: Any, tok: Any, n_examples: int, emulate_d
 def make_collator(cfg: TrainConfig, mesh: Any, tok: Any, ds: DatasetSpec, info: ModelInfo | None = None) -> Any:
     """The collator of dataset `ds`: DPO pairs, vision-language rows, or SFT / GRPO rows (info: the run's model
     config, default read here)."""
+    vlm = (info or model_info(cfg)).vlm
     if cfg.stage == "dpo":
-        return SequenceParallelDPOCollator(mesh, tok.pad_token_id, max_length=ds.max_length)
-    kind = VisionCollator if (info or model_info(cfg)).vlm else SequenceParallelCollator
+        pairs = VisionDPOCollator if vlm else SequenceParallelDPOCollator
+        return pairs(mesh, tok.pad_token_id, max_length=ds.max_length)
+    kind = VisionCollator if vlm else SequenceParallelCollator
     return kind(mesh, tok.pad_token_id, packing=ds.packing, max_length=ds.max_length)

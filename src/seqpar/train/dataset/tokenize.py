@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from ..model.tokenizers import ByteTokenizer, Tokenizer
 from .formats import Text, Tokenized, check_stage, detect_format, normalize_dpo, normalize_sft
 
 __all__ = ["IGNORE", "load_rows", "detect_format", "tokenize_sft", "tokenize_dpo", "build_examples", "pack_rows",
-           "describe_stats"]
+           "describe_stats", "build_dpo_pairs"]
 
 IGNORE = -100
 
@@ -207,12 +208,14 @@ def _truncate_prompt(ids: list[int], keep: int, mode: str) -> list[int]:
     return ids[-keep:] if mode == "keep_end" else ids[:keep]
 
 
-def _build_dpo(rows: list[dict[str, Any]], tok: Tokenizer, max_length: int, max_prompt_length: int | None,
-               truncation_mode: str, stats: dict[str, int]) -> list[dict[str, Any]]:
-    """Pairs; prompts cut to max_prompt_length (when set), pairs whose prompt still reaches max_length skipped."""
+def build_dpo_pairs(rows: list[dict[str, Any]], tok: Tokenizer, max_length: int, max_prompt_length: int | None,
+               truncation_mode: str, stats: dict[str, int],
+               encode: Callable[[dict[str, Any], int], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Pairs; prompts cut to max_prompt_length (when set), pairs whose prompt still reaches max_length skipped.
+    encode(row, i): the tokenized pair (default tokenize_dpo; vision-language pairs add their prompt's media)."""
     out, longest = [], 0
     for i, row in enumerate(rows, 1):  # 1-based: the line of a JSONL file
-        ex = tokenize_dpo(row, tok, i)
+        ex = encode(row, i) if encode is not None else tokenize_dpo(row, tok, i)
         n_prompt = len(ex["prompt_input_ids"])
         if max_prompt_length is not None and n_prompt > max_prompt_length:
             if "ref_chosen_logps" in ex:
@@ -261,7 +264,7 @@ def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokeni
     stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
              "dropped_long_prompt": 0, "identical_pairs": 0}
     if stage == "dpo":
-        return _build_dpo(rows, tok, max_length, max_prompt_length, truncation_mode, stats), stats
+        return build_dpo_pairs(rows, tok, max_length, max_prompt_length, truncation_mode, stats), stats
     examples = []
     longest_prompt = 0
     no_labels = 0  # rows whose labels are all -100 (no max_length helps them)
