@@ -1,7 +1,7 @@
 """seqpar.trl.SequenceParallelGRPOTrainer with image prompts under FSDP2 and DeepSpeed ZeRO-3 vs the STOCK
 trl.GRPOTrainer.
 
-The reference: stock `trl.GRPOTrainer` on one process (no SP, no FSDP / DeepSpeed) in a child process; the SP run:
+The reference: stock `trl.GRPOTrainer` on one process (no SP, no FSDP / DeepSpeed), the test's; the SP run:
 the seqpar class under torchrun, 2 ranks, SP = 2, the stack given in the config (`fsdp="full_shard"` with
 fsdp_version 2: accelerate wraps every decoder layer AND every vision block; or `deepspeed={...}` ZeRO-3 with
 stage3_param_persistence_threshold 0, the model loaded after the config so ZeRO-3 partitions it at load). The same
@@ -116,6 +116,23 @@ if rank == 0:
 '''
 
 
+def _run_here(cmd: list[str]) -> None:
+    """The stock reference in this process (as tests/test_trl_grpo_vlm.py runs it): no interpreter start or imports
+    to pay for; what the script patches is put back."""
+    import runpy
+
+    import trl
+
+    import seqpar.hf.rollout_media as rollout_media
+
+    saved = sys.argv, trl.GRPOTrainer._generate_single_turn, rollout_media.blank_tower_pass
+    sys.argv = cmd
+    try:
+        runpy.run_path(cmd[0], run_name="__main__")
+    finally:
+        sys.argv, trl.GRPOTrainer._generate_single_turn, rollout_media.blank_tower_pass = saved
+
+
 def _launch(tmp_path, mode: str, stack: str = "none", beta: float = 0.0, ring: bool = False) -> dict:
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
@@ -128,9 +145,11 @@ def _launch(tmp_path, mode: str, stack: str = "none", beta: float = 0.0, ring: b
     out.mkdir()
     cmd = [str(script), mode, stack, str(out), str(model_dir), str(beta), str(Path(__file__).parent),
            "ring" if ring else ""]
-    if mode == "sp":
+    if mode == "plain":
+        _run_here(cmd)
+    else:
         cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *cmd]
-    run_script([sys.executable, *cmd], tmp_path, result=out / "result.json", timeout=500)
+        run_script([sys.executable, *cmd], tmp_path, result=out / "result.json", timeout=500)
     return {**json.loads((out / "result.json").read_text()), "dir": str(out)}
 
 
@@ -160,3 +179,22 @@ def test_grpo_image_prompts_fsdp2_matches_stock_trl(tmp_path):
                                                ("fsdp2", 0.0, True)])
 def test_grpo_image_prompts_stacks_match_stock_trl(tmp_path, stack, beta, ring):
     _case(tmp_path, stack, beta, ring)
+
+
+def test_zero3_per_module_fetch_with_images_is_refused():
+    """ZeRO-3 with ds3_gather_for_generation=False and a VL model: refused (naming the way out); TRL's default gather,
+    a text model, or ZeRO-2 pass."""
+    from types import SimpleNamespace
+
+    from seqpar.errors import SeqParError
+    from seqpar.trl.grpo_media import refuse_fetched_media
+
+    def trainer(stage: int, gather: bool):
+        state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage))
+        return SimpleNamespace(accelerator=SimpleNamespace(state=state),
+                               args=SimpleNamespace(ds3_gather_for_generation=gather))
+
+    with pytest.raises(SeqParError, match="leave ds3_gather_for_generation=True"):
+        refuse_fetched_media(trainer(3, False), vlm=True)
+    for t, vlm in ((trainer(3, True), True), (trainer(3, False), False), (trainer(2, False), True)):
+        refuse_fetched_media(t, vlm)
