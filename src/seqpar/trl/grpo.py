@@ -74,7 +74,7 @@ from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
 from ..unwrap import unwrapped_base
 from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
 from .collators import grpo_rows
-from .grpo_media import has_pixels, media_rows, refuse_fetched_media
+from .grpo_media import has_pixels, media_rows, refuse_fetched_media, row_images
 
 __all__ = ["SequenceParallelGRPOTrainer"]
 
@@ -285,8 +285,18 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
             _CURRENT_SP[0] = 1
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        with self._dp_scoring():
-            out = super()._generate_and_score_completions(inputs)
+        # TRL gathers the images for its logs only on ranks whose rows carry some: a dp rank with text rows only would
+        # leave the others waiting. Every rank gathers them here instead (None for a row without).
+        log_images, self.log_multimodal = self.log_multimodal, False
+        try:
+            with self._dp_scoring():
+                out = super()._generate_and_score_completions(inputs)
+                if log_images and self._sp_vlm:
+                    gathered = _dp_gather_object(row_images(inputs))
+                    if any(gathered):
+                        self._logs["images"].extend(gathered)
+        finally:
+            self.log_multimodal = log_images
         # One generation batch = one optimizer step (steps_per_generation == grad accum, num_iterations 1):
         # its global counts are the step's GRPO denominators.
         local = torch.stack([torch.tensor(out["completion_mask"].shape[0]), out["completion_mask"].sum().cpu()])

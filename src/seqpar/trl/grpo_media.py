@@ -17,7 +17,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_b
 from ..errors import SeqParError
 from .args import refuse
 
-__all__ = ["media_rows", "has_pixels", "refuse_fetched_media"]
+__all__ = ["media_rows", "has_pixels", "refuse_fetched_media", "row_images"]
 
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 
@@ -47,6 +47,22 @@ def media_rows(images: list | None, fields: dict[str, Any], rows: range, n: int)
         for k in _IMAGE_KEYS:
             out.pop(k, None)
     return imgs, out
+
+
+def row_images(inputs: list[dict[str, Any]]) -> list[list | None]:
+    """Each row's images as TRL finds them (its `images` / `image` column, else the prompt's image content blocks);
+    None for a row without."""
+    out: list[list | None] = []
+    for row in inputs:
+        if "images" in row or "image" in row:
+            imgs = row.get("images") if "images" in row else [row["image"]] if row.get("image") is not None else []
+        else:
+            prompt = row.get("prompt")
+            imgs = [part["image"] for m in (prompt if isinstance(prompt, list) else [])
+                    if isinstance(m.get("content"), list) for part in m["content"]
+                    if isinstance(part, dict) and part.get("type") == "image" and part.get("image") is not None]
+        out.append(list(imgs) if imgs else None)
+    return out
 
 
 def has_pixels(fields: dict[str, Any]) -> bool:
