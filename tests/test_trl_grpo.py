@@ -5,8 +5,8 @@ class in a spawned gloo world. Matching: the same tiny 2-layer Llama (saved to a
 path in both runs, so TRL's reference model for beta > 0 reloads it), the same prompts and seed (TRL's
 RepeatSampler gives the same global prompt order; seqpar shards its generation batches over dp), and
 the SAME completions: `trl.GRPOTrainer._generate_single_turn` is replaced in both runs by a
-deterministic function of the prompt ids (the seqpar class still runs it on the SP group's first
-rank with SP paused and broadcasts), so rewards and advantages agree too. One micro-batch per step
+deterministic function of the prompt ids (the seqpar class still runs it, SP paused, on each SP
+rank's share of the rows and all-gathers), so rewards and advantages agree too. One micro-batch per step
 (grad accumulation 1; the stock batch holds the rows of all dp ranks), so TRL's per-micro-batch
 normalisation equals seqpar's step normalisation. SGD lr 0.1 with TRL's default clipping (max_grad_norm 1.0),
 2 steps; per step the gradient norm before clipping (1e-5 relative), logged losses and the updated

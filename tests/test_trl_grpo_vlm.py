@@ -3,12 +3,12 @@
 As tests/test_trl_grpo.py: the stock trainer on one process (no SP) in the test process, the seqpar class in a
 spawned 2-rank gloo world (SP=2, Ulysses), the same tiny model (saved and loaded by path), prompts, seed and
 completions (`_generate_single_turn` replaced in both runs by a deterministic function of the prompt ids; the seqpar
-class runs it on the SP group's first rank and broadcasts). The prompts are conversations with an image (TRL's
-"image" column, a PIL image per row; one row without), rendered by a Qwen2.5-VL processor built offline (the PIL
-image processor, SmolLM2's tokenizer with Qwen's vision tokens added, a small chat template). The stock trainer
-runs the model's own image path on the full rows; the seqpar class the SP forward with the images encoded once per
-SP group. One micro-batch per step, SGD lr 0.1, 2 steps, beta 0 and 0.2: per step the gradient norm (1e-5
-relative), the logged losses and every updated parameter (vision tower included) at fp32 1e-5 absolute.
+class runs it on each SP rank's share of the rows, with their images, and all-gathers). The prompts are
+conversations with an image (TRL's "image" column, a PIL image per row), rendered by a Qwen2.5-VL processor built
+offline (the PIL image processor, SmolLM2's tokenizer with Qwen's vision tokens added, a small chat template).
+The stock trainer runs the model's own image path on the full rows; the seqpar class the SP forward with the images
+encoded once per SP group. One micro-batch per step, SGD lr 0.1, 2 steps, beta 0 and 0.2: per step the gradient
+norm (1e-5 relative), the logged losses and every updated parameter (vision tower included) at fp32 1e-5 absolute.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from ..errors import SeqParError
 from ..memory.checkpointing import drop_input_require_grads
 from ..mesh import SequenceParallelMesh
 from ..unwrap import base_model as _base_model
+from .rollout_media import media_encoded_in_forward
 
 __all__ = ["sequence_parallel_paused", "generate_for_group", "media_generate_kwargs", "sampling_seed", "row_seed",
            "group_source_rank",
@@ -200,22 +201,6 @@ def media_generate_kwargs(model: torch.nn.Module, x: torch.Tensor, media: Sequen
     return kw
 
 
-@contextlib.contextmanager
-def _media_encoded_in_forward(model: torch.nn.Module, on: bool) -> Iterator[None]:
-    """transformers' generate() encodes a VL model's images before the prefill, outside the model's forward: under
-    FSDP2 that runs the tower on sharded parameters outside the root unit's gather (a collective the other ranks
-    never enter). Declaring the model text-only for the call leaves the encoding to the prefill forward."""
-    base = _base_model(model)
-    if not on or "input_modalities" in base.__dict__:
-        yield
-        return
-    base.input_modalities = ("text",)
-    try:
-        yield
-    finally:
-        del base.input_modalities
-
-
 @torch.no_grad()
 def sample_rows(model: torch.nn.Module, rows: Sequence[Sequence[int]], seeds: Sequence[int], cfg: GenerationConfig,
                 *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -229,7 +214,7 @@ def sample_rows(model: torch.nn.Module, rows: Sequence[Sequence[int]], seeds: Se
     x = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
     gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    with _generation_config(model, cfg), _media_encoded_in_forward(model, synced and bool(media)):
+    with _generation_config(model, cfg), media_encoded_in_forward(model, synced and bool(media)):
         out = model.generate(input_ids=x, attention_mask=mask, generation_config=cfg, synced_gpus=synced,
                              logits_processor=LogitsProcessorList([_RowSampler(gens, temperature, top_k, top_p)]),
                              **media_generate_kwargs(model, x, media))
@@ -356,18 +341,18 @@ def fsdp_synced(model: torch.nn.Module) -> Iterator[None]:
         del base._is_fsdp_managed_module
 
 
-def share_rollout(run: Any, prompt_ids: list, num_generations: int, mesh: SequenceParallelMesh,
+def share_rollout(run: Any, n: int, num_generations: int, mesh: SequenceParallelMesh,
                    device: torch.device, sharded: bool) -> Any:
-    """`run` on this SP rank's share of `prompt_ids` (whole prompt groups, `prompt_share`), then all-gathered.
+    """`run(rows)` on this SP rank's share (a range) of the `n` rollout rows (whole prompt groups,
+    `prompt_share`), then all-gathered.
 
     RNG: SP rank 0 draws a base seed and its RNG state after the draw goes to the group (TRL shuffles the rows
     next: the same permutation on every rank); each rank samples under torch.random.fork_rng seeded from
     (base, its global shard index), so its draws depend on that seed only. A sharded model: every rank runs
-    one generate() (a rank without prompts decodes one dummy row and drops it)."""
-    n = len(prompt_ids)
+    one generate() (a rank without prompts decodes row 0 and drops it)."""
     unit = num_generations if n % num_generations == 0 else 1
     share = prompt_share(n // unit, mesh.sp_size, mesh.sp_rank)
-    mine = list(prompt_ids[share.start * unit:share.stop * unit])
+    mine = range(share.start * unit, share.stop * unit)
     base = None
     if mesh.sp_rank == 0:
         base = (int(torch.randint(0, 2**62, (1,))), rng_states(device))
@@ -381,7 +366,7 @@ def share_rollout(run: Any, prompt_ids: list, num_generations: int, mesh: Sequen
             if mine:
                 result = run(mine)
             elif sharded:
-                run(list(prompt_ids[:1]))
+                run(range(1))
     except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
         result = SeqParError(f"generation failed on rank {group_source_rank(mesh) + mesh.sp_rank}: "
                              f"{type(e).__name__}: {e}")

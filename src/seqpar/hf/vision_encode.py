@@ -30,7 +30,7 @@ from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 from .vision_rope import Media
 
-__all__ = ["VISION_KWARG", "VisionRequest", "assign_images", "tower_must_join", "check_same_as"]
+__all__ = ["VISION_KWARG", "VisionRequest", "assign_images", "tower_must_join", "check_same_as", "blank_tower_pass"]
 
 VISION_KWARG = "seqpar_vision"
 
@@ -144,6 +144,14 @@ class VisionRequest:
         parts = [torch.cat(out.pooler_output)]
         parts += [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
         return torch.cat(parts, dim=-1)
+
+
+def blank_tower_pass(vlm: torch.nn.Module) -> None:
+    """The tower on one blank image, output dropped: a rank with no media of its own joins the others' tower
+    collectives (FSDP2 unit gathers) in a generate() prefill (seqpar.hf.rollout_media)."""
+    with torch.no_grad():
+        pv, grid = _blank_image(vlm, next(vlm.visual.parameters()).device)
+        vlm.get_image_features(pv, grid.to(pv.device), return_dict=True)
 
 
 def _blank_image(vlm: torch.nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

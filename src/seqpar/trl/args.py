@@ -60,9 +60,9 @@ def refuse(name: str, what: str, why: str, instead: str) -> SeqParError:
     return SeqParError(f"{name}: {what} is not supported under sequence parallelism ({why}): {instead}")
 
 
-def refuse_common(name: str, args: Any, data_collator: Any, kwargs: dict[str, Any], train_dataset: Any, *,
-                  images: bool = False) -> None:
-    """TRL options every SP drop-in refuses; images: the trainer takes image columns (GRPO prompts)."""
+def refuse_common(name: str, args: Any, data_collator: Any, kwargs: dict[str, Any]) -> None:
+    """TRL options every SP drop-in refuses (vision datasets are each trainer's own: sft_vision.py, the DPO and
+    GRPO collators)."""
     if data_collator is not None:
         raise refuse(name, "data_collator=", "the collator must shard TRL's prepared rows over the SP ranks",
                       "drop it; seqpar builds it from TRL's rows (packing= / max_length= / masks in the SFTConfig)")
@@ -75,13 +75,6 @@ def refuse_common(name: str, args: Any, data_collator: Any, kwargs: dict[str, An
     if kwargs.get("compute_loss_func") is not None:
         raise refuse(name, "compute_loss_func=", "it would see sharded logits",
                       "drop it; the SFT loss is seqpar's global token-mean NLL")
-    if not images and train_dataset is not None and hasattr(train_dataset, "column_names"):
-        if {"image", "images", "video", "videos"} & set(train_dataset.column_names or []):
-            raise refuse(name, "a vision dataset (image / video columns)", "TRL's vision collator expands the "
-                          "placeholders per micro-batch, after seqpar would have to shard them",
-                          "pass rows with the processor's output (input_ids, labels, pixel_values, image_grid_thw, "
-                          "pixel_values_videos, video_grid_thw) to seqpar.hf.SequenceParallelTrainer, or train "
-                          "with `seqpar train` (image / video datasets: docs/hf.md)")
 
 
 def instantiate(model: Any, args: Any, peft_config: Any) -> torch.nn.Module:

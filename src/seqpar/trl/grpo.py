@@ -13,12 +13,16 @@ changes, under SP:
   of the prompts (whole groups of num_generations rows) under its own seed, the completion ids are
   all-gathered, and SP rank 0's RNG state goes to the group (TRL's later row shuffle agrees): every SP
   rank scores and trains identical completions (seqpar.hf.generation.share_rollout). Image prompts
-  (a Qwen VL model with its processor): one rank per SP group generates and broadcasts; the completion rows
-  keep their prompt's images (pixel_values / image_grid_thw / num_images of TRL's batch) and the loss runs on the
-  full multimodal sequence (seqpar.data.VisionCollator, sp_vlm_inputs).
+  (a Qwen VL model with its processor): each rank samples its share of the rows with their own images
+  (seqpar.trl.grpo_media.media_rows); the completion rows keep their prompt's images (pixel_values /
+  image_grid_thw / num_images of TRL's batch) and the loss runs on the full multimodal sequence
+  (seqpar.data.VisionCollator, sp_vlm_inputs).
   FSDP2 and DeepSpeed ZeRO-3: every rank makes exactly one generate() per rollout (synced_gpus; ZeRO-3:
-  inside TRL's one GatheredParameters, or its per-module fetches with ds3_gather_for_generation=False); image
-  prompts with either are refused at construction. Layer checkpointing is put back exactly after each
+  inside TRL's one GatheredParameters, or its per-module fetches with ds3_gather_for_generation=False). Image
+  prompts: under ZeRO-3 the tower runs on gathered weights (no collective; ds3_gather_for_generation=False is
+  refused for a VL model); under FSDP2 every rank runs the tower once in its prefill, a blank image where its
+  rows carry none (seqpar.hf.rollout_media), and once per training forward (seqpar.hf.vision_encode). Layer
+  checkpointing is put back exactly after each
   generation on every rank (TRL re-enables it with the stored kwargs: every layer);
 - TRL's gathers while scoring (`accelerator.gather`, `gather`, `gather_object`) and its
   `process_index` / `num_processes` see the dp ranks only: a gather over all ranks keeps the SP
@@ -46,7 +50,6 @@ import trl
 from accelerate.data_loader import BatchSamplerShard
 from accelerate.utils import gather as _accelerate_gather
 from torch.utils.data import BatchSampler, DataLoader
-from transformers import ProcessorMixin
 from trl.trainer import grpo_trainer as _trl_grpo
 
 from .. import comm
@@ -56,14 +59,12 @@ from ..errors import SeqParError
 from ..hf.generation import (
     checkpointing_kept,
     fsdp_synced,
-    group_source_rank,
     is_sharded,
-    rng_states,
     sequence_parallel_paused,
-    set_rng_states,
     share_rollout,
 )
 from ..hf.prepare import frozen_reference
+from ..hf.rollout_media import vision_tower_joined
 from ..hf.trainer import SequenceParallelTrainer
 from ..hf.trainer_args import pad_id
 from ..hf.trainer_stack import agree_gathers
@@ -73,6 +74,7 @@ from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
 from ..unwrap import unwrapped_base
 from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
 from .collators import grpo_rows
+from .grpo_media import has_pixels, media_rows, refuse_fetched_media, row_images
 
 __all__ = ["SequenceParallelGRPOTrainer"]
 
@@ -178,20 +180,6 @@ def _stop_if_failed(failed: tuple[int, str] | None) -> None:
                           f"fix the reward function") from None
 
 
-def _refuse_sharded_generation(trainer: Any) -> None:
-    """Image prompts are generated on one rank per SP group; a sharded model (FSDP2, or DeepSpeed ZeRO-3 whose
-    generation gathers the weights) needs every rank in each generation: refused at construction, before any
-    rollout could hang. Text prompts: every rank generates (`share_rollout`, sharded)."""
-    ds = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    zero3 = ds is not None and ds.zero_stage == 3
-    if (zero3 or getattr(trainer, "is_fsdp_enabled", False)) and isinstance(trainer.processing_class,
-                                                                             ProcessorMixin):
-        raise refuse(type(trainer).__name__, f"{'DeepSpeed ZeRO-3' if zero3 else 'FSDP'} with a vision-language "
-                      "processor", "image prompts are generated on one rank per SP group, a sharded model needs "
-                      "every rank in each generation", "train without fsdp= / ZeRO-3 (DDP or ZeRO-1/2), or run "
-                      "GRPO with image prompts under FSDP2 with `seqpar train` (stage: grpo, fsdp: true)")
-
-
 class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
     """`trl.GRPOTrainer` with exact sequence parallelism (loss_type "grpo", "bnpo" or "dr_grpo").
 
@@ -211,7 +199,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
                  peft_config: Any = None, **kwargs: Any) -> None:
         name = type(self).__name__
         args = coerce_args(args, trl.GRPOConfig, model, "GRPO")
-        refuse_common(name, args, kwargs.pop("data_collator", None), kwargs, train_dataset, images=True)
+        refuse_common(name, args, kwargs.pop("data_collator", None), kwargs)
         _refuse_grpo(name, args, kwargs, train_dataset, eval_dataset)
         check_trl_rows(name, "GRPO", args, train_dataset, None, kwargs)
         model = instantiate(model, args, peft_config)
@@ -226,15 +214,15 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
             **sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
                          loss_chunk_tokens, tiled_mlp), **kwargs)
         refuse_moe_aux(self)
-        _refuse_sharded_generation(self)
+        vlm = is_vlm(getattr(unwrapped_base(self.model), "config", None))  # image prompts: the full multimodal rows
+        refuse_fetched_media(self, vlm)
         # TRL sized the generation batch with the world size; under SP only dp ranks take prompts.
         per_step = self._train_batch_size * args.steps_per_generation * self.sp_mesh.dp_size
         if per_step % args.num_generations:
             raise SeqParError(f"{name}: per_device_train_batch_size x steps_per_generation x dp ({per_step}) must be "
                               f"divisible by num_generations={args.num_generations} (dp = world / SP size)")
         args.generation_batch_size = per_step
-        self._sp_reference = self._grpo_reference()
-        vlm = is_vlm(getattr(unwrapped_base(self.model), "config", None))  # image prompts: the full multimodal rows
+        self._sp_reference, self._sp_vlm = self._grpo_reference(), vlm
         self._sp_collator = (VisionCollator if vlm else SequenceParallelCollator)(self.sp_mesh,
                                                                                  pad_id(self.model, self._tokenizer))
 
@@ -297,8 +285,18 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
             _CURRENT_SP[0] = 1
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        with self._dp_scoring():
-            out = super()._generate_and_score_completions(inputs)
+        # TRL gathers the images for its logs only on ranks whose rows carry some: a dp rank with text rows only would
+        # leave the others waiting. Every rank gathers them here instead (None for a row without).
+        log_images, self.log_multimodal = self.log_multimodal, False
+        try:
+            with self._dp_scoring():
+                out = super()._generate_and_score_completions(inputs)
+                if log_images and self._sp_vlm:
+                    gathered = _dp_gather_object(row_images(inputs))
+                    if any(gathered):
+                        self._logs["images"].extend(gathered)
+        finally:
+            self.log_multimodal = log_images
         # One generation batch = one optimizer step (steps_per_generation == grad accum, num_iterations 1):
         # its global counts are the step's GRPO denominators.
         local = torch.stack([torch.tensor(out["completion_mask"].shape[0]), out["completion_mask"].sum().cpu()])
@@ -329,38 +327,25 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
 
     def _generate_single_turn(self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: int,
                               has_tool_images: bool = False) -> Any:
-        """TRL's generation, SP paused, on every rank of the SP group: each samples a share of the prompts
-        (whole groups of num_generations rows) and the shares are all-gathered (see `_share_rollout`).
+        """TRL's generation, SP paused, on every rank of the SP group: each samples a share of the rows (whole
+        groups of num_generations rows) with their own images (`media_rows`), and the shares are all-gathered
+        (`share_rollout`). A VL model under FSDP2 runs its tower once in every rank's generate(), a blank image
+        where a rank's rows carry none (`vision_tower_joined`): the vision blocks' gathers match on every rank.
         Every rank's layer checkpointing is put back exactly as it was afterwards (TRL re-enables it with the
         stored kwargs, which would checkpoint every layer whatever every_n_layers said)."""
-        def run(ids: Any) -> Any:
-            with checkpointing_kept(self.model), sequence_parallel_paused(self.model), fsdp_synced(self.model):
+        n = len(prompt_ids)
+
+        def run(rows: range) -> Any:
+            imgs, fields = media_rows(images, multimodal_fields, rows, n)
+            joined = vision_tower_joined(self.model, has_pixels(fields)) if self._sp_vlm else contextlib.nullcontext()
+            with (checkpointing_kept(self.model), sequence_parallel_paused(self.model), fsdp_synced(self.model),
+                  joined):
                 return super(SequenceParallelGRPOTrainer, self)._generate_single_turn(
-                    ids, images, multimodal_fields, num_generations, has_tool_images)
+                    [prompt_ids[i] for i in rows], imgs, fields, num_generations, has_tool_images)
 
         if self.sp_mesh.sp_size == 1:
-            return run(prompt_ids)
-        if images is not None or multimodal_fields:  # image rows do not split by prompt: one rank generates
-            return self._rollout_on_first_rank(run, prompt_ids)
-        return share_rollout(run, prompt_ids, num_generations, self.sp_mesh, self.accelerator.device,
-                              is_sharded(self.model))
-
-    def _rollout_on_first_rank(self, run: Any, prompt_ids: Any) -> Any:
-        """Vision-language prompts: the SP group's first rank generates, ids and RNG state broadcast."""
-        mesh, device = self.sp_mesh, self.accelerator.device
-        result: Any = None
-        if mesh.sp_rank == 0:
-            try:
-                ids, logprobs = run(prompt_ids)
-                result = (ids, logprobs, rng_states(device))
-            except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
-                result = SeqParError(f"generation failed on rank {group_source_rank(mesh)}: {type(e).__name__}: {e}")
-        result = comm.broadcast_object(result, group_source_rank(mesh), mesh.comm_device, group=mesh.sp_group)
-        if isinstance(result, Exception):
-            raise result
-        ids, logprobs, rng = result
-        set_rng_states(rng, device)  # TRL shuffles the rows next: the same permutation on every SP rank
-        return ids, logprobs
+            return run(range(n))
+        return share_rollout(run, n, num_generations, self.sp_mesh, self.accelerator.device, is_sharded(self.model))
 
     # ------------------------------------------------------------------ loss under SP
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,

@@ -190,7 +190,7 @@ class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTr
                  **kwargs: Any) -> None:
         name = type(self).__name__
         args = coerce_args(args, trl.SFTConfig, model, "SFT")
-        refuse_common(name, args, data_collator, kwargs, train_dataset, images=True)
+        refuse_common(name, args, data_collator, kwargs)
         check_sft_vision(name, args, train_dataset, eval_dataset)  # images: TRL's vision collator (sft_vision.py)
         check_trl_rows(name, "SFT", args, train_dataset, eval_dataset, kwargs)
         if args.loss_type != "nll":
@@ -248,7 +248,7 @@ class SequenceParallelDPOTrainer(_TRLMetrics, HFDPOTrainer, trl.DPOTrainer):
                  peft_config: Any = None, **kwargs: Any) -> None:
         name = type(self).__name__
         args = coerce_args(args, trl.DPOConfig, model, "DPO")
-        refuse_common(name, args, data_collator, kwargs, train_dataset, images=True)  # images: TRL's vision path
+        refuse_common(name, args, data_collator, kwargs)
         _refuse_videos(name, train_dataset, eval_dataset)
         check_trl_rows(name, "DPO", args, train_dataset, eval_dataset, kwargs)
         loss_type = _dpo_loss_type(name, args)
