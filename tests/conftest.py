@@ -22,6 +22,9 @@ import pytest
 # once, as it does offline for users with HF_HUB_OFFLINE=1, not after huggingface_hub's ~20 s of retries.
 # Set before anything imports huggingface_hub, which reads it once; spawned ranks inherit it.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Spawned worlds fork from one server that imported torch and transformers once (seqpar.spawn): the same ranks,
+# without ~2 s of imports per rank (the fast suite runs hundreds of worlds).
+os.environ.setdefault("SEQPAR_START_METHOD", "forkserver")
 
 from seqpar.spawn import DEADLINE_ENV  # noqa: E402
 

@@ -101,6 +101,29 @@ def test_default_deadline_is_the_suite_limit(pytestconfig):
     assert limit == 600 and limit - 30 - 5 < left <= limit - 30, left
 
 
+
+def _env_and_start(name: str) -> tuple[str | None, str | None]:
+    import multiprocessing
+
+    return os.environ.get(name), multiprocessing.current_process()._config.get("semprefix") and \
+        multiprocessing.get_start_method(allow_none=True)
+
+
+def test_forkserver_ranks_take_the_callers_environment(monkeypatch):
+    """The suite forks its worlds from a forkserver (conftest): a variable set after the server started (it starts
+    with the first world of the session) must still reach the ranks, as it would a spawned process."""
+    from seqpar.spawn import START_METHOD_ENV, run_distributed
+
+    assert os.environ[START_METHOD_ENV] == "forkserver"
+    run_distributed(_env_and_start, 1, "SEQPAR_PROBE", timeout=60)  # the server is up from here on
+    monkeypatch.setenv("SEQPAR_PROBE", "set-after-the-server")
+    assert [r[0] for r in run_distributed(_env_and_start, 2, "SEQPAR_PROBE", timeout=60)] == ["set-after-the-server"] * 2
+    monkeypatch.delenv("SEQPAR_PROBE")
+    assert run_distributed(_env_and_start, 1, "SEQPAR_PROBE", timeout=60)[0][0] is None
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match="'spawn' .*or 'forkserver'"):
+        run_distributed(_env_and_start, 1, "X", timeout=60)
+
 GRANDCHILD = '''
 import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)

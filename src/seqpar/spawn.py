@@ -1,9 +1,13 @@
 """Spawn N gloo processes, run a function on each, gather results — always with a timeout.
 
 Used by the test suite, the benchmarks and `seqpar verify`. Each rank runs with 1 thread.
-Rendezvous uses a fresh free TCP port on 127.0.0.1. A harness with its own time limit (the test suite: each test's
-timeout) sets $SEQPAR_SPAWN_DEADLINE to the wall-clock time (time.time()) by which every spawned world must be over:
-a `timeout` that reaches past it is cut to it, so the harness's own limit never kills a world it cannot report on.
+Rendezvous uses a fresh free TCP port on 127.0.0.1. Ranks start by multiprocessing's "spawn" (a fresh interpreter
+each: about 2 s of CPU importing torch and transformers per rank); $SEQPAR_START_METHOD=forkserver forks them
+instead from one server process that imported those once (the test suite sets it: many short worlds), and each
+rank takes the caller's environment as it is at the call, as a spawned one would.
+A harness with its own time limit (the test suite: each test's timeout) sets $SEQPAR_SPAWN_DEADLINE to the
+wall-clock time (time.time()) by which every spawned world must be over: a `timeout` that reaches past it is cut to
+it, so the harness's own limit never kills a world it cannot report on.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "free_port", "DistributedFailure", "DEADLINE_ENV", "capped_timeout"]
+__all__ = ["run_distributed", "free_port", "DistributedFailure", "DEADLINE_ENV", "START_METHOD_ENV", "capped_timeout"]
 
 DEADLINE_ENV = "SEQPAR_SPAWN_DEADLINE"
+START_METHOD_ENV = "SEQPAR_START_METHOD"
+_PRELOAD = ["torch", "torch.distributed", "transformers", "seqpar.hf"]  # what a forkserver imports once
 
 
 class DistributedFailure(RuntimeError):
@@ -46,7 +52,10 @@ def capped_timeout(timeout: float) -> tuple[float, str]:
     return timeout, ""
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict, out_dir: str, threads: int):
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict, out_dir: str, threads: int,
+            env: dict[str, str]):
+    os.environ.clear()  # a forkserver child starts with the server's environment: take the caller's
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -71,6 +80,16 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs:
         dist.destroy_process_group()
 
 
+def _context() -> Any:
+    method = os.environ.get(START_METHOD_ENV, "spawn")
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"${START_METHOD_ENV}={method!r}: use 'spawn' (the default) or 'forkserver'")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first world): no effect later
+    return ctx
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -85,11 +104,12 @@ def run_distributed(
     traceback, or after `timeout` seconds (all processes are killed: a test never hangs).
     """
     timeout, cut = capped_timeout(timeout)
-    ctx = mp.get_context("spawn")
-    port = free_port()
+    ctx = _context()
+    port, env = free_port(), dict(os.environ)
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, out_dir, threads), daemon=False)
+            ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, out_dir, threads, env),
+                        daemon=False)
             for r in range(world_size)
         ]
         for p in procs:
