@@ -24,9 +24,10 @@ from typing import Any
 from ..errors import SeqParError
 from ..mesh import RecurrentHeads
 
-__all__ = ["RecurrentFacts", "recurrent_facts", "DELTA_CHUNK"]
+__all__ = ["RecurrentFacts", "recurrent_facts", "DELTA_CHUNK", "RECURRENT_KINDS"]
 
 DELTA_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk
+RECURRENT_KINDS = ("linear_attention", "mamba")  # layer kinds whose mixer is recurrent
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def recurrent_facts(name: str, c: dict[str, Any]) -> tuple[RecurrentFacts, int] 
     """(the recurrent layers' facts, how many layers are recurrent) from a text config dict; None without any.
     Raises SeqParError for hybrids the planner does not model (block-per-mixer decoders such as Nemotron-H)."""
     types = layer_kinds(c)
-    linear = sum(t in ("linear_attention", "mamba") for t in types)
+    linear = sum(t in RECURRENT_KINDS for t in types)
     if linear == 0:
         return None
     if any(t in ("mlp", "moe") for t in types):
