@@ -15,6 +15,7 @@ from .layer import (
     norm_bytes,
 )
 from .model import ModelFacts
+from .recurrent_memory import mixer_backward_bytes, mixer_forward_temp
 from .tiled import attention_backward_temp, layer_tiles, tiled_terms
 from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
@@ -50,11 +51,13 @@ class _Alive:
     qkv: tuple[int, int, int, int] | None = None  # tiled layer's first-piece moment: (temp per token, tile bytes,
     # its parameter gradients, attention's saved tensors per token freed by then without checkpointing)
     kept_attn: int = 0  # memory.keep_attention: each layer still ahead keeps its kernels' outputs (on the device)
+    fwd_temp: int = 0  # a checkpointed recurrent layer's recompute: its mixer's forward temporaries (0: no moment)
 
 
-def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int) -> _Alive:
+def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int, kind: str = "mean") -> _Alive:
+    """kind: "mean" (a dense model), or a hybrid's layer kind ("attention" / "recurrent")."""
     e, h, i = wl.elt, m.hidden, m.intermediate
-    lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
+    lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp, lay.ring, kind)
     down_in = e * i if wl.trains("down_proj") else 0
     if feats.tiled_mlp:  # one tile's MLP tensors, recomputed for its backward
         per_row = max(1, wl.seq_len // lay.sp)
@@ -67,7 +70,7 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     if ckpt:  # recompute (in fp32 the input norm's fp32 input is the kept input); the kept input of each layer
         current, ahead = lb - (4 * h if e == 4 else 0), e * h
     else:
-        current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp)
+        current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp, lay.ring, kind)
     base = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, index tensors
     if feats.tiled_layer:  # planner.tiled: the layer keeps its input + attention's tensors; pieces run in tiles
         o_in = (e * m.q_dim + (e * wl.lora_r if wl.lora else 0)) if wl.trains("o_proj") else 0
@@ -79,12 +82,19 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
                       t.attn_temp, 0, 0, (t.qkv_temp, t.qkv_tile, t.qkv_grads, attn_saved))
     mlp_in = feats.tiled_mlp or any(wl.trains(t) for t in ("gate_proj", "up_proj"))
     # seqpar's attention backward tensor by tensor (planner.tiled), its collectives' buffers included
-    attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses, lay.ring, wl.device, feats.attention_head_chunks)
+    if kind == "recurrent":  # the recurrent mixer's backward (planner.recurrent_memory) beside its saved tensors
+        assert m.recurrent is not None
+        attn_temp = e * h + mixer_backward_bytes(m.recurrent, e, lay.ring, wl.seq_len)
+    else:
+        attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses, lay.ring, wl.device,
+                                                    feats.attention_head_chunks)
     freed = norm_bytes(m, e, True, not wl.lora, mlp_in)
     if wl.lora and not ckpt:
         current -= 4 * h + 4  # layer 0 keeps no norm input (frozen embedding)
-    norm = base + input_norm_moment(m, wl, lay.ulysses) if ckpt else 0
-    return _Alive(base + current, ahead, e * h if ckpt else 0, mlp_acts, mlp_temp, attn_temp, freed, norm)
+    norm = base + input_norm_moment(m, wl, lay.ulysses, lay.ring, kind) if ckpt else 0
+    fwd = mixer_forward_temp(m.recurrent, lay.ring, wl.seq_len) if ckpt and kind == "recurrent" and m.recurrent else 0
+    return _Alive(base + current, ahead, e * h if ckpt else 0, mlp_acts, mlp_temp, attn_temp, freed, norm,
+                  fwd_temp=fwd)
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,7 @@ def _grads(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, gathered: 
 
 def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int,
                    gathered: int) -> tuple[Moment, Moment]:
-    """(the MLP moment, the larger of the attention and input-norm moments) of the busiest layer backward.
+    """(the MLP moment, the larger of the attention, input-norm and recompute moments) of the busiest layer backward.
 
     MLP moment: backward has reached a layer's MLP, down_proj's backward is done, and the gradients of
     silu(gate) and up are being formed. Alive then, per local token: RoPE cos/sin and the index tensors;
@@ -131,59 +141,93 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
     the kept input itself in fp32, a new fp32 copy in bf16) less down_proj's input, already consumed;
     temporaries: the residual-stream gradient e h, down_proj's input gradient e I and the two product
     gradients 2 e I (with tiled MLP the [*, I] terms, recompute included, are one tile's). Parameter
-    gradients: the head's, the layers done, this layer's down_proj. FSDP2: this layer gathered, the
-    next one prefetched, the previous layer's unsharded gradients in their reduce-scatter; finished
-    layers' gradients are shards, the root's (head) stay whole until the end of backward. Activations
-    fall and gradients grow from one layer to the next (linearly between the FSDP steps), so the
-    first, second, second-to-last and last layer cover the maximum.
+    gradients: the head's, the layers done, this layer's down_proj. FSDP2: this layer gathered, the next one
+    prefetched, the previous layer's unsharded gradients in their reduce-scatter; finished layers' gradients
+    are shards, the root's stay whole. Activations fall and gradients grow layer by layer, so the first, second,
+    second-to-last and last layer cover the maximum (a hybrid's layers: all of them).
     Attention moment: the same, but the layer's MLP tensors and the post-attention norm's are gone, the
     gradients of o_proj, the norm and the MLP exist, and seqpar's attention backward holds its tensors
-    (planner.tiled.attention_backward_temp: accumulators, kernel outputs, the all-to-all buffers) beside
-    the residual-stream gradient; the ring's K/V and FSDP's gathered layers are alive.
-    Input-norm moment (checkpointed, untiled layers; measured on the bf16 and LoRA rows): the recompute
-    of attention and of the input norm, the post-attention norm's fp32 input, the whole layer's gradients
-    and the norm backward's fp32 temporaries (`NORM_BACKWARD_TEMP`). LoRA: layer 0 (frozen embedding)
-    computes no input gradient, so it has no such moment.
+    (planner.tiled.attention_backward_temp) beside the residual-stream gradient, or a recurrent layer's
+    mixer backward (planner.recurrent_memory); the ring's K/V and FSDP's gathered layers are alive.
+    Input-norm moment (checkpointed, untiled; not layer 0 under LoRA): the recompute of attention and the input
+    norm, the post-attention norm's fp32 input, the layer's gradients and `NORM_BACKWARD_TEMP`. Recompute moment
+    (checkpointed recurrent layers): the mixer's forward temporaries, before the layer's gradients.
     """
-    alive, g = _alive(m, wl, lay, feats, tokens), _grads(m, wl, lay, feats, gathered)
-    if feats.keep_attention and feats.activation_checkpointing:
-        alive = replace(alive, kept_attn=kept_attention_bytes(m, wl.elt, lay.ulysses, lay.ring))
-    e, h, last = wl.elt, m.hidden, m.layers - 1
+    g, last = _grads(m, wl, lay, feats, gathered), m.layers - 1
+    kinds, alives, before = _per_kind(m, wl, lay, feats, tokens)
+    e, h = wl.elt, m.hidden
 
     def at(k: int, moment: str) -> Moment:  # k layers already done
+        alive = alives[kinds[last - k]]
         # offloaded layer inputs: only the next one, prefetched, is back on the device
-        ahead_n = (min(1, last - k) * feats.offload_prefetch) if feats.offload_activations else last - k
-        a = (alive.current + alive.ahead * ahead_n + alive.ahead_full + alive.kept_attn * (last - k)) * tokens
+        ahead = (alive.ahead * min(1, last - k) * feats.offload_prefetch if feats.offload_activations
+                 else before[last - k])
+        a = (alive.current + ahead + alive.ahead_full + alive.kept_attn * (last - k)) * tokens
         rs, done = (g.in_flight if k > 0 else 0), g.head + k * g.per_layer
         # FSDP2: this layer gathered and the next one prefetched (the first layer, k == last, has none)
         layers = gathered + (g.prefetch if k < last else 0) + rs
-        if moment == "attention":
-            return Moment(a - alive.attn_freed * tokens, done + g.post_attn, alive.attn_temp * tokens, layers)
+        if moment == "attention":  # (a recurrent layer's out_proj reads its value width, not q's)
+            post = g.post_attn + (_out_width(m, kinds[last - k]) - m.q_dim) * h * e * (not wl.lora)
+            return Moment(a - alive.attn_freed * tokens, done + post, alive.attn_temp * tokens, layers)
+        if moment == "recompute":  # the mixer's forward peak in the recompute, before any of the layer's gradients
+            return Moment(a - alive.attn_freed * tokens, done, (e * h + alive.fwd_temp) * tokens, layers)
         if moment == "qkv":
             temp, tile, grads, freed = alive.qkv
             return Moment(a - freed * tokens, done + g.post_attn + grads, temp * tokens + tile, layers)
         if moment == "norm":  # the whole layer's gradients exist (FSDP: unsharded, before its reduce-scatter)
-            return Moment((alive.norm + alive.ahead * ahead_n + alive.kept_attn * (last - k)) * tokens,
+            return Moment((alive.norm + ahead + alive.kept_attn * (last - k)) * tokens,
                           done + (g.in_flight or g.per_layer),
                           NORM_BACKWARD_TEMP * h * tokens, gathered + rs)
         return Moment(a + alive.mlp_bytes, done + g.down, e * h * tokens + alive.mlp_temp_bytes, layers)
 
-    ks = {0, min(1, last), max(0, last - 1), last}
-    norm_ks = [k for k in ks if k < last or not wl.lora] if alive.norm else []
+    # a dense model's moments peak at its first, second, second-to-last or last layer; a hybrid's: any layer
+    ks = {0, min(1, last), max(0, last - 1), last} if not m.linear_layers else set(range(m.layers))
+    norm_ks = [k for k in ks if (k < last or not wl.lora) and alives[kinds[last - k]].norm]
     mlp = max((at(k, "mlp") for k in ks), key=lambda x: x.total)
-    # the first piece's moment, measured on SP 1 rows without FSDP (there it is the peak); with SP > 1 or FSDP the
-    # measured peaks lie elsewhere and the same count would be 2-5% over them (not modelled there)
-    # (with attention in head chunks the measured first-piece moment lies below attention's: not counted there)
-    qkv = ([at(k, "qkv") for k in ks] if alive.qkv and lay.sp == 1 and not feats.fsdp
+    # the first piece's moment, measured on SP 1 rows without FSDP nor head chunks (there it is the peak; elsewhere
+    # the measured peaks lie elsewhere and the same count would be 2-5% over them)
+    qkv = ([at(k, "qkv") for k in ks] if alives[kinds[0]].qkv and lay.sp == 1 and not feats.fsdp
            and feats.attention_head_chunks == 1 else [])
-    return mlp, max([*(at(k, "attention") for k in ks), *(at(k, "norm") for k in norm_ks), *qkv], key=lambda x: x.total)
+    rec = [at(k, "recompute") for k in ks if alives[kinds[last - k]].fwd_temp]
+    return mlp, max([*(at(k, "attention") for k in ks), *(at(k, "norm") for k in norm_ks), *qkv, *rec], key=_total)
+
+
+def _total(x: Moment) -> int:
+    return x.total
+
+
+def _per_kind(m: ModelFacts, wl: Workload, lay: Layout, feats: Features,
+              tokens: int) -> tuple[list[str], dict[str, _Alive], list[int]]:
+    """Each layer's kind, what a layer of each kind holds in its backward, and before[i]: what the layers below
+    layer i keep until their own backward (their inputs with checkpointing, else their saved tensors)."""
+    kinds = layer_kinds(m)
+    alives = {kd: _alive(m, wl, lay, feats, tokens, kd) for kd in set(kinds)}
+    if feats.keep_attention and feats.activation_checkpointing:
+        kept = kept_attention_bytes(m, wl.elt, lay.ulysses, lay.ring)
+        alives = {kd: replace(a, kept_attn=kept) for kd, a in alives.items()}
+    before = [0]
+    for kd in kinds:
+        before.append(before[-1] + alives[kd].ahead)
+    return kinds, alives, before
+
+
+def layer_kinds(m: ModelFacts) -> list[str]:
+    """Each layer's kind for `_alive`: "mean" for every layer of a dense model; a hybrid's "attention" or
+    "recurrent"."""
+    if not m.linear_layers:
+        return ["mean"] * m.layers
+    return ["recurrent" if m.is_recurrent(i) else "attention" for i in range(m.layers)]
+
+
+def _out_width(m: ModelFacts, kind: str) -> int:
+    return m.recurrent.value_width if kind == "recurrent" and m.recurrent is not None else m.q_dim
 
 
 # HF's RMSNorm backward (fp32 internals): the gradients through x * rsqrt, mean and pow (x, 2x, their product)
 NORM_BACKWARD_TEMP = 5 * 4
 
 
-def input_norm_moment(m: ModelFacts, wl: Workload, u: int) -> int:
+def input_norm_moment(m: ModelFacts, wl: Workload, u: int, ring: int = 1, kind: str = "mean") -> int:
     """Activations per local token when a checkpointed, untiled layer's input norm runs its backward (the
     largest moment of bf16 and LoRA layers, measured): attention's and the input norm's recompute (its fp32
     input: the layer's kept input in fp32, a copy in bf16), the post-attention norm's fp32 input (in bf16
@@ -192,5 +236,5 @@ def input_norm_moment(m: ModelFacts, wl: Workload, u: int) -> int:
     e, h, full = wl.elt, m.hidden, not wl.lora
     qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
     post = 4 * h + (e * h if e == 2 else 0)
-    return norm_bytes(m, e, True, full, qkv) + attention_bytes(m, wl, u) + post + lora_bytes(m, wl)
+    return norm_bytes(m, e, True, full, qkv) + attention_bytes(m, wl, u, ring, kind) + post + lora_bytes(m, wl)
 

@@ -62,7 +62,9 @@ def add_plan_parser(sub: Any) -> None:
                    help="feature rows for --validate: none | all | ckpt,fused,tiled,offload,layer (layer: also the "
                    "4-layer rows with and without tiled_layer), chunks (attention head chunks), cuda (rows marked "
                    "cuda: CUDA's attention workspace held by the CPU kernel, planned with the CUDA terms), keep "
-                   "(memory.keep_attention)")
+                   "(memory.keep_attention), hybrid (Qwen3.5 / Bamba / Granite 4 rows, checked at 7%%)")
+    v.add_argument("--validate-json", metavar="PATH", help="--validate: also write the rows (case fields, measured, "
+                   "predicted) to this JSON file (docs/cpu_results/)")
     v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")
     p.set_defaults(func=cmd_plan)
 
@@ -141,7 +143,7 @@ def _validate(args: argparse.Namespace) -> int:
     from . import validate as v
 
     extra = {"layer": v.TILED_GRID + v.UNTILED_GRID, "chunks": v.HEAD_CHUNK_GRID, "cuda": v.CUDA_GRID,
-             "keep": v.KEEP_GRID}
+             "keep": v.KEEP_GRID, "hybrid": v.HYBRID_GRID}
     names = list(v.FEATURE_SETS) if args.features == "all" else args.features.split(",")
     bad = [n for n in names if n not in v.FEATURE_SETS and n not in extra]
     if bad:
@@ -149,8 +151,19 @@ def _validate(args: argparse.Namespace) -> int:
                           f"{','.join([*v.FEATURE_SETS, *extra])}")
     grid = v.with_features(v.GRID, [n for n in names if n in v.FEATURE_SETS])
     rows = v.run_validation(grid + [c for n in names if n in extra for c in extra[n]])
-    print(v.format_rows(rows))
-    return 0 if all(abs(r["rel_err"]) <= v.TOLERANCE for r in rows) else 1
+    tol = v.HYBRID_TOLERANCE if names == ["hybrid"] else v.TOLERANCE
+    print(v.format_rows(rows, tol))
+    if args.validate_json:
+        import json
+        import platform
+
+        import torch
+
+        with open(args.validate_json, "w") as fh:
+            json.dump({"command": "seqpar plan --validate --features " + args.features, "torch": torch.__version__,
+                       "machine": platform.machine(), "tolerance": tol, "rows": rows}, fh, indent=1)
+            fh.write("\n")
+    return 0 if all(abs(r["rel_err"]) <= tol for r in rows) else 1
 
 
 def _validate_time() -> int:

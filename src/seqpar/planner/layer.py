@@ -10,6 +10,7 @@ from ..attention.pieces import plan_pieces
 from ..attention.ulysses import head_plan
 from ..layout import ring_segments
 from .model import ModelFacts
+from .recurrent_memory import mixer_saved_bytes
 from .tiled import layer_tiles, tiled_saved_per_token
 from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
@@ -24,13 +25,16 @@ def norm_bytes(m: ModelFacts, e: int, input_grad: bool, weight_trains: bool, con
     return n + (e * m.hidden if weight_trains else 0) + (e * m.hidden if consumer_saves else 0)
 
 
-def attention_bytes(m: ModelFacts, wl: Workload, u: int) -> int:
-    """The mixer's saved bytes per local token: softmax attention's, or for a hybrid the average over its layers
-    of attention's and the recurrent mixer's (planner.recurrent; counted with state passing's extra columns)."""
+def attention_bytes(m: ModelFacts, wl: Workload, u: int, ring: int = 1, kind: str = "mean") -> int:
+    """The mixer's saved bytes per local token: softmax attention's, or for a hybrid (kind "mean") the average over
+    its layers of attention's and the recurrent mixer's (planner.recurrent_memory); kind "attention" /
+    "recurrent": one layer of that kind."""
     soft = _softmax_bytes(m, wl, u)
-    if not m.linear_layers or m.recurrent is None:
+    if not m.linear_layers or m.recurrent is None or kind == "attention":
         return soft
-    rec = m.recurrent.saved_bytes_per_token(wl.elt, 2)
+    rec = mixer_saved_bytes(m.recurrent, wl.elt, u, ring, wl.seq_len, wl.rows)
+    if kind == "recurrent":
+        return rec
     return (m.attn_layers * soft + m.linear_layers * rec) // m.layers
 
 
@@ -60,12 +64,13 @@ def mlp_bytes(m: ModelFacts, wl: Workload, tiled: bool) -> int:
     return wl.elt * m.intermediate * (3 + (1 if wl.trains("down_proj") else 0))
 
 
-def layer_bytes_per_token(m: ModelFacts, wl: Workload, u: int, tiled_mlp: bool = False) -> int:
-    """What one decoder layer keeps for backward, per local token (no checkpointing)."""
+def layer_bytes_per_token(m: ModelFacts, wl: Workload, u: int, tiled_mlp: bool = False, ring: int = 1,
+                          kind: str = "mean") -> int:
+    """What one decoder layer keeps for backward, per local token (no checkpointing); kind as attention_bytes'."""
     e, full = wl.elt, not wl.lora
     qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
     mlp_in = any(wl.trains(t) for t in ("gate_proj", "up_proj"))
-    return (norm_bytes(m, e, True, full, qkv) + attention_bytes(m, wl, u)
+    return (norm_bytes(m, e, True, full, qkv) + attention_bytes(m, wl, u, ring, kind)
             + norm_bytes(m, e, True, full, mlp_in or tiled_mlp) + mlp_bytes(m, wl, tiled_mlp) + lora_bytes(m, wl))
 
 
@@ -115,4 +120,4 @@ def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Featu
         return once + m.layers * tiled_saved_per_token(m, e, u)
     if wl.lora:
         once -= 4 * m.hidden + 4  # a frozen embedding: layer 0's norm input needs no gradient
-    return once + m.layers * layer_bytes_per_token(m, wl, u, feats.tiled_mlp)
+    return once + m.layers * layer_bytes_per_token(m, wl, u, feats.tiled_mlp, ring)

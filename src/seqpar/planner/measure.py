@@ -43,6 +43,7 @@ class Case:
     memory: dict[str, Any] = field(default_factory=dict)
     optimizer: str = "fused"  # seqpar train's optimizer.implementation
     attention_kernel: str = "auto"  # "cpu_cuda_workspace": a row marked cuda (CUDA's attention workspace held)
+    model_kwargs: dict[str, Any] = field(default_factory=dict)  # more tiny_config keys (e.g. num_local_experts)
 
     @property
     def world(self) -> int:
@@ -55,10 +56,11 @@ class Case:
         fsdp = "/fsdp" if self.fsdp else ""
         opt = "" if self.optimizer == "fused" else f" adamw:{self.optimizer}"
         cuda = " [cuda]" if self.attention_kernel == "cpu_cuda_workspace" else ""
-        return (f"{prec}{self.arch}{shape} S={self.seq_len} {self.stage}/{self.finetuning}{fsdp} "
+        arch = self.arch + "".join(f" {k}={v}" for k, v in sorted(self.model_kwargs.items()))
+        return (f"{prec}{arch}{shape} S={self.seq_len} {self.stage}/{self.finetuning}{fsdp} "
                 f"u{self.ulysses}r{self.ring}d{self.dp} mem[{feats}]{opt}{cuda}")
 
-    def __hash__(self) -> int:  # memory is a dict
+    def __hash__(self) -> int:  # memory and model_kwargs are dicts
         return hash(self.label())
 
 
@@ -71,7 +73,8 @@ def case_config(case: Case) -> Any:
             "num_heads": case.num_heads, "num_kv_heads": case.num_kv_heads, "head_dim": case.head_dim,
             "num_layers": case.num_layers, "intermediate_size": case.intermediate_size,
             "vocab_size": case.vocab_size, "max_position_embeddings": max(4096, case.seq_len),
-            **({"sliding_window": max(4096, case.seq_len)} if case.arch in ("qwen2", "mistral") else {})}},
+            **({"sliding_window": max(4096, case.seq_len)} if case.arch in ("qwen2", "mistral") else {}),
+            **case.model_kwargs}},
         "dataset": {"path": "<synthetic>", "format": "text" if case.stage == "sft" else "dpo",
                     "max_length": case.seq_len, "shuffle": False},
         "stage": case.stage,

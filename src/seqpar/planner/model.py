@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import SeqParError
 from ..textfiles import read_json
-from .recurrent import RecurrentFacts, layer_kinds, recurrent_facts
+from .recurrent import RECURRENT_KINDS, RecurrentFacts, layer_kinds, recurrent_facts
 
 __all__ = ["ModelFacts", "load_model_facts", "bundled_models"]
 
@@ -44,12 +44,17 @@ class ModelFacts:
     sliding_window: int | None = None  # the window of the model's sliding-attention layers (None: none)
     recurrent: RecurrentFacts | None = None  # hybrids: the recurrent mixer of `linear_layers` of the layers
     linear_layers: int = 0
+    linear_index: tuple[int, ...] = ()  # which layers are recurrent (their order sets the backward's moments)
     gated_attention: bool = False  # q_proj also gives attention's output gate (GATED_ATTENTION_TYPES)
 
     @property
     def attn_layers(self) -> int:
         """Layers whose mixer is softmax attention (all of them but a hybrid's recurrent ones)."""
         return self.layers - self.linear_layers
+
+    def is_recurrent(self, i: int) -> bool:
+        """Whether layer i's mixer is a recurrent one (a hybrid's Gated DeltaNet / Mamba2 layer)."""
+        return i in self.linear_index
 
     @property
     def q_dim(self) -> int:
@@ -191,6 +196,7 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
             qk_norm=c.get("model_type") in QK_NORM_TYPES, gated_attention=c.get("model_type") in GATED_ATTENTION_TYPES,
             qkv_bias=bool(c.get("attention_bias", c.get("model_type") in QKV_BIAS_TYPES)), sliding_window=window,
             recurrent=rec[0] if rec else None, linear_layers=rec[1] if rec else 0,
+            linear_index=tuple(i for i, t in enumerate(layer_kinds(c)) if t in RECURRENT_KINDS) if rec else (),
         )
     except KeyError as e:
         raise SeqParError(

@@ -4,7 +4,7 @@ the collectives of their sequence parallelism (seqpar.recurrent, seqpar.hf.linea
 Modelled: decoders whose every layer holds one mixer (softmax attention, or a recurrent one in `linear_layers`
 of them) and one dense MLP: Qwen3.5 (dense), Granite 4 and Bamba with dense MLPs. A recurrent layer replaces
 attention's q/k/v/o by its own projections (`mixer_tensors`), its saved tensors by the torch path's
-(`saved_bytes_per_token`, an estimate from the tensors autograd keeps, not a measurement) and its FLOPs by the
+(planner.recurrent_memory: counted from the torch paths, validated with the meter) and its FLOPs by the
 chunked recurrence's (`flops_per_token`). Under SP:
 - Ulysses: one all-to-all in (the conv's channels and the gates) and one out (the recurrence's output), per
   forward pass and again in backward (`ulysses_elems`);
@@ -24,9 +24,10 @@ from typing import Any
 from ..errors import SeqParError
 from ..mesh import RecurrentHeads
 
-__all__ = ["RecurrentFacts", "recurrent_facts", "DELTA_CHUNK"]
+__all__ = ["RecurrentFacts", "recurrent_facts", "DELTA_CHUNK", "RECURRENT_KINDS"]
 
 DELTA_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk
+RECURRENT_KINDS = ("linear_attention", "mamba")  # layer kinds whose mixer is recurrent
 
 
 @dataclass(frozen=True)
@@ -62,21 +63,6 @@ class RecurrentFacts:
             return [hidden * (c + w), hidden * 2 * self.v_heads, c * self.conv_kernel, self.v_heads, self.v_heads,
                     self.v_dim, w * hidden]
         return [hidden * (w + c + self.heads), c * self.conv_kernel, c, 3 * self.heads, w, w * hidden]
-
-    def saved_bytes_per_token(self, e: int, ring: int) -> int:
-        """Bytes one recurrent mixer keeps for backward per local token (estimate; see the module docstring)."""
-        c, w, h = self.conv_channels, self.value_width, self.v_heads
-        extra = self.k_dim if ring > 1 else 0  # a continuing piece's extra value columns (delta rule)
-        proj = e * (c + 2 * w + 2 * h)  # projection outputs (z / gate and gates included), conv input
-        conv = 2 * e * c  # the conv's pre-activation and output
-        norm = 8 * w + e * w  # the gated norm's fp32 input and gate, out_proj's input
-        if self.kind == "gated_deltanet":
-            kd, vd = self.k_dim, self.v_dim + extra
-            rec = 4 * h * (4 * self.chunk + 6 * kd + 5 * vd + kd * vd // self.chunk)
-        else:
-            p, n = self.v_dim, self.k_dim
-            rec = 4 * h * (3 * self.chunk + 7 * p + 3 * n + p * n // self.chunk)
-        return proj + conv + norm + rec
 
     def flops_per_token(self) -> int:
         """Forward FLOPs of the recurrence per token (the projections are counted with the layer's weights)."""
@@ -126,7 +112,7 @@ def recurrent_facts(name: str, c: dict[str, Any]) -> tuple[RecurrentFacts, int] 
     """(the recurrent layers' facts, how many layers are recurrent) from a text config dict; None without any.
     Raises SeqParError for hybrids the planner does not model (block-per-mixer decoders such as Nemotron-H)."""
     types = layer_kinds(c)
-    linear = sum(t in ("linear_attention", "mamba") for t in types)
+    linear = sum(t in RECURRENT_KINDS for t in types)
     if linear == 0:
         return None
     if any(t in ("mlp", "moe") for t in types):

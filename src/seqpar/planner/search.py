@@ -229,11 +229,11 @@ def _rank(cands: list[Candidate], cl: Cluster, max_len: bool) -> None:
                                   -c.tokens_per_s, c.memory.total))
 
 
-# What the meter says of a hybrid plan (docs/planner.md, "Hybrid models"): said with every plan of one.
-HYBRID_NOTE = ("hybrid model: the recurrent layers' memory is an estimate, not validated like the rest: tiny "
-               "Qwen3.5 runs on CPU (transformers' torch fallbacks of the recurrence) peaked 4-5% above the plan "
-               "without memory features and 33% above with checkpointing (the recurrent layer's backward working set "
-               "is not modelled); leave headroom and read peak_alloc_mb of a short seqpar train run")
+# What is not validated of a hybrid plan (docs/planner.md, "Hybrid models"): said with every plan of one.
+HYBRID_NOTE = ("hybrid model: the recurrent layers' memory is counted from transformers' torch paths of the chunked "
+               "delta rule / Mamba2 SSD scan (validated on CPU against the meter: docs/planner.md); with the "
+               "flash-linear-attention or mamba_ssm GPU kernels installed their working sets differ and are not "
+               "validated: read peak_alloc_mb of a short seqpar train run before a long one")
 
 
 def plan(m: ModelFacts, cl: Cluster, req: Request,

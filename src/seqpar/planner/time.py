@@ -107,7 +107,8 @@ def step_flops(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> tup
 def _memory_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> float:
     tokens = wl.rows * wl.seq_len / lay.sp
     fwd_bwd, fwd_only = passes(wl, feats)
-    acts = tokens * m.layers * layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp) * (fwd_bwd + fwd_only + 2)
+    per_layer = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp, lay.ring)
+    acts = tokens * m.layers * per_layer * (fwd_bwd + fwd_only + 2)
     trained = m.num_params() if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
     shards = lay.world if feats.fsdp else 1
     on_device = not (feats.fsdp and feats.offload_optimizer)  # else the update runs on the host (offload_s)
