@@ -102,11 +102,8 @@ def test_default_deadline_is_the_suite_limit(pytestconfig):
 
 
 
-def _env_and_start(name: str) -> tuple[str | None, str | None]:
-    import multiprocessing
-
-    return os.environ.get(name), multiprocessing.current_process()._config.get("semprefix") and \
-        multiprocessing.get_start_method(allow_none=True)
+def _env(name: str) -> str | None:
+    return os.environ.get(name)
 
 
 def test_forkserver_ranks_take_the_callers_environment(monkeypatch):
@@ -115,14 +112,14 @@ def test_forkserver_ranks_take_the_callers_environment(monkeypatch):
     from seqpar.spawn import START_METHOD_ENV, run_distributed
 
     assert os.environ[START_METHOD_ENV] == "forkserver"
-    run_distributed(_env_and_start, 1, "SEQPAR_PROBE", timeout=60)  # the server is up from here on
+    run_distributed(_env, 1, "SEQPAR_PROBE", timeout=60)  # the server is up from here on
     monkeypatch.setenv("SEQPAR_PROBE", "set-after-the-server")
-    assert [r[0] for r in run_distributed(_env_and_start, 2, "SEQPAR_PROBE", timeout=60)] == ["set-after-the-server"] * 2
+    assert run_distributed(_env, 2, "SEQPAR_PROBE", timeout=60) == ["set-after-the-server"] * 2
     monkeypatch.delenv("SEQPAR_PROBE")
-    assert run_distributed(_env_and_start, 1, "SEQPAR_PROBE", timeout=60)[0][0] is None
+    assert run_distributed(_env, 1, "SEQPAR_PROBE", timeout=60) == [None]
     monkeypatch.setenv(START_METHOD_ENV, "fork")
     with pytest.raises(ValueError, match="'spawn' .*or 'forkserver'"):
-        run_distributed(_env_and_start, 1, "X", timeout=60)
+        run_distributed(_env, 1, "X", timeout=60)
 
 GRANDCHILD = '''
 import os, subprocess, sys, time
