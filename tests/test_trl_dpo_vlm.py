@@ -8,7 +8,8 @@ in a spawned gloo world (the same collator renders each micro-batch, then SP wit
 group). The same tiny model (saved, loaded by path), seed and sampler order (sequential); SGD lr 0.5, B = 2 pairs,
 2 steps, reference model = a frozen copy. Compared: the logged losses and every final parameter (vision tower
 included) at fp32 1e-5 absolute; the tower must have moved.
-fast: Ulysses 2, sigmoid. slow: ring 2 IPO; USP 2x2 sigmoid with gradient accumulation 2.
+fast: Ulysses 2, sigmoid. slow: ring 2 IPO; USP 2x2 sigmoid with gradient accumulation 2; Qwen3-VL at ring 2 under
+FSDP2 (fsdp_version 2: the policy's decoder layers and vision blocks sharded, parameters gathered to compare).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _train(case: dict, model_dir: str, out: str, sp: dict | None):
 
     import trl
     from test_trl_grpo_vlm import _processor
+    from test_trl_sft_vlm import _full_params
     from transformers import AutoModelForImageTextToText
 
     import seqpar.trl as strl
@@ -56,14 +58,17 @@ def _train(case: dict, model_dir: str, out: str, sp: dict | None):
                          report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, bf16=False,
                          optim="sgd", learning_rate=0.5, max_grad_norm=0.0, beta=0.5,
                          loss_type=[case.get("loss", "sigmoid")], max_length=256, gradient_checkpointing=False,
-                         train_sampling_strategy="sequential")
+                         train_sampling_strategy="sequential",
+                         **({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if sp and case.get("fsdp2")
+                            else {}))
     cls = trl.DPOTrainer if sp is None else strl.SequenceParallelDPOTrainer
     trainer = cls(model=model, ref_model=ref, args=args, train_dataset=_dataset(), processing_class=_processor(),
                   **(sp or {}))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    params = {k.replace("module.", ""): v.detach().clone() for k, v in trainer.model.named_parameters()}
-    return losses, params
+    sharded = sum(type(m).__name__.startswith("FSDP") for m in trainer.model_wrapped.modules())
+    assert bool(sharded) == bool(sp and case.get("fsdp2")), sharded  # FSDP2 took the policy's units
+    return losses, _full_params(trainer.model)
 
 
 def _sp_world(case: dict, model_dir: str, refs: str, out: str) -> dict:
@@ -81,7 +86,7 @@ def _run(case: dict, world: int, tmp_path) -> None:
     from seqpar.hf import tiny_model
 
     model_dir = str(tmp_path / "tiny")
-    tiny_model("qwen2_5_vl", 4, 2, vocab_size=49152, seed=0).save_pretrained(model_dir)
+    tiny_model(case.get("arch", "qwen2_5_vl"), 4, 2, vocab_size=49152, seed=0).save_pretrained(model_dir)
     init = {k: v.detach() for k, v in
             AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).named_parameters()}
     losses, params = _train(case, model_dir, str(tmp_path / "ref"), None)
@@ -101,7 +106,9 @@ def test_trl_dpo_images_sp2_match_stock_trl(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("case,world", [
     ({"sp": {"sequence_parallel_size": 2, "ring_degree": 2}, "loss": "ipo"}, 2),
-    ({"sp": {"sequence_parallel_size": 4, "ulysses_degree": 2, "ring_degree": 2}, "accum": 2}, 4)])
+    ({"sp": {"sequence_parallel_size": 4, "ulysses_degree": 2, "ring_degree": 2}, "accum": 2}, 4),
+    ({"sp": {"sequence_parallel_size": 2, "ring_degree": 2}, "arch": "qwen3_vl", "fsdp2": True}, 2)],
+    ids=["ring2-ipo", "usp2x2-accum2", "qwen3vl-ring2-fsdp2"])
 def test_trl_dpo_images_slow_match_stock_trl(tmp_path, case, world):
     _run(case, world, tmp_path)
 
