@@ -16,7 +16,7 @@ training, on 4 rows whose first prompt group has an image and second none: SP ra
 rank 1 the text rows and runs the tower on a blank image in its prefill (FSDP2: the vision blocks' gathers match);
 the completions equal the stock trainer's, which differ without the image (the rollouts see it). Fast: FSDP2 at
 beta 0; slow: ZeRO-3 (beta 0 and 0.2), FSDP2 at beta 0.2, as a ring (SP 2) and at dp 2 x SP 1 (a dp rank
-whose rollout rows are text only).
+whose rollout rows are text only); a tiny Qwen3-VL under FSDP2 as a ring and under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -147,14 +147,15 @@ def _run_here(cmd: list[str]) -> None:
          rollout_media.blank_tower_pass) = saved
 
 
-def _launch(tmp_path, mode: str, stack: str = "none", beta: float = 0.0, layout: str = "") -> dict:
+def _launch(tmp_path, mode: str, stack: str = "none", beta: float = 0.0, layout: str = "",
+            arch: str = "qwen2_5_vl") -> dict:
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    model_dir = tmp_path / "model"
+    model_dir = tmp_path / f"model-{arch}"
     if not model_dir.exists():  # saved once, before any launch (ranks would race to write it)
         from seqpar.hf import tiny_model
 
-        tiny_model("qwen2_5_vl", 4, 2, vocab_size=49152, seed=0).save_pretrained(model_dir)
+        tiny_model(arch, 4, 2, vocab_size=49152, seed=0).save_pretrained(model_dir)
     out = tmp_path / f"{mode}-{stack}-{beta}-{layout}"
     out.mkdir()
     cmd = [str(script), mode, stack, str(out), str(model_dir), str(beta), str(Path(__file__).parent),
@@ -167,9 +168,9 @@ def _launch(tmp_path, mode: str, stack: str = "none", beta: float = 0.0, layout:
     return {**json.loads((out / "result.json").read_text()), "dir": str(out)}
 
 
-def _case(tmp_path, stack: str, beta: float, layout: str = "") -> None:
-    ref = _launch(tmp_path, "plain", beta=beta, layout=layout)
-    sp = _launch(tmp_path, "sp", stack, beta, layout)
+def _case(tmp_path, stack: str, beta: float, layout: str = "", arch: str = "qwen2_5_vl") -> None:
+    ref = _launch(tmp_path, "plain", beta=beta, layout=layout, arch=arch)
+    sp = _launch(tmp_path, "sp", stack, beta, layout, arch)
     print("losses", sp["losses"], ref["losses"], "completions", sp["completions"], ref["completions"])
     assert len(sp["losses"]) == len(ref["losses"]) == 2
     assert max(abs(a - b) for a, b in zip(sp["losses"], ref["losses"])) <= 1e-5, (sp, ref)
@@ -189,11 +190,13 @@ def test_grpo_image_prompts_fsdp2_matches_stock_trl(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stack, beta, layout", [("zero3", 0.0, ""), ("zero3", 0.2, ""), ("fsdp2", 0.2, ""),
-                                                 ("fsdp2", 0.0, "ring"), ("fsdp2", 0.0, "dp2")])
-def test_grpo_image_prompts_stacks_match_stock_trl(tmp_path, stack, beta, layout):
+@pytest.mark.parametrize("stack, beta, layout, arch", [
+    ("zero3", 0.0, "", "qwen2_5_vl"), ("zero3", 0.2, "", "qwen2_5_vl"), ("fsdp2", 0.2, "", "qwen2_5_vl"),
+    ("fsdp2", 0.0, "ring", "qwen2_5_vl"), ("fsdp2", 0.0, "dp2", "qwen2_5_vl"), ("fsdp2", 0.0, "ring", "qwen3_vl"),
+    ("zero3", 0.0, "", "qwen3_vl")])
+def test_grpo_image_prompts_stacks_match_stock_trl(tmp_path, stack, beta, layout, arch):
     """dp2: dp 2 x SP 1 (stock batch 8); in the rollout check dp rank 1 holds only the text prompt's rows."""
-    _case(tmp_path, stack, beta, layout)
+    _case(tmp_path, stack, beta, layout, arch)
 
 
 def test_zero3_per_module_fetch_with_images_is_refused():
