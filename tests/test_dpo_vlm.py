@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from vlm_cases import sgd_step, write_images
 
 from seqpar.spawn import run_distributed
 
@@ -40,13 +41,10 @@ SIZES = [(16, 24), (16, 16), (24, 16), (16, 16)]
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    import numpy as np
     from PIL import Image
 
     d = tmp_path_factory.mktemp("dpo_vlm")
-    rng = np.random.default_rng(0)
-    for k, (h, w) in enumerate(SIZES):
-        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(d / f"i{k}.png")
+    rng = write_images(d, SIZES)
     (d / "clip").mkdir()
     for k in range(2):
         Image.fromarray((rng.random((16, 16, 3)) * 255).astype("uint8")).save(d / "clip" / f"{k:03d}.png")
@@ -131,12 +129,7 @@ def _reference(cfg_dict: dict, dp: int) -> tuple[list[float], dict, dict, list]:
                 assert abs(ex["ref_rejected_logps"] - float(rr)) < 1e-9
             total = total + _pair_loss(cfg.dpo, pc, pr, rc, rr, nc, nr)
         loss = total / len(pairs)
-        model.zero_grad()
-        loss.backward()
-        with torch.no_grad():
-            for q in model.parameters():
-                if q.grad is not None:
-                    q -= cfg.optimizer.lr * q.grad
+        sgd_step(model, loss, cfg.optimizer.lr)
         losses.append(float(loss.detach()))
     return losses, {k: p.detach().clone() for k, p in model.named_parameters()}, init, batches
 

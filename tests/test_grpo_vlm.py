@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vlm_cases import sgd_step, write_images
 
 from seqpar.spawn import run_distributed
 
@@ -34,13 +35,9 @@ SIZES = [(16, 24), (16, 16), (24, 16), (16, 16)]
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    import numpy as np
-    from PIL import Image
 
     d = tmp_path_factory.mktemp("grpo_vlm")
-    rng = np.random.default_rng(0)
-    for k, (h, w) in enumerate(SIZES):
-        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(d / f"i{k}.png")
+    write_images(d, SIZES)
     (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
     (d / "vlm_reward.py").write_text(REWARD)
     return d / "prompts.jsonl"
@@ -139,12 +136,7 @@ def _reference_step(cfg, model, ref, streams, prompts, step: int) -> float:
         k3 = torch.exp(rlp - lp) - (rlp - lp) - 1
         total = total + (-a * torch.exp(lp - lp.detach()) + g.beta * k3).mean()
     loss = total / len(rows)
-    model.zero_grad()
-    loss.backward()
-    with torch.no_grad():
-        for q in model.parameters():
-            if q.grad is not None:
-                q -= cfg.optimizer.lr * q.grad
+    sgd_step(model, loss, cfg.optimizer.lr)
     return float(loss.detach())
 
 

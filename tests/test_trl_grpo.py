@@ -15,6 +15,8 @@ parameters compared at fp32 1e-5 absolute.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -75,7 +77,6 @@ def _train(case: dict, model_dir: str, out: str, sp: int | None):
 
     import seqpar.trl as strl
 
-    trl.GRPOTrainer._generate_single_turn = _fake_generate  # this process only (spawned ranks: their own copy)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     dp = case.get("dp", 1)
     kw = {} if sp is None else {"sequence_parallel_size": sp}
@@ -83,7 +84,9 @@ def _train(case: dict, model_dir: str, out: str, sp: int | None):
     batch = 4 * dp if sp is None else 4
     trainer = cls(model=model, reward_funcs=reward_chars, args=_config(case, out, batch), train_dataset=_dataset(),
                   processing_class=_tok(), **kw)
-    trainer.train()
+    # the stock run is in the test process: put TRL's generation back afterwards (later tests sample for real)
+    with mock.patch.object(trl.GRPOTrainer, "_generate_single_turn", _fake_generate):
+        trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     gnorms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     params = {k.replace("module.", ""): v.detach().clone() for k, v in trainer.model.named_parameters()}

@@ -13,6 +13,8 @@ norm (1e-5 relative), the logged losses and every updated parameter (vision towe
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 
 from seqpar.spawn import run_distributed
@@ -49,21 +51,27 @@ def _processor():
     return TinyProcessor(image_processor=ip, tokenizer=tok, chat_template=TEMPLATE)
 
 
-def _dataset():
-    import datasets
+def images_and_texts() -> list[tuple]:
+    """8 (PIL image of one of four sizes, prompt text) pairs, the same on every call (also tests/*_stacks.py)."""
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(0)
     words = "the cat sat on a mat while dogs ran far".split()
-    rows = []
+    out = []
     for i in range(8):
         h, w = [(16, 24), (16, 16), (24, 16), (16, 32)][i % 4]
         img = Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
-        text = " ".join(rng.choice(words, 3 + i % 4))
-        rows.append({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
-                     "image": img})
-    return datasets.Dataset.from_list(rows)
+        out.append((img, " ".join(rng.choice(words, 3 + i % 4))))
+    return out
+
+
+def _dataset():
+    import datasets
+
+    return datasets.Dataset.from_list([
+        {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}], "image": img}
+        for img, text in images_and_texts()])
 
 
 def reward_chars(completions, **kwargs):
@@ -86,7 +94,6 @@ def _train(beta: float, model_dir: str, out: str, sp: int | None):
 
     import seqpar.trl as strl
 
-    trl.GRPOTrainer._generate_single_turn = _fake_generate
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=2,
                           num_generations=NUM_GEN, max_completion_length=8, logging_steps=1, report_to=[],
@@ -97,7 +104,9 @@ def _train(beta: float, model_dir: str, out: str, sp: int | None):
     kw = {} if sp is None else {"sequence_parallel_size": sp}
     trainer = cls(model=model, reward_funcs=reward_chars, args=args, train_dataset=_dataset(),
                   processing_class=_processor(), **kw)
-    trainer.train()
+    # the stock run is in the test process: put TRL's generation back afterwards (later tests sample for real)
+    with mock.patch.object(trl.GRPOTrainer, "_generate_single_turn", _fake_generate):
+        trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     gnorms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     params = {k.replace("module.", ""): v.detach().clone() for k, v in trainer.model.named_parameters()}

@@ -34,7 +34,7 @@ import json, os, sys
 import torch, trl
 from transformers import AutoModelForImageTextToText
 sys.path.insert(0, sys.argv[6])
-from test_trl_grpo_vlm import _processor, _fake_generate, reward_chars
+from test_trl_grpo_vlm import _processor, _fake_generate, images_and_texts, reward_chars
 import seqpar.hf.rollout_media as rollout_media
 from trl.data_utils import prepare_multimodal_messages
 
@@ -44,17 +44,10 @@ layout = sys.argv[7] if len(sys.argv) > 7 else ""  # "ring" (SP 2 as a ring) or 
 rank = int(os.environ.get("RANK", "0"))
 
 def dataset():
-    import datasets, numpy as np
-    from PIL import Image
-    rng = np.random.default_rng(0)
-    words = "the cat sat on a mat while dogs ran far".split()
-    rows = []
-    for i in range(8):
-        h, w = [(16, 24), (16, 16), (24, 16), (16, 32)][i % 4]
-        img = Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
-        text = " ".join(rng.choice(words, 3 + i % 4))
-        rows.append({"prompt": [{"role": "user", "content": text}], "images": [img] if i % 2 == 0 else []})
-    return datasets.Dataset.from_list(rows)
+    import datasets
+    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": text}],
+                                        "images": [img] if i % 2 == 0 else []}
+                                       for i, (img, text) in enumerate(images_and_texts())])
 
 real_generate = trl.GRPOTrainer._generate_single_turn
 trl.GRPOTrainer._generate_single_turn = _fake_generate

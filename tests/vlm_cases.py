@@ -121,3 +121,24 @@ def reference(model, groups: list[list[Doc]], arch: str, length: int | None = No
         part.backward()
         loss += float(part)
     return loss, grads(model)
+
+
+def write_images(d, sizes: list[tuple[int, int]], seed: int = 0):
+    """Random RGB PNGs d/i{k}.png of the given (height, width) sizes; returns the generator, to go on drawing."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for k, (h, w) in enumerate(sizes):
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(d / f"i{k}.png")
+    return rng
+
+
+def sgd_step(model, loss: torch.Tensor, lr: float) -> None:
+    """The reference's hand-written SGD step: backward, then p -= lr * grad for every parameter that got one."""
+    model.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for q in model.parameters():
+            if q.grad is not None:
+                q -= lr * q.grad
