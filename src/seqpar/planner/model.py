@@ -222,8 +222,7 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
         kv = int(c.get("num_key_value_heads") or heads)
         facts = ModelFacts(
             name=name, model_type=str(c.get("model_type", "llama")), hidden=hidden,
-            layers=int(c.get("num_hidden_layers") or len(layer_kinds(c)) or c["num_hidden_layers"]), heads=heads,
-            kv_heads=kv,
+            layers=_layer_count(c), heads=heads, kv_heads=kv,
             head_dim=int(c.get("head_dim") or hidden // heads),
             intermediate=int(c.get("shared_intermediate_size") or c["intermediate_size"]),  # Granite 4: its dense MLP
             vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
@@ -245,6 +244,15 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
             f"{facts.kv_heads}, so its heads cannot be split for attention: check the config"
         )
     return facts
+
+
+def _layer_count(c: dict[str, Any]) -> int:
+    """num_hidden_layers; a block decoder's (Nemotron-H) is its block list's length, which transformers uses
+    whatever num_hidden_layers says (absent from a tiny config's dict)."""
+    kinds = layer_kinds(c)
+    if "mlp" in kinds or not c.get("num_hidden_layers"):
+        return len(kinds) or int(c["num_hidden_layers"])
+    return int(c["num_hidden_layers"])
 
 
 def _tiny(name: str, kwargs: dict[str, Any] | None) -> ModelFacts:
