@@ -322,16 +322,17 @@ def test_time_ordering_on_this_machine():
 
 
 def test_unmodelled_architectures_refused(tmp_path):
-    """MoE, vision-language configs, unknown layer types and block-per-mixer hybrids (Nemotron-H) would be planned
-    wrong: refused with what is missing (not silently mis-planned). Hybrids with a mixer and an MLP per layer are
-    planned (tests/test_planner_hybrid.py)."""
+    """MoE (Nemotron-H's MoE blocks included), vision-language configs and unknown layer types would be planned
+    wrong: refused with what is missing (not silently mis-planned). Hybrids with a mixer and an MLP per layer, and
+    Nemotron-H's blocks of one mixer or one dense MLP, are planned (tests/test_planner_hybrid.py, _blocks.py)."""
     from seqpar.hf.models import tiny_config
 
     tiny_config("qwen3_next", 4, 2).save_pretrained(tmp_path / "q3n")
     with pytest.raises(SeqParError, match="mixture-of-experts"):
         load_model_facts(str(tmp_path / "q3n"))
-    with pytest.raises(SeqParError, match="one mixer or MLP per block"):
-        load_model_facts("tiny:nemotron_h", {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"]})
+    with pytest.raises(SeqParError, match="mixture-of-experts"):
+        load_model_facts("tiny:nemotron_h", {"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]})
+    assert load_model_facts("tiny:nemotron_h", {"layers_block_type": ["linear_attention", "mlp"]}).blocks
     dense = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
              "vocab_size": 512}
     for extra, what in (({"num_local_experts": 8}, "mixture-of-experts"),

@@ -13,6 +13,7 @@ from .layer import (
     mlp_bytes,
     mlp_tiles,
     norm_bytes,
+    rope_bytes,
 )
 from .model import ModelFacts
 from .recurrent_memory import mixer_backward_bytes, mixer_forward_temp
@@ -63,15 +64,17 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
         per_row = max(1, wl.seq_len // lay.sp)
         tile = wl.rows * -(-per_row // mlp_tiles(m, wl, lay))
     else:
-        lb -= mlp_bytes(m, wl, False)
+        lb -= mlp_bytes(m, wl, False) if _has_mlp(m, kind) else 0
         tile = tokens
     mlp_acts, mlp_temp = (mlp_bytes(m, wl, False) - down_in) * tile, 3 * e * i * tile
+    if not _has_mlp(m, kind):  # a block decoder's mixer block: no MLP moment
+        mlp_acts = mlp_temp = 0
     ckpt = feats.activation_checkpointing
     if ckpt:  # recompute (in fp32 the input norm's fp32 input is the kept input); the kept input of each layer
         current, ahead = lb - (4 * h if e == 4 else 0), e * h
     else:
         current, ahead = lb, layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp, lay.ring, kind)
-    base = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, index tensors
+    base = rope_bytes(m, e) + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, index tensors
     if feats.tiled_layer:  # planner.tiled: the layer keeps its input + attention's tensors; pieces run in tiles
         o_in = (e * m.q_dim + (e * wl.lora_r if wl.lora else 0)) if wl.trains("o_proj") else 0
         t = tiled_terms(m, e, lay.ulysses, wl.rows, max(1, wl.seq_len // lay.sp), tokens, not wl.lora, e, lay.ring,
@@ -85,10 +88,12 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     if kind == "recurrent":  # the recurrent mixer's backward (planner.recurrent_memory) beside its saved tensors
         assert m.recurrent is not None
         attn_temp = e * h + mixer_backward_bytes(m.recurrent, e, lay.ring, wl.seq_len)
+    elif kind == "mlp":  # a block decoder's MLP block: its MLP moment only
+        attn_temp = 0
     else:
         attn_temp = e * h + attention_backward_temp(m, e, lay.ulysses, lay.ring, wl.device,
                                                     feats.attention_head_chunks)
-    freed = norm_bytes(m, e, True, not wl.lora, mlp_in)
+    freed = 0 if m.blocks else norm_bytes(m, e, True, not wl.lora, mlp_in)  # blocks: no post-attention norm
     if wl.lora and not ckpt:
         current -= 4 * h + 4  # layer 0 keeps no norm input (frozen embedding)
     norm = base + input_norm_moment(m, wl, lay.ulysses, lay.ring, kind) if ckpt else 0
@@ -166,8 +171,8 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
         rs, done = (g.in_flight if k > 0 else 0), g.head + k * g.per_layer
         # FSDP2: this layer gathered and the next one prefetched (the first layer, k == last, has none)
         layers = gathered + (g.prefetch if k < last else 0) + rs
-        if moment == "attention":  # (a recurrent layer's out_proj reads its value width, not q's)
-            post = g.post_attn + (_out_width(m, kinds[last - k]) - m.q_dim) * h * e * (not wl.lora)
+        if moment == "attention":
+            post = _mixer_grads(m, g.post_attn, kinds[last - k], e * (not wl.lora))
             return Moment(a - alive.attn_freed * tokens, done + post, alive.attn_temp * tokens, layers)
         if moment == "recompute":  # the mixer's forward peak in the recompute, before any of the layer's gradients
             return Moment(a - alive.attn_freed * tokens, done, (e * h + alive.fwd_temp) * tokens, layers)
@@ -180,16 +185,33 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
                           NORM_BACKWARD_TEMP * h * tokens, gathered + rs)
         return Moment(a + alive.mlp_bytes, done + g.down, e * h * tokens + alive.mlp_temp_bytes, layers)
 
-    # a dense model's moments peak at its first, second, second-to-last or last layer; a hybrid's: any layer
-    ks = {0, min(1, last), max(0, last - 1), last} if not m.linear_layers else set(range(m.layers))
-    norm_ks = [k for k in ks if (k < last or not wl.lora) and alives[kinds[last - k]].norm]
-    mlp = max((at(k, "mlp") for k in ks), key=lambda x: x.total)
+    ks, mlp_ks, mixer_ks, norm_ks = _moment_layers(m, wl, kinds, alives)
+    mlp = max((at(k, "mlp") for k in mlp_ks), key=_total)
     # the first piece's moment, measured on SP 1 rows without FSDP nor head chunks (there it is the peak; elsewhere
     # the measured peaks lie elsewhere and the same count would be 2-5% over them)
     qkv = ([at(k, "qkv") for k in ks] if alives[kinds[0]].qkv and lay.sp == 1 and not feats.fsdp
            and feats.attention_head_chunks == 1 else [])
     rec = [at(k, "recompute") for k in ks if alives[kinds[last - k]].fwd_temp]
-    return mlp, max([*(at(k, "attention") for k in ks), *(at(k, "norm") for k in norm_ks), *qkv, *rec], key=_total)
+    return mlp, max([*(at(k, "attention") for k in mixer_ks), *(at(k, "norm") for k in norm_ks), *qkv, *rec],
+                    key=_total)
+
+
+def _moment_layers(m: ModelFacts, wl: Workload, kinds: list[str],
+                   alives: dict[str, _Alive]) -> tuple[set[int], list[int], list[int], list[int]]:
+    """Which layers (by how many are done) to look at for each moment: a dense model's moments peak at its first,
+    second, second-to-last or last layer; a hybrid's at any layer. (all, MLP moments, mixer moments, input-norm
+    moments): a block decoder's mixer blocks have no MLP moment, its MLP blocks no mixer moment."""
+    last = m.layers - 1
+    ks = {0, min(1, last), max(0, last - 1), last} if not m.linear_layers and not m.blocks else set(range(m.layers))
+    mlp_ks = [k for k in ks if _has_mlp(m, kinds[last - k])]
+    mixer_ks = [k for k in ks if kinds[last - k] != "mlp"]
+    norm_ks = [k for k in ks if (k < last or not wl.lora) and alives[kinds[last - k]].norm]
+    return ks, mlp_ks, mixer_ks, norm_ks
+
+
+def _has_mlp(m: ModelFacts, kind: str) -> bool:
+    """Whether a layer of this kind holds an MLP (every layer but a block decoder's mixer blocks)."""
+    return not m.blocks or kind == "mlp"
 
 
 def _total(x: Moment) -> int:
@@ -213,10 +235,18 @@ def _per_kind(m: ModelFacts, wl: Workload, lay: Layout, feats: Features,
 
 def layer_kinds(m: ModelFacts) -> list[str]:
     """Each layer's kind for `_alive`: "mean" for every layer of a dense model; a hybrid's "attention" or
-    "recurrent"."""
-    if not m.linear_layers:
+    "recurrent" (a block decoder's: or "mlp")."""
+    if not m.linear_layers and not m.blocks:
         return ["mean"] * m.layers
-    return ["recurrent" if m.is_recurrent(i) else "attention" for i in range(m.layers)]
+    return [m.block_kind(i) for i in range(m.layers)]
+
+
+def _mixer_grads(m: ModelFacts, post_attn: int, kind: str, e: int) -> int:
+    """Parameter gradients formed by a layer's mixer backward (e: 0 under LoRA): o_proj's (a recurrent layer's
+    out_proj reads its value width, not q's), the post-attention norm's and the MLP's; a block decoder's mixer
+    block: its out_proj / o_proj only."""
+    out = _out_width(m, kind) * m.hidden * e
+    return out if m.blocks else post_attn + out - m.q_dim * m.hidden * e
 
 
 def _out_width(m: ModelFacts, kind: str) -> int:
@@ -233,6 +263,8 @@ def input_norm_moment(m: ModelFacts, wl: Workload, u: int, ring: int = 1, kind: 
     input: the layer's kept input in fp32, a copy in bf16), the post-attention norm's fp32 input (in bf16
     beside the residual stream itself) and the adapters' inputs stay alive until the layer's input gradient
     is formed."""
+    if m.blocks:  # a block's norm and its mixer's (or MLP's) recompute; no post-attention norm
+        return layer_bytes_per_token(m, wl, u, False, ring, kind)
     e, h, full = wl.elt, m.hidden, not wl.lora
     qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
     post = 4 * h + (e * h if e == 2 else 0)

@@ -15,7 +15,7 @@ from .tiled import layer_tiles, tiled_saved_per_token
 from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
 __all__ = ["norm_bytes", "attention_bytes", "lora_bytes", "mlp_bytes", "layer_bytes_per_token", "mlp_tiles",
-           "kept_attention_bytes", "ring_rows_factor",
+           "kept_attention_bytes", "ring_rows_factor", "block_bytes_per_token", "rope_bytes",
            "activation_bytes_per_token"]
 
 
@@ -61,17 +61,42 @@ def lora_bytes(m: ModelFacts, wl: Workload) -> int:
 def mlp_bytes(m: ModelFacts, wl: Workload, tiled: bool) -> int:
     if tiled:
         return 0  # tiles are recomputed in backward: nothing [S, intermediate] stays alive
+    if m.blocks:  # Nemotron-H's relu2 MLP: relu's output (kept by relu and by square), the square (down_proj's)
+        return wl.elt * m.intermediate * (1 + (1 if wl.trains("down_proj") else 0))
     return wl.elt * m.intermediate * (3 + (1 if wl.trains("down_proj") else 0))
 
 
 def layer_bytes_per_token(m: ModelFacts, wl: Workload, u: int, tiled_mlp: bool = False, ring: int = 1,
                           kind: str = "mean") -> int:
     """What one decoder layer keeps for backward, per local token (no checkpointing); kind as attention_bytes'."""
+    if m.blocks:
+        return block_bytes_per_token(m, wl, u, ring, kind)
     e, full = wl.elt, not wl.lora
     qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
     mlp_in = any(wl.trains(t) for t in ("gate_proj", "up_proj"))
     return (norm_bytes(m, e, True, full, qkv) + attention_bytes(m, wl, u, ring, kind)
             + norm_bytes(m, e, True, full, mlp_in or tiled_mlp) + mlp_bytes(m, wl, tiled_mlp) + lora_bytes(m, wl))
+
+
+def block_bytes_per_token(m: ModelFacts, wl: Workload, u: int, ring: int = 1, kind: str = "mean") -> int:
+    """What one block of a block decoder (Nemotron-H) keeps for backward, per local token: its norm and its mixer
+    ("attention", "recurrent") or its MLP ("mlp"); "mean": the average over the blocks."""
+    if kind == "mean":
+        kinds = [m.block_kind(i) for i in range(m.layers)]
+        return sum(block_bytes_per_token(m, wl, u, ring, k) for k in kinds) // m.layers
+    e, full = wl.elt, not wl.lora
+    if kind == "mlp":
+        body, consumer = mlp_bytes(m, wl, False), any(wl.trains(t) for t in ("gate_proj", "up_proj"))
+    else:
+        body, consumer = attention_bytes(m, wl, u, ring, kind), any(wl.trains(t) for t in ("q_proj", "k_proj",
+                                                                                          "v_proj"))
+        consumer = consumer or (kind == "recurrent" and full)
+    return norm_bytes(m, e, True, full, consumer) + body + lora_bytes(m, wl)
+
+
+def rope_bytes(m: ModelFacts, e: int) -> int:
+    """RoPE's cos / sin per token (none for attention without rotary embeddings)."""
+    return 2 * e * m.head_dim if m.rope else 0
 
 
 def mlp_tiles(m: ModelFacts, wl: Workload, lay: Layout) -> int:
@@ -107,7 +132,7 @@ def kept_attention_bytes(m: ModelFacts, e: int, u: int, ring: int) -> int:
 def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features, ring: int = 1) -> int:
     """Bytes alive per local token at the end of forward (loss working set excluded)."""
     e, full = wl.elt, not wl.lora
-    once = 2 * e * m.head_dim + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, int64 index tensors
+    once = rope_bytes(m, e) + INDEX_BYTES_PER_TOKEN  # RoPE cos/sin, int64 index tensors
     # the final norm (lm_head keeps its output); with the tiled layer it runs in tiles and keeps only its input
     once += e * m.hidden if feats.tiled_layer else norm_bytes(m, e, True, full, full and not feats.fused_loss)
     if feats.fused_loss:

@@ -22,6 +22,8 @@ __all__ = ["ModelFacts", "load_model_facts", "bundled_models"]
 QK_NORM_TYPES = ("qwen3", "qwen3_5_text", "qwen3_next")
 # Gated attention (Qwen3.5 / Qwen3-Next): q_proj also produces a per-channel output gate (twice q's width).
 GATED_ATTENTION_TYPES = ("qwen3_5_text", "qwen3_next")
+# Architectures whose attention has no rotary embedding (no cos / sin tensors): Nemotron-H's.
+NO_ROPE_TYPES = ("nemotron_h",)
 # Architectures with a bias on the q/k/v projections.
 QKV_BIAS_TYPES = ("qwen2",)
 
@@ -46,11 +48,23 @@ class ModelFacts:
     linear_layers: int = 0
     linear_index: tuple[int, ...] = ()  # which layers are recurrent (their order sets the backward's moments)
     gated_attention: bool = False  # q_proj also gives attention's output gate (GATED_ATTENTION_TYPES)
+    mlp_index: tuple[int, ...] = ()  # block-per-mixer decoders (Nemotron-H): the blocks that hold only a dense MLP
+    rope: bool = True  # attention applies RoPE (Nemotron-H's does not: no cos / sin tensors)
+
+    @property
+    def blocks(self) -> bool:
+        """A decoder of blocks holding one mixer or one MLP each (Nemotron-H), not a mixer and an MLP per layer."""
+        return bool(self.mlp_index)
 
     @property
     def attn_layers(self) -> int:
-        """Layers whose mixer is softmax attention (all of them but a hybrid's recurrent ones)."""
-        return self.layers - self.linear_layers
+        """Layers (blocks) whose mixer is softmax attention (all of them but a hybrid's recurrent ones and a
+        block decoder's MLP blocks)."""
+        return self.layers - self.linear_layers - len(self.mlp_index)
+
+    def block_kind(self, i: int) -> str:
+        """Layer i's kind: "recurrent", "attention" or (block decoders) "mlp"."""
+        return "recurrent" if self.is_recurrent(i) else "mlp" if i in self.mlp_index else "attention"
 
     def is_recurrent(self, i: int) -> bool:
         """Whether layer i's mixer is a recurrent one (a hybrid's Gated DeltaNet / Mamba2 layer)."""
@@ -67,6 +81,8 @@ class ModelFacts:
     def _layer_tensors(self) -> list[int]:
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
         gq = 2 * q if self.gated_attention else q
+        if self.blocks:  # an attention block: q k v o and its norm
+            return [h * gq, h * kv, h * kv, q * h, h]
         t = [h * gq, h * kv, h * kv, q * h, h * i, h * i, i * h, h, h]  # q k v o, gate up down, two norms
         if self.qkv_bias:
             t += [q, kv, kv]
@@ -74,20 +90,33 @@ class ModelFacts:
             t += [self.head_dim, self.head_dim]
         return t
 
+    def _mlp_block_tensors(self) -> list[int]:
+        """A block decoder's MLP block: up and down (Nemotron-H's relu2 MLP has no gate) and its norm."""
+        h, i = self.hidden, self.intermediate
+        return [h * i, i * h, h]
+
     def _recurrent_layer_tensors(self) -> list[int]:
         """A hybrid's recurrent layer: its mixer, the MLP (gate up down) and two norms."""
         h, i = self.hidden, self.intermediate
         assert self.recurrent is not None
+        if self.blocks:  # a Mamba2 block: the mixer and its norm
+            return self.recurrent.mixer_tensors(h) + [h]
         return self.recurrent.mixer_tensors(h) + [h * i, h * i, i * h, h, h]
 
     def decoder_tensors(self) -> list[int]:
         """Element counts of every decoder layer's parameters."""
         rec = self.linear_layers * self._recurrent_layer_tensors() if self.linear_layers else []
-        return self.attn_layers * self._layer_tensors() + rec
+        return self.attn_layers * self._layer_tensors() + rec + len(self.mlp_index) * self._mlp_block_tensors()
+
+    def block_params(self, kind: str) -> int:
+        """Parameters of one layer of a kind ("attention", "recurrent", "mlp")."""
+        t = {"attention": self._layer_tensors, "recurrent": self._recurrent_layer_tensors,
+             "mlp": self._mlp_block_tensors}[kind]
+        return sum(t())
 
     def layer_params(self) -> int:
         """Parameters of one decoder layer (a hybrid's: the average over its layer kinds)."""
-        if not self.linear_layers:
+        if not self.linear_layers and not self.blocks:
             return sum(self._layer_tensors())
         return sum(self.decoder_tensors()) // self.layers
 
@@ -111,8 +140,12 @@ class ModelFacts:
             shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                       "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
             mlp = ("gate_proj", "up_proj", "down_proj")  # a recurrent layer has these, not q / k / v / o
-            return (self.attn_layers * [lora_r * n for t in targets if t in shapes for n in shapes[t]]
-                    + self.linear_layers * [lora_r * n for t in targets if t in mlp for n in shapes[t]])
+            attn = ("q_proj", "k_proj", "v_proj", "o_proj") if self.blocks else tuple(shapes)
+            rec = () if self.blocks else mlp  # a block decoder's recurrent blocks have no MLP
+            return (self.attn_layers * [lora_r * n for t in targets if t in attn for n in shapes[t]]
+                    + self.linear_layers * [lora_r * n for t in targets if t in rec for n in shapes[t]]
+                    + len(self.mlp_index) * [lora_r * n for t in targets if t in ("up_proj", "down_proj")
+                                             for n in shapes[t]])
         head = [self.lm_head_params()] if not self.tied else []
         return [self.embed_params()] + self.decoder_tensors() + [self.hidden] + head
 
@@ -135,7 +168,7 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
         what.append(f"layer types it does not model ({sorted({str(t) for t in types if t not in known})})")
     experts = [text.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")]
     dense_blocks = "mlp" in types and "moe" not in types  # Nemotron-H lists its MLP blocks: no expert is used
-    if any(isinstance(e, int) and e > 1 for e in experts) and not dense_blocks:
+    if "moe" in types or (any(isinstance(e, int) and e > 1 for e in experts) and not dense_blocks):
         what.append("mixture-of-experts MLPs")
     if "vision_config" in c and len(what) == 1:
         raise SeqParError(
@@ -150,8 +183,9 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
     if what:
         raise SeqParError(
             f"model {name!r} has {' and '.join(what)}: seqpar plan models dense decoders (Llama / Qwen2 / Qwen3 / "
-            "Mistral-like, and hybrids whose layers each hold softmax attention or Gated DeltaNet / Mamba2 plus a "
-            "dense MLP: Qwen3.5, Granite 4, Bamba); its memory and time would be wrong for this model. "
+            "Mistral-like, hybrids whose layers each hold softmax attention or Gated DeltaNet / Mamba2 plus a "
+            "dense MLP: Qwen3.5, Granite 4, Bamba, and Nemotron-H's blocks of one mixer or one dense MLP); its "
+            "memory and time would be wrong for this model. "
             "Measure it instead (seqpar train with `memory:` features logs peak memory per step)"
         )
 
@@ -188,7 +222,7 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
         kv = int(c.get("num_key_value_heads") or heads)
         facts = ModelFacts(
             name=name, model_type=str(c.get("model_type", "llama")), hidden=hidden,
-            layers=int(c["num_hidden_layers"]), heads=heads, kv_heads=kv,
+            layers=_layer_count(c), heads=heads, kv_heads=kv,
             head_dim=int(c.get("head_dim") or hidden // heads),
             intermediate=int(c.get("shared_intermediate_size") or c["intermediate_size"]),  # Granite 4: its dense MLP
             vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
@@ -197,6 +231,8 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
             qkv_bias=bool(c.get("attention_bias", c.get("model_type") in QKV_BIAS_TYPES)), sliding_window=window,
             recurrent=rec[0] if rec else None, linear_layers=rec[1] if rec else 0,
             linear_index=tuple(i for i, t in enumerate(layer_kinds(c)) if t in RECURRENT_KINDS) if rec else (),
+            mlp_index=tuple(i for i, t in enumerate(layer_kinds(c)) if t == "mlp"),
+            rope=c.get("model_type") not in NO_ROPE_TYPES,
         )
     except KeyError as e:
         raise SeqParError(
@@ -208,6 +244,15 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
             f"{facts.kv_heads}, so its heads cannot be split for attention: check the config"
         )
     return facts
+
+
+def _layer_count(c: dict[str, Any]) -> int:
+    """num_hidden_layers; a block decoder's (Nemotron-H) is its block list's length, which transformers uses
+    whatever num_hidden_layers says (absent from a tiny config's dict)."""
+    kinds = layer_kinds(c)
+    if "mlp" in kinds or not c.get("num_hidden_layers"):
+        return len(kinds) or int(c["num_hidden_layers"])
+    return int(c["num_hidden_layers"])
 
 
 def _tiny(name: str, kwargs: dict[str, Any] | None) -> ModelFacts:

@@ -2,8 +2,9 @@
 the collectives of their sequence parallelism (seqpar.recurrent, seqpar.hf.linear_attention / mamba2).
 
 Modelled: decoders whose every layer holds one mixer (softmax attention, or a recurrent one in `linear_layers`
-of them) and one dense MLP: Qwen3.5 (dense), Granite 4 and Bamba with dense MLPs. A recurrent layer replaces
-attention's q/k/v/o by its own projections (`mixer_tensors`), its saved tensors by the torch path's
+of them) and one dense MLP: Qwen3.5 (dense), Granite 4 and Bamba with dense MLPs; and decoders of blocks that
+each hold one mixer or one dense MLP (Nemotron-H without MoE blocks: planner.model's `mlp_index`). A recurrent
+layer replaces attention's q/k/v/o by its own projections (`mixer_tensors`), its saved tensors by the torch path's
 (planner.recurrent_memory: counted from the torch paths, validated with the meter) and its FLOPs by the
 chunked recurrence's (`flops_per_token`). Under SP:
 - Ulysses: one all-to-all in (the conv's channels and the gates) and one out (the recurrence's output), per
@@ -24,10 +25,12 @@ from typing import Any
 from ..errors import SeqParError
 from ..mesh import RecurrentHeads
 
-__all__ = ["RecurrentFacts", "recurrent_facts", "DELTA_CHUNK", "RECURRENT_KINDS"]
+__all__ = ["RecurrentFacts", "recurrent_facts", "DELTA_CHUNK", "RECURRENT_KINDS", "PATTERN_KINDS"]
 
 DELTA_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk
 RECURRENT_KINDS = ("linear_attention", "mamba")  # layer kinds whose mixer is recurrent
+# Nemotron-H's hybrid_override_pattern, one character a block (transformers' NemotronHConfig._pattern_to_list)
+PATTERN_KINDS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ def layer_kinds(c: dict[str, Any]) -> list[str]:
     types = c.get("layer_types") or c.get("layers_block_type")
     if types:
         return [str(t) for t in types]
+    pattern = c.get("hybrid_override_pattern")  # Nemotron-H's published config.json
+    if isinstance(pattern, str) and pattern:
+        return [PATTERN_KINDS.get(ch, ch) for ch in pattern]
     attn = c.get("attn_layer_indices")
     if attn is not None and c.get("num_hidden_layers"):
         attn = set(attn)
@@ -110,17 +116,11 @@ def layer_kinds(c: dict[str, Any]) -> list[str]:
 
 def recurrent_facts(name: str, c: dict[str, Any]) -> tuple[RecurrentFacts, int] | None:
     """(the recurrent layers' facts, how many layers are recurrent) from a text config dict; None without any.
-    Raises SeqParError for hybrids the planner does not model (block-per-mixer decoders such as Nemotron-H)."""
+    A block-per-mixer decoder (Nemotron-H) counts its Mamba2 blocks."""
     types = layer_kinds(c)
     linear = sum(t in RECURRENT_KINDS for t in types)
     if linear == 0:
         return None
-    if any(t in ("mlp", "moe") for t in types):
-        raise SeqParError(
-            f"model {name!r} is a hybrid with one mixer or MLP per block (Nemotron-H): seqpar runs it (docs/hf.md), "
-            "but seqpar plan models decoders whose layers each hold a mixer and an MLP (Qwen3.5, Granite 4, Bamba); "
-            "measure it instead (seqpar train with `memory:` features logs peak memory per step)"
-        )
     hidden = int(c["hidden_size"])
     k = _get(c, "linear_num_key_heads")
     if k is not None:

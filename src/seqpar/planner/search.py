@@ -247,6 +247,10 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
     if usable_bytes(cl) <= 0:
         raise SeqParError(f"--gpu-mem {cl.mem_bytes} bytes leaves nothing after the planner's margin "
                           f"({MARGIN_FRACTION:.0%} + {MARGIN_BYTES / 2**30:.0f} GiB): give the real GPU memory")
+    if m.blocks and (req.tiled_mlp or req.tiled_layer):
+        raise SeqParError(f"model {m.name!r} holds one mixer or one MLP per block (Nemotron-H): seqpar's tiled MLP / "
+                          "tiled layer tile a decoder layer's gated MLP and refuse these blocks at apply time: drop "
+                          "--tiled-mlp / --tiled-layer")
     if m.recurrent is not None and req.tiled_layer:
         raise SeqParError("--tiled-layer tiles standard decoder layers only, not a hybrid's recurrent layers (seqpar "
                           "refuses it at apply time too): drop it")

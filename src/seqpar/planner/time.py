@@ -144,6 +144,8 @@ def _loss_s(m: ModelFacts, wl: Workload, lay: Layout, cl: Cluster) -> float:
 def param_tensors(m: ModelFacts) -> int:
     """Parameter tensors (FSDP2's per-tensor costs): 7 projections + 2 norms a layer (+ q/k norms, q/k/v
     biases), the embedding, the final norm and an untied head."""
+    if m.blocks:  # a block decoder: each block's tensors (planner.model)
+        return len(m.decoder_tensors()) + 2 + (0 if m.tied else 1)
     per_layer = 9 + (2 if m.qk_norm else 0) + (3 if m.qkv_bias else 0)
     rec = len(m.recurrent.mixer_tensors(m.hidden)) + 5 if m.recurrent is not None else 0  # + MLP and norms
     return m.attn_layers * per_layer + m.linear_layers * rec + 2 + (0 if m.tied else 1)

@@ -96,6 +96,12 @@ _MESHES = [{}, {"ring": 2}, {"ulysses": 2}, {"ulysses": 2, "ring": 2, "seq_len":
 HYBRID_GRID: list[Case] = [replace(h, memory=mem, **mesh) for h in _HYBRIDS
                            for mem in (NO_FEATURES, {"fused_loss": True, "activation_checkpointing": True})
                            for mesh in _MESHES] + [replace(h, memory=FEATURE_SETS["offload"]) for h in _HYBRIDS]
+# Nemotron-H's blocks (one mixer or one dense MLP each: planner.model's mlp_index): Mamba2, MLP, attention, MLP;
+# SP 1, ring 2, ulysses 2, without memory features and with checkpointing + fused loss.
+NEMOTRON_H = Case(arch="nemotron_h", head_dim=8, model_kwargs={
+    "layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"]})
+HYBRID_GRID += [replace(NEMOTRON_H, memory=mem, **mesh) for mem in (
+    NO_FEATURES, {"fused_loss": True, "activation_checkpointing": True}) for mesh in _MESHES[:3]]
 HYBRID_RESULTS = "docs/cpu_results/2026-11-27-planner-hybrid.json"
 
 
