@@ -106,9 +106,33 @@ def _env(name: str) -> str | None:
     return os.environ.get(name)
 
 
-def test_forkserver_ranks_take_the_callers_environment(monkeypatch):
+def _cwd() -> str:
+    return os.getcwd()
+
+
+def _say(text: str) -> None:
+    print(f"stdout {text}", flush=True)
+    print(f"stderr {text}", file=sys.stderr, flush=True)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_write_where_the_caller_writes(monkeypatch, capfd, method):
+    """A rank's stdout / stderr are the caller's at the call (pytest's capture here), under either start method:
+    a forkserver child would otherwise write to the server's, i.e. wherever they went when it started."""
+    from seqpar.spawn import START_METHOD_ENV, run_distributed
+
+    monkeypatch.setenv(START_METHOD_ENV, method)
+    with capfd.disabled():  # a forkserver not up yet starts here, writing elsewhere than this test's capture
+        run_distributed(_env, 1, "SEQPAR_PROBE", timeout=60)
+    run_distributed(_say, 2, method, timeout=60)
+    out, err = capfd.readouterr()
+    assert out.count(f"stdout {method}") == 2 and err.count(f"stderr {method}") == 2, (out, err)
+
+
+def test_forkserver_ranks_take_the_callers_environment(monkeypatch, tmp_path):
     """The suite forks its worlds from a forkserver (conftest): a variable set after the server started (it starts
-    with the first world of the session) must still reach the ranks, as it would a spawned process."""
+    with the first world of the session) must still reach the ranks, as it would a spawned process; so must a
+    working directory changed since."""
     from seqpar.spawn import START_METHOD_ENV, run_distributed
 
     assert os.environ[START_METHOD_ENV] == "forkserver"
@@ -117,6 +141,8 @@ def test_forkserver_ranks_take_the_callers_environment(monkeypatch):
     assert run_distributed(_env, 2, "SEQPAR_PROBE", timeout=60) == ["set-after-the-server"] * 2
     monkeypatch.delenv("SEQPAR_PROBE")
     assert run_distributed(_env, 1, "SEQPAR_PROBE", timeout=60) == [None]
+    monkeypatch.chdir(tmp_path)  # and the working directory
+    assert run_distributed(_cwd, 1, timeout=60) == [str(tmp_path)]
     monkeypatch.setenv(START_METHOD_ENV, "fork")
     with pytest.raises(ValueError, match="'spawn' .*or 'forkserver'"):
         run_distributed(_env, 1, "X", timeout=60)

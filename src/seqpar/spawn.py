@@ -4,7 +4,7 @@ Used by the test suite, the benchmarks and `seqpar verify`. Each rank runs with 
 Rendezvous uses a fresh free TCP port on 127.0.0.1. Ranks start by multiprocessing's "spawn" (a fresh interpreter
 each: about 2 s of CPU importing torch and transformers per rank); $SEQPAR_START_METHOD=forkserver forks them
 instead from one server process that imported those once (the test suite sets it: many short worlds), and each
-rank takes the caller's environment as it is at the call, as a spawned one would.
+rank takes the caller's environment, working directory, stdout and stderr at the call, as a spawned one would.
 A harness with its own time limit (the test suite: each test's timeout) sets $SEQPAR_SPAWN_DEADLINE to the
 wall-clock time (time.time()) by which every spawned world must be over: a `timeout` that reaches past it is cut to
 it, so the harness's own limit never kills a world it cannot report on.
@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -52,10 +54,38 @@ def capped_timeout(timeout: float) -> tuple[float, str]:
     return timeout, ""
 
 
+class _Caller:
+    """What a rank takes from the caller at the call: its environment, working directory and stdout / stderr (a
+    forkserver child
+    would otherwise have the server's, i.e. whatever they were when the first world of the process started; pickled
+    for the child, the two descriptors travel as duplicates, as multiprocessing passes its own pipes)."""
+
+    def __init__(self) -> None:
+        self.env, self.cwd = dict(os.environ), os.getcwd()
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_caller, (self.env, self.cwd, reduction.DupFd(1), reduction.DupFd(2))
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.env)
+        os.chdir(self.cwd)
+        for fd, target in ((1, getattr(self, "stdout", None)), (2, getattr(self, "stderr", None))):
+            if target is not None and target != fd:  # spawn passes them at their own numbers
+                (sys.stdout if fd == 1 else sys.stderr).flush()
+                os.dup2(target, fd)
+                os.close(target)
+
+
+def _rebuild_caller(env: dict[str, str], cwd: str, stdout: Any, stderr: Any) -> _Caller:
+    caller = _Caller.__new__(_Caller)
+    caller.env, caller.cwd, caller.stdout, caller.stderr = env, cwd, stdout.detach(), stderr.detach()
+    return caller
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict, out_dir: str, threads: int,
-            env: dict[str, str]):
-    os.environ.clear()  # a forkserver child starts with the server's environment: take the caller's
-    os.environ.update(env)
+            caller: _Caller):
+    caller.apply()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -105,10 +135,10 @@ def run_distributed(
     """
     timeout, cut = capped_timeout(timeout)
     ctx = _context()
-    port, env = free_port(), dict(os.environ)
+    port, caller = free_port(), _Caller()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, out_dir, threads, env),
+            ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, out_dir, threads, caller),
                         daemon=False)
             for r in range(world_size)
         ]
