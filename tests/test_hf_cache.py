@@ -29,7 +29,9 @@ def _ask(root: str, calls: str) -> str:
 
 
 def test_concurrent_first_use_converts_once(tmp_path, monkeypatch):
-    monkeypatch.delenv("SEQPAR_CACHE", raising=False)  # restored after the test: _ask below sets it here too
+    # _ask sets $SEQPAR_CACHE in this process too (the last call below): setenv first, so the test's end restores
+    # it (a delenv of an unset variable records nothing, and the tmp cache leaked into every later test)
+    monkeypatch.setenv("SEQPAR_CACHE", str(tmp_path / "cache"))
     calls = tmp_path / "calls.txt"
     paths = run_distributed(_ask, 3, str(tmp_path / "cache"), str(calls), timeout=300)
     assert len(set(paths)) == 1 and paths[0] == str(tmp_path / "cache" / "entry-1")
