@@ -43,7 +43,7 @@ def test_moe_params_equal_the_model(tmp_path, arch):
 
 def test_moe_saved_tensors_match_memtracker():
     """The stock Qwen3-Next MoE block (fp32, 256 tokens, grouped_mm): what it keeps after forward, per token, is
-    planner.moe's count within 0.5%."""
+    planner.moe's count within 0.5%; the temporaries at its backward's peak are planner.moe's moment's within 1%."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -65,6 +65,9 @@ def test_moe_saved_tensors_match_memtracker():
     total = {k: next(iter(v.values()))["Total"] for k, v in snaps.items()}
     saved = (total["Post-Forward"] - total["Pre-Forward"] - 4 * m.hidden * seq) / seq  # less the block's output
     assert m.moe.saved_bytes(4, m.hidden) == pytest.approx(saved, rel=0.005)
+    peak = next(iter(snaps["Peak-Backward"].values()))
+    temp = next(v for k, v in peak.items() if getattr(k, "value", k) == "Temp")
+    assert m.moe.backward_temp(4, m.hidden) * seq == pytest.approx(temp, rel=0.01)  # the MoE moment's temporaries
 
 
 def test_moe_time_counts_the_active_experts(tmp_path):
