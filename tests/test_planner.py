@@ -322,20 +322,21 @@ def test_time_ordering_on_this_machine():
 
 
 def test_unmodelled_architectures_refused(tmp_path):
-    """MoE (Nemotron-H's MoE blocks included), vision-language configs and unknown layer types would be planned
-    wrong: refused with what is missing (not silently mis-planned). Hybrids with a mixer and an MLP per layer, and
-    Nemotron-H's blocks of one mixer or one dense MLP, are planned (tests/test_planner_hybrid.py, _blocks.py)."""
+    """MoE other than Qwen3-Next / Qwen3.5-MoE's (Nemotron-H's MoE blocks included), vision-language configs and
+    unknown layer types would be planned wrong: refused with what is missing (not silently mis-planned). Hybrids
+    with a mixer and an MLP per layer, Nemotron-H's blocks of one mixer or one dense MLP and Qwen3-Next's MoE MLPs
+    are planned (tests/test_planner_hybrid.py, _blocks.py, _moe.py)."""
     from seqpar.hf.models import tiny_config
 
     tiny_config("qwen3_next", 4, 2).save_pretrained(tmp_path / "q3n")
-    with pytest.raises(SeqParError, match="mixture-of-experts"):
-        load_model_facts(str(tmp_path / "q3n"))
+    assert load_model_facts(str(tmp_path / "q3n")).moe is not None
     with pytest.raises(SeqParError, match="mixture-of-experts"):
         load_model_facts("tiny:nemotron_h", {"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]})
     assert load_model_facts("tiny:nemotron_h", {"layers_block_type": ["linear_attention", "mlp"]}).blocks
     dense = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
              "vocab_size": 512}
     for extra, what in (({"num_local_experts": 8}, "mixture-of-experts"),
+                        ({"model_type": "qwen3_moe", "num_experts": 8}, "mixture-of-experts"),
                         ({"vision_config": {}, "text_config": dense}, "vision tower")):
         path = tmp_path / f"{what}.json"
         path.write_text(json.dumps({**dense, **extra}))

@@ -174,14 +174,15 @@ def test_committed_hybrid_readings_hold_for_this_planner():
 
 
 def test_hybrid_memory_matches_memtracker():
-    """Three hybrid rows measured now (the recurrent layer's checkpointed backward is each one's peak): Qwen3.5 at
-    SP 1, Bamba and Nemotron-H's blocks on a ring of 2, checkpointing + fused loss, within HYBRID_TOLERANCE."""
+    """Four hybrid rows measured now (the recurrent layer's checkpointed backward is each one's peak): Qwen3.5 and
+    Qwen3-Next (MoE MLPs) at SP 1, Bamba and Nemotron-H's blocks on a ring of 2, checkpointing + fused loss, within
+    HYBRID_TOLERANCE."""
     from seqpar.planner.validate import HYBRID_GRID, HYBRID_TOLERANCE, format_rows, run_validation
 
     cases = [c for c in HYBRID_GRID if c.memory.get("activation_checkpointing") and not c.memory.get(
-        "offload_activations") and ((c.arch == "qwen3_5" and c.world == 1) or (
+        "offload_activations") and ((c.arch in ("qwen3_5", "qwen3_next") and c.world == 1 and not c.model_kwargs) or (
             c.arch in ("bamba", "nemotron_h") and c.ring == 2 and c.ulysses == 1))]
-    assert len(cases) == 3
+    assert len(cases) == 4
     rows = run_validation(cases, timeout=300)
     assert all(abs(r["rel_err"]) <= HYBRID_TOLERANCE for r in rows), format_rows(rows, HYBRID_TOLERANCE)
 

@@ -60,13 +60,16 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     e, h, i = wl.elt, m.hidden, m.intermediate
     lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp, lay.ring, kind)
     down_in = e * i if wl.trains("down_proj") else 0
+    temp = 3 * e * i  # the MLP moment's [*, I] gradients
+    if m.moe is not None:  # planner.moe: its moment comes before the experts' down grouped_mm consumes its input
+        down_in, temp = 0, m.moe.backward_temp(e, h)
     if feats.tiled_mlp:  # one tile's MLP tensors, recomputed for its backward
         per_row = max(1, wl.seq_len // lay.sp)
         tile = wl.rows * -(-per_row // mlp_tiles(m, wl, lay))
     else:
         lb -= mlp_bytes(m, wl, False) if _has_mlp(m, kind) else 0
         tile = tokens
-    mlp_acts, mlp_temp = (mlp_bytes(m, wl, False) - down_in) * tile, 3 * e * i * tile
+    mlp_acts, mlp_temp = (mlp_bytes(m, wl, False) - down_in) * tile, temp * tile
     if not _has_mlp(m, kind):  # a block decoder's mixer block: no MLP moment
         mlp_acts = mlp_temp = 0
     ckpt = feats.activation_checkpointing
@@ -120,7 +123,7 @@ def _grads(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, gathered: 
         head, per_layer, down, post_attn = 0, m.lora_params(wl.lora_r, wl.lora_targets) // m.layers * e, 0, 0
     else:
         head = (m.lm_head_params() or m.embed_params()) * e + h * e
-        post_attn = (m.q_dim * h + 3 * h * i + h) * e  # measured at attention's backward, tiled or not
+        post_attn = (m.q_dim * h + m.mlp_params() + h) * e  # measured at attention's backward, tiled or not
         # tiled MLP / layer: the tiles' backward accumulates gate, up and down gradients together (measured);
         # a tiled layer of one tile is one backward pass, where down_proj's comes first; from the second tile
         # on, the piece's summed gradients plus the tile's own down_proj gradient (its torch.autograd.grad
@@ -128,6 +131,8 @@ def _grads(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, gathered: 
         per_layer = m.layer_params() * e
         tiles = layer_tiles(m, max(1, wl.seq_len // lay.sp)) if feats.tiled_layer else 0
         down = post_attn + h * i * e if tiles > 1 else (3 if feats.tiled_mlp else 1) * h * i * e
+        if m.moe is not None:  # the MoE moment: only the shared expert's gate has its gradient (planner.moe)
+            down = h * e
     if not feats.fsdp:
         return _Grads(head, per_layer, down, post_attn, 0, 0)
     # finished layers' gradient shards stay on the device, or go to the host with CPU offload

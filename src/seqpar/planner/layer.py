@@ -61,6 +61,8 @@ def lora_bytes(m: ModelFacts, wl: Workload) -> int:
 def mlp_bytes(m: ModelFacts, wl: Workload, tiled: bool) -> int:
     if tiled:
         return 0  # tiles are recomputed in backward: nothing [S, intermediate] stays alive
+    if m.moe is not None:  # planner.moe: the routed experts' and the shared expert's tensors
+        return m.moe.saved_bytes(wl.elt, m.hidden)
     if m.blocks:  # Nemotron-H's relu2 MLP: relu's output (kept by relu and by square), the square (down_proj's)
         return wl.elt * m.intermediate * (1 + (1 if wl.trains("down_proj") else 0))
     return wl.elt * m.intermediate * (3 + (1 if wl.trains("down_proj") else 0))

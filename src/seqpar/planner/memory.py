@@ -170,7 +170,8 @@ def estimate_memory(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, *
     if optimizer == "fused":
         opt_temp = 0
     elif optimizer == "for_loop":
-        opt_temp = min(opt_temp, 2 * max(m.embed_params(), m.hidden * m.intermediate) * 4)
+        big = m.hidden * m.intermediate if m.moe is None else max(m.moe.tensors(m.hidden))  # MoE: the experts'
+        opt_temp = min(opt_temp, 2 * max(m.embed_params(), big) * 4)
     elif optimizer != "foreach":
         raise SeqParError(f"unknown optimizer implementation {optimizer!r}: use fused, foreach or for_loop")
     if lay.world > 1 and not feats.fsdp:

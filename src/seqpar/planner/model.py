@@ -14,14 +14,15 @@ from typing import Any
 
 from ..errors import SeqParError
 from ..textfiles import read_json
+from .moe import MOE_TYPES, MoeFacts, moe_facts
 from .recurrent import RECURRENT_KINDS, RecurrentFacts, layer_kinds, recurrent_facts
 
 __all__ = ["ModelFacts", "load_model_facts", "bundled_models"]
 
 # Architectures whose attention normalises q and k per head (RMSNorm over head_dim) before RoPE.
-QK_NORM_TYPES = ("qwen3", "qwen3_5_text", "qwen3_next")
+QK_NORM_TYPES = ("qwen3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Gated attention (Qwen3.5 / Qwen3-Next): q_proj also produces a per-channel output gate (twice q's width).
-GATED_ATTENTION_TYPES = ("qwen3_5_text", "qwen3_next")
+GATED_ATTENTION_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Architectures whose attention has no rotary embedding (no cos / sin tensors): Nemotron-H's.
 NO_ROPE_TYPES = ("nemotron_h",)
 # Architectures with a bias on the q/k/v projections.
@@ -50,6 +51,7 @@ class ModelFacts:
     gated_attention: bool = False  # q_proj also gives attention's output gate (GATED_ATTENTION_TYPES)
     mlp_index: tuple[int, ...] = ()  # block-per-mixer decoders (Nemotron-H): the blocks that hold only a dense MLP
     rope: bool = True  # attention applies RoPE (Nemotron-H's does not: no cos / sin tensors)
+    moe: MoeFacts | None = None  # every layer's MLP is this mixture of experts (Qwen3-Next, Qwen3.5-MoE)
 
     @property
     def blocks(self) -> bool:
@@ -79,16 +81,31 @@ class ModelFacts:
         return self.kv_heads * self.head_dim
 
     def _layer_tensors(self) -> list[int]:
-        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
         gq = 2 * q if self.gated_attention else q
         if self.blocks:  # an attention block: q k v o and its norm
             return [h * gq, h * kv, h * kv, q * h, h]
-        t = [h * gq, h * kv, h * kv, q * h, h * i, h * i, i * h, h, h]  # q k v o, gate up down, two norms
+        t = [h * gq, h * kv, h * kv, q * h, *self._mlp_tensors(), h, h]  # q k v o, the MLP, two norms
         if self.qkv_bias:
             t += [q, kv, kv]
         if self.qk_norm:
             t += [self.head_dim, self.head_dim]
         return t
+
+    def _mlp_tensors(self) -> list[int]:
+        """A layer's MLP: gate up down, or the MoE block's tensors (planner.moe)."""
+        h, i = self.hidden, self.intermediate
+        return self.moe.tensors(h) if self.moe else [h * i, h * i, i * h]
+
+    def mlp_params(self) -> int:
+        """Parameters of one layer's MLP (a mixture of experts: every expert's, the router's, the shared one's)."""
+        return sum(self._mlp_tensors())
+
+    def active_layer_params(self) -> int:
+        """Weights a token multiplies by in one layer: all of them, but only the top-k experts of an MoE MLP."""
+        if self.moe is None:
+            return self.layer_params()
+        return self.layer_params() - self.mlp_params() + self.moe.active_params(self.hidden)
 
     def _mlp_block_tensors(self) -> list[int]:
         """A block decoder's MLP block: up and down (Nemotron-H's relu2 MLP has no gate) and its norm."""
@@ -97,11 +114,11 @@ class ModelFacts:
 
     def _recurrent_layer_tensors(self) -> list[int]:
         """A hybrid's recurrent layer: its mixer, the MLP (gate up down) and two norms."""
-        h, i = self.hidden, self.intermediate
+        h = self.hidden
         assert self.recurrent is not None
         if self.blocks:  # a Mamba2 block: the mixer and its norm
             return self.recurrent.mixer_tensors(h) + [h]
-        return self.recurrent.mixer_tensors(h) + [h * i, h * i, i * h, h, h]
+        return self.recurrent.mixer_tensors(h) + self._mlp_tensors() + [h, h]
 
     def decoder_tensors(self) -> list[int]:
         """Element counts of every decoder layer's parameters."""
@@ -168,7 +185,8 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
         what.append(f"layer types it does not model ({sorted({str(t) for t in types if t not in known})})")
     experts = [text.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")]
     dense_blocks = "mlp" in types and "moe" not in types  # Nemotron-H lists its MLP blocks: no expert is used
-    if "moe" in types or (any(isinstance(e, int) and e > 1 for e in experts) and not dense_blocks):
+    modelled = text.get("model_type") in MOE_TYPES  # planner.moe: its MoE block in every layer
+    if "moe" in types or (any(isinstance(e, int) and e > 1 for e in experts) and not dense_blocks and not modelled):
         what.append("mixture-of-experts MLPs")
     if "vision_config" in c and len(what) == 1:
         raise SeqParError(
@@ -184,8 +202,8 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
         raise SeqParError(
             f"model {name!r} has {' and '.join(what)}: seqpar plan models dense decoders (Llama / Qwen2 / Qwen3 / "
             "Mistral-like, hybrids whose layers each hold softmax attention or Gated DeltaNet / Mamba2 plus a "
-            "dense MLP: Qwen3.5, Granite 4, Bamba, and Nemotron-H's blocks of one mixer or one dense MLP); its "
-            "memory and time would be wrong for this model. "
+            "dense MLP: Qwen3.5, Granite 4, Bamba, and Nemotron-H's blocks of one mixer or one dense MLP; the "
+            f"MoE MLPs of {', '.join(MOE_TYPES)}); its memory and time would be wrong for this model. "
             "Measure it instead (seqpar train with `memory:` features logs peak memory per step)"
         )
 
@@ -232,7 +250,7 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
             recurrent=rec[0] if rec else None, linear_layers=rec[1] if rec else 0,
             linear_index=tuple(i for i, t in enumerate(layer_kinds(c)) if t in RECURRENT_KINDS) if rec else (),
             mlp_index=tuple(i for i, t in enumerate(layer_kinds(c)) if t == "mlp"),
-            rope=c.get("model_type") not in NO_ROPE_TYPES,
+            rope=c.get("model_type") not in NO_ROPE_TYPES, moe=moe_facts(name, c),
         )
     except KeyError as e:
         raise SeqParError(

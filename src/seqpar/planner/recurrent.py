@@ -97,10 +97,14 @@ def _get(c: dict[str, Any], *names: str) -> Any:
     return next((c[n] for n in names if c.get(n) is not None), None)
 
 
+# Gated DeltaNet hybrids whose config builds `layer_types` from `full_attention_interval` (default 4) when absent.
+INTERVAL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
 def layer_kinds(c: dict[str, Any]) -> list[str]:
     """A text config dict's per-layer kinds: `layer_types` (Qwen3.5, Granite 4), `layers_block_type` (Nemotron-H),
     or Bamba's `attn_layer_indices` (every other layer is Mamba2; its `layers_block_type` is a property that a
-    saved config.json does not hold)."""
+    saved config.json does not hold), or Qwen3-Next / Qwen3.5's `full_attention_interval`."""
     types = c.get("layer_types") or c.get("layers_block_type")
     if types:
         return [str(t) for t in types]
@@ -111,6 +115,9 @@ def layer_kinds(c: dict[str, Any]) -> list[str]:
     if attn is not None and c.get("num_hidden_layers"):
         attn = set(attn)
         return ["attention" if i in attn else "mamba" for i in range(int(c["num_hidden_layers"]))]
+    if c.get("model_type") in INTERVAL_TYPES and c.get("num_hidden_layers"):  # as transformers builds layer_types
+        every = int(c.get("full_attention_interval") or 4)
+        return ["linear_attention" if (i + 1) % every else "full_attention" for i in range(int(c["num_hidden_layers"]))]
     return []
 
 

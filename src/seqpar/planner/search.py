@@ -251,6 +251,10 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
         raise SeqParError(f"model {m.name!r} holds one mixer or one MLP per block (Nemotron-H): seqpar's tiled MLP / "
                           "tiled layer tile a decoder layer's gated MLP and refuse these blocks at apply time: drop "
                           "--tiled-mlp / --tiled-layer")
+    if m.moe is not None and (req.tiled_mlp or req.tiled_layer or wl.lora):
+        raise SeqParError(f"model {m.name!r} has mixture-of-experts MLPs: seqpar's tiled MLP / tiled layer refuse them "
+                          "at apply time, and LoRA on their experts is not modelled: drop --tiled-mlp / --tiled-layer "
+                          "/ --finetuning lora (full fine-tuning is planned)")
     if m.recurrent is not None and req.tiled_layer:
         raise SeqParError("--tiled-layer tiles standard decoder layers only, not a hybrid's recurrent layers (seqpar "
                           "refuses it at apply time too): drop it")

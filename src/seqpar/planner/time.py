@@ -91,7 +91,7 @@ def step_flops(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> tup
     """(linear-layer FLOPs, attention FLOPs) of one step on the busiest rank."""
     tokens = wl.rows * wl.seq_len / lay.sp
     mlp_w = 3 * m.hidden * m.intermediate
-    linear_w = m.layers * m.layer_params() + m.hidden * m.vocab  # decoder + lm_head
+    linear_w = m.layers * m.active_layer_params() + m.hidden * m.vocab  # decoder + lm_head (MoE: top-k experts)
     trained_w = linear_w if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
     fwd_bwd, fwd_only = passes(wl, feats)
     linear = 2 * tokens * (linear_w * (fwd_bwd + fwd_only) + linear_w + trained_w)

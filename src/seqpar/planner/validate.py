@@ -102,6 +102,18 @@ NEMOTRON_H = Case(arch="nemotron_h", head_dim=8, model_kwargs={
     "layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"]})
 HYBRID_GRID += [replace(NEMOTRON_H, memory=mem, **mesh) for mem in (
     NO_FEATURES, {"fused_loss": True, "activation_checkpointing": True}) for mesh in _MESHES[:3]]
+# Qwen3-Next: Gated DeltaNet / gated attention with an MoE MLP in each layer (planner.moe: 4 experts, top-2, a shared
+# expert; transformers' grouped_mm experts); SP 1, ring 2, ulysses 2, without memory features and with
+# checkpointing + fused loss. Qwen3.5-MoE (the same MoE block, its own text config type) at SP 1. A wider MoE (16
+# experts, top-4, expert I 64, shared I 48: the MoE's terms a larger share) at SP 1 and on a ring of 2.
+QWEN3_NEXT = Case(arch="qwen3_next", head_dim=16)
+_CKPT_FUSED = {"fused_loss": True, "activation_checkpointing": True}
+HYBRID_GRID += [replace(QWEN3_NEXT, memory=mem, **mesh) for mem in (NO_FEATURES, _CKPT_FUSED) for mesh in _MESHES[:3]]
+HYBRID_GRID += [Case(arch="qwen3_5_moe", head_dim=16, memory=mem) for mem in (NO_FEATURES, _CKPT_FUSED)]
+WIDE_MOE = replace(QWEN3_NEXT, model_kwargs={"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 64,
+                                             "shared_expert_intermediate_size": 48})
+HYBRID_GRID += [replace(WIDE_MOE, memory=NO_FEATURES), replace(WIDE_MOE, memory=_CKPT_FUSED),
+                replace(WIDE_MOE, memory=_CKPT_FUSED, ring=2)]
 HYBRID_RESULTS = "docs/cpu_results/2026-11-27-planner-hybrid.json"
 
 
