@@ -34,7 +34,7 @@ from ...data import VisionCollator
 from ...errors import SeqParError
 from ..model.tokenizers import ByteTokenizer
 from .formats import check_stage, detect_format
-from .tokenize import IGNORE, build_dpo_pairs, pack_rows, tokenize_dpo, tokenize_sft
+from .tokenize import IGNORE, build_dpo_pairs, new_stats, pack_rows, tokenize_dpo, tokenize_sft
 from .videos import frame_timestamps, read_frames, video_patches
 
 __all__ = ["VisionSpec", "PLACEHOLDER", "VIDEO_PLACEHOLDER", "build_vision_examples", "build_vision_dpo_examples",
@@ -227,8 +227,7 @@ def build_vision_examples(rows: list[dict[str, Any]], fmt: str, tok: Any, spec: 
     if fmt == "auto":
         fmt = detect_format([c for c in rows[0] if c not in ("images", "videos")])
     check_stage(fmt, "sft")
-    stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
-             "dropped_long_prompt": 0}
+    stats = new_stats(len(rows))
     examples = []
     for i, row in enumerate(rows, 1):  # 1-based: the line of a JSONL file
         ex = _vision_row(row, i, fmt, tok, spec, base_dir, train_on_prompt, mask_history)
@@ -255,8 +254,7 @@ def build_vision_dpo_examples(rows: list[dict[str, Any]], fmt: str, tok: Any, sp
     if fmt == "auto":
         fmt = detect_format([c for c in rows[0] if c not in ("images", "videos")])
     check_stage(fmt, "dpo")
-    stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
-             "dropped_long_prompt": 0, "identical_pairs": 0}
+    stats = new_stats(len(rows))
     markers = [_marker_ids(tok, p)[1] for p in (PLACEHOLDER, VIDEO_PLACEHOLDER)]
 
     def encode(row: dict[str, Any], i: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from ..model.tokenizers import ByteTokenizer, Tokenizer
 from .formats import Text, Tokenized, check_stage, detect_format, normalize_dpo, normalize_sft
 
 __all__ = ["IGNORE", "load_rows", "detect_format", "tokenize_sft", "tokenize_dpo", "build_examples", "pack_rows",
-           "describe_stats", "build_dpo_pairs"]
+           "describe_stats", "build_dpo_pairs", "new_stats"]
 
 IGNORE = -100
 
@@ -204,13 +204,19 @@ def pack_rows(rows: list[dict[str, list[int]]], max_length: int) -> list[list[di
     return packs
 
 
+def new_stats(n_rows: int) -> dict[str, int]:
+    """A dataset's counters before any row is read (what build_examples returns; describe_stats prints them)."""
+    return {"rows": n_rows, "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
+            "dropped_long_prompt": 0, "identical_pairs": 0}
+
+
 def _truncate_prompt(ids: list[int], keep: int, mode: str) -> list[int]:
     return ids[-keep:] if mode == "keep_end" else ids[:keep]
 
 
 def build_dpo_pairs(rows: list[dict[str, Any]], tok: Tokenizer, max_length: int, max_prompt_length: int | None,
-               truncation_mode: str, stats: dict[str, int],
-               encode: Callable[[dict[str, Any], int], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                    truncation_mode: str, stats: dict[str, int],
+                    encode: Callable[[dict[str, Any], int], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Pairs; prompts cut to max_prompt_length (when set), pairs whose prompt still reaches max_length skipped.
     encode(row, i): the tokenized pair (default tokenize_dpo; vision-language pairs add their prompt's media)."""
     out, longest = [], 0
@@ -261,8 +267,7 @@ def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokeni
     if fmt == "auto":
         fmt = detect_format(list(rows[0].keys()))
     check_stage(fmt, stage)
-    stats = {"rows": len(rows), "truncated": 0, "dropped_unsupervised": 0, "prompt_truncated": 0,
-             "dropped_long_prompt": 0, "identical_pairs": 0}
+    stats = new_stats(len(rows))
     if stage == "dpo":
         return build_dpo_pairs(rows, tok, max_length, max_prompt_length, truncation_mode, stats), stats
     examples = []
