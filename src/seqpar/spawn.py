@@ -62,6 +62,8 @@ class _Caller:
 
     def __init__(self) -> None:
         self.env, self.cwd = dict(os.environ), os.getcwd()
+        self.stdout: int | None = None  # descriptors: set in the rank (_rebuild_caller)
+        self.stderr: int | None = None
 
     def __reduce__(self) -> tuple:
         return _rebuild_caller, (self.env, self.cwd, reduction.DupFd(1), reduction.DupFd(2))
@@ -70,7 +72,7 @@ class _Caller:
         os.environ.clear()
         os.environ.update(self.env)
         os.chdir(self.cwd)
-        for fd, target in ((1, getattr(self, "stdout", None)), (2, getattr(self, "stderr", None))):
+        for fd, target in ((1, self.stdout), (2, self.stderr)):
             if target is not None and target != fd:  # spawn passes them at their own numbers
                 (sys.stdout if fd == 1 else sys.stderr).flush()
                 os.dup2(target, fd)
