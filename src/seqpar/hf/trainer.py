@@ -69,7 +69,6 @@ from ..data import (
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh, init_mesh
 from ..steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
-from ..unwrap import base_model
 from .prepare import PrepareSpec, frozen_reference, policy_copy, prepare_model
 from .trainer_args import (
     BF16_ON_CPU,
@@ -95,7 +94,7 @@ from .trainer_stack import (
     prepare_reference,
     wrapper_factor,
 )
-from .vision import is_vlm
+from .vision import is_vlm_model
 
 __all__ = ["SequenceParallelTrainer", "SequenceParallelDPOTrainer", "DPOSettings", "BF16_ON_CPU"]
 
@@ -240,7 +239,7 @@ class SequenceParallelTrainer(SequenceParallelEvaluation, Trainer):
         """Once the Trainer set up its stack: put the frozen reference model where the policy will run."""
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
-        kind = VisionCollator if is_vlm(getattr(base_model(model), "config", None)) else SequenceParallelCollator
+        kind = VisionCollator if is_vlm_model(model) else SequenceParallelCollator
         return kind(self.sp_mesh, pad_id(model, tok), packing=packing, max_length=max_length)
 
     # ------------------------------------------------------------------ data
@@ -368,7 +367,7 @@ class SequenceParallelDPOTrainer(SequenceParallelTrainer):
         ref.ref_model = prepared if prepared is not None else prepare_reference(self, ref.ref_model)
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
-        vlm = is_vlm(getattr(base_model(model), "config", None))  # pairs with prompt images / videos
+        vlm = is_vlm_model(model)  # pairs with prompt images / videos
         return (VisionDPOCollator if vlm else SequenceParallelDPOCollator)(self.sp_mesh, pad_id(model, tok),
                                                                            max_length=max_length)
 

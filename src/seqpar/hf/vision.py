@@ -34,7 +34,7 @@ from ..unwrap import unwrapped_base
 from .vision_encode import VISION_KWARG, VisionRequest, assign_images, check_same_as, tower_must_join
 from .vision_rope import Media, check_media, mrope_positions
 
-__all__ = ["VLM_TYPES", "is_vlm", "check_vlm", "sp_vlm_inputs", "assign_images", "vision_batch_inputs",
+__all__ = ["VLM_TYPES", "is_vlm", "is_vlm_model", "check_vlm", "sp_vlm_inputs", "assign_images", "vision_batch_inputs",
            "vision_pre_hook", "Media"]
 
 VLM_TYPES = ("qwen2_5_vl", "qwen3_vl")
@@ -43,6 +43,11 @@ _HOW = "seqpar.hf.sp_vlm_inputs(model, mesh, input_ids, pixel_values=..., image_
 
 def is_vlm(cfg: Any) -> bool:
     return getattr(cfg, "vision_config", None) is not None and getattr(cfg, "text_config", None) is not None
+
+
+def is_vlm_model(model: torch.nn.Module) -> bool:
+    """is_vlm of the model's config, through PEFT, DDP and DeepSpeed wrappers."""
+    return is_vlm(getattr(unwrapped_base(model), "config", None))
 
 
 def check_vlm(cfg: Any) -> Any:

@@ -6,6 +6,7 @@ naming the alternative, identically on every rank, before any collective).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from ..hf.trainer_args import check_dataset_rows
 from ..mesh import SequenceParallelMesh
 
 __all__ = ["coerce_args", "refuse", "refuse_common", "instantiate", "sp_kwargs", "refuse_moe_aux",
-           "let_trl_configs_run_on_cpu", "check_trl_rows"]
+           "let_trl_configs_run_on_cpu", "check_trl_rows", "first_row", "refuse_video_columns"]
 
 
 def let_trl_configs_run_on_cpu() -> None:
@@ -75,6 +76,26 @@ def refuse_common(name: str, args: Any, data_collator: Any, kwargs: dict[str, An
     if kwargs.get("compute_loss_func") is not None:
         raise refuse(name, "compute_loss_func=", "it would see sharded logits",
                       "drop it; the SFT loss is seqpar's global token-mean NLL")
+
+
+def first_row(dataset: Any) -> Mapping[str, Any]:
+    """A dataset's first row ({} for none, or for rows that are not mappings)."""
+    if dataset is None:
+        return {}
+    try:
+        row = next(iter(dataset))
+    except (StopIteration, TypeError):
+        return {}
+    return row if isinstance(row, Mapping) else {}
+
+
+def refuse_video_columns(name: str, why: str, instead: str, train_dataset: Any, eval_dataset: Any) -> None:
+    """A "video" / "videos" column in the training or eval rows (eval: one dataset or a dict of them), from the
+    column names or the first row: refused, naming `instead`."""
+    evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+    for ds in (train_dataset, *evals):
+        if {"video", "videos"} & {*(getattr(ds, "column_names", None) or ()), *first_row(ds)}:
+            raise refuse(name, "a video column ('video' / 'videos')", why, instead)
 
 
 def instantiate(model: Any, args: Any, peft_config: Any) -> torch.nn.Module:

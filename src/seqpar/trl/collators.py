@@ -23,7 +23,7 @@ from ..mesh import SequenceParallelMesh
 
 _IGNORE = -100
 
-__all__ = ["TRLSFTCollator", "TRLDPOCollator", "TRLVisionDPOCollator", "grpo_rows"]
+__all__ = ["TRLSFTCollator", "TRLDPOCollator", "TRLVisionDPOCollator", "grpo_rows", "column_images"]
 
 
 def _sft_row(row: Mapping[str, Any], i: int) -> dict[str, Any]:
@@ -66,17 +66,20 @@ class TRLDPOCollator(SequenceParallelDPOCollator):
         return super().collate_full([_dpo_row(r, i) for i, r in enumerate(rows)])
 
 
-def _image_count(row: Mapping[str, Any]) -> int:
-    if row.get("images") is not None:
-        return len(row["images"])
-    return int(row.get("image") is not None)
+def column_images(row: Mapping[str, Any]) -> list | None:
+    """A row's images from TRL's image columns ("images": a list, "image": one or None); None without either."""
+    if "images" in row:
+        return list(row["images"] or [])
+    if "image" in row:
+        return [] if row["image"] is None else [row["image"]]
+    return None
 
 
 def vision_pairs(trl_collator: Any, rows: Sequence[Mapping[str, Any]], max_length: int | None) -> list[dict]:
     """TRL vision DPO rows -> pairs (prompt / chosen / rejected ids + the prompt's images) through TRL's collator:
     its output holds [chosen..., rejected...] rows (prompt + response, flushed left, cut at max_length) and every
     row's images, the rejected rows' repeating the chosen rows'."""
-    counts = [_image_count(r) for r in rows]
+    counts = [len(column_images(r) or []) for r in rows]
     out = trl_collator([dict(r) for r in rows])  # TRL's collator rewrites the rows' keys
     ids, keep, comp = out["input_ids"], out["attention_mask"].bool(), out["completion_mask"].bool()
     b = len(rows)

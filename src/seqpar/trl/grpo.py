@@ -68,10 +68,9 @@ from ..hf.rollout_media import vision_tower_joined
 from ..hf.trainer import SequenceParallelTrainer
 from ..hf.trainer_args import pad_id
 from ..hf.trainer_stack import agree_gathers
-from ..hf.vision import is_vlm
+from ..hf.vision import is_vlm_model
 from ..mesh import SequenceParallelMesh
 from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
-from ..unwrap import unwrapped_base
 from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
 from .collators import grpo_rows
 from .grpo_media import has_pixels, media_rows, refuse_fetched_media, row_images
@@ -214,7 +213,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
             **sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
                          loss_chunk_tokens, tiled_mlp), **kwargs)
         refuse_moe_aux(self)
-        vlm = is_vlm(getattr(unwrapped_base(self.model), "config", None))  # image prompts: the full multimodal rows
+        vlm = is_vlm_model(self.model)  # image prompts: the full multimodal rows
         refuse_fetched_media(self, vlm)
         # TRL sized the generation batch with the world size; under SP only dp ranks take prompts.
         per_step = self._train_batch_size * args.steps_per_generation * self.sp_mesh.dp_size

@@ -16,6 +16,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_b
 
 from ..errors import SeqParError
 from .args import refuse
+from .collators import column_images
 
 __all__ = ["media_rows", "has_pixels", "refuse_fetched_media", "row_images"]
 
@@ -54,9 +55,8 @@ def row_images(inputs: list[dict[str, Any]]) -> list[list | None]:
     None for a row without."""
     out: list[list | None] = []
     for row in inputs:
-        if "images" in row or "image" in row:
-            imgs = row.get("images") if "images" in row else [row["image"]] if row.get("image") is not None else []
-        else:
+        imgs = column_images(row)
+        if imgs is None:
             prompt = row.get("prompt")
             imgs = [part["image"] for m in (prompt if isinstance(prompt, list) else [])
                     if isinstance(m.get("content"), list) for part in m["content"]

@@ -23,7 +23,7 @@ import torch
 from ..data import VisionCollator
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
-from .args import refuse
+from .args import first_row, refuse, refuse_video_columns
 from .collators import TRLSFTCollator
 
 __all__ = ["TRLVisionSFTCollator", "TRLVLMTextCollator", "check_sft_vision", "is_vision_dataset"]
@@ -31,31 +31,19 @@ __all__ = ["TRLVisionSFTCollator", "TRLVLMTextCollator", "check_sft_vision", "is
 _MEDIA = ("pixel_values", "image_grid_thw")  # what TRL's vision collator returns for a Qwen VL processor's images
 
 
-def _first_row(dataset: Any) -> Mapping[str, Any]:
-    try:
-        row = next(iter(dataset))
-    except (StopIteration, TypeError):
-        return {}
-    return row if isinstance(row, Mapping) else {}
-
-
 def is_vision_dataset(dataset: Any) -> bool:
     """What trl.SFTTrainer reads as a vision dataset: its first row has an "image" or "images" key."""
-    row = _first_row(dataset) if dataset is not None else {}
+    row = first_row(dataset)
     return "image" in row or "images" in row
 
 
 def check_sft_vision(name: str, args: Any, train_dataset: Any, eval_dataset: Any) -> None:
     """Vision datasets the SFT drop-in cannot train as stock TRL would: a SeqParError naming what to change."""
-    evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
-    for ds in (train_dataset, *evals):
-        row = _first_row(ds) if ds is not None else {}
-        if "video" in row or "videos" in row:
-            raise refuse(name, "a video column ('video' / 'videos')", "trl.SFTTrainer (1.16) trains on images "
-                          "only: its vision collator passes no videos to the processor",
-                          "pass rows with the processor's output (input_ids, labels, pixel_values_videos, "
-                          "video_grid_thw, second_per_grid_ts) to seqpar.hf.SequenceParallelTrainer, or train with "
-                          "`seqpar train` (image / video datasets: docs/hf.md)")
+    refuse_video_columns(name, "trl.SFTTrainer (1.16) trains on images only: its vision collator passes no videos "
+                         "to the processor", "pass rows with the processor's output (input_ids, labels, "
+                         "pixel_values_videos, video_grid_thw, second_per_grid_ts) to "
+                         "seqpar.hf.SequenceParallelTrainer, or train with `seqpar train` (image / video datasets: "
+                         "docs/hf.md)", train_dataset, eval_dataset)
     if not is_vision_dataset(train_dataset):
         return
     for flag in ("packing", "padding_free"):

@@ -44,11 +44,19 @@ from ..hf.prepare import policy_copy
 from ..hf.trainer import DPOSettings, SequenceParallelTrainer
 from ..hf.trainer import SequenceParallelDPOTrainer as HFDPOTrainer
 from ..hf.trainer_stack import is_zero3
-from ..hf.vision import is_vlm
+from ..hf.vision import is_vlm_model
 from ..mesh import SequenceParallelMesh
 from ..steps import StepSpec, micro_batch_loss, sft_metric_sums
-from ..unwrap import unwrapped_base
-from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
+from .args import (
+    check_trl_rows,
+    coerce_args,
+    instantiate,
+    refuse,
+    refuse_common,
+    refuse_moe_aux,
+    refuse_video_columns,
+    sp_kwargs,
+)
 from .collators import TRLDPOCollator, TRLSFTCollator, TRLVisionDPOCollator
 from .sft_vision import TRLVisionSFTCollator, TRLVLMTextCollator, check_sft_vision
 
@@ -212,7 +220,7 @@ class SequenceParallelSFTTrainer(_TRLMetrics, SequenceParallelTrainer, trl.SFTTr
         pad = self._tokenizer.pad_token_id
         if self._is_vision_dataset:  # TRL's vision collator builds each full micro-batch, seqpar shards it
             self.data_collator = TRLVisionSFTCollator(self.data_collator, self.sp_mesh, pad)
-        elif is_vlm(getattr(unwrapped_base(self.model), "config", None)):  # text rows on a VL model
+        elif is_vlm_model(self.model):  # text rows on a VL model
             self.data_collator = TRLVLMTextCollator(self.sp_mesh, pad, packing=packing)
         else:
             self.data_collator = TRLSFTCollator(self.sp_mesh, pad, packing=packing)
@@ -249,7 +257,8 @@ class SequenceParallelDPOTrainer(_TRLMetrics, HFDPOTrainer, trl.DPOTrainer):
         name = type(self).__name__
         args = coerce_args(args, trl.DPOConfig, model, "DPO")
         refuse_common(name, args, data_collator, kwargs)
-        _refuse_videos(name, train_dataset, eval_dataset)
+        refuse_video_columns(name, "stock trl.DPOTrainer's vision path takes images only", "train preference pairs "
+                             "with videos with `seqpar train` (stage: dpo, docs/hf.md)", train_dataset, eval_dataset)
         check_trl_rows(name, "DPO", args, train_dataset, eval_dataset, kwargs)
         loss_type = _dpo_loss_type(name, args)
         model = instantiate(model, args, peft_config)
@@ -291,13 +300,6 @@ class SequenceParallelDPOTrainer(_TRLMetrics, HFDPOTrainer, trl.DPOTrainer):
 
     def _default_collator(self, model: torch.nn.Module, tok: Any, packing: bool, max_length: int | None) -> Any:
         return None  # TRL builds its own during __init__; ours (over TRL's rows) replaces it right after
-
-
-def _refuse_videos(name: str, *datasets: Any) -> None:
-    for ds in datasets:
-        if {"video", "videos"} & set(getattr(ds, "column_names", None) or []):
-            raise refuse(name, "a video column", "stock trl.DPOTrainer's vision path takes images only",
-                          "train preference pairs with videos with `seqpar train` (stage: dpo, docs/hf.md)")
 
 
 def _reload_reference(name: str, model: torch.nn.Module, args: Any) -> torch.nn.Module:
