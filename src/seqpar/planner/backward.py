@@ -227,7 +227,7 @@ def _per_kind(m: ModelFacts, wl: Workload, lay: Layout, feats: Features,
               tokens: int) -> tuple[list[str], dict[str, _Alive], list[int]]:
     """Each layer's kind, what a layer of each kind holds in its backward, and before[i]: what the layers below
     layer i keep until their own backward (their inputs with checkpointing, else their saved tensors)."""
-    kinds = layer_kinds(m)
+    kinds = _kinds_by_layer(m)
     alives = {kd: _alive(m, wl, lay, feats, tokens, kd) for kd in set(kinds)}
     if feats.keep_attention and feats.activation_checkpointing:
         kept = kept_attention_bytes(m, wl.elt, lay.ulysses, lay.ring)
@@ -238,7 +238,7 @@ def _per_kind(m: ModelFacts, wl: Workload, lay: Layout, feats: Features,
     return kinds, alives, before
 
 
-def layer_kinds(m: ModelFacts) -> list[str]:
+def _kinds_by_layer(m: ModelFacts) -> list[str]:
     """Each layer's kind for `_alive`: "mean" for every layer of a dense model; a hybrid's "attention" or
     "recurrent" (a block decoder's: or "mlp")."""
     if not m.linear_layers and not m.blocks:

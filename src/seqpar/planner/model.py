@@ -46,7 +46,6 @@ class ModelFacts:
     qkv_bias: bool = False
     sliding_window: int | None = None  # the window of the model's sliding-attention layers (None: none)
     recurrent: RecurrentFacts | None = None  # hybrids: the recurrent mixer of `linear_layers` of the layers
-    linear_layers: int = 0
     linear_index: tuple[int, ...] = ()  # which layers are recurrent (their order sets the backward's moments)
     gated_attention: bool = False  # q_proj also gives attention's output gate (GATED_ATTENTION_TYPES)
     mlp_index: tuple[int, ...] = ()  # block-per-mixer decoders (Nemotron-H): the blocks that hold only a dense MLP
@@ -57,6 +56,11 @@ class ModelFacts:
     def blocks(self) -> bool:
         """A decoder of blocks holding one mixer or one MLP each (Nemotron-H), not a mixer and an MLP per layer."""
         return bool(self.mlp_index)
+
+    @property
+    def linear_layers(self) -> int:
+        """How many layers (blocks) are recurrent."""
+        return len(self.linear_index)
 
     @property
     def attn_layers(self) -> int:
@@ -234,22 +238,22 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
     _refuse_unmodelled(name, c)
     c = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
     window = _trainer_view(name, c)
-    rec = recurrent_facts(name, c) if "hidden_size" in c else None
+    kinds = layer_kinds(c)
+    rec = recurrent_facts(name, c, kinds) if "hidden_size" in c else None
     try:
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         kv = int(c.get("num_key_value_heads") or heads)
         facts = ModelFacts(
             name=name, model_type=str(c.get("model_type", "llama")), hidden=hidden,
-            layers=_layer_count(c), heads=heads, kv_heads=kv,
+            layers=_layer_count(c, kinds), heads=heads, kv_heads=kv,
             head_dim=int(c.get("head_dim") or hidden // heads),
             intermediate=int(c.get("shared_intermediate_size") or c["intermediate_size"]),  # Granite 4: its dense MLP
             vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
             max_positions=c.get("max_position_embeddings"),
             qk_norm=c.get("model_type") in QK_NORM_TYPES, gated_attention=c.get("model_type") in GATED_ATTENTION_TYPES,
             qkv_bias=bool(c.get("attention_bias", c.get("model_type") in QKV_BIAS_TYPES)), sliding_window=window,
-            recurrent=rec[0] if rec else None, linear_layers=rec[1] if rec else 0,
-            linear_index=tuple(i for i, t in enumerate(layer_kinds(c)) if t in RECURRENT_KINDS) if rec else (),
-            mlp_index=tuple(i for i, t in enumerate(layer_kinds(c)) if t == "mlp"),
+            recurrent=rec, linear_index=tuple(i for i, t in enumerate(kinds) if t in RECURRENT_KINDS) if rec else (),
+            mlp_index=tuple(i for i, t in enumerate(kinds) if t == "mlp"),
             rope=c.get("model_type") not in NO_ROPE_TYPES, moe=moe_facts(name, c),
         )
     except KeyError as e:
@@ -264,10 +268,9 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
     return facts
 
 
-def _layer_count(c: dict[str, Any]) -> int:
-    """num_hidden_layers; a block decoder's (Nemotron-H) is its block list's length, which transformers uses
-    whatever num_hidden_layers says (absent from a tiny config's dict)."""
-    kinds = layer_kinds(c)
+def _layer_count(c: dict[str, Any], kinds: list[str]) -> int:
+    """num_hidden_layers; a block decoder's (Nemotron-H) is its block list's length (`kinds`), which transformers
+    uses whatever num_hidden_layers says (absent from a tiny config's dict)."""
     if "mlp" in kinds or not c.get("num_hidden_layers"):
         return len(kinds) or int(c["num_hidden_layers"])
     return int(c["num_hidden_layers"])

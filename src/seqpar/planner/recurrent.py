@@ -121,19 +121,17 @@ def layer_kinds(c: dict[str, Any]) -> list[str]:
     return []
 
 
-def recurrent_facts(name: str, c: dict[str, Any]) -> tuple[RecurrentFacts, int] | None:
-    """(the recurrent layers' facts, how many layers are recurrent) from a text config dict; None without any.
-    A block-per-mixer decoder (Nemotron-H) counts its Mamba2 blocks."""
-    types = layer_kinds(c)
-    linear = sum(t in RECURRENT_KINDS for t in types)
-    if linear == 0:
+def recurrent_facts(name: str, c: dict[str, Any], kinds: list[str] | None = None) -> RecurrentFacts | None:
+    """The recurrent layers' facts from a text config dict (kinds: its layer_kinds, read here if not given); None
+    without any recurrent layer (a block-per-mixer decoder's, Nemotron-H: its Mamba2 blocks)."""
+    if not any(t in RECURRENT_KINDS for t in (layer_kinds(c) if kinds is None else kinds)):
         return None
     hidden = int(c["hidden_size"])
     k = _get(c, "linear_num_key_heads")
     if k is not None:
         f = RecurrentFacts("gated_deltanet", int(k), int(c["linear_num_value_heads"]), int(c["linear_key_head_dim"]),
                            int(c["linear_value_head_dim"]), 1, int(c.get("linear_conv_kernel_dim") or 4), DELTA_CHUNK)
-        return f, linear
+        return f
     heads = _get(c, "mamba_n_heads", "mamba_num_heads")
     if heads is None:
         raise SeqParError(f"model {name!r} has recurrent layers (layer_types) seqpar plan does not know: it models "
@@ -145,4 +143,4 @@ def recurrent_facts(name: str, c: dict[str, Any]) -> tuple[RecurrentFacts, int] 
                        int(head_dim), int(_get(c, "mamba_n_groups", "n_groups") or 1),
                        int(_get(c, "mamba_d_conv", "conv_kernel") or 4), int(_get(c, "mamba_chunk_size", "chunk_size")
                                                                               or 256))
-    return f, linear
+    return f
