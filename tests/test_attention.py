@@ -335,3 +335,15 @@ def test_collective_counts_fused_ulysses_and_ring_r_minus_1(sp):
             assert calls["ring_fwd"] == 2 * (r - 1) and calls["ring_bwd"] == 3 * (r - 1), calls
             th = ring_theory(12 * sp, 1, 3, 16, r, 4)
             assert nbytes["ring_bwd"] == th["bwd_min"] == th["bwd"], (nbytes, th)
+
+
+def test_attention_submodules_import_as_names():
+    """`seqpar.attention` is the function and the package: `import seqpar.attention.<module> as x` finds the
+    submodule (a function attribute shadowed the package: ImportError), and the call still works."""
+    import seqpar.attention.kernel_choice as kc
+    import seqpar.attention.ring as ring
+
+    assert kc.kernel_name_for("cpu", torch.float32) == "cpu" and callable(ring.ring_attention)
+    q = torch.randn(1, 8, 2, 16)
+    torch.testing.assert_close(seqpar.attention(q, q, q, seqpar.init_mesh(1)),
+                               seqpar.attention.attention(q, q, q, seqpar.init_mesh(1)), rtol=0, atol=0)

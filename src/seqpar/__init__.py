@@ -6,7 +6,7 @@ planner -> bench -> cli. `import seqpar` loads up to the shared training step (s
 trainer.
 """
 
-from .attention import attention
+from . import attention  # the package, callable as the function (attention/__init__.py)
 from .errors import SeqParError
 from .layout import local_positions, padded_length, required_multiple, shard, unshard
 from .mesh import SequenceParallelMesh, auto_degrees, init_mesh

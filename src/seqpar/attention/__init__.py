@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import torch
 
 from ..errors import SeqParError
@@ -102,3 +105,15 @@ def _check_chunks(chunks: int, hq: int, hkv: int, mesh: SequenceParallelMesh) ->
             f"overlap_chunks={chunks} needs pure Ulysses (ring_degree 1, got {mesh.ring_degree}, ulysses_degree "
             f"{mesh.ulysses_degree}) and must divide the {local_kv} kv heads each rank holds: use 1 or a divisor"
         )
+
+
+class _CallableModule(types.ModuleType):
+    """`seqpar.attention` is both this package and the function: `seqpar.attention(q, k, v, mesh)` calls it, and
+    `import seqpar.attention.kernel_choice as kc` still finds the submodule (a plain function attribute named
+    `attention` on the seqpar package would shadow the package for every `import seqpar.attention.<x> as y`)."""
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        return attention(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
