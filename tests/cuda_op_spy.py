@@ -71,9 +71,10 @@ def _bind(func, args, kwargs) -> dict:
     return out
 
 
-def _device(errs, *ts):
+def _device(errs, *ts, cpu_ok: bool = False):
+    allowed = ("cuda", "meta", "cpu") if cpu_ok else ("cuda", "meta")
     for t in ts:
-        if isinstance(t, torch.Tensor) and t.device.type not in ("cuda", "meta"):
+        if isinstance(t, torch.Tensor) and t.device.type not in allowed:
             errs.append(f"a {t.device.type} tensor where the op needs CUDA tensors")
 
 
@@ -94,10 +95,18 @@ def _qkv_common(errs, q, k, v, dtypes, gqa: bool, max_d: int | None, mult: int):
 
 
 class CudaOpSpy(TorchDispatchMode):
-    """Checks every CUDA attention op call (rules in the module docstring) and counts launches per op."""
+    """Checks every CUDA attention op call (rules in the module docstring) and counts launches per op.
 
-    def __init__(self):
+    emulate=True: the calls take CPU tensors and return the float64 emulation of the op (tests/cuda_op_emulation.py)
+    instead of running torch's meta implementation: the same argument checks, plus the numbers the real op would
+    give, so the logic between the calls (merges, shortcuts, layouts, every SP mode) is checked numerically on CPU.
+    precise=True (with emulate): fp32 / fp64 inputs pass the fused ops' dtype rule, so that logic is checked at fp32
+    tolerances; every other rule still applies."""
+
+    def __init__(self, emulate: bool = False, precise: bool = False):
         super().__init__()
+        self.emulate = emulate
+        self.half = (*_HALF, torch.float32, torch.float64) if precise else _HALF
         self.launches: Counter[str] = Counter()
         self._aux: dict[str, set[int]] = {"flash": set(), "varlen": set(), "efficient": set(), "cudnn": set()}
         self._keep: list = []  # keep returned aux tensors alive so their ids stay unique
@@ -119,12 +128,17 @@ class CudaOpSpy(TorchDispatchMode):
             return func(*args, **kwargs)
         a = _bind(func, args, kwargs)
         errs: list[str] = []
-        _device(errs, *[x for x in a.values() if isinstance(x, torch.Tensor)])
+        _device(errs, *[x for x in a.values() if isinstance(x, torch.Tensor)], cpu_ok=self.emulate)
         check(a, errs)
         if errs:
             raise CudaRuleViolation(f"{func.name()}: " + "; ".join(errs))
         self.launches[func.name().split("::")[1]] += 1
-        res = func(*args, **kwargs)
+        if self.emulate:
+            from cuda_op_emulation import EMULATIONS
+
+            res = EMULATIONS[func](a)
+        else:
+            res = func(*args, **kwargs)
         self._record(func, res)
         return res
 
@@ -144,13 +158,13 @@ class CudaOpSpy(TorchDispatchMode):
 
     # ------------------------------------------------------------------ flash
     def _flash_fwd(self, a, errs):
-        _qkv_common(errs, a["query"], a["key"], a["value"], _HALF, True, 256, 8)
+        _qkv_common(errs, a["query"], a["key"], a["value"], self.half, True, 256, 8)
         if a["return_debug_mask"] and not a["dropout_p"]:
             errs.append("return_debug_mask needs dropout_p > 0")
 
     def _flash_bwd(self, a, errs):
         q = a["query"]
-        _qkv_common(errs, q, a["key"], a["value"], _HALF, True, 256, 8)
+        _qkv_common(errs, q, a["key"], a["value"], self.half, True, 256, 8)
         for name in ("grad_out", "out"):
             if a[name].dtype != q.dtype or a[name].shape != q.shape:
                 errs.append(f"{name} {a[name].dtype} {tuple(a[name].shape)} vs q {q.dtype} {tuple(q.shape)}")
@@ -179,14 +193,14 @@ class CudaOpSpy(TorchDispatchMode):
 
     def _varlen_fwd(self, a, errs):
         self._cu(a, errs, None, None)
-        _qkv_common(errs, a["query"], a["key"], a["value"], _HALF, True, 256, 8)
+        _qkv_common(errs, a["query"], a["key"], a["value"], self.half, True, 256, 8)
         if a["return_debug_mask"] and not a["dropout_p"]:
             errs.append("return_debug_mask needs dropout_p > 0")
 
     def _varlen_bwd(self, a, errs):
         self._cu(a, errs, None, None)
         q = a["query"]
-        _qkv_common(errs, q, a["key"], a["value"], _HALF, True, 256, 8)
+        _qkv_common(errs, q, a["key"], a["value"], self.half, True, 256, 8)
         for name in ("grad_out", "out"):
             if a[name].dtype != q.dtype or a[name].shape != q.shape:
                 errs.append(f"{name} {a[name].dtype} {tuple(a[name].shape)} vs q {q.dtype} {tuple(q.shape)}")
@@ -200,7 +214,7 @@ class CudaOpSpy(TorchDispatchMode):
     def _eff_common(self, a, errs):
         q, k, v = a["query"], a["key"], a["value"]
         mult = 4 if q.dtype == torch.float32 else 8
-        _qkv_common(errs, q, k, v, (torch.float32, *_HALF), False, None, mult)
+        _qkv_common(errs, q, k, v, (torch.float32, *self.half), False, None, mult)
         for name, t in (("q", q), ("k", k), ("v", v)):
             if any(t.stride(i) % mult for i in range(3) if t.shape[i] > 1):
                 errs.append(f"{name} strides {t.stride()} not multiples of {mult} elements")
@@ -227,7 +241,7 @@ class CudaOpSpy(TorchDispatchMode):
 
     # ------------------------------------------------------------------ cudnn
     def _cudnn_common(self, a, errs):
-        _qkv_common(errs, a["query"], a["key"], a["value"], _HALF, True, 256, 8)
+        _qkv_common(errs, a["query"], a["key"], a["value"], self.half, True, 256, 8)
         if a["query"].shape[-1] > 128:
             errs.append("head_dim > 128 needs sm90 with cuDNN >= 9.10 (seqpar refuses it)")
         if a["key"].shape[2] == 1:

@@ -87,3 +87,25 @@ def test_head_chunked_cuda_calls_on_meta(kernel, hf_layout):
         out.backward(torch.empty_like(out))
     assert sum(spy.launches.values()) == 8, spy.launches
     assert out.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_split_groups_add_kv_gradients_in_fp32():
+    """When the chunks split one KV head's q heads, its dK / dV parts are added in fp32 and cast once (a bf16 sum
+    loses them: 1 + 2^-8 + 2^-8 is 1 in bf16 steps, 1 + 2^-7 in fp32)."""
+    from seqpar.attention.heads import HeadChunked
+
+    class Parts:  # dK / dV of a call = 1 for the group's first q head, 2^-8 for each other one
+        name, varlen = "parts", False
+
+        def backward(self, dout, q, k, v, out, lse, causal, scale):
+            first = 1.0 if self.seen == 0 else 2.0**-8
+            self.seen += 1
+            return torch.zeros_like(q), torch.full_like(k, first), torch.full_like(v, first)
+
+    inner = Parts()
+    inner.seen = 0
+    q = torch.zeros(1, 4, 3, 8, dtype=torch.bfloat16)  # 3 q heads on 1 kv head, chunked into 3 calls
+    kv = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16)
+    _, dk, dv = HeadChunked(inner, 3).backward(q, q, kv, kv, q, q[..., 0].float(), True, 1.0)
+    assert inner.seen == 3 and dk.dtype == torch.bfloat16
+    assert float(dk.flatten()[0]) == float(dv.flatten()[0]) == 1 + 2.0**-7

@@ -86,8 +86,9 @@ class FlashKernel:
 
 class CudnnKernel:
     """cuDNN attention for dense calls. Calls that pack several documents run flash's varlen op (torch does
-    not expose cuDNN's ragged form on every version), and a 1-key piece (a 1-token document) is computed in
-    closed form (kernel_utils.one_key_*): cuDNN refuses s_q = s_kv = 1 ("cuDNN Frontend error", torch 2.11)."""
+    not expose cuDNN's ragged form on every version), and a 1-key piece (a 1-token document, a 1-token zigzag
+    chunk) is computed in closed form (kernel_utils.one_key_*): cuDNN refuses s_q = s_kv = 1 ("cuDNN Frontend
+    error", torch 2.11). Its backward takes the given (merged) out / lse, as the kernel's would."""
 
     name = "cudnn"
     varlen = True
@@ -106,7 +107,7 @@ class CudnnKernel:
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         if k.shape[1] == 1:
-            return one_key_backward(dout, q, k, v)
+            return one_key_backward(dout, q, k, v, out, lse, scale)
         seed, offset, cum_q, cum_k = self._aux
         # cuDNN reads out in the layout its forward allocated (q's dimension order, dense) and grad_out with out's
         # very strides; anything else gives wrong gradients without an error (torch 2.11): copy only then.

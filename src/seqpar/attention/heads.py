@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import AttentionKernel
+from .kernels import AttentionKernel, acc_dtype
 
 __all__ = ["HeadChunked", "head_chunks"]
 
@@ -58,11 +58,17 @@ class HeadChunked:
         return out, lse
 
     def _run_backward(self, fn, dout, q, k, v, out, lse, head_dim: int, *args):
-        if len(self._parts(q, k, head_dim)) == 1:
+        parts = self._parts(q, k, head_dim)
+        if len(parts) == 1:
             return fn(dout, q, k, v, out, lse, *args)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        done = set()  # KV heads whose gradient holds a first part (q-head splits of one group add up)
-        for q0, q1, k0, k1 in self._parts(q, k, head_dim):
+        # q-head splits of one KV head's group add up their dK / dV parts: in the accumulation dtype (fp32 for half
+        # inputs), cast once at the end, as the ring adds its blocks' parts
+        split = len({(k0, k1) for _, _, k0, k1 in parts}) < len(parts)
+        acc = acc_dtype(k.dtype) if split else k.dtype
+        dq = torch.empty_like(q)
+        dk, dv = torch.empty_like(k, dtype=acc), torch.empty_like(v, dtype=acc)
+        done = set()  # KV heads whose gradient holds a first part
+        for q0, q1, k0, k1 in parts:
             sq, sk = _heads(head_dim, q0, q1), _heads(head_dim, k0, k1)
             g = fn(dout[sq], q[sq], k[sk], v[sk], out[sq], lse[sq], *args)
             dq[sq] = g[0]
@@ -73,7 +79,7 @@ class HeadChunked:
                 dk[sk], dv[sk] = g[1], g[2]
                 done.add((k0, k1))
             del g
-        return dq, dk, dv
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
 
     def forward(self, q, k, v, causal, scale):
         return self._run_forward(self.inner.forward, q, k, v, 2, causal, scale)

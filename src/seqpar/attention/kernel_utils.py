@@ -50,9 +50,20 @@ def one_key_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return repeat_kv(v, groups).expand(q.shape).to(q.dtype).contiguous(), lse
 
 
-def one_key_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of one_key_forward: the weight is constantly 1, so dq = dk = 0 and dv sums dout over rows."""
+def one_key_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of a 1-key piece from the row's FINAL out / lse, as a fused kernel's backward computes it: inside
+    a ring or USP merge this key is one term of a larger softmax, so its weight p = exp(s - lse) is not 1 and dq, dk
+    are not 0. p = exp(q.k * scale - lse), dv = sum_rows p * dout, dS = p * (dout.v - rowsum(dout * out)),
+    dq = dS * scale * k, dk = sum_rows dS * scale * q (GQA: summed over the key's q heads). When the key IS the whole
+    softmax (p = 1, out = v) this gives dq = dk = 0 and dv = sum of dout."""
+    a = acc_dtype(q.dtype)
     groups = q.shape[2] // k.shape[2]
-    dv = fold_kv_grad(dout.to(acc_dtype(v.dtype)).sum(1, keepdim=True), groups).to(v.dtype)
-    return torch.zeros_like(q), torch.zeros_like(k), dv
+    q_, do = q.to(a), dout.to(a)
+    kk, vv = repeat_kv(k, groups).to(a), repeat_kv(v, groups).to(a)  # [B, 1, Hq, D]
+    p = torch.exp((q_ * kk).sum(-1) * scale - lse.to(a))  # [B, S, Hq]
+    ds = p * ((do * vv).sum(-1) - (do * out.to(a)).sum(-1))  # [B, S, Hq]
+    dq = (ds * scale).unsqueeze(-1) * kk
+    dk = fold_kv_grad(((ds * scale).unsqueeze(-1) * q_).sum(1, keepdim=True), groups)
+    dv = fold_kv_grad((p.unsqueeze(-1) * do).sum(1, keepdim=True), groups)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
