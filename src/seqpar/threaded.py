@@ -28,7 +28,9 @@ daemons, left to finish or to die with the process).
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -38,22 +40,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import SeqParError
-
-__all__ = ["run_threaded", "serial", "in_threaded_world", "BACKEND"]
+__all__ = ["run_threaded", "serial", "BACKEND"]
 
 BACKEND = "seqpar_threads"
 _WORLD_LOCK = threading.Lock()  # one threaded world at a time
 _SERIAL = threading.RLock()
-_LOCAL = threading.local()
 _MAILBOX: dict[tuple, queue.SimpleQueue] = {}
 _MAILBOX_LOCK = threading.Lock()
 _registered = False
+_GENERATION = [0]  # the threaded world being run (one at a time)
 
 
-def in_threaded_world() -> bool:
-    """Whether this thread is a rank of a threaded world."""
-    return getattr(_LOCAL, "rank", None) is not None
+class _Stopped(RuntimeError):
+    """This rank stopped because another one failed."""
 
 
 @contextlib.contextmanager
@@ -69,8 +68,10 @@ def _box(key: tuple) -> queue.SimpleQueue:
         return _MAILBOX.setdefault(key, queue.SimpleQueue())
 
 
+@functools.cache
 def _group_class():
-    """ProcessLocalGroup with point-to-point operations (imported lazily: torch.testing is heavy)."""
+    """ProcessLocalGroup with point-to-point operations (imported lazily: torch.testing is heavy). Its collectives
+    keep their state on ProcessLocalGroup itself (reset and stopped there)."""
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
     class _RecvWork(dist.Work):
@@ -83,8 +84,8 @@ def _group_class():
                 return True
             box = _box(self._key)
             while True:
-                if type(self._pg)._terminate.is_set():
-                    raise SeqParError("threaded world: another rank failed while this one waited in a receive")
+                if mtpg.ProcessLocalGroup._terminate.is_set():
+                    raise _Stopped("another rank failed while this one waited in a receive")
                 try:
                     got = box.get(timeout=0.05)
                     break
@@ -99,16 +100,37 @@ def _group_class():
             return self._done
 
     class ThreadRankGroup(mtpg.ProcessLocalGroup):
+        def __init__(self, rank, world_size):
+            super().__init__(rank, world_size)
+            self._generation = _GENERATION[0]
+
         def send(self, tensors, dst, tag=0):
-            _box((self.pg_name, self._rank, dst, tag)).put([t.detach().clone() for t in tensors])
+            _box((self._generation, self.pg_name, self._rank, dst, tag)).put([t.detach().clone() for t in tensors])
             return mtpg.ret_work(tensors)
 
         def recv(self, tensors, src, tag=0):
-            return _RecvWork(self, (self.pg_name, src, self._rank, tag), tensors)
+            return _RecvWork(self, (self._generation, self.pg_name, src, self._rank, tag), tensors)
 
         def getBackendName(self):
             return BACKEND
 
+    def start_coll(cls, collective, pg):
+        # collectives are matched by group name, and names repeat in every world: keyed by world too, so a rank left
+        # over from an earlier world (timed out, still running) never meets this world's ranks
+        with cls._coll_lock:
+            key = (getattr(pg, "_generation", None), pg.pg_name)
+            if key not in cls._cur_coll_on_pgs:
+                cls._cur_coll_on_pgs[key] = mtpg.Collective(pg.size(), collective, cls)
+            return cls._cur_coll_on_pgs[key]
+
+    def end_coll(cls, collective, pg):
+        with cls._coll_lock:
+            key = (getattr(pg, "_generation", None), pg.pg_name)
+            if cls._cur_coll_on_pgs.get(key) is collective:
+                cls._cur_coll_on_pgs.pop(key)
+
+    mtpg.ProcessLocalGroup._start_coll = classmethod(start_coll)
+    mtpg.ProcessLocalGroup._end_coll = classmethod(end_coll)
     return mtpg, ThreadRankGroup
 
 
@@ -124,7 +146,8 @@ def _install():
 
         dist.Backend.register_backend(BACKEND, create, devices=["cpu", "cuda"])
         _registered = True
-    group_cls.reset()
+    mtpg.ProcessLocalGroup.reset()
+    _GENERATION[0] += 1
     with _MAILBOX_LOCK:
         _MAILBOX.clear()
     mtpg._install_threaded_pg()
@@ -133,25 +156,25 @@ def _install():
 
 def _rank_main(rank: int, world: int, store, device: torch.device, fn: Callable, args: tuple, kwargs: dict,
                results: dict, errors: dict, group_cls) -> None:
-    _LOCAL.rank = rank
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(BACKEND, rank=rank, world_size=world, store=store,
                                 device_id=device if device.type == "cuda" else None)
         results[rank] = fn(*args, **kwargs)
-    except SystemExit as e:  # torch.testing's collectives end a rank this way once another rank failed
-        errors.setdefault(rank, f"rank {rank}: stopped ({e})")
     except BaseException as e:  # noqa: BLE001 - every failure is reported, with its traceback
-        errors[rank] = f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
-        group_cls.exception_handle(e)
+        # a rank stopped because another one failed (torch.testing's collectives raise SystemExit then; a receive
+        # raises _Stopped) is reported only when no rank failed first
+        secondary = isinstance(e, (SystemExit, _Stopped))
+        errors[rank] = (secondary, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        if not secondary:
+            group_cls.exception_handle(e)
     finally:
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - teardown after a failure
             pass
-        _LOCAL.rank = None
 
 
 def run_threaded(fn: Callable[..., Any], world_size: int, *args: Any, device: str | torch.device = "cpu",
@@ -167,8 +190,8 @@ def run_threaded(fn: Callable[..., Any], world_size: int, *args: Any, device: st
     if not _WORLD_LOCK.acquire(timeout=timeout):
         raise DistributedFailure("another threaded world is still running in this process")
     results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    mtpg = None
+    errors: dict[int, tuple[bool, str]] = {}  # rank -> (stopped by another rank's failure, report)
+    mtpg, hook = None, sys.excepthook  # init_process_group wraps the process's excepthook once per rank
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # c10d's group-name registry per thread
     try:
         mtpg, group_cls = _install()
@@ -186,13 +209,14 @@ def run_threaded(fn: Callable[..., Any], world_size: int, *args: Any, device: st
             group_cls.exception_handle(TimeoutError())
             for t in threads:
                 t.join(2.0)
-            errors[-1] = f"timed out after {timeout:.0f}s{cut}; ranks still running: {alive}"
+            errors[-1] = (False, f"timed out after {timeout:.0f}s{cut}; ranks still running: {alive}")
     finally:
         if mtpg is not None:
             mtpg._uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        sys.excepthook = hook
         _WORLD_LOCK.release()
     if errors:
-        first = [errors[r] for r in sorted(errors) if not errors[r].endswith("failed)") and "stopped (" not in errors[r]]
-        raise DistributedFailure("\n\n".join(first or [errors[r] for r in sorted(errors)]))
+        first = [text for r, (secondary, text) in sorted(errors.items()) if not secondary]
+        raise DistributedFailure("\n\n".join(first or [text for _, (_, text) in sorted(errors.items())]))
     return [results[r] for r in range(world_size)]

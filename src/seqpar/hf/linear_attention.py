@@ -16,8 +16,8 @@ Only the conv and the recurrence look along the sequence, and both are independe
   affine transitions, outputs are corrected with the incoming state; backward by autograd through the same
   ops). Zigzag segments are handled in global order; packed documents restart conv and state at every boundary.
 
-The conv and the recurrence are the layer module's own functions (`causal_conv1d_fn`,
-`torch_chunk_gated_delta_rule`: the torch fallbacks, or a hub kernel where transformers loaded one).
+The conv and the recurrence are the functions the layer's own forward calls (hf.layer_kernels: the torch
+fallbacks, or flash-linear-attention / causal-conv1d / a hub kernel where transformers uses one).
 
 Refused (SeqParError at apply time, identically on every rank, before any collective): k-head counts the
 Ulysses degree does not divide.
@@ -35,6 +35,7 @@ from ..attention.ulysses import heads_to_seq, seq_to_heads
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh, divisors
 from ..recurrent import delta_piece, ring_plan, ring_recurrence
+from .layer_kernels import layer_function
 
 __all__ = ["LINEAR_ATTENTION_CLASSES", "find_linear_attention", "check_linear_attention", "sp_gated_delta_forward",
            "head_space_plan"]
@@ -79,15 +80,16 @@ def _project(layer: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...
     return q, k, v, z, layer.in_proj_b(h), layer.in_proj_a(h)
 
 
-def _delta_piece_fn(layer: torch.nn.Module, fns: Any, nk_l: int) -> Any:
+def _delta_piece_fn(layer: torch.nn.Module, nk_l: int) -> Any:
     """The engine's piece function: conv output [b, L, C] + (beta, g) -> the delta rule on the piece."""
     kd, vd = layer.head_k_dim, layer.head_v_dim
+    rule = layer_function(layer, "torch_chunk_gated_delta_rule")  # FLA's kernel where the layer runs it
 
     def piece(y: torch.Tensor, side: tuple[torch.Tensor, ...], carries: bool) -> Any:
         b, n = y.shape[:2]
         q, k, v = torch.split(y, [nk_l * kd, nk_l * kd, y.shape[-1] - 2 * nk_l * kd], dim=-1)
         beta, g = side
-        return delta_piece(fns.torch_chunk_gated_delta_rule, q.reshape(b, n, nk_l, kd), k.reshape(b, n, nk_l, kd),
+        return delta_piece(rule, q.reshape(b, n, nk_l, kd), k.reshape(b, n, nk_l, kd),
                            v.reshape(b, n, -1, vd), g, beta, carries)
 
     return piece
@@ -145,11 +147,13 @@ def sp_gated_delta_forward(
     beta = bh.reshape(bsz, n, -1).sigmoid()
     g = -a_log.float().exp() * F.softplus(ah.reshape(bsz, n, -1).float() + dt_bias)  # as upstream (A_log in fp32)
 
+    conv_fn = layer_function(layer, "causal_conv1d_fn")
+
     def conv(x: torch.Tensor) -> torch.Tensor:
-        return fns.causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=layer.activation).transpose(1, 2)
+        return conv_fn(x.transpose(1, 2), weight, bias, activation=layer.activation).transpose(1, 2)
 
     plan = head_space_plan(mesh, s_loc * mesh.sp_size, row_bounds)
-    out = ring_recurrence(mixed, (beta, g), plan, mesh, conv, _delta_piece_fn(layer, fns, nk_l), "matrix",
+    out = ring_recurrence(mixed, (beta, g), plan, mesh, conv, _delta_piece_fn(layer, nk_l), "matrix",
                           int(layer.conv_kernel_size), mesh.state_passing)  # [B, n, nv/U, dv]
     out = heads_to_seq(out.contiguous(), group, mesh.stats, device=dev)  # [B, s, nv, dv]
     # Per token, as upstream: gated RMSNorm per v-head vector, then out_proj.

@@ -14,8 +14,9 @@ sequence, both independent per head (x, dt) and per group (B, C), so:
   slices of the layer's parameters). A second all-to-all returns the scan output for the norm and out_proj.
 - Ring / USP: seqpar.recurrent's state passing (conv halo + scalar-decay transitions), as for Gated DeltaNet.
 
-The conv and the scan are the module's own functions (`causal_conv1d_fn`, `mamba2_chunk_scan`: torch fallbacks
-or hub kernels). A 2-D padding mask zeroes padded tokens before in_proj and after the conv, as upstream.
+The conv and the scan are the functions the mixer's own forward calls (hf.layer_kernels; `causal_conv1d_fn`,
+`mamba2_chunk_scan`: torch fallbacks or hub kernels). A 2-D padding mask zeroes padded tokens before in_proj
+and after the conv, as upstream.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..attention.ulysses import heads_to_seq, seq_to_heads
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh, divisors
 from ..recurrent import SSDParams, ring_plan, ring_recurrence, ssd_piece
+from .layer_kernels import layer_function
 
 __all__ = ["MAMBA2_CLASSES", "find_mamba2", "check_mamba2", "mamba2_degrees", "sp_mamba2_forward"]
 
@@ -95,15 +97,16 @@ def _to_heads(layer: torch.nn.Module, xbc: torch.Tensor, dt: torch.Tensor, mask:
     return out[0], out[1].to(dt.dtype), (out[2][..., 0] if mask is not None else None)
 
 
-def _piece_fn(layer: torch.nn.Module, fns: Any, prm: SSDParams, hr: int, gl: int) -> Any:
+def _piece_fn(layer: torch.nn.Module, prm: SSDParams, hr: int, gl: int) -> Any:
     hd, n = layer.head_dim, layer.ssm_state_size
+    scan = layer_function(layer, "mamba2_chunk_scan")
 
     def piece(y: torch.Tensor, side: tuple[torch.Tensor, ...], carries: bool) -> Any:
         b, length = y.shape[:2]
         if len(side) > 1:  # padding mask: upstream zeroes padded tokens after the conv
             y = (y * side[1][..., None]).to(y.dtype)
         x, bb, cc = torch.split(y, [hr * hd, gl * n, gl * n], dim=-1)
-        return ssd_piece(fns.mamba2_chunk_scan, x.reshape(b, length, hr, hd), side[0], bb.reshape(b, length, gl, n),
+        return ssd_piece(scan, x.reshape(b, length, hr, hd), side[0], bb.reshape(b, length, gl, n),
                          cc.reshape(b, length, gl, n), prm, carries)
 
     return piece
@@ -128,12 +131,14 @@ def sp_mamba2_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, atten
     hr = heads.numel()
     gl = (chans.numel() - hr * layer.head_dim) // (2 * layer.ssm_state_size)
 
+    conv_fn = layer_function(layer, "causal_conv1d_fn")
+
     def conv(x: torch.Tensor) -> torch.Tensor:
-        return fns.causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=layer.activation).transpose(1, 2)
+        return conv_fn(x.transpose(1, 2), weight, bias, activation=layer.activation).transpose(1, 2)
 
     plan = ring_plan(s_loc * mesh.sp_size, mesh.ring_degree, mesh.ring_rank, mesh.effective_layout, row_bounds)
     side = (dt_h,) if mask_h is None else (dt_h, mask_h)
-    out = ring_recurrence(xbc_h, side, plan, mesh, conv, _piece_fn(layer, fns, prm, hr, gl), "scalar",
+    out = ring_recurrence(xbc_h, side, plan, mesh, conv, _piece_fn(layer, prm, hr, gl), "scalar",
                           int(layer.conv_kernel_size), mesh.state_passing)  # [B, n, hr, head_dim]
     out = heads_to_seq(out.contiguous(), mesh.ulysses_group, mesh.stats, device=mesh.comm_device)
     out = layer.norm(out.reshape(bsz, s_loc, -1), gate)

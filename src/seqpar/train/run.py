@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..errors import SeqParError, TrainingDiverged
 from ..memory.meter import PeakMemoryMeter
 from ..mesh import init_mesh, node_size_from_env
+from ..threaded import serial
 from .config import TrainConfig, validate_for_launch, with_total_steps
 from .dataset.prepare import prepare_examples
 from .grpo.rollout import GRPORollout, grpo_step_spec
@@ -117,8 +118,9 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     check_model(cfg, examples, info)
     if node == world:  # one node: every rank sees the folder; over nodes rank 0 checks it (take_lock)
         check_output_dir(cfg, layout, len(examples))  # another run's checkpoint, or results a fresh start replaces
-    torch.manual_seed(cfg.seed)
-    model = load_model(cfg, info)
+    with serial():  # the seeded global RNG builds the model: ranks that are threads (seqpar.threaded) take turns
+        torch.manual_seed(cfg.seed)
+        model = load_model(cfg, info)
     if loaded_heads(model) != (nh, nkv):
         raise SeqParError(f"model has heads {loaded_heads(model)} but its config said {(nh, nkv)}")
     check_memory_features(cfg, model, on_accelerator=torch.cuda.is_available())

@@ -1,0 +1,61 @@
+"""The conv / recurrence functions a hybrid layer's own forward calls, for its sequence-parallel forward.
+
+seqpar's SP forward of a Gated DeltaNet or Mamba2 layer (hf.linear_attention, hf.mamba2) runs the layer's conv and
+recurrence on pieces of the sequence with state passing (initial states, per-document restarts). It must run the
+SAME functions the unsharded layer runs, so that a kernel package the user installed is used under SP too, with
+the same numerics: flash-linear-attention's `chunk_gated_delta_rule`, causal-conv1d's `causal_conv1d_fn`,
+mamba_ssm's scan, or a hub kernel. transformers binds them in one of two ways, and `layer_function` follows both:
+- recent releases: module functions (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`, `mamba2_chunk_scan`)
+  wrapped to dispatch to the installed package (or hub kernel) when there is one, else the torch fallback;
+- earlier releases: attributes set on the layer in `__init__` (`self.chunk_gated_delta_rule = chunk_gated_delta_rule
+  or torch_chunk_gated_delta_rule`, `self.causal_conv1d_fn = causal_conv1d_fn`, None without the package).
+An attribute on the layer wins (it is what that layer's forward calls); a conv missing in both places runs the
+depthwise causal convolution in torch, as the layer's own fallback does.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SeqParError
+
+__all__ = ["layer_function", "torch_causal_conv1d"]
+
+# module function name -> the attribute names layers of earlier transformers releases bind it to
+_ON_LAYER = {
+    "torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule",),
+    "causal_conv1d_fn": ("causal_conv1d_fn",),
+    "mamba2_chunk_scan": (),
+}
+
+
+def torch_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        activation: str | None = None, **_: object) -> torch.Tensor:
+    """Depthwise causal conv1d over x [B, C, L] with weight [C, K]: the layers' own torch path."""
+    out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1,
+                   groups=x.shape[1])[..., : x.shape[-1]]
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise SeqParError(f"causal conv activation {activation!r} is not supported under SP: use silu")
+    return out.to(x.dtype)
+
+
+def layer_function(layer: torch.nn.Module, name: str) -> Callable:
+    """The function `name` (one of _ON_LAYER's keys) as `layer`'s own forward would call it."""
+    for attr in _ON_LAYER[name]:
+        fn = layer.__dict__.get(attr, getattr(type(layer), attr, None))
+        if callable(fn):
+            return fn
+    fn = getattr(sys.modules[type(layer).__module__], name, None)
+    if callable(fn):
+        return fn
+    if name == "causal_conv1d_fn":
+        return torch_causal_conv1d
+    raise SeqParError(f"{type(layer).__name__}: its module {type(layer).__module__} has no {name}, which seqpar's "
+                      "sequence-parallel forward of this layer runs: use the transformers release seqpar is tested "
+                      "with (pyproject.toml), or sequence_parallel size 1")
