@@ -35,7 +35,8 @@ efficient (_scaled_dot_product_efficient_attention / _backward):
   E7 backward: philox seed/offset are the tensors an efficient forward returned
 cudnn (_scaled_dot_product_cudnn_attention / _backward):
   C1 fp16 or bf16; unit stride along head_dim; head_dim a multiple of 8, <= 128 (256 on sm90 with new cuDNN);
-     more than one key ("cuDNN Frontend error: s_q = s_kv = 1 is not supported", in backward, H200 / 2.11)
+     more than one key ("cuDNN Frontend error: s_q = s_kv = 1 is not supported", in backward, H200 / 2.11) and
+     more than one query (refused before torch 2.9)
   C2 forward: compute_log_sumexp True, attn_bias None
   C3 backward: logsumexp defined, fp32 [B, H, Sq, 1]; cum_seq undefined (dense)
   C4 backward: grad_out with exactly out's strides, and out in the layout the forward allocates for q (q's
@@ -245,7 +246,9 @@ class CudaOpSpy(TorchDispatchMode):
         if a["query"].shape[-1] > 128:
             errs.append("head_dim > 128 needs sm90 with cuDNN >= 9.10 (seqpar refuses it)")
         if a["key"].shape[2] == 1:
-            errs.append("one key: cuDNN refuses s_q = s_kv = 1")
+            errs.append("one key: cuDNN refuses s_q = s_kv = 1 (s_kv = 1 on every torch: check_cudnn_tensor_shapes)")
+        if a["query"].shape[2] == 1:
+            errs.append("one query: cuDNN refuses s_q = 1 before torch 2.9 (check_cudnn_tensor_shapes)")
         if a["attn_bias"] is not None:
             errs.append("attn_bias given (seqpar never masks with a bias)")
 

@@ -127,19 +127,21 @@ def test_packed_row_is_one_varlen_launch_each_way(kernel):
 
 
 def test_cudnn_one_token_document_runs_without_cudnn():
-    """cuDNN refuses a piece with one key: a 1-token document takes the math kernel, the rest cuDNN."""
+    """cuDNN refuses a piece with one key (and, before torch 2.9, one query): a 1-token document takes flash's dense
+    op, the rest cuDNN; a 1-row piece against many keys too."""
     from seqpar.attention.calls import call_backward, call_forward
     from seqpar.attention.pieces import KernelCall, Piece
 
     kern = CudnnKernel()
     q, k, v = _meta(1, 9, 4, 64), _meta(1, 9, 2, 64), _meta(1, 9, 2, 64)
     with CudaOpSpy() as spy:
-        for p in (Piece(0, 1, 0, 1, True), Piece(1, 9, 1, 9, True)):
+        for p in (Piece(0, 1, 0, 1, True), Piece(1, 9, 1, 9, True), Piece(8, 9, 0, 8, False)):
             call = KernelCall(True, (p,))
             o, lse = call_forward(kern, call, q, k, v, 0.1)
             dout, out = _meta(1, 9, 4, 64), _meta(1, 9, 4, 64)
             call_backward(kern, call, dout, q, k, v, out, _meta(1, 9, 4, dtype=torch.float32), 0.1)
-    assert spy.launches == {"_scaled_dot_product_cudnn_attention": 1, "_scaled_dot_product_cudnn_attention_backward": 1}
+    assert spy.launches == {"_scaled_dot_product_cudnn_attention": 1, "_scaled_dot_product_cudnn_attention_backward": 1,
+                            "_scaled_dot_product_flash_attention": 2, "_scaled_dot_product_flash_attention_backward": 2}
 
 
 def test_ulysses_rank_local_calls_on_exchange_buffer_views():

@@ -13,6 +13,7 @@ from reference import reference_attention
 
 from seqpar.attention.kernels import CpuFlashKernel, MathKernel, default_scale
 from seqpar.attention.merge import merge_
+from seqpar.errors import SeqParError
 
 
 @pytest.mark.parametrize("kernel", [CpuFlashKernel(), MathKernel()], ids=lambda k: k.name)
@@ -96,27 +97,73 @@ def test_cpu_path_imports_nothing_cuda_only():
 
 
 # ----------------------------------------------------------------------------- kernel routing (GPU-free)
-def test_auto_routing_by_device_dtype_head_dim_and_gpu():
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+# (torch, capability, cuDNN, dtype, head_dim, training, what 'auto' picks, the sdp_utils.cpp rule that decides)
+ROUTES = [
+    ("2.13", (9, 0), 91900, BF16, 128, True, "cudnn", "sdp priority: cuDNN first on sm9x / sm10x, cuDNN > 9.15"),
+    ("2.13", (9, 0), 91500, BF16, 128, True, "flash", "sdp priority: cuDNN 9.15.0 is not above 9.15"),
+    ("2.11", (10, 3), 91900, BF16, 128, True, "cudnn", "sdp priority (2.10+): sm100 / sm103"),
+    ("2.11", (9, 4), 91900, BF16, 128, True, "flash", "sdp priority (2.10-2.12): minor 0 or 3 only"),
+    ("2.13", (9, 4), 91900, BF16, 128, True, "cudnn", "sdp priority (2.13): any minor"),
+    ("2.9", (9, 0), 91900, BF16, 128, True, "flash", "sdp priority before 2.10: flash first"),
+    ("2.13", (8, 9), 91900, BF16, 128, True, "flash", "cuDNN first only on sm9x / sm10x"),
+    ("2.13", (12, 0), 91900, BF16, 128, True, "flash", "check_cudnn_hardware_support: sm120 is not preferred"),
+    ("2.13", (9, 0), 91900, BF16, 256, True, "flash", "seqpar keeps cudnn to head_dim <= 128 (check_cudnn_d256_...)"),
+    # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120: no flash backward for 192 < d <= 224
+    ("2.13", (8, 6), None, BF16, 200, True, "efficient", "..._gt192_constraints_on_sm86_89_or_120 (training)"),
+    ("2.13", (8, 9), None, BF16, 224, True, "efficient", "..._gt192_constraints_on_sm86_89_or_120 (training)"),
+    ("2.13", (12, 0), None, BF16, 200, True, "efficient", "..._gt192_constraints_on_sm86_89_or_120 (training)"),
+    ("2.13", (12, 1), None, BF16, 200, True, "efficient", "sm121 in the gate from 2.8"),
+    ("2.7", (12, 1), None, BF16, 200, True, "math", "check_flash/mem_efficient_hardware_support (2.7): not sm121"),
+    ("2.13", (8, 6), None, BF16, 200, False, "flash", "the gate is for backward only (eval runs flash)"),
+    ("2.13", (8, 6), None, BF16, 232, True, "flash", "..._gt192_...: d > 224 refused only with dropout"),
+    ("2.13", (8, 0), None, BF16, 200, True, "flash", "the gate is not on sm80 / sm90"),
+    # check_mem_efficient_hardware_support + less_than_sm80_mem_efficient_dtypes
+    ("2.13", (7, 5), None, BF16, 128, True, "math", "less_than_sm80_mem_efficient_dtypes: no bf16 on T4 / V100"),
+    ("2.13", (7, 5), None, F16, 128, True, "efficient", "check_flash_attention_hardware_support: no flash < sm80"),
+    ("2.13", (7, 0), None, F32, 36, True, "efficient", "check_head_dim_size_mem_efficient: fp32 alignment 1 < sm80"),
+    ("2.13", (9, 0), None, F32, 36, True, "efficient", "check_head_dim_size_mem_efficient: fp32 alignment 4"),
+    ("2.13", (9, 0), None, BF16, 36, True, "math", "mha_fwd / mem-efficient: head_dim % 8 in half precision"),
+    ("2.13", (9, 0), None, BF16, 320, True, "efficient", "check_head_dim_size_flash: <= 256"),
+    ("2.13", (9, 0), 91900, F32, 128, True, "efficient", "check_dtypes_low_precision: flash / cudnn fp16, bf16"),
+    ("2.13", (9, 0), 91900, F64, 128, True, "math", "no fused kernel takes fp64"),
+    ("2.13", (4, 0), None, F32, 128, True, "math", "check_mem_efficient_hardware_support: sm50+"),
+    ("2.6", (10, 0), None, BF16, 128, True, "math", "check_*_hardware_support (2.6): up to sm90"),
+    ("2.6", (9, 0), 91900, BF16, 128, True, "flash", "2.6: no cuDNN preference"),
+]
+
+
+@pytest.mark.parametrize("version,cap,cudnn,dtype,d,training,want,rule", ROUTES, ids=[r[7] for r in ROUTES])
+def test_auto_routing_follows_torchs_rules(version, cap, cudnn, dtype, d, training, want, rule):
+    """'auto' per torch release (kernel_choice.TORCH_RULES), GPU, cuDNN, dtype, head_dim, training: never a kernel
+    torch's dispatcher would refuse for these inputs (the rule named), the preferred one where it may choose."""
+    from seqpar.attention.kernel_choice import kernel_name_for, kernel_problem
+
+    tv = tuple(int(x) for x in version.split("."))
+    got = kernel_name_for("cuda", dtype, d, cap, cudnn, training=training, torch_version=tv)
+    assert got == want, rule
+    if got != "math":
+        assert kernel_problem(got, "cuda", dtype, d, cap, training=training, torch_version=tv) is None
+
+
+def test_auto_routing_without_a_gpu_reading():
     from seqpar.attention.kernel_choice import kernel_name_for
 
-    f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
     # torch's CUDA flash op takes fp16/bf16 only: fp32 (the default) must go to the efficient op, fp64 to math.
-    assert [kernel_name_for("cuda", d) for d in (f16, bf16, f32, f64)] == ["flash", "flash", "efficient", "math"]
-    assert {kernel_name_for("cpu", d) for d in (f16, bf16, f32, f64)} == {"cpu"}
-    assert {kernel_name_for("mps", d) for d in (f16, f32)} == {"math"}
-    assert kernel_name_for("cuda", bf16, 128, (9, 0)) == "flash"
-    assert kernel_name_for("cuda", bf16, 128, (7, 5)) == "efficient"  # pre-Ampere: no flash
-    assert kernel_name_for("cuda", bf16, 320, (9, 0)) == "efficient"  # flash takes head_dim <= 256
-    assert kernel_name_for("cuda", bf16, 36, (9, 0)) == "math"  # no fused kernel takes head_dim 36 in bf16
-    assert kernel_name_for("cuda", f32, 36, (9, 0)) == "efficient"  # fp32: a multiple of 4 is enough
-    assert kernel_name_for("cuda", f32, 128, (5, 2)) == "efficient"
-    # Hopper with cuDNN 9: cudnn (1.7x flash on an H200), unless FA3/FA4 is active or cuDNN is old / unknown
-    assert kernel_name_for("cuda", bf16, 128, (9, 0), 91900) == "cudnn"
-    assert kernel_name_for("cuda", bf16, 128, (9, 0), 91900, "FA3") == "flash"
-    assert kernel_name_for("cuda", bf16, 128, (9, 0), 8900) == "flash"
-    assert kernel_name_for("cuda", bf16, 128, (8, 0), 91900) == "flash"
-    assert kernel_name_for("cuda", bf16, 256, (9, 0), 91900) == "flash"  # cudnn: head_dim <= 128
-    assert kernel_name_for("cuda", f32, 128, (9, 0), 91900) == "efficient"
+    assert [kernel_name_for("cuda", d) for d in (F16, BF16, F32, F64)] == ["flash", "flash", "efficient", "math"]
+    assert {kernel_name_for("cpu", d) for d in (F16, BF16, F32, F64)} == {"cpu"}
+    assert {kernel_name_for("mps", d) for d in (F16, F32)} == {"math"}
+    assert kernel_name_for("cuda", BF16, 128, (9, 0), 91900, "FA3") == "flash"  # an activated FA3 / FA4 wins
+
+
+def test_cudnn_refused_before_torch_2_8_and_old_torch_refused():
+    from seqpar.attention.kernel_choice import kernel_problem, torch_rules
+
+    assert "torch >= 2.8" in kernel_problem("cudnn", "cuda", BF16, 128, (9, 0), torch_version=(2, 7))
+    assert kernel_problem("cudnn", "cuda", BF16, 128, (9, 0), torch_version=(2, 8)) is None
+    assert torch_rules((2, 20)) is torch_rules((2, 13))  # later releases: the last known rules
+    with pytest.raises(SeqParError, match="torch >= 2.6"):
+        torch_rules((2, 5))
 
 
 def test_explicit_kernel_refuses_what_it_cannot_run():
@@ -165,33 +212,6 @@ def test_kernel_modules_do_not_import_each_other_at_module_level():
         tree = ast.parse((root / f"{mod}.py").read_text())
         top = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
         assert not [n for n in top if n.module == other], f"{mod}.py imports .{other} at module level"
-
-
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("merged", [False, True], ids=["whole_softmax", "inside_a_merge"])
-def test_one_key_closed_form_equals_math(causal, merged):
-    """cuDNN refuses a 1-key call; its kernel computes such pieces in closed form (kernel_utils.one_key_*). Inside a
-    ring / USP merge the backward gets the MERGED out / lse, in which this key is one term of a larger softmax: the
-    closed form must take them as the math kernel's backward does (it returned dq = dk = 0 and dv = sum of dout,
-    right only for the whole softmax: relative errors 0.5-2.4 on packed rows at ring 2)."""
-    from seqpar.attention.kernel_utils import one_key_backward, one_key_forward
-
-    g = torch.Generator().manual_seed(0)
-    sq = 1 if causal else 5  # a causal piece with one key is the 1x1 diagonal
-    q, do = (torch.randn(2, sq, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(2, 1, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    out, lse = one_key_forward(q, k, v, 0.3)
-    want_out, want_lse = MathKernel().forward(q, k, v, causal, 0.3)
-    assert torch.allclose(out, want_out, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
-    if merged:  # the row's final softmax also covers keys elsewhere: a larger lse, another out
-        out = torch.randn(out.shape, generator=g, dtype=torch.float64)
-        lse = lse + torch.rand(lse.shape, generator=g, dtype=torch.float64) * 3
-    got = one_key_backward(do, q, k, v, out, lse, 0.3)
-    want = MathKernel().backward(do, q, k, v, out, lse, causal, 0.3)
-    for a, b in zip(got, want):
-        assert torch.allclose(a, b, atol=1e-12)
-    if merged:
-        assert float(got[0].abs().max()) > 1e-3 and float(got[1].abs().max()) > 1e-3  # not the whole-softmax zeros
 
 
 def test_cuda_workspace_on_cpu_kernel_is_the_cpu_kernel():

@@ -87,7 +87,8 @@ def attention(
         bounds = validate_cu_seqlens(cu_seqlens, seq_len)
     _check_chunks(overlap_chunks, q.shape[2], k.shape[2], mesh)
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
-    kern = get_kernel(q.device, kernel, q.dtype, head_dim=d)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # torch refuses more backwards
+    kern = get_kernel(q.device, kernel, q.dtype, head_dim=d, training=training)
     if not isinstance(head_chunks, int) or head_chunks < 1:
         raise SeqParError(f"head_chunks must be an int >= 1, got {head_chunks!r}")
     if head_chunks > 1:

@@ -6,7 +6,8 @@ one call, gathers, merges) is made in CPU-tested code; here only layouts and op 
   fp16/bf16. GQA native (K/V keep their heads; dK/dV come back at the KV heads). Varlen form:
   `aten._flash_attention_forward/_backward` on [T, H, D] rows with int32 cum_seq, lse [H, T].
 - `CudnnKernel` ("cudnn"): cuDNN attention, fp16/bf16, GQA native, lse [B, H, S, 1], for dense calls (1.7x
-  flash's speed on an H200: docs/gpu.md); packed calls go to flash's varlen op.
+  flash's speed on an H200: docs/gpu.md); packed calls go to flash's varlen op, pieces of one query or one key
+  to flash's dense op (cuDNN refuses them).
 - `EfficientKernel` ("efficient"): the memory-efficient op (also fp32). It needs equal head counts and no
   strided view can give a q head its KV head (head h reads kv h // G: not an affine map), so K/V are
   repeated (a copy) and dK/dV folded back; its lse is padded to a multiple of 32 rows.
@@ -17,7 +18,8 @@ cum_seq selects FlashAttention's varlen path, which demands int32 (the crash of 
 Dropout is always 0, so every forward of one kernel object returns the same kind of seed/offset; the object
 keeps the last ones for its backward calls (the ring's backward runs on the merged out/lse, not on one
 forward's). CI checks all of it on meta tensors under tests/cuda_op_spy.py (the CUDA ops' argument rules);
-numerics run on a GPU (tests/gpu, `make test-gpu`).
+numerics of the logic around the calls on CPU through float64 emulations of the ops
+(tests/test_cuda_emulated.py, every SP mode), and on a GPU (`make test-gpu`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from functools import lru_cache
 
 import torch
 
-from .kernel_utils import bhsd, fold_kv_grad, one_key_backward, one_key_forward, repeat_kv
+from .kernel_utils import bhsd, fold_kv_grad, repeat_kv
 
 __all__ = ["FlashKernel", "CudnnKernel", "EfficientKernel", "CUDA_KERNELS"]
 
@@ -86,9 +88,10 @@ class FlashKernel:
 
 class CudnnKernel:
     """cuDNN attention for dense calls. Calls that pack several documents run flash's varlen op (torch does
-    not expose cuDNN's ragged form on every version), and a 1-key piece (a 1-token document, a 1-token zigzag
-    chunk) is computed in closed form (kernel_utils.one_key_*): cuDNN refuses s_q = s_kv = 1 ("cuDNN Frontend
-    error", torch 2.11). Its backward takes the given (merged) out / lse, as the kernel's would."""
+    not expose cuDNN's ragged form on every version), and so do pieces with one key or one query (a 1-token
+    document, a 1-token zigzag chunk): cuDNN refuses s_kv = 1 ("cuDNN Frontend error: s_q = s_kv = 1 is not
+    supported", torch 2.11; sdp_utils' check_cudnn_tensor_shapes on every release) and s_q = 1 before torch 2.9.
+    Those go to flash's dense op, whose backward takes the given (ring-merged) out / lse like every kernel's."""
 
     name = "cudnn"
     varlen = True
@@ -98,16 +101,16 @@ class CudnnKernel:
         self._flash = FlashKernel()
 
     def forward(self, q, k, v, causal, scale):
-        if k.shape[1] == 1:
-            return one_key_forward(q, k, v, scale)
+        if q.shape[1] == 1 or k.shape[1] == 1:
+            return self._flash.forward(q, k, v, causal, scale)
         res = aten._scaled_dot_product_cudnn_attention(bhsd(q), bhsd(k), bhsd(v), None, True, 0.0, causal, False,
                                                        scale=scale)
         self._aux = (res[6], res[7], res[2], res[3])
         return bhsd(res[0]), bhsd(res[1].squeeze(-1))
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        if k.shape[1] == 1:
-            return one_key_backward(dout, q, k, v, out, lse, scale)
+        if q.shape[1] == 1 or k.shape[1] == 1:
+            return self._flash.backward(dout, q, k, v, out, lse, causal, scale)
         seed, offset, cum_q, cum_k = self._aux
         # cuDNN reads out in the layout its forward allocated (q's dimension order, dense) and grad_out with out's
         # very strides; anything else gives wrong gradients without an error (torch 2.11): copy only then.

@@ -13,8 +13,9 @@ cu_q[i]:cu_q[i+1] of q against rows cu_k[i]:cu_k[i+1] of k/v (cu_* are Python tu
 - "cpu": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu (+ _backward). CI-tested.
 - "math": plain matmul/softmax in the accumulation dtype; any device and dtype. CI-tested.
 - "flash", "cudnn", "efficient": torch's CUDA SDPA ops (attention.cuda_kernels, imported lazily); their
-  argument plumbing is CI-tested on meta tensors against the CUDA ops' rules, their numerics on a GPU
-  (`make test-gpu`). Which one 'auto' picks: attention.kernel_choice.
+  argument plumbing is CI-tested on meta tensors against the CUDA ops' rules, the logic around their calls on
+  float64 emulations of the ops (every SP mode), their numerics on a GPU (`make test-gpu`). Which one 'auto'
+  picks (torch's own rules per release, for training or not): attention.kernel_choice.
 `VarlenByLoop` gives any kernel a varlen form by looping over the sequences (CPU tests of the varlen
 call paths; the same results as the pieces one by one).
 """
@@ -207,7 +208,7 @@ def attention_forward_ops() -> frozenset:
 
 
 def get_kernel(device: torch.device, name: str | AttentionKernel = "auto", dtype: torch.dtype | None = None,
-               head_dim: int | None = None) -> AttentionKernel:
+               head_dim: int | None = None, training: bool = True) -> AttentionKernel:
     """The kernel for `name` ('auto', a kernel name, or an AttentionKernel instance, used as is).
 
     'auto' and the refusals (a kernel that cannot take this device, dtype or head_dim raises SeqParError
@@ -215,7 +216,7 @@ def get_kernel(device: torch.device, name: str | AttentionKernel = "auto", dtype
     """
     if not isinstance(name, str):
         return name
-    name = resolve_kernel_name(device, name, dtype, head_dim)
+    name = resolve_kernel_name(device, name, dtype, head_dim, training)
     if name == "cpu":
         return CpuFlashKernel()
     if name == "cpu_cuda_workspace":

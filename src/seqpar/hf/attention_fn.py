@@ -122,7 +122,7 @@ _ANNOUNCED: set[str] = set()
 def _announce_kernel(q: torch.Tensor, kernel: str) -> None:
     """Print which kernel attention runs on, once per process and choice, on global rank 0 (it also refuses a
     forced kernel that cannot take these inputs: SeqParError on every rank alike, before communicating)."""
-    line = describe_choice(q.device, kernel, q.dtype, q.shape[-1])
+    line = describe_choice(q.device, kernel, q.dtype, q.shape[-1], torch.is_grad_enabled() and q.requires_grad)
     if line in _ANNOUNCED:
         return
     _ANNOUNCED.add(line)
