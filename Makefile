@@ -27,11 +27,19 @@ test-all: setup
 # On a machine with a CUDA GPU: its own python3 and torch (no venv, no network), seqpar from src/ (docs/gpu.md).
 GPU_ENV := PYTHONPATH=$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH)) PYTHONUNBUFFERED=1
 
+# Both need the machine's python3 to hold a CUDA build of torch: said in one line, not a traceback.
+GPU_CHECK = $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null; rc=$$?; \
+	if [ $$rc = 3 ]; then echo "make $@: $(PYTHON)'s torch sees no CUDA GPU: run it on a CUDA machine"; exit 2; \
+	elif [ $$rc != 0 ]; then echo "make $@: $(PYTHON) has no torch: run it with a CUDA machine's python3 and torch (or \
+	PYTHON=/path/to/python), plus the packages docs/gpu.md lists"; exit 2; fi
+
 test-gpu:
-	$(GPU_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider -o addopts="" --durations=5 \
-		tests/test_gpu_attention.py tests/test_cuda_kernels_meta.py tests/test_kernels_merge.py
+	@$(GPU_CHECK)
+	$(GPU_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider -o addopts="" --durations=10 \
+		tests/test_gpu_attention.py tests/test_gpu_sp.py
 
 bench-gpu:
+	@$(GPU_CHECK)
 	$(GPU_ENV) $(PYTHON) -m seqpar.bench gpu --out bench_results/gpu.json
 
 lint: setup

@@ -320,3 +320,20 @@ def test_recurrent_benchmark_quick(tmp_path):
                 assert all(b["state_bwd"] == b["state_fwd"] > 0 for b in p["bytes_per_rank"]), p
                 assert plan["state"] == 2 * chain, p
                 assert plan["halo"] == 2 * gathered, p
+
+
+def test_sp_step_profile_runs_on_cpu():
+    """bench.gpu_sp's code on the CPU (its GPU run is `python -m seqpar.bench gpu --parts sp`): a world of 1, a
+    Ulysses-4 and a ring-4 step as threads, their ops' time by category; the threaded collectives are attributed to
+    communication, the attention ops to attention."""
+    from seqpar.bench.gpu_sp import categorise, sp_lines, sp_rows
+    from seqpar.threaded import COMM_RANGE
+
+    assert categorise("aten::copy_", [COMM_RANGE, "x"]) == "communication"
+    assert categorise("aten::_scaled_dot_product_cudnn_attention", []) == "attention"
+    assert categorise("aten::cat", []) == "copies_layout" and categorise("aten::sigmoid", []) == "merge_other"
+    rows = sp_rows(s=64, modes=((1, 1), (4, 1), (1, 4)), reps=1, device="cpu")
+    assert all("error" not in r for r in rows), rows
+    assert all(r["gpu_ms"]["attention"] > 0 for r in rows)
+    assert rows[0]["gpu_ms"]["communication"] == 0 and all(r["gpu_ms"]["communication"] > 0 for r in rows[1:])
+    assert "sp_overhead_ms_vs_world1" in rows[1] and len(sp_lines(rows)) == 3

@@ -19,7 +19,7 @@ import torch
 
 import seqpar
 from seqpar.hf import tiny_model
-from seqpar.hf.layer_kernels import layer_function, torch_causal_conv1d
+from seqpar.hf.layer_kernels import kernel_origin, layer_function, torch_causal_conv1d
 from seqpar.hf.linear_attention import find_linear_attention, sp_gated_delta_forward
 from seqpar.hf.mamba2 import find_mamba2, sp_mamba2_forward
 from seqpar.threaded import run_threaded, serial
@@ -85,6 +85,9 @@ def test_conv_fallback_and_missing_functions(monkeypatch):
     x = torch.randn(2, layer.conv_dim, 11)
     w, b = layer.conv1d.weight.squeeze(1), torch.randn(layer.conv_dim)
     torch.testing.assert_close(torch_causal_conv1d(x, w, b, "silu"), module.causal_conv1d_fn(x, w, b, "silu"))
+    # transformers' dispatching wrapper runs the implementation it chose at import: here its torch fallback
+    assert kernel_origin(layer_function(layer, "torch_chunk_gated_delta_rule")) == module.__name__
+    assert kernel_origin(torch_causal_conv1d) == "seqpar.hf.layer_kernels"
     layer.causal_conv1d_fn = None  # an earlier release without causal-conv1d: the module's, else torch's
     assert layer_function(layer, "causal_conv1d_fn") is module.causal_conv1d_fn
     monkeypatch.delattr(module, "causal_conv1d_fn")

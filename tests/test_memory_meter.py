@@ -213,3 +213,17 @@ def test_demo_prints_both_peaks(tmp_path):
 def test_activation_bytes_needs_the_split():
     with pytest.raises(ValueError, match="categories=True"):
         activation_bytes({"peak_bytes": 100, "by_category": {}})
+
+
+def test_host_state_bytes_counts_what_lives_off_the_device():
+    """FSDP2's CPU offload keeps parameters / gradients / optimizer state on the host: counted once each (shared
+    storage once) when the step's device is an accelerator (meta stands for it), nothing on the CPU."""
+    from seqpar.memory.meter import host_state_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2, bias=False))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    assert host_state_bytes(model, opt, torch.device("meta")) == 4 * (n + n + 2 * n) + 4 * 3  # + 3 scalar steps
+    assert host_state_bytes(model, opt, torch.device("cpu")) == 0

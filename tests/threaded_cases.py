@@ -14,7 +14,9 @@ from seqpar.threaded import run_threaded
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft_tiny_usp.yaml"
 MODELS = {  # Llama-shaped (GQA) and Qwen3.5-shaped (Gated DeltaNet + attention, 4 k heads) tiny decoders
     "llama": {"name": "tiny:llama", "kwargs": {"num_heads": 8, "num_kv_heads": 4, "num_layers": 2}},
-    "qwen3_5": {"name": "tiny:qwen3_5", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 2}},
+    # (k / v head dims 16: flash-linear-attention's Triton kernels, where installed, take no smaller tiles)
+    "qwen3_5": {"name": "tiny:qwen3_5", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 2,
+                                                   "linear_key_head_dim": 16, "linear_value_head_dim": 16}},
 }
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_threaded", "serial", "BACKEND"]
+__all__ = ["run_threaded", "serial", "BACKEND", "COMM_RANGE"]
 
 BACKEND = "seqpar_threads"
 _WORLD_LOCK = threading.Lock()  # one threaded world at a time
@@ -68,6 +68,20 @@ def _box(key: tuple) -> queue.SimpleQueue:
         return _MAILBOX.setdefault(key, queue.SimpleQueue())
 
 
+COMM_RANGE = "seqpar.threaded.transfer"  # the profiler range of every collective / point-to-point copy
+_COLLECTIVES = ("all_to_all_single", "alltoall", "allreduce", "allreduce_coalesced", "allgather", "all_gather_single",
+                "broadcast", "reduce_scatter", "reduce_scatter_single", "scatter", "gather", "barrier")
+
+
+def _ranged(fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with torch.profiler.record_function(COMM_RANGE):
+            return fn(*args, **kwargs)
+
+    return call
+
+
 @functools.cache
 def _group_class():
     """ProcessLocalGroup with point-to-point operations (imported lazily: torch.testing is heavy). Its collectives
@@ -79,6 +93,7 @@ def _group_class():
             super().__init__()
             self._pg, self._key, self._tensors, self._done = pg, key, tensors, False
 
+        @_ranged
         def wait(self, timeout=None) -> bool:
             if self._done:
                 return True
@@ -104,6 +119,7 @@ def _group_class():
             super().__init__(rank, world_size)
             self._generation = _GENERATION[0]
 
+        @_ranged
         def send(self, tensors, dst, tag=0):
             _box((self._generation, self.pg_name, self._rank, dst, tag)).put([t.detach().clone() for t in tensors])
             return mtpg.ret_work(tensors)
@@ -129,6 +145,8 @@ def _group_class():
             if cls._cur_coll_on_pgs.get(key) is collective:
                 cls._cur_coll_on_pgs.pop(key)
 
+    for name in _COLLECTIVES:  # a profiler range around each, so a profile tells transfers from compute
+        setattr(ThreadRankGroup, name, _ranged(getattr(mtpg.ProcessLocalGroup, name)))
     mtpg.ProcessLocalGroup._start_coll = classmethod(start_coll)
     mtpg.ProcessLocalGroup._end_coll = classmethod(end_coll)
     return mtpg, ThreadRankGroup

@@ -2,7 +2,7 @@
      python -m seqpar.bench memory [--out bench_results/memory.json] [--png FILE] [--quick] [--budget-gib 4]
      python -m seqpar.bench rollout [--out bench_results/rollout.json] [--quick] [--sp 1,2,4]
      python -m seqpar.bench step [--out bench_results/step.json] [--png FILE] [--quick] [--rounds 2]
-     python -m seqpar.bench gpu [--out bench_results/gpu.json] [--parts attention,packed,train] [--runs A,B]
+     python -m seqpar.bench gpu [--out bench_results/gpu.json] [--parts attention,packed,sp,hybrid,train] [--runs A,B]
                                 [--trace RUN] [--quick]   (needs a CUDA GPU: docs/gpu.md)
      python -m seqpar.bench layer-memory [--out bench_results/layer_memory.json] [--lengths 1152,2304]
                                          [--configs A,B] [--quick]
@@ -119,7 +119,8 @@ def _step(args: argparse.Namespace) -> int:
 def _add_gpu(sub: argparse._SubParsersAction) -> None:
     gpu = sub.add_parser("gpu", help="one CUDA GPU: kernels vs torch SDPA, packed rows, seqpar train vs plan")
     gpu.add_argument("--out", default="bench_results/gpu.json", help="JSON output path (rewritten after each part)")
-    gpu.add_argument("--parts", default="attention,packed,train", help="comma-separated: attention,packed,train")
+    gpu.add_argument("--parts", default="attention,packed,sp,hybrid,train",
+                     help="comma-separated: attention,packed,sp,hybrid,train")
     gpu.add_argument("--runs", default=None, help="comma-separated train runs (bench.gpu_train.RUNS), or all")
     gpu.add_argument("--trace", default=None, help="a train run whose live tensors at the peak are listed")
     gpu.add_argument("--quick", action="store_true", help="small sizes and the tiny fp32 runs only")

@@ -6,8 +6,13 @@ Parts (all by default; `--parts` picks):
   causal, at 8K and 32K tokens. Ratios are side by side in one process.
 - `packed`: a 128K row packed from 2K-token documents: seqpar.attention with cu_seqlens vs ONE direct varlen
   flash call (torch.nn.attention.varlen.varlen_attn) on the same row.
-- `train`: `seqpar train` runs (bench.gpu_train): tokens/s, MFU and peak memory vs `seqpar plan`, and the
-  fp32 exactness of the memory features on CUDA.
+- `sp`: one Ulysses-4 and one ring-4 attention step on this one GPU (the ranks are threads, seqpar.threaded), and
+  the GPU time in attention kernels vs copies / layout and merges (bench.gpu_sp).
+- `hybrid`: a Gated DeltaNet layer through flash-linear-attention's / causal-conv1d's kernels vs the torch
+  fallbacks (bench.gpu_hybrid).
+- `train`: `seqpar train` runs (bench.gpu_train): tokens/s, MFU and peak memory vs `seqpar plan`, activation and
+  FSDP2 CPU offload, a Qwen3.5-shaped hybrid at ring 4 on one GPU vs SP 1, and the fp32 exactness of the memory
+  features on CUDA.
 Timing: CUDA events, the median of `reps` after warm-up. Peak: torch.cuda.max_memory_allocated during one
 fwd+bwd, minus what was allocated before it (the inputs). MFU's denominator is the bf16 matmul rate measured
 in the same run (8192^3 products), not a datasheet figure.
@@ -180,12 +185,19 @@ def packed_row(s: int = 131072, doc: int = 2048, reps: int = 5) -> dict[str, Any
     return row
 
 
-def run(parts: tuple[str, ...] = ("attention", "packed", "train"), quick: bool = False, runs: list[str] | None = None,
+PARTS = ("attention", "packed", "sp", "hybrid", "train")
+
+
+def run(parts: tuple[str, ...] = PARTS, quick: bool = False, runs: list[str] | None = None,
         work: str | None = None, timeout: float = 300.0, trace: str | None = None,
         out: str | None = None) -> dict[str, Any]:
-    """All parts in order; with `out`, the JSON is rewritten after each part (a run cut short keeps the rest)."""
+    """The parts in the order given; with `out`, the JSON is rewritten after each part and train run (a run cut
+    short keeps what it measured)."""
     if not torch.cuda.is_available():
         raise SystemExit("seqpar.bench gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise SystemExit(f"unknown --parts {unknown}: use some of {', '.join(PARTS)}")
     result: dict[str, Any] = {"device": device_info(), "matmul_bf16_tflops": matmul_tflops()}
 
     def save() -> None:
@@ -194,18 +206,31 @@ def run(parts: tuple[str, ...] = ("attention", "packed", "train"), quick: bool =
             with open(out, "w") as fh:
                 json.dump(result, fh, indent=1)
 
-    if "attention" in parts:
-        result["attention"] = attention_rows((2048, 4096) if quick else (8192, 32768), reps=3 if quick else 10)
-        save()
-    if "packed" in parts:
-        result["packed"] = packed_row(16384 if quick else 131072, reps=3 if quick else 5)
-        save()
-    if "train" in parts:
+    def train() -> dict[str, Any]:
         from .gpu_train import train_part
 
-        work = work or os.path.join(os.environ.get("TMPDIR", "/tmp"), "seqpar_bench_gpu")
-        result["train"] = train_part(runs, work, timeout, result["matmul_bf16_tflops"], quick, trace, save_partial=(
+        where = work or os.path.join(os.environ.get("TMPDIR", "/tmp"), "seqpar_bench_gpu")
+        return train_part(runs, where, timeout, result["matmul_bf16_tflops"], quick, trace, save_partial=(
             lambda t: (result.__setitem__("train", t), save())))
+
+    def sp() -> list[dict[str, Any]]:
+        from .gpu_sp import sp_rows
+
+        return sp_rows(8192 if quick else 32768, reps=2 if quick else 3)
+
+    def hybrid() -> list[dict[str, Any]]:
+        from .gpu_hybrid import hybrid_layer_rows
+
+        return hybrid_layer_rows(4096 if quick else 16384, reps=3 if quick else 5)
+
+    steps = {"attention": ("attention", lambda: attention_rows((2048, 4096) if quick else (8192, 32768),
+                                                               reps=3 if quick else 10)),
+             "packed": ("packed", lambda: packed_row(16384 if quick else 131072, reps=3 if quick else 5)),
+             "sp": ("sp", sp), "hybrid": ("hybrid_layer", hybrid), "train": ("train", train)}
+    for part in parts:
+        key, fn = steps[part]
+        result[key] = fn()
+        save()
     return result
 
 
@@ -229,6 +254,14 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
         lines.append(f"  packed {p['S']} tokens, {p['docs']} docs: " + (
             f"seqpar {p['seqpar_ms']:.2f} ms vs one varlen call {p['direct_varlen_ms']:.2f} ms = "
             f"{p['time_ratio']:.2f}x time, {p['peak_ratio']:.2f}x peak" if "time_ratio" in p else str(p)))
+    if "sp" in r:
+        from .gpu_sp import sp_lines
+
+        lines += sp_lines(r["sp"])
+    if "hybrid_layer" in r:
+        from .gpu_hybrid import hybrid_lines
+
+        lines += hybrid_lines(r["hybrid_layer"])
     if "train" in r:
         from .gpu_train import train_lines
 

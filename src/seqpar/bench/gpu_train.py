@@ -37,6 +37,20 @@ ALL = {"activation_checkpointing": True, "offload_activations": True, "fused_los
        "tiled_layer": True}
 NONE = {"activation_checkpointing": False, "fused_loss": False}
 NO_OFFLOAD = {**ALL, "offload_activations": False}
+CHUNKS = {**ALL, "attention_head_chunks": 8}
+# Qwen3.5 / Qwen3-Next's layer shapes (hidden 2048; attention 16 q / 2 kv heads of 256; Gated DeltaNet 16 k / 32 v
+# heads of 128), 2 layers (linear attention, then full attention), random weights
+QWEN35_2L = {"num_heads": 16, "num_kv_heads": 2, "head_dim": 256, "hidden_size": 2048, "intermediate_size": 6144,
+             "num_layers": 2, "vocab_size": 151936, "max_position_embeddings": 262144, "initializer_range": 0.02,
+             "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+             "linear_value_head_dim": 128}
+# runs that are not tiny:llama at SP 1: their model / sequence_parallel, and no memory meter (a threaded world's
+# ranks share the device's allocator statistics)
+EXTRA: dict[str, dict[str, Any]] = {
+    "q35_sp1_16k": {"model": {"name": "tiny:qwen3_5", "kwargs": QWEN35_2L}},
+    "q35_ring4_16k": {"model": {"name": "tiny:qwen3_5", "kwargs": QWEN35_2L},
+                      "sequence_parallel": {"size": 4, "ulysses_degree": 1, "ring_degree": 4}},
+}
 RUNS: dict[str, tuple[dict, int, str, dict, str, int]] = {  # name: (model, length, precision, memory, optimizer, steps)
     "l2_none_16k": (LLAMA_2L, 16384, "bf16", NONE, "adamw", 3),
     "l2_all_16k": (LLAMA_2L, 16384, "bf16", ALL, "adamw", 3),
@@ -50,13 +64,20 @@ RUNS: dict[str, tuple[dict, int, str, dict, str, int]] = {  # name: (model, leng
     "l2_keep_256k": (LLAMA_2L, 262144, "bf16", {**ALL, "attention_head_chunks": 8, "keep_attention": True}, "adamw",
                      3),
     "l2_fsdp_offload_64k": (LLAMA_2L, 65536, "bf16", ALL, "adamw", 3),
+    # activation offload vs none vs FSDP2's CPU offload on top, at 64K with 8 head chunks (docs/gpu.md)
+    "l2_chunks_nooffload_64k": (LLAMA_2L, 65536, "bf16", {**CHUNKS, "offload_activations": False}, "adamw", 3),
+    "l2_chunks_fsdp_offload_64k": (LLAMA_2L, 65536, "bf16", CHUNKS, "adamw", 3),
+    # a Qwen3.5-shaped 2-layer hybrid (Gated DeltaNet + attention), SP 1 and ring 4 on ONE GPU (threads): equal
+    "q35_sp1_16k": (QWEN35_2L, 16384, "bf16", NONE, "sgd", 3),
+    "q35_ring4_16k": (QWEN35_2L, 16384, "bf16", NONE, "sgd", 3),
     "tiny_fp32_none": (TINY, 2048, "fp32", NONE, "sgd", 3),
     "tiny_fp32_all": (TINY, 2048, "fp32", ALL, "sgd", 3),
 }
-# in order of what a short run must not miss (the JSON is rewritten after each run): about 5 minutes on an H200;
-# `--runs all` adds the comparisons (no head chunks, no offload, 16K / 128K, FSDP2 CPU offload)
-DEFAULT_RUNS = ["tiny_fp32_none", "tiny_fp32_all", "l2_none_16k", "l2_chunks_64k", "l2_chunks_256k", "l2_keep_256k"]
-ALL_RUNS = DEFAULT_RUNS + ["l2_all_64k", "l2_all_256k", "l2_all_128k", "l2_nooffload_256k", "l2_all_16k",
+# in order of what a short run must not miss (the JSON is rewritten after each run): about 6 minutes on an H200;
+# `--runs all` adds the comparisons (no head chunks, no offload, 16K / 128K, FSDP2 CPU offload without chunks)
+DEFAULT_RUNS = ["tiny_fp32_none", "tiny_fp32_all", "q35_sp1_16k", "q35_ring4_16k", "l2_chunks_64k", "l2_chunks_256k",
+                "l2_keep_256k", "l2_chunks_nooffload_64k", "l2_chunks_fsdp_offload_64k"]
+ALL_RUNS = DEFAULT_RUNS + ["l2_none_16k", "l2_all_64k", "l2_all_256k", "l2_all_128k", "l2_nooffload_256k", "l2_all_16k",
                            "l2_nooffload_64k", "l2_fsdp_offload_64k"]
 QUICK_RUNS = ["tiny_fp32_none", "tiny_fp32_all"]
 
@@ -80,7 +101,7 @@ def _data(work: str, chars: int, rows: int = 6) -> str:
 
 def run_config(name: str, work: str) -> dict[str, Any]:
     model, length, prec, mem, opt, steps = RUNS[name]
-    return {
+    cfg = {
         "model": {"name": "tiny:llama", "kwargs": model},
         "dataset": {"path": _data(work, length + 64), "format": "text", "max_length": length, "shuffle": False},
         "precision": prec, "memory": dict(mem), "max_steps": steps, "micro_batch_size": 1, "grad_accum": 1,
@@ -89,6 +110,10 @@ def run_config(name: str, work: str) -> dict[str, Any]:
         "output_dir": os.path.join(work, "runs", name), "checkpoint": {"every": 0, "save_final": False},
         "export": {"final": False}, "progress": False, "overwrite_output_dir": True, "seed": 0,
     }
+    cfg.update(EXTRA.get(name, {}))
+    if cfg["sequence_parallel"]["size"] > 1:
+        cfg["memory"]["measure"] = False
+    return cfg
 
 
 def model_flops(model: dict[str, Any], tokens: int) -> float:
@@ -154,8 +179,9 @@ def _summarise(rec: dict[str, Any], peak_tflops: float) -> None:
     step_s = statistics.median(r["step_s"] for r in later)
     rec.update({"tokens": length, "step_s": step_s, "tokens_per_s": length / step_s,
                 "peak_mib": max(r.get("peak_alloc_mb", r.get("peak_mem_mb", 0.0)) for r in steps),
-                "offloaded_peak_mib": max(r.get("offloaded_peak_mb", 0.0) for r in steps)})
-    if prec == "bf16":
+                "offloaded_peak_mib": max(r.get("offloaded_peak_mb", 0.0) for r in steps),
+                "host_state_mib": max(r.get("host_state_mb", 0.0) for r in steps)})
+    if prec == "bf16" and rec["run"] not in EXTRA:
         rec["model_flops"] = model_flops(model, length)
         rec["mfu"] = rec["model_flops"] / step_s / (peak_tflops * 1e12)
         rec.update(plan_row(rec["run"]))
@@ -186,6 +212,9 @@ def train_part(runs: list[str] | None, work: str, timeout: float, peak_tflops: f
         recs[name] = rec
         print(json.dumps({k: v for k, v in rec.items() if k not in ("steps", "log_tail", "peak_trace")}), flush=True)
         part = {"runs": list(recs.values()), "exactness": _exactness(recs), "mfu_definition": MFU_DEFINITION}
+        q1, q4 = recs.get("q35_sp1_16k"), recs.get("q35_ring4_16k")
+        if q1 and q4 and q1["steps"] and q4["steps"]:
+            part["hybrid_ring4_vs_sp1"] = sp_agreement(q4["steps"], q1["steps"])
         if save_partial is not None:
             save_partial(part)
     return part
@@ -207,7 +236,19 @@ def train_lines(t: dict[str, Any]) -> list[str]:
         lines.append(f"  fp32 memory features vs none on CUDA: loss rel {ex['loss_max_rel']:.1e}, grad norm rel "
                      f"{ex['grad_norm_max_rel']:.1e} ({ex['steps']} SGD steps; peak {ex['peak_mib_all']:.0f} vs "
                      f"{ex['peak_mib_none']:.0f} MiB)")
+    d = t.get("hybrid_ring4_vs_sp1")
+    if d:
+        lines.append(f"  Qwen3.5-shaped hybrid, ring 4 on one GPU vs SP 1 (bf16, SGD): loss rel "
+                     f"{d['loss_max_rel']:.1e}, grad norm rel {d['grad_norm_max_rel']:.1e}")
     return lines
+
+
+def sp_agreement(got: list[dict], want: list[dict]) -> dict[str, float]:
+    """Per-step relative differences of loss and grad_norm (max over the steps) of two runs of the same rows."""
+    rel = lambda x, y: abs(x - y) / max(abs(y), 1e-30)  # noqa: E731
+    return {"loss_max_rel": max(rel(a["loss"], b["loss"]) for a, b in zip(got, want)),
+            "grad_norm_max_rel": max(rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(got, want)),
+            "steps": min(len(got), len(want))}
 
 
 def peak_sites(snapshot: dict[str, Any], top: int = 40) -> dict[str, Any]:
@@ -260,7 +301,13 @@ def _child(cfg_path: str, trace_path: str | None) -> None:
     if trace_path:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     with open(cfg_path) as fh:
-        train(config_from_dict(json.load(fh), source=cfg_path))
+        cfg = config_from_dict(json.load(fh), source=cfg_path)
+    if cfg.sequence_parallel.size > 1:  # SP > 1 on this one GPU: the ranks are threads (seqpar.threaded)
+        from ..threaded import run_threaded
+
+        run_threaded(train, cfg.sequence_parallel.size, cfg, device="cuda", timeout=900)
+    else:
+        train(cfg)
     if trace_path:
         with open(trace_path, "w") as fh:
             json.dump(peak_sites(torch.cuda.memory._snapshot()), fh, indent=1)

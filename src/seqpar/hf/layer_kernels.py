@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..errors import SeqParError
 
-__all__ = ["layer_function", "torch_causal_conv1d"]
+__all__ = ["layer_function", "torch_causal_conv1d", "kernel_origin"]
 
 # module function name -> the attribute names layers of earlier transformers releases bind it to
 _ON_LAYER = {
@@ -59,3 +59,12 @@ def layer_function(layer: torch.nn.Module, name: str) -> Callable:
     raise SeqParError(f"{type(layer).__name__}: its module {type(layer).__module__} has no {name}, which seqpar's "
                       "sequence-parallel forward of this layer runs: use the transformers release seqpar is tested "
                       "with (pyproject.toml), or sequence_parallel size 1")
+
+
+def kernel_origin(fn: Callable) -> str:
+    """The module of the function that actually runs when `fn` is called: for transformers' dispatching wrappers
+    (use_kernel_func_from_hub_with_fallback) the implementation they chose, e.g. 'fla.ops.gated_delta_rule.chunk'
+    or the transformers model module for the torch fallback."""
+    cells = dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), getattr(fn, "__closure__", None) or ()))
+    impl = cells["implementation"].cell_contents if "implementation" in cells else fn
+    return getattr(impl, "__module__", None) or type(impl).__name__

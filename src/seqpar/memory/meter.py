@@ -44,7 +44,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from .offload import ActivationOffload, offload_store
 
-__all__ = ["PeakMemoryMeter", "CATEGORIES", "MODEL_STATE_CATEGORIES", "activation_bytes"]
+__all__ = ["PeakMemoryMeter", "CATEGORIES", "MODEL_STATE_CATEGORIES", "activation_bytes", "host_state_bytes"]
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
 # What exists independently of the sequence length: the rest of the peak is activation memory.
@@ -181,9 +181,30 @@ class PeakMemoryMeter:
             result["peak_bytes"] = result["tracked_peak_bytes"]
             result["source"] = "tensor_tracker"
         result["offloaded_peak_bytes"] = store.peak_bytes if store is not None else 0
+        result["host_state_bytes"] = host_state_bytes(self.model, self.optimizer, self.device)
         result["offloaded_at_peak_bytes"] = (sum(v for d, v in tracker.offloaded_at_peak.items()
                                                  if d.type == self.device.type) if tracker is not None else 0)
         self.last = result
+
+
+def host_state_bytes(model: torch.nn.Module, optimizer: Any, device: torch.device) -> int:
+    """Bytes of model state held on the host while the step runs on an accelerator `device`: the parameters (this
+    rank's shards), their gradients and the optimizer's state tensors that live on the CPU (FSDP2's CPU offload keeps
+    them there); 0 when `device` is the CPU. Read at the end of a step: gradients a step has already cleared are not
+    counted."""
+    if device.type == "cpu":
+        return 0
+    params = list(model.parameters())
+    tensors = params + [p.grad for p in params if p.grad is not None]
+    if optimizer is not None:
+        tensors += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    seen, total = set(), 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this rank's shard
+        if t.device.type == "cpu" and t.numel() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 def activation_bytes(reading: dict[str, Any]) -> int:

@@ -131,6 +131,8 @@ def measured_step(loop: Loop, step: int) -> dict[str, Any]:
     row["peak_alloc_mb"] = float(peak[0]) / 2**20
     if loop.meter.last.get("offloaded_peak_bytes"):  # activation offload: this rank's host bytes at most
         row["offloaded_peak_mb"] = float(loop.meter.last["offloaded_peak_bytes"]) / 2**20
+    if loop.meter.last.get("host_state_bytes"):  # FSDP2's CPU offload: parameters / optimizer state on the host
+        row["host_state_mb"] = float(loop.meter.last["host_state_bytes"]) / 2**20
     return row
 
 
