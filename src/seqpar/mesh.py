@@ -193,11 +193,12 @@ class SequenceParallelMesh:
 
 
 def _device_type() -> str:
-    """The device the default group communicates on: the device it was bound to (init_process_group(device_id=):
-    seqpar.threaded's CUDA worlds, or a user's NCCL setup), else CUDA for NCCL, else the CPU."""
-    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
-    if bound is not None:
-        return torch.device(bound).type
+    """The device the default group communicates on: the one it declares (`comm_device_type`: seqpar.threaded's
+    worlds) or was bound to (init_process_group(device_id=)), else CUDA for NCCL, else the CPU."""
+    pg = dist.distributed_c10d._get_default_group()
+    declared = getattr(pg, "comm_device_type", None) or getattr(pg, "bound_device_id", None)
+    if declared is not None:
+        return torch.device(declared).type
     backend = dist.get_backend()
     if backend == "nccl" and torch.cuda.is_available():
         return "cuda"

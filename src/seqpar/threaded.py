@@ -14,8 +14,8 @@ only way to run the SP > 1 CUDA kernels (Ulysses, ring, USP) on a single-GPU mac
 
 Process-global state the ranks share, and how it is handled:
 - autograd's multithreaded backward is off while a world runs (torch.testing's install does it);
-- the device: every rank uses `device` (set as the thread's current CUDA device), and the default group is bound
-  to it (init_process_group(device_id=)), which `seqpar.mesh` reads for the mesh's device type;
+- the device: every rank uses `device` (set as the thread's current CUDA device), and the default group says so
+  (`comm_device_type`), which `seqpar.mesh` reads for the mesh's device type;
 - the process-global RNG (model construction seeds it) and anything else not thread-safe: `serial()`, a lock
   that code holds around such a section (a no-op cost outside a threaded world);
 - environment variables, the working directory, sys.stdout and os._exit are the process's: functions run here
@@ -177,8 +177,10 @@ def _rank_main(rank: int, world: int, store, device: torch.device, fn: Callable,
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(BACKEND, rank=rank, world_size=world, store=store,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(BACKEND, rank=rank, world_size=world, store=store)
+        # where this world's tensors live, for seqpar.mesh (not init_process_group(device_id=): that binding makes
+        # c10d look for a C++ backend to split subgroups from, which a Python process group does not have)
+        dist.distributed_c10d._get_default_group().comm_device_type = device.type
         results[rank] = fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - every failure is reported, with its traceback
         # a rank stopped because another one failed (torch.testing's collectives raise SystemExit then; a receive

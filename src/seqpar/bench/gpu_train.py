@@ -292,20 +292,25 @@ def _site(frames: list[dict]) -> str:
     return "unknown"
 
 
+def _load(cfg_path: str):
+    from ..train.config import config_from_dict
+
+    with open(cfg_path) as fh:
+        return config_from_dict(json.load(fh), source=cfg_path)
+
+
 def _child(cfg_path: str, trace_path: str | None) -> None:
     import torch
 
-    from ..train.config import config_from_dict
     from ..train.run import train
 
     if trace_path:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    with open(cfg_path) as fh:
-        cfg = config_from_dict(json.load(fh), source=cfg_path)
+    cfg = _load(cfg_path)
     if cfg.sequence_parallel.size > 1:  # SP > 1 on this one GPU: the ranks are threads (seqpar.threaded)
         from ..threaded import run_threaded
 
-        run_threaded(train, cfg.sequence_parallel.size, cfg, device="cuda", timeout=900)
+        run_threaded(lambda: train(_load(cfg_path)), cfg.sequence_parallel.size, device="cuda", timeout=900)
     else:
         train(cfg)
     if trace_path:
