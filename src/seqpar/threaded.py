@@ -69,8 +69,9 @@ def _box(key: tuple) -> queue.SimpleQueue:
 
 
 COMM_RANGE = "seqpar.threaded.transfer"  # the profiler range of every collective / point-to-point copy
-_COLLECTIVES = ("all_to_all_single", "alltoall", "allreduce", "allreduce_coalesced", "allgather", "all_gather_single",
-                "broadcast", "reduce_scatter", "reduce_scatter_single", "scatter", "gather", "barrier")
+_COLLECTIVES = ("all_to_all_single", "alltoall_base", "alltoall", "allreduce", "allreduce_coalesced", "allgather",
+                "all_gather_single", "_allgather_base", "broadcast", "reduce_scatter", "reduce_scatter_single",
+                "_reduce_scatter_base", "scatter", "gather", "barrier")
 
 
 def _ranged(fn):
@@ -146,7 +147,9 @@ def _group_class():
                 cls._cur_coll_on_pgs.pop(key)
 
     for name in _COLLECTIVES:  # a profiler range around each, so a profile tells transfers from compute
-        setattr(ThreadRankGroup, name, _ranged(getattr(mtpg.ProcessLocalGroup, name)))
+        # only its own Python methods (the names differ between torch releases; a C++ base method must stay as is)
+        if name in vars(mtpg.ProcessLocalGroup):
+            setattr(ThreadRankGroup, name, _ranged(vars(mtpg.ProcessLocalGroup)[name]))
     mtpg.ProcessLocalGroup._start_coll = classmethod(start_coll)
     mtpg.ProcessLocalGroup._end_coll = classmethod(end_coll)
     return mtpg, ThreadRankGroup
