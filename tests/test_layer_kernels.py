@@ -95,3 +95,37 @@ def test_conv_fallback_and_missing_functions(monkeypatch):
     monkeypatch.delattr(module, "torch_chunk_gated_delta_rule")
     with pytest.raises(seqpar.SeqParError, match="has no torch_chunk_gated_delta_rule"):
         layer_function(layer, "torch_chunk_gated_delta_rule")
+
+
+def _equal_heads_only(inner):
+    """A delta rule that, like transformers 5.17's torch function and FLA < 0.5, takes only equal q / k / v heads."""
+    def rule(q, k, v, **kw):
+        assert q.shape[2] == k.shape[2] == v.shape[2], f"grouped heads {q.shape[2]} / {v.shape[2]} passed"
+        return inner(q, k, v, **kw)
+
+    return rule
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["equal_heads", "grouped_heads"])
+def test_delta_rule_gets_the_heads_it_takes(monkeypatch, grouped):
+    """The tiny Qwen3.5 has 4 k heads and 8 v heads. Unless the model's module says its kernels take grouped heads
+    (fla_needs_equal_qk_heads() False, recent transformers), q / k are repeated to the v heads as earlier layers'
+    forwards do (a grouped call broke every Qwen3.5 step on transformers 5.17, seen on an H200)."""
+    layer = find_linear_attention(tiny_model("qwen3_5", num_layers=2))[0]
+    module = sys.modules[type(layer).__module__]
+    inner = layer_function(layer, "torch_chunk_gated_delta_rule")
+    seen = []
+
+    def spy(q, k, v, **kw):
+        seen.append(q.shape[2] == v.shape[2])
+        return inner(q, k, v, **kw)
+
+    if grouped:
+        monkeypatch.setattr(module, "fla_needs_equal_qk_heads", lambda: False, raising=False)
+        rule = Spy(spy)
+    else:
+        monkeypatch.delattr(module, "fla_needs_equal_qk_heads", raising=False)
+        rule = Spy(_equal_heads_only(spy))
+    errs = run_threaded(_world, 2, "qwen3_5", rule, timeout=120)
+    assert max(errs) < 2e-5, errs
+    assert rule.calls and set(seen) == {not grouped}

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..errors import SeqParError
 
-__all__ = ["layer_function", "torch_causal_conv1d", "kernel_origin"]
+__all__ = ["layer_function", "torch_causal_conv1d", "kernel_origin", "takes_grouped_heads"]
 
 # module function name -> the attribute names layers of earlier transformers releases bind it to
 _ON_LAYER = {
@@ -68,3 +68,12 @@ def kernel_origin(fn: Callable) -> str:
     cells = dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), getattr(fn, "__closure__", None) or ()))
     impl = cells["implementation"].cell_contents if "implementation" in cells else fn
     return getattr(impl, "__module__", None) or type(impl).__name__
+
+
+def takes_grouped_heads(layer: torch.nn.Module) -> bool:
+    """Whether the layer's delta-rule function takes fewer q / k heads than v heads (grouped value attention). Only
+    transformers releases that say so (`fla_needs_equal_qk_heads`, False) are trusted: earlier ones repeat q / k to
+    the v heads in the layer's forward before the call (transformers 5.17's torch function fails on grouped heads),
+    and FLA before 0.5 needs equal heads too, so the SP forward repeats them likewise."""
+    needs_equal = getattr(sys.modules[type(layer).__module__], "fla_needs_equal_qk_heads", None)
+    return callable(needs_equal) and not needs_equal()

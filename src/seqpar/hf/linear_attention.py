@@ -35,7 +35,7 @@ from ..attention.ulysses import heads_to_seq, seq_to_heads
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh, divisors
 from ..recurrent import delta_piece, ring_plan, ring_recurrence
-from .layer_kernels import layer_function
+from .layer_kernels import layer_function, takes_grouped_heads
 
 __all__ = ["LINEAR_ATTENTION_CLASSES", "find_linear_attention", "check_linear_attention", "sp_gated_delta_forward",
            "head_space_plan"]
@@ -84,13 +84,14 @@ def _delta_piece_fn(layer: torch.nn.Module, nk_l: int) -> Any:
     """The engine's piece function: conv output [b, L, C] + (beta, g) -> the delta rule on the piece."""
     kd, vd = layer.head_k_dim, layer.head_v_dim
     rule = layer_function(layer, "torch_chunk_gated_delta_rule")  # FLA's kernel where the layer runs it
+    repeat = 1 if takes_grouped_heads(layer) else layer.num_v_heads // layer.num_k_heads
 
     def piece(y: torch.Tensor, side: tuple[torch.Tensor, ...], carries: bool) -> Any:
         b, n = y.shape[:2]
         q, k, v = torch.split(y, [nk_l * kd, nk_l * kd, y.shape[-1] - 2 * nk_l * kd], dim=-1)
         beta, g = side
-        return delta_piece(rule, q.reshape(b, n, nk_l, kd), k.reshape(b, n, nk_l, kd),
-                           v.reshape(b, n, -1, vd), g, beta, carries)
+        q, k = (t.reshape(b, n, nk_l, kd).repeat_interleave(repeat, dim=2) for t in (q, k))  # v head j: k j // r
+        return delta_piece(rule, q, k, v.reshape(b, n, -1, vd), g, beta, carries)
 
     return piece
 
