@@ -1,7 +1,9 @@
 """Multi-rank exactness of seqpar.attention: every mode, awkward head counts, packing, B>1, dtypes.
 
-Each test spawns ONE gloo world and runs a grid of cases in it; every case compares the output and
-dq/dk/dv (gathered with seqpar.unshard) against tests/reference.py (float64 math on the full sequence).
+Each test runs ONE world and a grid of cases in it; every case compares the output and dq/dk/dv (gathered with
+seqpar.unshard) against tests/reference.py (float64 math on the full sequence). The grids run their ranks as
+threads of this process (seqpar.threaded: bitwise what gloo processes give, tests/test_threaded.py); the dtype
+grid, the bad-input refusals and the fused-call counts run in gloo processes.
 Tolerances: fp32 inputs 2e-5 absolute; bf16 4e-2 (out) / 1e-1 (grads); fp16 5e-3 / 1e-2 (see DTYPE_TOL).
 """
 
@@ -13,6 +15,7 @@ from reference import reference_attention
 
 import seqpar
 from seqpar.spawn import run_distributed
+from seqpar.threaded import run_threaded
 
 FP32_TOL = 2e-5
 DTYPE_TOL = {torch.float32: (FP32_TOL, FP32_TOL), torch.bfloat16: (4e-2, 1e-1), torch.float16: (5e-3, 1e-2)}
@@ -104,7 +107,7 @@ def _all_ranks_agree(res):
 
 
 def test_attention_world4_all_modes():
-    _check(_all_ranks_agree(run_distributed(world4_grid, 4, timeout=400)))
+    _check(_all_ranks_agree(run_threaded(world4_grid, 4, timeout=400)))
 
 
 def test_attention_world2_dtypes():
@@ -112,17 +115,17 @@ def test_attention_world2_dtypes():
 
 
 def test_attention_world3_odd_degree():
-    _check(_all_ranks_agree(run_distributed(world3_grid, 3, timeout=300)))
+    _check(_all_ranks_agree(run_threaded(world3_grid, 3, timeout=300)))
 
 
 @pytest.mark.slow
 def test_attention_world6_usp_3x2_2x3():
-    _check(_all_ranks_agree(run_distributed(world6_grid, 6, timeout=540)))
+    _check(_all_ranks_agree(run_threaded(world6_grid, 6, timeout=540)))
 
 
 @pytest.mark.slow
 def test_attention_world8_big_head_configs():
-    _check(_all_ranks_agree(run_distributed(world8_grid, 8, timeout=540)))
+    _check(_all_ranks_agree(run_threaded(world8_grid, 8, timeout=540)))
 
 
 def world6_fast():
@@ -134,7 +137,7 @@ def world6_fast():
 
 
 def test_attention_usp_3x2_and_2x3_fast():
-    _check(_all_ranks_agree(run_distributed(world6_fast, 6, timeout=300)))
+    _check(_all_ranks_agree(run_threaded(world6_fast, 6, timeout=300)))
 
 
 def world16_case():
@@ -144,7 +147,7 @@ def world16_case():
 
 @pytest.mark.slow
 def test_attention_world16_32q_8kv_ring2():
-    _check(_all_ranks_agree(run_distributed(world16_case, 16, timeout=540)))
+    _check(_all_ranks_agree(run_threaded(world16_case, 16, timeout=540)))
 
 
 def world16_fast():
@@ -162,7 +165,7 @@ def world16_fast():
 
 
 def test_attention_world8_and_world16_fast():
-    res = _all_ranks_agree(run_distributed(world16_fast, 16, timeout=400))
+    res = _all_ranks_agree(run_threaded(world16_fast, 16, timeout=400))
     assert len(res) == 16 * 5
     _check(res)
 
@@ -185,7 +188,7 @@ def dp_sp_world():
 
 
 def test_attention_dp2_sp2_subgroups():
-    res = _all_ranks_agree(run_distributed(dp_sp_world, 4, timeout=300))
+    res = _all_ranks_agree(run_threaded(dp_sp_world, 4, timeout=300))
     _check([(k, e[:4]) for k, e in res])
     assert all(e[4] == 0.0 for _, e in res), "unshard backward wrong on a subgroup"
 
@@ -302,12 +305,12 @@ def _check_overlap(results, chunks):
 
 def test_ulysses_fused_and_overlap_world2_fast():
     """Fast guard: the fused exchange issues 2 all-to-alls per pass, overlap_chunks=2 issues 4, both exact."""
-    _check_overlap(_all_ranks_agree(run_distributed(overlap_world2, 2, timeout=200)), 2)
+    _check_overlap(_all_ranks_agree(run_threaded(overlap_world2, 2, timeout=200)), 2)
 
 
 @pytest.mark.slow
 def test_ulysses_overlap_world3():
-    _check_overlap(_all_ranks_agree(run_distributed(overlap_world3, 3, timeout=300)), 2)
+    _check_overlap(_all_ranks_agree(run_threaded(overlap_world3, 3, timeout=300)), 2)
 
 
 def fused_calls_world(sp):

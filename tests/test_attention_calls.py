@@ -18,7 +18,7 @@ from seqpar.attention.kernels import CpuFlashKernel, VarlenByLoop
 from seqpar.attention.local import local_calls
 from seqpar.attention.pieces import plan_calls, plan_pieces
 from seqpar.layout import ring_segments
-from seqpar.spawn import run_distributed
+from seqpar.threaded import run_threaded
 
 VARLEN = VarlenByLoop(CpuFlashKernel())
 
@@ -120,11 +120,11 @@ def varlen_world3():
 
 
 def test_varlen_calls_world4_all_modes():
-    _check(_all_ranks_agree(run_distributed(varlen_world4, 4, timeout=400)))
+    _check(_all_ranks_agree(run_threaded(varlen_world4, 4, timeout=400)))
 
 
 def test_varlen_calls_world3_odd_degree():
-    _check(_all_ranks_agree(run_distributed(varlen_world3, 3, timeout=300)))
+    _check(_all_ranks_agree(run_threaded(varlen_world3, 3, timeout=300)))
 
 
 @pytest.mark.parametrize("tol", [FP32_TOL])

@@ -13,7 +13,7 @@ import seqpar
 from seqpar import SeqParError
 from seqpar.attention.heads import head_chunks
 from seqpar.attention.kernels import CpuFlashKernel, VarlenByLoop
-from seqpar.spawn import run_distributed
+from seqpar.threaded import run_threaded
 
 VARLEN = VarlenByLoop(CpuFlashKernel())
 
@@ -66,7 +66,7 @@ def chunked_world4():
 
 
 def test_head_chunks_world4_all_modes():
-    _check(_all_ranks_agree(run_distributed(chunked_world4, 4, timeout=400)))
+    _check(_all_ranks_agree(run_threaded(chunked_world4, 4, timeout=400)))
 
 
 @pytest.mark.parametrize("kernel", ["flash", "cudnn", "efficient"])

@@ -34,6 +34,7 @@ from seqpar.hf import ARCHS, apply_sequence_parallel, tiny_model
 from seqpar.memory.fused_loss import fused_targets, install_fused_head
 from seqpar.spawn import run_distributed
 from seqpar.steps import ReferenceLogps, StepSpec, count_items, micro_batch_loss
+from seqpar.threaded import run_threaded
 
 REF_TOL = 1e-5  # fp32: fused SP vs single-process plain HF model
 PATH_TOL = 1e-6  # fp32: fused vs full-logits path of the same SP run (loss, absolute)
@@ -182,7 +183,7 @@ def test_fused_world2_fast():
 
 
 def test_fused_world4_fast():
-    _assert_results(run_distributed(world_cases, 4, FAST_W4, timeout=600))
+    _assert_results(run_threaded(world_cases, 4, FAST_W4, timeout=600))
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from seqpar import loss as L
 from seqpar.data import SequenceParallelCollator, SequenceParallelDPOCollator
 from seqpar.hf import ARCHS, apply_sequence_parallel, tiny_model
 from seqpar.spawn import run_distributed
+from seqpar.threaded import run_threaded
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-5
@@ -294,11 +295,11 @@ def test_equivalence_world2_fast():
 
 
 def test_equivalence_world3_fast():
-    _assert_results(run_distributed(world_cases, 3, FAST_W3, timeout=240))
+    _assert_results(run_threaded(world_cases, 3, FAST_W3, timeout=240))
 
 
 def test_equivalence_world4_fast():
-    _assert_results(run_distributed(world_cases, 4, FAST_W4, timeout=300))
+    _assert_results(run_threaded(world_cases, 4, FAST_W4, timeout=300))
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import SeqParError
+from ..threaded import serial
 
 __all__ = ["ARCHS", "HYBRID_ARCHS", "VLM_ARCHS", "tiny_config", "tiny_model", "smollm2_path", "smollm2_cache_dir",
            "load_smollm2", "load_smollm2_tokenizer"]
@@ -207,20 +208,23 @@ def tiny_model(
     **config_kw: Any,
 ) -> torch.nn.Module:
     """A random-init (fixed seed) tiny causal LM; identical weights for identical arguments."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    cfg = tiny_config(arch, num_heads, num_kv_heads, **config_kw)
-    auto = AutoModelForImageTextToText if arch in VLM_ARCHS else AutoModelForCausalLM
     if attn_implementation is None:
         attn_implementation = "eager" if arch == "gemma2" else "sdpa"  # transformers has no SDPA path for Gemma2
     # torch's grouped_mm (transformers' default MoE path) has no float64: the eager per-expert loop does
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = auto.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype, **extra)
-    finally:
-        torch.random.set_rng_state(gen_state)
+    # ranks that are threads (seqpar.threaded) take turns: the global RNG is seeded here, and transformers' lazy
+    # imports are not thread-safe on first use
+    with serial():
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        cfg = tiny_config(arch, num_heads, num_kv_heads, **config_kw)
+        auto = AutoModelForImageTextToText if arch in VLM_ARCHS else AutoModelForCausalLM
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            model = auto.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype, **extra)
+        finally:
+            torch.random.set_rng_state(gen_state)
     return model
 
 
