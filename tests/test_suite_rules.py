@@ -143,9 +143,12 @@ def test_forkserver_ranks_take_the_callers_environment(monkeypatch, tmp_path):
     assert run_distributed(_env, 1, "SEQPAR_PROBE", timeout=60) == [None]
     monkeypatch.chdir(tmp_path)  # and the working directory
     assert run_distributed(_cwd, 1, timeout=60) == [str(tmp_path)]
-    monkeypatch.setenv(START_METHOD_ENV, "fork")
-    with pytest.raises(ValueError, match="'spawn' .*or 'forkserver'"):
-        run_distributed(_env, 1, "X", timeout=60)
+    from seqpar import SeqParError
+
+    for method in ("fork", "threads"):  # one line for the CLI, naming what threads are (issue 51)
+        monkeypatch.setenv(START_METHOD_ENV, method)
+        with pytest.raises(SeqParError, match="'spawn' .*or 'forkserver'.*run_threaded"):
+            run_distributed(_env, 1, "X", timeout=60)
 
 GRANDCHILD = '''
 import os, subprocess, sys, time

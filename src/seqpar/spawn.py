@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .errors import SeqParError
+
 __all__ = ["run_distributed", "free_port", "DistributedFailure", "DEADLINE_ENV", "START_METHOD_ENV", "capped_timeout"]
 
 DEADLINE_ENV = "SEQPAR_SPAWN_DEADLINE"
@@ -115,7 +117,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs:
 def _context() -> Any:
     method = os.environ.get(START_METHOD_ENV, "spawn")
     if method not in ("spawn", "forkserver"):
-        raise ValueError(f"${START_METHOD_ENV}={method!r}: use 'spawn' (the default) or 'forkserver'")
+        raise SeqParError(f"${START_METHOD_ENV}={method!r}: use 'spawn' (the default) or 'forkserver' (ranks as "
+                          "threads of one process are seqpar.threaded.run_threaded's, a test harness, not a start method)")
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first world): no effect later
