@@ -117,8 +117,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs:
 def _context() -> Any:
     method = os.environ.get(START_METHOD_ENV, "spawn")
     if method not in ("spawn", "forkserver"):
-        raise SeqParError(f"${START_METHOD_ENV}={method!r}: use 'spawn' (the default) or 'forkserver' (ranks "
-                          "as threads of one process: seqpar.threaded.run_threaded, a test harness, not a start method)")
+        raise SeqParError(f"${START_METHOD_ENV}={method!r}: use 'spawn' (the default) or 'forkserver' (ranks as "
+                          "threads of one process: seqpar.threaded.run_threaded, a test harness, no start method)")
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first world): no effect later
