@@ -61,7 +61,7 @@ def failing_world(how: str):
     if dist.get_rank() == 1:
         if how == "raise":
             raise ValueError("rank 1 broke")
-        time.sleep(8)  # "hang": reaches the collective below after its world is over (and must not disturb later ones)
+        time.sleep(4)  # "hang": reaches the collective below after its world is over (and must not disturb later ones)
     dist.all_reduce(torch.ones(1))
     if how == "recv" and dist.get_rank() == 0:
         send_recv(None, None, torch.empty(1), 1, dist.group.WORLD)  # nobody sends: waits until stopped
@@ -72,11 +72,11 @@ def test_a_failing_rank_ends_the_world_with_its_report():
         run_threaded(failing_world, 3, "raise", timeout=60)
     assert "stopped" not in str(e.value).splitlines()[0]
     t = time.monotonic()
-    with pytest.raises(DistributedFailure, match="timed out after 3s; ranks still running"):
-        run_threaded(failing_world, 2, "hang", timeout=3)
+    with pytest.raises(DistributedFailure, match="timed out after 2s; ranks still running"):
+        run_threaded(failing_world, 2, "hang", timeout=2)
     assert time.monotonic() - t < 10
     with pytest.raises(DistributedFailure, match="timed out"):
-        run_threaded(failing_world, 2, "recv", timeout=3)
+        run_threaded(failing_world, 2, "recv", timeout=2)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_5"])
