@@ -10,8 +10,9 @@ with torch). What each adapter changes, and nothing more:
   * ring (`zigzag_ring_flash_attn_func`) and USP (`LongContextAttention`, ring_impl_type "zigzag"): its forward-only
     and backward-only kernel entries (`yunchang.kernels.flash_attn_forward` / `flash_attn_backward`: out and
     lse [B, H, S]; gradients written into the caller's buffers) are replaced by `cpu_flash_forward` /
-    `cpu_flash_backward` while the call runs (`yunchang_on_cpu`, around forward and backward). The backward writes the kernel's gradients into yunchang's buffers
-    with one copy (flash_attn writes them there directly), so one kernel call's gradients exist twice for a moment.
+    `cpu_flash_backward` while the call runs (`yunchang_on_cpu`, around forward and backward). The backward
+    writes the kernel's gradients into yunchang's buffers with one copy (flash_attn writes them there directly),
+    so one kernel call's gradients exist twice for a moment.
   * fp32: yunchang's ring backward takes `dq = dq_buffer.to(torch.float32)` as its accumulator, which in fp32 is
     the kernel's output buffer itself, so the next kernel call overwrites the sum (flash_attn never runs fp32).
     `UpcastCopies` restores what that line does for bf16 / fp16 inputs (a copy) while yunchang's ring runs.

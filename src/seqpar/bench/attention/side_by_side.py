@@ -6,8 +6,8 @@ Per case (full length S, P ranks, Hq / Hkv heads, D, fp32, causal, B = 1) and im
 - exactness: out and dq, dk, dv against float64 (the CPU flash kernel on float64 copies of the full sequence in one
   process, rank 0, broadcast), max abs error over ranks;
 - memory: the per-rank peak of live tensors during one fwd+bwd (torch's MemTracker through seqpar's
-  PeakMemoryMeter: every tensor allocated inside the step, the gradients of q, k, v included; the inputs and the
-  incoming gradient exist before and are not counted), max over ranks; and the same inside a checkpointed call
+  PeakMemoryMeter: every tensor of the step, the inputs q, k, v, the incoming gradient and the gradients of q, k, v
+  included: they are made inside the measurement), max over ranks; and the same inside a checkpointed call
   (torch.utils.checkpoint, non-reentrant: the forward recomputed in backward);
 - time: main-thread CPU seconds of the slowest rank per fwd+bwd (wall time is too noisy on shared cores), median
   of `reps`, the implementations taking turns; wall seconds alongside.
@@ -120,8 +120,8 @@ def _peak(call, context, q, k, v, dout, checkpoint: bool) -> int:
     from ...memory.meter import PeakMemoryMeter
 
     meter = PeakMemoryMeter(torch.nn.Module(), device="cpu")
-    with meter.measure():
-        _step(call, context, q, k, v, dout, checkpoint)
+    with meter.measure():  # the inputs and the incoming gradient are made inside: they count, for everyone alike
+        _step(call, context, *(t.clone() for t in (q, k, v, dout)), checkpoint=checkpoint)
     return int(meter.last["peak_bytes"])
 
 
@@ -216,7 +216,8 @@ def side_by_side_section(results: list[dict[str, Any]], reps: int, versions: dic
         "description": (
             "seqpar vs peers on the same shards and the same CPU flash kernel: max abs error vs float64 (out and "
             "dq, dk, dv, max over ranks), per-rank peak of live tensors during one fwd+bwd (MemTracker, max over "
-            "ranks; inputs and incoming gradient not counted; 'checkpointed': inside torch.utils.checkpoint), "
+            "ranks; inputs, incoming gradient and input gradients counted; 'checkpointed': inside "
+            "torch.utils.checkpoint), "
             "main-thread CPU s of the slowest rank (median of reps) and wall s. fp32, causal, B=1, 1 thread per "
             "rank. refused: the error the implementation raised on this case."
         ),
@@ -236,7 +237,8 @@ def side_by_side_lines(sec: dict[str, Any] | None) -> list[str]:
            f"torch context parallel {v.get('torch_context_parallel') or 'missing'}), fp32, causal, median of "
            f"{sec['reps']}", ""]
     for c in sec["cases"]:
-        out += [f"{c['label']}:", "", "| implementation | max abs err | peak MiB | checkpointed peak MiB | CPU s | wall s |",
+        out += [f"{c['label']}:", "",
+                "| implementation | max abs err | peak MiB | checkpointed peak MiB | CPU s | wall s |",
                 "|---|---:|---:|---:|---:|---:|"]
         for name, r in c["results"].items():
             if r["refused"]:
