@@ -1,12 +1,20 @@
 """Ulysses with one fused all-to-all per direction, written straight into the layout the kernel reads.
 
 q, k and v (after the head plan) are packed into ONE send buffer [P, B, S/P, hq+2hk, D] (rank i's slot
-holds its heads of all three) and exchanged with one all-to-all; the received buffer IS the kernel's
+holds its heads of all three) and exchanged with one all-to-all; the received buffer x IS the kernel's
 [B, S, hq+2hk, D] input for B == 1 (a view; one block copy for B > 1) and the kernel reads q/k/v as
 views of it. The kernel's output comes back sequence-major, so its send buffer is a view for B == 1;
 one copy puts the received pieces into [B, S/P, Hq, D]. Backward mirrors it: dout in one all-to-all,
-dq/dk/dv packed into one buffer (one copy) and back in one. A pure-Ulysses call issues 2 collectives
-forward and 2 backward (before, and DeepSpeed: 4 + 4).
+dq/dk/dv back in one. A pure-Ulysses call issues 2 collectives forward and 2 backward (DeepSpeed's and
+yunchang's: 4 + 4).
+
+Backward memory (docs/attention.md, "Ulysses' bytes", counts it tensor by tensor): the kernel runs one kv head
+(and its q group) at a time and each group's dq, dk, dv are written over that group's q, k, v in x, which then
+IS the gradient exchange's send buffer (B == 1: no packing copy); the saved output and lse are freed before the
+exchange, x once it has been sent, before dq, dk, dv are allocated. All of that only when autograd drops the graph
+after this backward (no retain_graph / create_graph): otherwise the saved tensors stay intact and the gradients
+get a buffer of their own. Storage is freed with `untyped_storage().resize_(0)` (what FSDP does with gathered
+parameters; torch's MemTracker counts it): these buffers are this function's own, never seen by a caller.
 
 `chunks` > 1 splits the local kv heads (and their q groups) into that many groups, exchanged as
 separate all-to-alls, all posted at once (async): chunk c's kernel runs while chunks c+1.. are in

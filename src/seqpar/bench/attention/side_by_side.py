@@ -29,9 +29,11 @@ import torch.distributed as dist
 from . import peer_adapters as pa
 from .inputs import qkv
 
-__all__ = ["PeerCase", "peer_cases", "rank_side_by_side", "side_by_side_section", "side_by_side_lines"]
+__all__ = ["PeerCase", "peer_cases", "parse_cases", "PEERS", "run_side_by_side", "rank_side_by_side",
+           "side_by_side_section", "side_by_side_lines"]
 
 MIB = 2**20
+PEERS = ("yunchang", "torch_cp")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,17 @@ def peer_cases(quick: bool) -> list[PeerCase]:
         return [PeerCase(256, 2, 4, 4, 16), PeerCase(256, 4, 8, 2, 16), PeerCase(256, 4, 6, 6, 16)]
     return [PeerCase(16384, 2, 8, 8), PeerCase(4096, 2, 8, 8), PeerCase(4096, 2, 8, 2), PeerCase(4096, 4, 8, 8),
             PeerCase(4096, 4, 8, 2), PeerCase(4096, 4, 6, 6)]
+
+
+def parse_cases(text: str) -> list[PeerCase]:
+    """'S:P:HQ:HKV[:D],...' (e.g. '16384:2:8:8,4096:4:8:2') -> cases."""
+    out = []
+    for item in text.split(","):
+        parts = [int(x) for x in item.split(":")]
+        if len(parts) not in (4, 5) or parts[1] not in (2, 4):
+            raise ValueError(f"--peer-cases {item!r}: use S:P:HQ:HKV[:D] with P 2 or 4")
+        out.append(PeerCase(*parts))
+    return out
 
 
 def _meshes(sp: int) -> dict[str, Any]:
@@ -193,6 +206,34 @@ def rank_side_by_side(cases: list[PeerCase], reps: int, peers: tuple[str, ...]) 
     return [_run_case(c, reps, peers) for c in cases if c.sp == dist.get_world_size()]
 
 
+def run_side_by_side(peers: tuple[str, ...] = PEERS, quick: bool = False, cases: list[PeerCase] | None = None,
+                     reps: int | None = None, timeout: float = 1800.0) -> dict[str, Any]:
+    """The JSON document of `python -m seqpar.bench attention --peers`: one spawned world per P."""
+    import os
+
+    import seqpar
+    from seqpar.spawn import run_distributed
+
+    from .driver import machine_info
+
+    missing = [p for p in peers if p == "yunchang" and not pa.yunchang_available()]
+    present = tuple(p for p in peers if p not in missing)
+    cases = cases or peer_cases(quick)
+    reps = reps or (2 if quick else 5)
+    t0, load = time.time(), os.getloadavg()
+    results: list[dict[str, Any]] = []
+    for sp in sorted({c.sp for c in cases}):
+        results += run_distributed(rank_side_by_side, sp, cases, reps, present, timeout=timeout)[0]
+    order = {c.label: i for i, c in enumerate(cases)}
+    results.sort(key=lambda r: order[r["label"]])
+    versions = {k: v if (k != "yunchang" or "yunchang" in present) else None for k, v in pa.peer_versions().items()}
+    if "torch_cp" not in present:
+        versions["torch_context_parallel"] = None
+    return {"benchmark": "attention_peers", "schema_version": 1, "quick": quick, "seqpar_version": seqpar.__version__,
+            "created_unix": t0, "machine": machine_info(load), "missing_peers": missing,
+            "side_by_side": side_by_side_section(results, reps, versions), "elapsed_s": time.time() - t0}
+
+
 _PAIRS = (("seqpar_ulysses", "yunchang_ulysses"), ("seqpar_ring", "yunchang_ring"), ("seqpar_usp", "yunchang_usp"),
           ("seqpar_ring", "torch_cp_allgather"), ("seqpar_ring", "torch_cp_alltoall"))
 
@@ -229,11 +270,11 @@ def _mib(x: int | None) -> str:
     return "-" if x is None else f"{x / MIB:.1f}"
 
 
-def side_by_side_lines(sec: dict[str, Any] | None) -> list[str]:
-    if not sec:
-        return []
-    v = sec["versions"]
-    out = ["", f"### seqpar vs peers (same shards, same CPU flash kernel; yunchang {v.get('yunchang') or 'missing'}, "
+def side_by_side_lines(res: dict[str, Any]) -> list[str]:
+    """The markdown summary of `run_side_by_side`'s document."""
+    sec, v = res["side_by_side"], res["side_by_side"]["versions"]
+    out = [f"{p} is not installed (pip install 'seqpar[peers]'): its rows are missing" for p in res["missing_peers"]]
+    out += ["", f"### seqpar vs peers (same shards, same CPU flash kernel; yunchang {v.get('yunchang') or 'missing'}, "
            f"torch context parallel {v.get('torch_context_parallel') or 'missing'}), fp32, causal, median of "
            f"{sec['reps']}", ""]
     for c in sec["cases"]:
