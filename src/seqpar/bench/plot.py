@@ -144,8 +144,9 @@ def plot_peers(res: dict[str, Any], path: str) -> None:
         ax.set_xticks(range(len(cases)), [c["label"].replace(" heads", "") for c in cases], rotation=30, ha="right",
                       fontsize=8)
         ax.set_title(f"seqpar / peer: {title}")
+        ax.set_ylim(0, 1.35)
     axes[0].set_ylabel("ratio (below 1: seqpar less); missing bar: a side refused")
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, ncol=2, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -293,4 +293,6 @@ def side_by_side_lines(res: dict[str, Any]) -> list[str]:
             out.append(f"\n{pair}: peak {f['peak_bytes']}, checkpointed {f['checkpointed_peak_bytes']}, CPU s "
                        f"{f['median_cpu_s']}")
         out.append("")
-    return out
+    mc = res["machine"]
+    return out + [f"Machine: {mc['cpu_count']} CPUs, torch {mc['torch']}; load average (1 min) start "
+                  f"{mc['loadavg_start'][0]:.2f}, end {mc['loadavg_end'][0]:.2f}. Total {res['elapsed_s']:.0f} s."]
