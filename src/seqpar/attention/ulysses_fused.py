@@ -1,12 +1,20 @@
 """Ulysses with one fused all-to-all per direction, written straight into the layout the kernel reads.
 
 q, k and v (after the head plan) are packed into ONE send buffer [P, B, S/P, hq+2hk, D] (rank i's slot
-holds its heads of all three) and exchanged with one all-to-all; the received buffer IS the kernel's
+holds its heads of all three) and exchanged with one all-to-all; the received buffer x IS the kernel's
 [B, S, hq+2hk, D] input for B == 1 (a view; one block copy for B > 1) and the kernel reads q/k/v as
 views of it. The kernel's output comes back sequence-major, so its send buffer is a view for B == 1;
 one copy puts the received pieces into [B, S/P, Hq, D]. Backward mirrors it: dout in one all-to-all,
-dq/dk/dv packed into one buffer (one copy) and back in one. A pure-Ulysses call issues 2 collectives
-forward and 2 backward (before, and DeepSpeed: 4 + 4).
+dq/dk/dv back in one. A pure-Ulysses call issues 2 collectives forward and 2 backward (DeepSpeed's and
+yunchang's: 4 + 4).
+
+Backward memory (docs/attention.md, "Ulysses' bytes", counts it tensor by tensor): the kernel runs one kv head
+(and its q group) at a time and each group's dq, dk, dv are written over that group's q, k, v in x, which then
+IS the gradient exchange's send buffer (B == 1: no packing copy); the saved output and lse are freed before the
+exchange, x once it has been sent, before dq, dk, dv are allocated. All of that only when autograd drops the graph
+after this backward (no retain_graph / create_graph): otherwise the saved tensors stay intact and the gradients
+get a buffer of their own. Storage is freed with `untyped_storage().resize_(0)` (what FSDP does with gathered
+parameters; torch's MemTracker counts it): these buffers are this function's own, never seen by a caller.
 
 `chunks` > 1 splits the local kv heads (and their q groups) into that many groups, exchanged as
 separate all-to-alls, all posted at once (async): chunk c's kernel runs while chunks c+1.. are in
@@ -260,36 +268,74 @@ class _FusedUlysses(torch.autograd.Function):
     def backward(ctx, dout):
         group, stats, device, scale, kernel, calls, plans, kv_shape = ctx.args
         p, me = comm.group_size(group), comm.group_rank(group)
-        saved = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
         dout = dout.to(saved[1].dtype)
         b, s, _, d = dout.shape
-        douts = []
-        for pl in plans:
-            douts.append(_to_ranks([(dout, "q")], pl, group, stats, "ulysses_bwd", device, True))
+        # autograd frees this node's saved tensors after this call unless it keeps the graph: then they are free
+        # to go (or to be written over) as soon as the kernel has read them, before the exchange (peak memory)
+        free = not _keeps_graph()
+        douts = [_to_ranks([(dout, "q")], pl, group, stats, "ulysses_bwd", device, True) for pl in plans]
         backs = []
         for c, pl in enumerate(plans):
             recv, work = douts[c]
             work.wait()
             douts[c] = work = None
             x, oh, lse = saved[3 * c : 3 * c + 3]
-            nq, nk = len(pl[me].q), len(pl[me].kv)
-            if nq:
-                qh, kh, vh = x[:, :, :nq], x[:, :, nq : nq + nk], x[:, :, nq + nk :]
-                g = local_backward(kernel, _even_recv(recv, p, b, s, d), qh, kh, vh, oh, lse, calls, scale)
-                send = _pack_full_seq([t.to(oh.dtype) for t in g], p).view(-1)
-                del g  # packed: the head-space gradients are not alive through the exchange
-            else:
-                send = dout.new_empty(0)
+            saved[3 * c : 3 * c + 3] = (None,) * 3
+            send = _head_grads(kernel, calls, scale, _even_recv(recv, p, b, s, d), x, oh, lse, pl[me], p, free)
             recv = None
+            if free:  # the output, lse and (when the send buffer is a copy) x are read: gone before the exchange
+                _release(x, oh, lse, keep=send)
             widths = [r.width for r in pl]
-            backs.append(_back_to_seq(send, widths, b * s * d, group, stats, "ulysses_bwd", device, True))
-        dq, dk, dv, replicated = _grad_buffers(dout, dout.shape, kv_shape, [r for pl in plans for r in pl])
+            backs.append((_back_to_seq(send, widths, b * s * d, group, stats, "ulysses_bwd", device, True), send))
+            x = oh = lse = send = None
+        dq = dk = dv = None
         for c, pl in enumerate(plans):
-            recv, work, sizes = backs[c]
+            (recv, work, sizes), send = backs[c]
             work.wait()
+            if free:
+                _release(send)  # sent: its bytes go before dq, dk, dv exist
+            backs[c] = send = None
+            if dq is None:
+                dq, dk, dv, replicated = _grad_buffers(dout, dout.shape, kv_shape, [r for pl in plans for r in pl])
             _scatter_qkv(dq, dk, dv, _blocks(recv, sizes, b, s, d), pl, replicated)
-            backs[c] = recv = work = None
+            recv = work = None
         return dq, dk, dv, *(None,) * 9
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (retain_graph / create_graph): then saved tensors stay intact."""
+    probe = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if probe is None else bool(probe())
+
+
+def _release(*ts: torch.Tensor | None, keep: torch.Tensor | None = None) -> None:
+    """Free the storage of tensors only this function holds (saved by it, read for the last time), now rather than
+    when autograd drops the node; `keep`'s storage (the send buffer, possibly x's own) stays."""
+    kept = keep.untyped_storage().data_ptr() if keep is not None and keep.numel() else None
+    for t in ts:
+        if t is not None and t.numel() and t.untyped_storage().data_ptr() != kept:
+            t.untyped_storage().resize_(0)
+
+
+def _head_grads(kernel: AttentionKernel, calls: tuple, scale: float, dout: torch.Tensor, x: torch.Tensor,
+                oh: torch.Tensor, lse: torch.Tensor, mine: RankHeads, p: int, in_place: bool) -> torch.Tensor:
+    """The kernel's dq, dk, dv on this rank's heads, as the flat send buffer of the gradient exchange
+    ([P, B, s, w, D]: x's own layout). One kv head (and its q group) at a time, each group's gradients written
+    where its q, k, v were read: with `in_place` over x itself (it is not read again), so only one group's
+    gradients exist beside it; otherwise into a new buffer. B == 1: the buffer is the send buffer as it is."""
+    nq, nk = len(mine.q), len(mine.kv)
+    if not nq:
+        return x.new_empty(0)
+    dst, g = (x if in_place else torch.empty_like(x)), nq // nk
+    for j in range(nk):
+        qs, ks, vs = slice(j * g, (j + 1) * g), slice(nq + j, nq + j + 1), slice(nq + nk + j, nq + nk + j + 1)
+        grads = local_backward(kernel, dout[:, :, qs], x[:, :, qs], x[:, :, ks], x[:, :, vs], oh[:, :, qs],
+                               lse[:, :, qs], calls, scale)
+        for sl, t in zip((qs, ks, vs), grads):
+            dst[:, :, sl].copy_(t)
+        del grads  # one group's gradients at a time
+    return _pack_full_seq([dst], p).view(-1)
 
 
 def fused_ulysses_attention(

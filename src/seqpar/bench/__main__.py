@@ -1,4 +1,6 @@
 """CLI: python -m seqpar.bench attention [--out bench_results/attention.json] [--png FILE] [--quick]
+     python -m seqpar.bench attention --peers [all|yunchang|torch_cp] [--out bench_results/attention_peers.json]
+                                      [--peer-cases S:P:HQ:HKV[:D],...] [--reps 5] [--quick]
      python -m seqpar.bench memory [--out bench_results/memory.json] [--png FILE] [--quick] [--budget-gib 4]
      python -m seqpar.bench rollout [--out bench_results/rollout.json] [--quick] [--sp 1,2,4]
      python -m seqpar.bench step [--out bench_results/step.json] [--png FILE] [--quick] [--rounds 2]
@@ -22,15 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m seqpar.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
     att = sub.add_parser("attention", help="comm bytes vs theory, causal load balance, SP vs one-process time")
-    att.add_argument("--out", default="bench_results/attention.json", help="JSON output path")
+    att.add_argument("--out", default=None,
+                     help="JSON output path (default bench_results/attention.json; with --peers: attention_peers.json)")
     att.add_argument("--png", default=None, help="PNG output path (default: next to --out); 'none' to skip")
     att.add_argument("--quick", action="store_true", help="tiny sizes (smoke test, seconds)")
     att.add_argument(
-        "--peers",
-        choices=("auto", "deepspeed", "none"),
-        default="auto",
-        help="DeepSpeed Ulysses side by side: auto = when installed (not a seqpar dependency)",
+        "--peers", nargs="?", const="all", default="auto",
+        help="auto / deepspeed / none: the three-part benchmark with DeepSpeed Ulysses beside it (auto = when "
+             "installed); --peers alone (= all), yunchang, torch_cp or a comma list: ONLY the side-by-side part, "
+             "seqpar vs yunchang and torch context parallel on the same shards (pip install 'seqpar[peers]')",
     )
+    att.add_argument("--peer-cases", default=None, help="side-by-side cases S:P:HQ:HKV[:D],... (P 2 or 4)")
+    att.add_argument("--reps", type=int, default=None, help="side-by-side timed repeats (default 5; quick 2)")
     att.add_argument("--timeout", type=float, default=540.0, help="per spawned world, seconds")
     mem = sub.add_parser("memory", help="exact per-rank peak vs length, SP size and memory features; max length")
     mem.add_argument("--out", default="bench_results/memory.json", help="JSON output path")
@@ -70,11 +75,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench in other:
         return other[args.bench](args)
 
+    if args.peers not in ("auto", "deepspeed", "none"):
+        return _peers(args)
     from .attention import run
     from .plot import plot_attention, summary_lines
 
+    args.out = args.out or "bench_results/attention.json"
     result = run(quick=args.quick, timeout=args.timeout, peers=args.peers)
     return _report(args, result, summary_lines, plot_attention)
+
+
+def _peers(args: argparse.Namespace) -> int:
+    """`attention --peers`: seqpar vs yunchang and torch context parallel (bench/attention/side_by_side.py)."""
+    from ..errors import SeqParError
+    from .attention.peer_adapters import yunchang_available
+    from .attention.side_by_side import PEERS, parse_cases, run_side_by_side, side_by_side_lines
+    from .plot import plot_peers
+
+    peers = PEERS if args.peers == "all" else tuple(args.peers.split(","))
+    if any(p not in PEERS for p in peers):
+        raise SeqParError(f"--peers {args.peers}: use auto, deepspeed, none, or all / a comma list of {PEERS}")
+    if args.peers != "all" and "yunchang" in peers and not yunchang_available():
+        raise SeqParError("--peers yunchang: yunchang is not installed; pip install 'seqpar[peers]'")
+    args.out = args.out or "bench_results/attention_peers.json"
+    cases = parse_cases(args.peer_cases) if args.peer_cases else None
+    result = run_side_by_side(peers, quick=args.quick, cases=cases, reps=args.reps,
+                              timeout=max(args.timeout, 1800.0))
+    return _report(args, result, side_by_side_lines, plot_peers)
 
 
 def _report(args: argparse.Namespace, result: dict, summary_lines: Callable, plot: Callable | None = None) -> int:

@@ -11,7 +11,7 @@ from .attention.comm import case_label, comm_lines
 from .attention.driver import machine_lines
 from .attention.timing import timing_lines
 
-__all__ = ["plot_attention", "plot_step", "summary_lines"]
+__all__ = ["plot_attention", "plot_peers", "plot_step", "summary_lines"]
 
 
 def summary_lines(res: dict[str, Any]) -> list[str]:
@@ -116,6 +116,37 @@ def plot_step(res: dict[str, Any], path: str) -> None:
     ax.set_ylabel("tokens / s (best step)")
     ax.set_title(f"SFT step, S={res['seq_len']}, {res['model']['arch']}, 1 thread/rank")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_peers(res: dict[str, Any], path: str) -> None:
+    """`--peers`: per case, seqpar / peer for the per-rank peak, the checkpointed peak and the CPU seconds (one bar
+    per pair that both ran; 1.0 = parity, below = seqpar needs less)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = res["side_by_side"]["cases"]
+    metrics = (("peak_bytes", "per-rank peak"), ("checkpointed_peak_bytes", "checkpointed peak"),
+               ("median_cpu_s", "CPU s, slowest rank"))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(18, 5.5), sharey=True)
+    pairs = sorted({p for c in cases for p in c["ratios"]})
+    width = 0.8 / max(1, len(pairs))
+    for ax, (key, title) in zip(axes, metrics):
+        for j, pair in enumerate(pairs):
+            xs = [i + (j - (len(pairs) - 1) / 2) * width for i in range(len(cases))]
+            ys = [(c["ratios"].get(pair) or {}).get(key) or 0.0 for c in cases]
+            ax.bar(xs, ys, width, label=pair)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(cases)), [c["label"].replace(" heads", "") for c in cases], rotation=30, ha="right",
+                      fontsize=8)
+        ax.set_title(f"seqpar / peer: {title}")
+        ax.set_ylim(0, 1.35)
+    axes[0].set_ylabel("ratio (below 1: seqpar less); missing bar: a side refused")
+    axes[0].legend(fontsize=7, ncol=2, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

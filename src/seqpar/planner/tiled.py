@@ -20,10 +20,11 @@ its recompute), the moments are
   in the input dtype, e (q + 2 kv), beside the incoming gradient e q;
   ring path (u = 1, ring > 1): the zigzag ring's busiest step (`ring_backward_temp`, measured with ring 2):
   the accumulators dq, dk, dv in fp32 and the kernel's outputs of one piece;
-  fused Ulysses (u > 1, ring = 1; Q, K the plan-padded head widths): the packed send buffer of the
-  head-space gradients, its receive buffer and the sequence-space dq, dk, dv (each e (Q + 2 K)); the kernel's
-  own gradients are freed once packed, dout's send buffer and the received head-space dout are freed by then,
-  and so is the attention output `a` (saved by the second piece);
+  fused Ulysses (u > 1, ring = 1; Q, K the plan-padded head widths; `fused_ulysses_backward_temp`): the largest
+  of dout's exchange (2 e Q), the kernel one kv head at a time (the received dout e Q and one kv group's
+  gradients) and the gradient exchange, whose send buffer is the saved q/k/v buffer itself and which frees the
+  saved output and lse first (its receive buffer e (Q + 2 K), then the sequence-space dq, dk, dv e (q + 2 kv) once
+  the saved buffer is freed); the attention output `a` (saved by the second piece) is freed by then;
   USP (u > 1, ring > 1): the head-space gradient e Q and the zigzag ring's busiest step on the head-space
   widths (measured with u = 2, ring = 2);
 - the first piece's backward (`TiledTerms.qkv_*`: after attention's, the largest moment of a world of 1 since
@@ -42,7 +43,7 @@ from ..attention.ulysses import head_plan
 from .model import ModelFacts
 
 __all__ = ["TiledTerms", "tiled_terms", "tiled_saved_per_token", "layer_tiles", "attention_backward_temp",
-           "ring_backward_temp", "cuda_attention_workspace", "auto_head_chunks"]
+           "fused_ulysses_backward_temp", "ring_backward_temp", "cuda_attention_workspace", "auto_head_chunks"]
 
 
 def tiled_saved_per_token(m: ModelFacts, elt: int, u: int) -> int:
@@ -101,6 +102,8 @@ def attention_backward_temp(m: ModelFacts, elt: int, u: int, ring: int = 1, devi
     head_chunks > 1 (attention.heads): the workspace of one group of heads at a time, and that group's kernel
     outputs beside the full dq / dk / dv they are copied into."""
     e = elt
+    if u > 1 and ring == 1:
+        return fused_ulysses_backward_temp(m, e, u, device, head_chunks)
     wq, wkv = _local_widths(m, u)
     # inside a kernel call: its workspace (CUDA) and, in head chunks, one group's outputs beside the full ones;
     # a call has at most as many groups as q heads (one group: the kernel runs as it is)
@@ -108,24 +111,42 @@ def attention_backward_temp(m: ModelFacts, elt: int, u: int, ring: int = 1, devi
     call = -(-(cuda_attention_workspace(m, e, u) if device == "cuda" else 0) // head_chunks)
     if head_chunks > 1:
         call += -(-e * (wq + 2 * wkv) // head_chunks)
-    base = _attention_backward_base(m, e, u, ring)
-    if u > 1 and ring == 1:  # fused Ulysses: the call's moment (received dout, the kernel's outputs) or the
-        # exchange's afterwards, whichever is larger
-        return max(base, e * wq + e * (wq + 2 * wkv) + call)
-    return base + call
+    return _attention_backward_base(m, e, u, ring) + call
+
+
+def fused_ulysses_backward_temp(m: ModelFacts, e: int, u: int, device: str = "cpu", head_chunks: int = 1) -> int:
+    """Pure Ulysses' backward (attention.ulysses_fused) beside its saved tensors (x = the received q, k, v, e (Q + 2K);
+    the kernel's output e Q and lse 4 Hq; Q, K the plan's head widths), per local token, at the largest of its
+    moments (docs/attention.md, "Ulysses' bytes"):
+    - dout's exchange: its send and receive buffers, e Q each;
+    - the kernel, one kv head (and its q group) at a time: the received dout e Q and one group's dq, dk, dv
+      (e (Q + 2K) / kv heads per rank), CUDA's workspace of one group (head_chunks split it further);
+    - the gradient exchange: x is its send buffer, the output, lse and received dout are freed: the receive
+      buffer e (Q + 2K) less e Q + 4 Hq;
+    - dq, dk, dv in sequence space, e (q + 2 kv), with x freed: the same less."""
+    plan = head_plan(m.heads, m.kv_heads, u)
+    wq, wkv = _local_widths(m, u)
+    groups = max(1, plan.expanded_kv_heads // u)  # kv heads per rank: one backward kernel call each
+    calls = max(groups, min(head_chunks, max(1, plan.padded_heads // u)))  # head chunks split a group's q heads
+    call = -(-(cuda_attention_workspace(m, e, u) if device == "cuda" else 0) // calls)
+    if calls > groups:  # attention.heads: one chunk's outputs beside its group's
+        call += -(-e * (wq + 2 * wkv) // calls)
+    kernel = e * wq + -(-e * (wq + 2 * wkv) // groups) + call
+    freed = e * wq + 4 * plan.padded_heads
+    return max(2 * e * wq, kernel, e * (wq + 2 * wkv) - freed, e * (m.q_dim + 2 * m.kv_dim) - freed)
 
 
 def _attention_backward_base(m: ModelFacts, e: int, u: int, ring: int) -> int:
-    """attention_backward_temp without the kernel call's own terms (what the CPU meter measured)."""
+    """attention_backward_temp without the kernel call's own terms (what the CPU meter measured); not pure Ulysses
+    (`fused_ulysses_backward_temp`)."""
     if u == 1 and ring == 1:  # the local attention: the kernel's dq, dk, dv in the input dtype, nothing else
         return e * m.q_dim + e * (m.q_dim + 2 * m.kv_dim)
     if u == 1:  # ring path
         return e * m.q_dim + ring_backward_temp(m.q_dim, m.kv_dim, e, ring)
     wq, wkv = _local_widths(m, u)
-    if ring > 1:  # USP: the gradient in head space (the sequence-space one is freed), then the ring on u x the
-        # tokens and 1/u of the heads (the same bytes per local token), sending a copy of its own K/V block
-        return e * wq + ring_backward_temp(wq, wkv, e, ring, send_copy=True) - e * m.q_dim
-    return 3 * e * (wq + 2 * wkv)
+    # USP: the gradient in head space (the sequence-space one is freed), then the ring on u x the tokens and 1/u
+    # of the heads (the same bytes per local token), sending a copy of its own K/V block
+    return e * wq + ring_backward_temp(wq, wkv, e, ring, send_copy=True) - e * m.q_dim
 
 
 def ring_backward_temp(q: int, kv: int, e: int, n: int, send_copy: bool = False) -> int:

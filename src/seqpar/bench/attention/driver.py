@@ -16,7 +16,7 @@ from .balance import balance_section, measure_balance
 from .comm import comm_cases, comm_section, ds_runs_safely, measure_comm, measure_deepspeed, run_deepspeed_alone
 from .timing import rank_timing, timing_section
 
-__all__ = ["Sizes", "run", "rank_comm_and_balance", "machine_lines"]
+__all__ = ["Sizes", "run", "rank_comm_and_balance", "machine_lines", "machine_info"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _ds_version() -> str:
     return version("deepspeed")
 
 
-def _machine(load_start: tuple[float, float, float]) -> dict[str, Any]:
+def machine_info(load_start: tuple[float, float, float]) -> dict[str, Any]:
     return {
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
@@ -125,7 +125,7 @@ def run(quick: bool = False, timeout: float = 540.0, peers: str = "auto") -> dic
         "peers": {"deepspeed": _ds_version() if use_ds else None},
         "seqpar_version": seqpar.__version__,
         "created_unix": t_start,
-        "machine": _machine(load_start),
+        "machine": machine_info(load_start),
         "comm_bytes": comm_section(cases, per_rank, sz.comm_seq, sz.comm_head_dim, alone),
         "load_balance": balance_section(per_rank, *lb),
         "timing": timing_section(timing, sz.time_seq, sz.time_heads, sz.time_head_dim, sz.time_reps),
