@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from reference import doc_ids
+from test_gpu_attention import _grads, _reference, _rel, _torch_sdpa
 from threaded_cases import compare_rows, train_rows
 
 import seqpar
@@ -31,38 +30,6 @@ CASES = [  # (B, S, Hq, Hkv, D, cu_seqlens): S a multiple of 2 x ring x ulysses 
 ]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
-
-
-def _mask(s, cu, dev):
-    m = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
-    if cu:
-        ids = doc_ids(s, cu).to(dev)
-        m &= ids[:, None] == ids[None, :]
-    return m
-
-
-def _grads(fn, q, k, v, w):
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = fn(qs, ks, vs)
-    (o.to(w.dtype) * w).sum().backward()
-    return [o.detach(), qs.grad, ks.grad, vs.grad]
-
-
-def _reference(q, k, v, cu):
-    g = q.shape[2] // k.shape[2]
-    qh, kh, vh = q.transpose(1, 2), k.repeat_interleave(g, 2).transpose(1, 2), v.repeat_interleave(g, 2).transpose(1, 2)
-    sc = (qh @ kh.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    return (sc.masked_fill(~_mask(q.shape[1], cu, q.device), float("-inf")).softmax(-1) @ vh).transpose(1, 2)
-
-
-def _sdpa(q, k, v, cu):
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_mask(q.shape[1], cu, q.device),
-                                          enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
-
-
-def _rel(a, b):
-    return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _sp_world(u, r, q, k, v, w, cu, kernel):
@@ -81,8 +48,8 @@ def test_sp4_attention_on_one_gpu_within_torch_sdpa_error(dtype, case):
     g = torch.Generator(device="cuda").manual_seed(s + hq)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv))
     w = torch.randn(b, s, hq, d, device="cuda", generator=g, dtype=torch.float64)
-    ref = _grads(lambda *t: _reference(*t, cu), q.double(), k.double(), v.double(), w)
-    sdpa = [_rel(x, y) for x, y in zip(_grads(lambda *t: _sdpa(*t, cu), q, k, v, w), ref)]
+    ref = _grads(_reference, q.double(), k.double(), v.double(), w, cu)
+    sdpa = [_rel(x, y) for x, y in zip(_grads(_torch_sdpa, q, k, v, w, cu), ref)]
     cap = torch.cuda.get_device_capability()
     bad, ran = [], 0
     for kernel in ("auto", "flash", "cudnn", "efficient"):
