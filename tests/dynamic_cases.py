@@ -21,11 +21,11 @@ SGD = {"name": "sgd", "lr": 0.5}
 SFT_LENGTHS = [100, 20, 50, 12, 10, 25, 18, 60, 8, 30, 14, 22, 120, 40, 9, 28, 16, 11, 70, 26, 31, 19, 7, 24]
 
 
-def write_sft(path: Path, seed: int = 0) -> Path:
-    """Tokenized rows of SFT_LENGTHS tokens (random ids; the first 3 positions unsupervised)."""
+def write_sft(path: Path, seed: int = 0, lengths: list[int] | None = None) -> Path:
+    """Tokenized rows of SFT_LENGTHS (or `lengths`) tokens (random ids; the first 3 positions unsupervised)."""
     rng = random.Random(seed)
     with open(path, "w") as f:
-        for length in SFT_LENGTHS:
+        for length in lengths or SFT_LENGTHS:
             ids = [rng.randint(3, 250) for _ in range(length)]
             f.write(json.dumps({"input_ids": ids, "labels": [-100] * 3 + ids[3:]}) + "\n")
     return path
