@@ -115,3 +115,31 @@ def compare(fixed: list[dict], dyn: list[dict], tol: float = 1e-5) -> tuple[floa
     dgn = max(abs(a["grad_norm"] - b["grad_norm"]) / max(1.0, abs(a["grad_norm"])) for a, b in zip(fixed, dyn))
     assert dloss <= tol and dgn <= tol, (dloss, dgn, [(a["loss"], b["loss"]) for a, b in zip(fixed, dyn)])
     return dloss, dgn
+
+
+def write_vlm(folder: Path, n: int = 12, seed: int = 0) -> Path:
+    """Chat rows with 0-2 images of different sizes and answers of 2-30 words (rows of ~20-120 tokens)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    (folder / "imgs").mkdir(parents=True, exist_ok=True)
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    rows = []
+    for i in range(n):
+        k = int(rng.integers(0, 3))
+        images = []
+        for j in range(k):
+            h, w = [(16, 24), (24, 16), (16, 16), (32, 24)][(i + j) % 4]
+            Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(folder / "imgs" / f"{i}_{j}.png")
+            images.append(f"imgs/{i}_{j}.png")
+        answer = int(rng.choice([2, 3, 4, 12, 30], p=[0.3, 0.3, 0.2, 0.1, 0.1]))
+        user = " ".join(["<image>"] * k + list(rng.choice(words, 2)))
+        row = {"messages": [{"role": "user", "content": user},
+                            {"role": "assistant", "content": " ".join(rng.choice(words, answer))}]}
+        if images:
+            row["images"] = images
+        rows.append(row)
+    path = folder / "vlm.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
