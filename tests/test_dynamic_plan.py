@@ -127,3 +127,50 @@ def test_degree_needed_and_refusal():
     assert degree_needed(200, 2, degs, 128) == 4  # a DPO pair: two rows
     with pytest.raises(SeqParError, match="max_local_tokens=128"):
         degree_needed(600, 1, degs, 128)
+
+
+def test_plan_lengths_command(capsys, tmp_path):
+    """`seqpar plan --lengths`: fixed vs dynamic on a histogram and on a JSONL file of rows; --json; the proposed N
+    holds the longest row at the largest degree and fits the memory bound."""
+    import json
+
+    from seqpar.cli.main import main
+
+    args = ["plan", "--model", "tiny:llama", "--gpus", "4", "--gpu", "h100", "--sample-rows", "256",
+            "--rows-per-step", "16", "--lengths", "0.9:64-512,0.09:512-2048,0.01:4096"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "size: dynamic, max_local_tokens" in out and "fixed SP" in out
+    assert main(args + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["max_local_tokens"] <= res["memory_max_local_tokens"]
+    assert res["tokens_per_s"]["dynamic"] > 0 and res["tokens_per_s"]["fixed"] > 0
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": [1] * n}) + "\n" for n in [50, 70, 900, 30, 4000, 20] * 8))
+    assert main(["plan", "--model", "tiny:llama", "--gpus", "4", "--rows-per-step", "6", "--lengths", str(rows),
+                 "--max-local-tokens", "1024", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["max_local_tokens"] == 1024 and res["rows"] == 48 and res["steps"] == 8
+    assert len(res["sp_degrees"]) >= 2, res["sp_degrees"]  # the 4000-token rows need more than one rank
+
+
+def test_memory_refusal(tmp_path):
+    """size: dynamic with a device memory known: an N the memory model does not fit is refused, naming the largest
+    that fits; that one is accepted."""
+    from dynamic_cases import DYNAMIC, sft_case, write_sft
+
+    from seqpar.planner.dynamic import check_config_memory
+    from seqpar.train.config import config_from_dict
+
+    base = sft_case(write_sft(tmp_path / "sft.jsonl"), tmp_path / "run", DYNAMIC)
+    big = config_from_dict({**base, "dataset": {**base["dataset"], "max_length": 2**20},
+                            "sequence_parallel": {"size": "dynamic", "max_local_tokens": 2**18}})
+    with pytest.raises(SeqParError, match=r"fits at most (\d+) tokens per rank") as e:
+        check_config_memory(big, 4, 64 * 2**20 + 2 * 2**30 + 2**28)
+    import re
+
+    top = int(re.search(r"fits at most (\d+)", str(e.value)).group(1))
+    assert 0 < top < 2**18
+    ok = config_from_dict({**base, "dataset": {**base["dataset"], "max_length": 4 * top},
+                           "sequence_parallel": {"size": "dynamic", "max_local_tokens": top}})
+    assert check_config_memory(ok, 4, 64 * 2**20 + 2 * 2**30 + 2**28) == top

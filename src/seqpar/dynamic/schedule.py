@@ -10,7 +10,10 @@ at the same slot (no deadlock whatever the costs).
 Balance (list scheduling on predicted finish times): the rows that need d > 1 first (larger degrees first,
 the most expensive first), each on the aligned block whose ranks are free soonest; then the d = 1 rows, most
 expensive first, each where it finishes soonest: appended to a rank's open pack, to an open packed slot of
-d > 1 that still has room (packing only), or as a new pack after a rank's last slot. A packed slot of a ring
+d > 1 that still has room (packing only), or as a new pack after a rank's last slot. Under FSDP2 (lockstep: a
+micro-step lasts as long as its slowest slot) each placement minimises how much it lengthens the step instead.
+A second plan lets a row of degree > 1 take a larger degree where its slot then ends sooner; the plan predicted
+faster is used. A packed slot of a ring
 degree orders its documents (longest first, last or in the middle) to give its ranks the most even attention
 work: the cost is per document and per ring rank, not per token. Every rank computes the same plan from the
 same rows: the arithmetic is deterministic, no communication is needed.
@@ -144,31 +147,41 @@ class Scheduler:
     def plan(self, rows: Sequence[Row], lockstep: bool = False) -> StepPlan:
         """The step's slots. lockstep: every micro-step waits for its slowest slot (FSDP2's all-gathers over the
         world run per layer): minimise the sum of the micro-steps' longest slots; else each rank runs on as
-        soon as its groups allow: minimise the last finish."""
+        soon as its groups allow: minimise the last finish. Two plans are made, one with each row at the
+        smallest degree that holds it, one where a row of degree > 1 may take a larger degree when that ends its
+        slot sooner (a long row on few ranks would hold up the others); the one predicted faster is kept."""
+        plans = [self._plan(rows, lockstep, raise_degrees=r) for r in (False, True)]
+        return min(plans, key=lambda p: p.lockstep_s() if lockstep else max(p.finish(), default=0.0))
+
+    def _plan(self, rows: Sequence[Row], lockstep: bool, raise_degrees: bool) -> StepPlan:
         need = [(self.degree_of(r), r) for r in rows]
         small = [r for d, r in need if d == 1]
         big = [(d, r) for d, r in need if d > 1]
-        alone = {r.index: self.slot_rank_s([r], d)[1] for d, r in big}
-        big.sort(key=lambda x: (-x[0], -max(alone[x[1].index]), x[1].index))
+        alone = {(r.index, e): self.slot_rank_s([r], e)[1] for d, r in big
+                 for e in self.degrees if e == d or (raise_degrees and e > d)}
+        big.sort(key=lambda x: (-x[0], -max(alone[(x[1].index, x[0])]), x[1].index))
         st = _State(self.world)
-        for d, r in big:
-            st.add(self._place_big(st, d, lockstep, max(alone[r.index])), [r], alone[r.index])
+        for _, r in big:
+            options = [(*self._place_big(st, e, lockstep, max(alone[(r.index, e)])), e)
+                       for e in self.degrees if (r.index, e) in alone]
+            _, k, first, e = min(options)
+            st.add((k, first), [r], alone[(r.index, e)])
         cost1 = {r.index: self.slot_rank_s([r], 1)[1][0] for r in small}
         for r in sorted(small, key=lambda r: (-cost1[r.index], r.index)):
             self._place_small(st, r, cost1[r.index], lockstep)
         return StepPlan(self.world, st.slots, st.micro_steps)
 
-    def _place_big(self, st: _State, d: int, lockstep: bool, cost: float) -> tuple[int, int]:
-        """(micro-step, first rank) of a new slot of degree d."""
+    def _place_big(self, st: _State, d: int, lockstep: bool, cost: float) -> tuple[float, int, int]:
+        """(score, micro-step, first rank) of a new slot of degree d: its predicted finish, or (lockstep) how much
+        it lengthens the step."""
         blocks = range(0, self.world, d)
         if not lockstep:
             first = min(blocks, key=lambda b: (max(st.done[b:b + d]), b))
-            return st.next_step(range(first, first + d)), first
+            return max(st.done[first:first + d]) + cost, st.next_step(range(first, first + d)), first
         options = [(max(0.0, cost - st.worst(k)), k, b) for k in range(st.micro_steps) for b in blocks
                    if st.free(k, range(b, b + d))]
         options.append((cost, st.micro_steps, 0))
-        _, k, b = min(options)
-        return k, b
+        return min(options)
 
     def _place_small(self, st: _State, row: Row, alone_s: float, lockstep: bool) -> None:
         """The cheapest place for a d = 1 row (see the module docstring); ties: the fuller slot first."""

@@ -26,7 +26,7 @@ from .search import usable_bytes
 from .time import adamw_s, attention_passes, estimate_time, matmul_rate, offload_s, param_tensors, recurrent_flops
 
 __all__ = ["PER_MICRO_BATCH", "world_degrees", "row_cost", "step_constant_s", "max_local_tokens",
-           "check_max_local_tokens", "degree_needed"]
+           "check_max_local_tokens", "degree_needed", "check_config_memory"]
 
 # collectives a micro-batch issues (the rest of a step's are issued once per step)
 PER_MICRO_BATCH = ("ulysses", "ring", "plan", "ulysses_recurrent", "halo", "state")
@@ -153,3 +153,35 @@ def check_max_local_tokens(m: ModelFacts, wl: Workload, feats: Features, cl: Clu
             f"on {cl.mem_bytes / 2**30:.0f} GiB per device ({usable_bytes(cl) / 2**30:.1f} usable) with this "
             f"model and memory settings: set max_local_tokens: {top} or less, or turn on memory features "
             f"(activation_checkpointing, fsdp, tiled_mlp; `seqpar plan --lengths ...` proposes one)")
+
+
+def check_config_memory(cfg: object, world: int, mem_bytes: int, node_size: int | None = None) -> int | None:
+    """`seqpar train` / `seqpar check` with size: dynamic on a device of `mem_bytes`: SeqParError when the memory model
+    does not fit max_local_tokens at every degree the run uses (its memory settings); returns the bound, or None
+    (printing why) when this planner cannot read the model's config (it plans decoders, not VLMs)."""
+    from ..train.config import dynamic_degrees
+    from ..train.model.load import model_info, tiny_kwargs
+    from .model import load_model_facts
+
+    name = cfg.model.name
+    try:
+        facts = load_model_facts(name, tiny_kwargs(cfg) if name.startswith("tiny:") else None)
+    except SeqParError as e:
+        print(f"[seqpar] max_local_tokens is not checked against the device memory: {e}", flush=True)
+        return None
+    info = model_info(cfg)
+    degrees = dynamic_degrees(cfg, world, *info.heads, recurrent=info.recurrent, node_size=node_size)
+    m, ft = cfg.memory, cfg.finetuning
+    feats = Features(activation_checkpointing=m.activation_checkpointing, offload_activations=m.offload_activations,
+                     fused_loss=m.fused_loss, tiled_mlp=bool(m.tiled_mlp), tiled_layer=bool(m.tiled_layer),
+                     fsdp=bool(cfg.fsdp), offload_optimizer=bool(cfg.fsdp) and cfg.fsdp.offload,
+                     loss_chunk_tokens=m.loss_chunk_tokens, attention_head_chunks=m.attention_head_chunks,
+                     keep_attention=m.keep_attention)
+    targets = tuple(ft.targets) if isinstance(ft.targets, list) else ("q_proj", "k_proj", "v_proj", "o_proj")
+    wl = Workload(0, "dpo" if cfg.stage == "dpo" else "sft", ft.method, "fp32" if cfg.precision == "fp32" else "bf16",
+                  lora_r=ft.r, lora_targets=targets)
+    from .gpus import make_cluster
+
+    cl = make_cluster(world, node_size, gpu_mem=str(mem_bytes))
+    check_max_local_tokens(facts, wl, feats, cl, degrees, world, cfg.sequence_parallel.max_local_tokens)
+    return max_local_tokens(facts, wl, feats, cl, degrees, world)
