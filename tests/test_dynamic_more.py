@@ -143,3 +143,16 @@ def test_hybrid_and_vlm(model_world, name):
     used = {int(k) for row in r[f"{name}_dyn"] for k in row["sp_degrees"]}
     print(f"{name}: |dloss| {dloss:.2e}, |dgn| {dgn:.2e}, degrees {used}")
     assert len(used) >= 2, used
+
+
+@pytest.mark.slow
+def test_seqpar_verify_dynamic(tmp_path):
+    """`seqpar verify --nproc-per-node 4` of a size: dynamic config (the CLI under torchrun end to end): losses,
+    gradient norms and the step-1 gradient equal the SP=1 reference's, which plays the fixed run's dp slots."""
+    from procs import run_verify
+
+    cfg = sft_case(write_sft(tmp_path / "sft.jsonl"), tmp_path / "run", DYNAMIC, steps=2)
+    cfg["checkpoint"] = {"save_final": False}
+    rep = run_verify(cfg, tmp_path, steps=2, nproc=4)
+    assert rep["passed"] and rep["max_abs_dloss"] <= TOL and rep["grads_passed"], rep
+    assert rep["dp_size"] == 1, rep

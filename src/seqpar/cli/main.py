@@ -199,6 +199,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if _under_torchrun():
         raise SeqParError("run `seqpar verify` directly (not under torchrun): it launches the SP run itself")
     cfg = _load(args)
+    if args.nproc_per_node is None and cfg.sequence_parallel.dynamic:
+        raise SeqParError("seqpar verify of sequence_parallel.size: dynamic needs --nproc-per-node N (its world size)")
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.sequence_parallel.size
     from ..train.lifecycle.launch import prelaunch_checks
 
