@@ -38,7 +38,13 @@ def _resume_cases(d: Path, sft: Path) -> list[tuple]:
             ("d2f_a", run("d2f", DYNAMIC, 2, every=2)), ("d2f_b", run("d2f", FIXED, 4)),
             ("f2d_a", run("f2d", FIXED, 2, every=2)), ("f2d_b", run("f2d", DYNAMIC, 4)),
             ("mem_fixed", sft_case(mem, d / "mem_fixed", FIXED, steps=4, measure=True)),
-            ("mem_dyn", sft_case(mem, d / "mem_dyn", DYNAMIC, steps=4, measure=True))]
+            ("mem_dyn", sft_case(mem, d / "mem_dyn", DYNAMIC, steps=4, measure=True)),
+            ("eval_fixed", _with_eval(run("eval_fixed", FIXED, 2), mem)),
+            ("eval_dyn", _with_eval(run("eval_dyn", DYNAMIC, 2), mem))]
+
+
+def _with_eval(case: dict, rows: Path) -> dict:
+    return {**case, "eval_dataset": {"path": str(rows), "format": "tokenized", "max_length": 128}, "eval_every": 1}
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +162,12 @@ def test_seqpar_verify_dynamic(tmp_path):
     rep = run_verify(cfg, tmp_path, steps=2, nproc=4)
     assert rep["passed"] and rep["max_abs_dloss"] <= TOL and rep["grads_passed"], rep
     assert rep["dp_size"] == 1, rep
+
+
+def test_eval_after_dynamic_steps(world):
+    """An eval set after each step runs as the fixed run at the largest degree would (the model goes back to that
+    mesh after the step's slots): the same eval losses as the fixed run's."""
+    _, results = world
+    ev = [[row["eval_loss"] for row in results[0][k] if "eval_loss" in row] for k in ("eval_fixed", "eval_dyn")]
+    assert len(ev[0]) == len(ev[1]) == 2, ev
+    assert max(abs(a - b) for a, b in zip(*ev)) <= TOL, ev

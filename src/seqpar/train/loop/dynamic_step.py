@@ -152,6 +152,7 @@ def dynamic_train_step(loop: Loop, step: int, rows: StepRows) -> dict[str, Any]:
     batches = [_collate(loop, s, rows) if s is not None else None for s in mine]
     num_items = _counts(loop, mine, batches)
     share_sum, (sums, weight), busy = _run_slots(loop, mine, batches, num_items)
+    _on_mesh(loop, loop.mesh)  # evals (and anything else between steps) run as the fixed run at the largest degree
     loss_val, gnorm, finite = _update(loop, step, share_sum)
     lead = sum(int(b["num_input_tokens"]) for s, b in zip(mine, batches) if s is not None and s.first == loop.rank)
     names = metric_names(loop.cfg)
