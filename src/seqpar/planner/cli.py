@@ -40,10 +40,7 @@ def add_plan_parser(sub: Any) -> None:
     w.add_argument("--prompt-len", type=int, default=0,
                    help="tokens per row without a label (a DPO or SFT prompt): the fused loss computes logits "
                         "only for supervised positions; default 0 = all supervised (the upper bound)")
-    w.add_argument("--max-local-tokens", type=int, default=None,
-                   help="--lengths: size: dynamic's tokens per rank (default: the best the memory model fits)")
-    w.add_argument("--rows-per-step", type=int, default=64, help="--lengths: rows per optimizer step (global batch)")
-    w.add_argument("--sample-rows", type=int, default=1024, help="--lengths histogram: rows drawn from it")
+    _lengths_args(w)
     s = p.add_argument_group("restrict the search")
     s.add_argument("--ulysses-degree", type=int, default=None)
     s.add_argument("--ring-degree", type=int, default=None)
@@ -76,6 +73,13 @@ def add_plan_parser(sub: Any) -> None:
                    "predicted) to this JSON file (docs/cpu_results/)")
     v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")
     p.set_defaults(func=cmd_plan)
+
+
+def _lengths_args(w: Any) -> None:
+    w.add_argument("--max-local-tokens", type=int, default=None,
+                   help="--lengths: size: dynamic's tokens per rank (default: the best the memory model fits)")
+    w.add_argument("--rows-per-step", type=int, default=64, help="--lengths: rows per optimizer step (global batch)")
+    w.add_argument("--sample-rows", type=int, default=1024, help="--lengths histogram: rows drawn from it")
 
 
 def _cluster_args(c: Any) -> None:
