@@ -133,17 +133,20 @@ def model_world(tmp_path_factory):
     cases = []
     for name, sp in (("fixed", FIXED), ("dyn", DYNAMIC)):
         cases.append((f"hybrid_{name}", sft_case(sft, d / f"hybrid_{name}", sp, steps=2, model=hybrid)))
-        c = sft_case(vlm, d / f"vlm_{name}", sp, steps=3, model={"name": "tiny:qwen2_5_vl"})
-        c["dataset"] = {"path": str(vlm), "max_length": 128, "shuffle": False}
-        cases.append((f"vlm_{name}", c))
+        for fsdp in (False, True):  # under FSDP2 the vision tower joins on every rank (idle ranks' dummies too)
+            tag = f"vlm{'_fsdp' if fsdp else ''}_{name}"
+            c = sft_case(vlm, d / tag, sp, steps=3, model={"name": "tiny:qwen2_5_vl"}, fsdp=fsdp)
+            c["dataset"] = {"path": str(vlm), "max_length": 128, "shuffle": False}
+            cases.append((tag, c))
     return run_distributed(train_cases, 4, cases, timeout=560)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hybrid", "vlm"])
+@pytest.mark.parametrize("name", ["hybrid", "vlm", "vlm_fsdp"])
 def test_hybrid_and_vlm(model_world, name):
     """A hybrid (tiny Qwen3.5: Gated DeltaNet layers passing state across the ring at degree 4) and a VLM (tiny
-    Qwen2.5-VL, rows with 0-2 images): equal to the fixed run (loss, gradient norm) at several degrees."""
+    Qwen2.5-VL, rows with 0-2 images; also under FSDP2): equal to the fixed run (loss, gradient norm) at several
+    degrees."""
     r = model_world[0]
     dloss, dgn = compare(r[f"{name}_fixed"], r[f"{name}_dyn"], TOL)
     used = {int(k) for row in r[f"{name}_dyn"] for k in row["sp_degrees"]}
@@ -171,3 +174,15 @@ def test_eval_after_dynamic_steps(world):
     ev = [[row["eval_loss"] for row in results[0][k] if "eval_loss" in row] for k in ("eval_fixed", "eval_dyn")]
     assert len(ev[0]) == len(ev[1]) == 2, ev
     assert max(abs(a - b) for a, b in zip(*ev)) <= TOL, ev
+
+
+def test_one_process(tmp_path):
+    """size: dynamic in a single process (every row at degree 1, packed): the SP=1 run's losses."""
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.run import train
+
+    sft = write_sft(tmp_path / "sft.jsonl")
+    want = train(config_from_dict(sft_case(sft, tmp_path / "fixed", {"size": 1}, steps=2))).losses
+    got = train(config_from_dict(sft_case(sft, tmp_path / "dyn", {"size": "dynamic", "max_local_tokens": 128},
+                                          steps=2))).losses
+    assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, want)) <= TOL, (got, want)
