@@ -135,7 +135,7 @@ def _run_slots(loop: Loop, mine: list, batches: list, num_items: torch.Tensor) -
         busy += time.perf_counter() - t0
         share_sum += share.detach().float().cpu()
         if met and slot.first == loop.rank:  # per-slot means (identical on its ranks), weighted by its rows
-            w = float(sum(r.seqs for r in slot.rows) if loop.cfg.stage != "dpo" else len(slot.rows))
+            w = float(len(slot.rows))  # pairs (DPO), completion rows (GRPO)
             weight += w
             for name, v in met.items():
                 sums[name] = sums.get(name, 0.0) + float(v) * w
