@@ -14,6 +14,7 @@ RowCost.rank_seconds([[L]], d) + step_s is then estimate_time's step time for on
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..dynamic.cost import CommLine, DegreeCost, RowCost
 from ..errors import SeqParError
@@ -24,6 +25,9 @@ from .memory import Features, Layout, Workload, estimate_memory
 from .model import ModelFacts
 from .search import usable_bytes
 from .time import adamw_s, attention_passes, estimate_time, matmul_rate, offload_s, param_tensors, recurrent_flops
+
+if TYPE_CHECKING:
+    from ..train.config import TrainConfig
 
 __all__ = ["PER_MICRO_BATCH", "world_degrees", "row_cost", "step_constant_s", "max_local_tokens",
            "check_max_local_tokens", "degree_needed", "check_config_memory"]
@@ -155,7 +159,7 @@ def check_max_local_tokens(m: ModelFacts, wl: Workload, feats: Features, cl: Clu
             f"(activation_checkpointing, fsdp, tiled_mlp; `seqpar plan --lengths ...` proposes one)")
 
 
-def check_config_memory(cfg: object, world: int, mem_bytes: int, node_size: int | None = None) -> int | None:
+def check_config_memory(cfg: TrainConfig, world: int, mem_bytes: int, node_size: int | None = None) -> int | None:
     """`seqpar train` / `seqpar check` with size: dynamic on a device of `mem_bytes`: SeqParError when the memory model
     does not fit max_local_tokens at every degree the run uses (its memory settings); returns the bound, or None
     (printing why) when this planner cannot read the model's config (it plans decoders, not VLMs)."""
