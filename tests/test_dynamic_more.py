@@ -37,8 +37,8 @@ def _resume_cases(d: Path, sft: Path) -> list[tuple]:
     return [("whole", run("whole", FIXED, 4)),
             ("d2f_a", run("d2f", DYNAMIC, 2, every=2)), ("d2f_b", run("d2f", FIXED, 4)),
             ("f2d_a", run("f2d", FIXED, 2, every=2)), ("f2d_b", run("f2d", DYNAMIC, 4)),
-            ("mem_fixed", sft_case(mem, d / "mem_fixed", FIXED, steps=4, measure=True)),
-            ("mem_dyn", sft_case(mem, d / "mem_dyn", DYNAMIC, steps=4, measure=True)),
+            ("mem_fixed", sft_case(mem, d / "mem_fixed", FIXED, steps=2, measure=True)),
+            ("mem_dyn", sft_case(mem, d / "mem_dyn", DYNAMIC, steps=2, measure=True)),
             ("eval_fixed", _with_eval(run("eval_fixed", FIXED, 2), mem)),
             ("eval_dyn", _with_eval(run("eval_dyn", DYNAMIC, 2), mem))]
 
