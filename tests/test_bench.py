@@ -337,3 +337,23 @@ def test_sp_step_profile_runs_on_cpu():
     assert all(r["gpu_ms"]["attention"] > 0 for r in rows)
     assert rows[0]["gpu_ms"]["communication"] == 0 and all(r["gpu_ms"]["communication"] > 0 for r in rows[1:])
     assert "sp_overhead_ms_vs_world1" in rows[1] and len(sp_lines(rows)) == 3
+
+
+@pytest.mark.slow
+def test_dynamic_benchmark_quick(tmp_path):
+    """`python -m seqpar.bench dynamic --quick`: fixed, fixed packed and dynamic on 4 ranks, the per-round ratios,
+    the plan's degrees and rank times; the planner's predictions for 8 H100 / 8 H200; JSON + PNG."""
+    out = tmp_path / "dynamic.json"
+    assert main(["dynamic", "--quick", "--out", str(out), "--timeout", "600"]) == 0
+    res = json.loads(out.read_text())
+    m = res["measured"]
+    assert res["benchmark"] == "dynamic" and set(m["runs"]) == {"fixed", "fixed_packed", "dynamic"}
+    assert all(r["tokens_per_s"] > 0 for runs in m["runs"].values() for r in runs)
+    dyn = m["runs"]["dynamic"][0]
+    assert len({d for row in dyn["sp_degrees"] for d in row}) >= 2 and all(x > 0 for x in dyn["predicted_rank_s_max"])
+    per = m["dynamic_over_fixed"]["per_round"]
+    assert per[0] == pytest.approx(dyn["tokens_per_s"] / m["runs"]["fixed"][0]["tokens_per_s"])
+    for gpu in ("h100", "h200"):
+        p = res["predicted"][gpu]
+        assert p["tokens_per_s"]["dynamic"] > 0 and p["max_local_tokens"] <= p["memory_max_local_tokens"]
+    assert out.with_suffix(".png").stat().st_size > 0

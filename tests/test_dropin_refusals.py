@@ -133,3 +133,43 @@ def test_trl_default_config_on_a_cpu_only_machine(tmp_path, capsys):
     SequenceParallelSFTTrainer(model=tiny_model("qwen2", 2, 1, vocab_size=len(tok), seed=0), args=args,
                                train_dataset=_chat_rows(), processing_class=tok, sequence_parallel_size=1)
     assert capsys.readouterr().out.count(BF16_ON_CPU) == 1
+
+
+def test_dynamic_size_refused_by_every_dropin(tmp_path):
+    """sequence_parallel_size='dynamic' (length-aware SP, `seqpar train` only): refused by the HF Trainer / DPO
+    drop-ins and the TRL SFT / DPO / GRPO ones at construction, naming why and what to use instead."""
+    import datasets
+    from transformers import TrainingArguments
+    from trl import DPOConfig, GRPOConfig, SFTConfig
+
+    from seqpar.hf import SequenceParallelDPOTrainer, SequenceParallelTrainer, load_smollm2_tokenizer, tiny_model
+    from seqpar.trl import SequenceParallelDPOTrainer as TRLDPO
+    from seqpar.trl import SequenceParallelGRPOTrainer, SequenceParallelSFTTrainer
+
+    tok = load_smollm2_tokenizer()
+    model = lambda: tiny_model("qwen2", 2, 1, vocab_size=len(tok), seed=0)  # noqa: E731
+    out = str(tmp_path)
+    hf_args = TrainingArguments(output_dir=out, report_to=[], use_cpu=True)
+    tokenized = datasets.Dataset.from_list([{"input_ids": list(range(3, 19))}] * 4)
+    pairs = datasets.Dataset.from_list([{"prompt_input_ids": [3, 4], "chosen_input_ids": [5],
+                                         "rejected_input_ids": [6]}] * 4)
+    trl_pairs = datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}] * 4)
+    prompts = datasets.Dataset.from_list([{"prompt": "a"}] * 4)
+    dyn = {"sequence_parallel_size": "dynamic"}
+    makers = [
+        lambda: SequenceParallelTrainer(model=model(), args=hf_args, train_dataset=tokenized, **dyn),
+        lambda: SequenceParallelDPOTrainer(model=model(), args=hf_args, train_dataset=pairs, ref_model=model(), **dyn),
+        lambda: SequenceParallelSFTTrainer(model=model(), args=SFTConfig(output_dir=out, report_to=[], use_cpu=True,
+                                                                         bf16=False),
+                                           train_dataset=_chat_rows(), processing_class=tok, **dyn),
+        lambda: TRLDPO(model=model(), args=DPOConfig(output_dir=out, report_to=[], use_cpu=True, bf16=False),
+                       train_dataset=trl_pairs, processing_class=tok, **dyn),
+        lambda: SequenceParallelGRPOTrainer(
+            model=model(), reward_funcs=lambda completions, **_: [0.0] * len(completions), train_dataset=prompts,
+            args=GRPOConfig(output_dir=out, report_to=[], use_cpu=True, bf16=False, loss_type="grpo",
+                            per_device_train_batch_size=4, num_generations=2), processing_class=tok, **dyn),
+    ]
+    for make in makers:
+        with pytest.raises(SeqParError, match=r"sequence_parallel_size='dynamic' \(length-aware SP\) runs in "
+                                              r"`seqpar train` only.*size: dynamic, max_local_tokens"):
+            make()

@@ -1,7 +1,8 @@
 """The code's layout, checked statically (no processes): layers, cycles, sizes, raw collectives.
 
-Layers, lowest first: errors/unwrap/spawn/textfiles -> comm -> mesh -> layout -> attention/recurrent -> data/loss ->
-memory -> steps/rl -> hf -> train/trl -> planner -> bench -> cli/demo. A module may import its own layer or lower ones
+Layers, lowest first: errors/unwrap/spawn/textfiles -> comm -> mesh -> layout -> attention/recurrent ->
+data/loss/dynamic -> memory -> steps/rl -> hf -> train/trl -> planner -> bench -> cli/demo. A module may import its
+own layer or lower ones
 (function-level imports count too: a lazy import upward is still a dependency upward). Inside train/ the
 same rule holds for its parts: config -> model -> dataset -> grpo -> loop -> lifecycle -> run/verify.
 """
@@ -24,7 +25,7 @@ LAYERS = [
     {"mesh"},
     {"layout"},
     {"attention", "recurrent"},
-    {"data", "loss"},
+    {"data", "loss", "dynamic"},
     {"memory"},
     {"steps", "rl", "__init__"},  # the package root: `import seqpar` loads up to the shared step, no trainer
     {"hf"},

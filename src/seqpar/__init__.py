@@ -1,7 +1,7 @@
 """seqpar: exact sequence parallelism (Ulysses, Ring, USP) for long-context post-training.
 
 Layers, lowest first (each imports only its own layer or lower; the README's "Where things live" map):
-comm -> mesh -> layout -> attention -> data / loss -> memory -> steps / rl -> hf -> train / trl ->
+comm -> mesh -> layout -> attention -> data / loss / dynamic -> memory -> steps / rl -> hf -> train / trl ->
 planner -> bench -> cli. `import seqpar` loads up to the shared training step (seqpar.steps), never a
 trainer.
 """

@@ -7,9 +7,11 @@ benchmark (which compares its measured bytes and load balance against them).
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ulysses_theory", "ring_theory", "usp_theory", "flops_per_rank", "load_balance_table"]
+__all__ = ["ulysses_theory", "ring_theory", "usp_theory", "flops_per_rank", "load_balance_table", "AttentionComm",
+           "attention_comm"]
 
 # --------------------------------------------------------------------------------------------------
 # Theory. All numbers are bytes SENT by one rank for one attention call.
@@ -60,15 +62,46 @@ def usp_theory(
 # --------------------------------------------------------------------------------------------------
 
 
-def flops_per_rank(seq: int, r: int, layout: str, heads: int, d: int, batch: int = 1) -> list[float]:
-    """Causal forward attention FLOPs each ring rank executes, from ring.plan_pieces (what the ring runs)."""
+def flops_per_rank(seq: int, r: int, layout: str, heads: int, d: int, batch: int = 1,
+                   bounds: tuple[int, ...] | None = None) -> list[float]:
+    """Causal forward attention FLOPs each ring rank executes, from ring.plan_pieces (what the ring runs).
+    bounds: a packed row's inner document starts (cu_seqlens without its ends): attention per document, each
+    rank's share of it as the layout places the documents (a long document beside short ones can load one rank
+    more than the others)."""
     from ..layout import ring_segments
     from .pieces import piece_flops, plan_pieces
 
     segs = [ring_segments(seq, r, j, layout) for j in range(r)]
+    inner = list(bounds) if bounds else None
     return [
-        sum(piece_flops(plan_pieces(segs[me], segs[j], True), batch, heads, d) for j in range(r)) for me in range(r)
+        sum(piece_flops(plan_pieces(segs[me], segs[j], True, inner), batch, heads, d) for j in range(r))
+        for me in range(r)
     ]
+
+
+@dataclass(frozen=True)
+class AttentionComm:
+    """The attention collectives one rank issues for one micro-batch: (calls, bytes sent) per kind."""
+
+    ulysses: tuple[int, int] = (0, 0)  # all-to-alls in the ulysses group
+    ring: tuple[int, int] = (0, 0)  # K/V (and dK/dV) point-to-point hops in the ring group
+
+
+def attention_comm(seq: int, rows: int, hq: int, hkv: int, d: int, u: int, r: int, elt: int, fwds: int,
+                   layers: int) -> AttentionComm:
+    """Per softmax-attention layer and forward pass: Ulysses 2 all-to-alls (q, k, v fused out; the output back),
+    ring 2 (r-1) sends (K and V); per backward: Ulysses 2 all-to-alls, ring 2 (r-1) K/V sends plus r-1 dK/dV
+    sends. hq / hkv: the heads the Ulysses exchange moves (attention.ulysses.sent_heads); fwds: forward passes
+    (the policy's, its recomputation, a DPO reference's); seq: the full (padded) length of `rows` rows."""
+    uly = ring = (0, 0)
+    if u > 1:
+        one = ulysses_theory(seq // r, rows, hq, hkv, d, u, elt)
+        uly = (2 * layers * (fwds + 1), one * layers * (fwds + 1))
+    if r > 1:
+        t = ring_theory(seq, rows, hkv, d, r, elt)
+        calls = layers * (2 * (r - 1) * fwds + 2 * (r - 1) + (r - 1))
+        ring = (calls, layers * (t["fwd"] * fwds + t["bwd"]) // u)
+    return AttentionComm(uly, ring)
 
 
 def load_balance_table(seq: int, heads: int, d: int, degrees: tuple[int, ...] = (2, 4, 8)) -> list[dict[str, Any]]:

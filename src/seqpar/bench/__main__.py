@@ -9,7 +9,9 @@
      python -m seqpar.bench layer-memory [--out bench_results/layer_memory.json] [--lengths 1152,2304]
                                          [--configs A,B] [--quick]
      python -m seqpar.bench recurrent [--out bench_results/recurrent.json] [--seq-len 4096] [--sp 2,4] [--quick]
-                                      (hybrid layers: state passing across a ring vs Ulysses)."""
+                                      (hybrid layers: state passing across a ring vs Ulysses)
+     python -m seqpar.bench dynamic [--out bench_results/dynamic.json] [--png FILE] [--rounds 3] [--quick]
+                                    (length-aware SP vs a fixed size: 4 CPU ranks, and the planner on 8 GPUs)."""
 
 from __future__ import annotations
 
@@ -68,10 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--sp", default="2,4", help="comma-separated SP sizes (2 and / or 4)")
     rec.add_argument("--reps", type=int, default=3, help="timed repetitions per point (after one warm-up)")
     rec.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
+    _add_dynamic(sub)
     _add_gpu(sub)
     args = parser.parse_args(argv)
     other = {"gpu": _gpu, "rollout": _rollout, "step": _step, "memory": _memory, "layer-memory": _layer_memory,
-             "recurrent": _recurrent}
+             "recurrent": _recurrent, "dynamic": _dynamic}
     if args.bench in other:
         return other[args.bench](args)
 
@@ -141,6 +144,23 @@ def _step(args: argparse.Namespace) -> int:
 
     result = run(quick=args.quick, rounds=args.rounds, seq_len=args.seq_len, timeout=args.timeout)
     return _report(args, result, summary_lines, plot_step)
+
+
+def _add_dynamic(sub: argparse._SubParsersAction) -> None:
+    dyn = sub.add_parser("dynamic", help="length-aware SP vs a fixed SP size: tokens/s on 4 CPU ranks, planner on GPUs")
+    dyn.add_argument("--out", default="bench_results/dynamic.json", help="JSON output path")
+    dyn.add_argument("--png", default=None, help="PNG output path (default: next to --out); 'none' to skip")
+    dyn.add_argument("--quick", action="store_true", help="tiny model, one round (smoke test)")
+    dyn.add_argument("--rounds", type=int, default=3, help="rounds of the three configurations (medians)")
+    dyn.add_argument("--steps", type=int, default=5, help="steps per run (the first is not timed)")
+    dyn.add_argument("--timeout", type=float, default=3000.0, help="for the spawned world, seconds")
+
+
+def _dynamic(args: argparse.Namespace) -> int:
+    from .dynamic import plot_dynamic, run, summary_lines
+
+    result = run(quick=args.quick, rounds=args.rounds, steps=args.steps, timeout=args.timeout)
+    return _report(args, result, summary_lines, plot_dynamic)
 
 
 def _add_gpu(sub: argparse._SubParsersAction) -> None:

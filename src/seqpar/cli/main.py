@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="validate the config (and dataset) without training")
     common(c)
+    for sp in (t, c):
+        sp.add_argument("--device-memory", default=None, metavar="BYTES",
+                        help="size: dynamic: per-device memory (e.g. 80GiB) the planner checks max_local_tokens "
+                             "against (default: the CUDA device's, when there is one)")
     from ..planner.cli import add_plan_parser
 
     add_plan_parser(sub)
@@ -121,6 +125,25 @@ def _world_for_checks(args: argparse.Namespace, cfg) -> int:
     return args.nproc_per_node if args.nproc_per_node is not None else 1
 
 
+def check_dynamic_memory(cfg: Any, world: int, device_memory: str | None, node_size: int | None = None) -> None:
+    """size: dynamic: refuse a max_local_tokens the planner's memory model does not fit on this device (its memory
+    known: --device-memory, or the CUDA device's), before anything starts."""
+    if not cfg.sequence_parallel.dynamic:
+        return
+    from ..planner.gpus import parse_bytes
+
+    mem = parse_bytes(device_memory) if device_memory is not None else None
+    if mem is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        mem = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
+    from ..planner.dynamic import check_config_memory
+
+    check_config_memory(cfg, world, mem, node_size)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     if args.max_steps is not None:
@@ -131,6 +154,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         extra["overwrite_output_dir"] = True
     cfg = _load(args, extra)
     nodes = None if _under_torchrun() else _nodes(args)
+    world = nodes.world if nodes is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    check_dynamic_memory(cfg, world, args.device_memory, nodes.nproc_per_node if nodes is not None else None)
     if nodes is not None and nodes.world > 1:
         from ..train.lifecycle.launch import launch, prelaunch_checks
 
@@ -145,6 +170,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             passthrough += ["--output-dir", args.output_dir]
         if args.overwrite:
             passthrough += ["--overwrite"]
+        if args.device_memory is not None:
+            passthrough += ["--device-memory", args.device_memory]
         restarts = args.max_restarts if args.max_restarts is not None else (ELASTIC_RESTARTS if nodes.elastic else 0)
         return launch(cfg, nodes, passthrough, restarts)
     from ..train.run import train
@@ -172,6 +199,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if _under_torchrun():
         raise SeqParError("run `seqpar verify` directly (not under torchrun): it launches the SP run itself")
     cfg = _load(args)
+    if args.nproc_per_node is None and cfg.sequence_parallel.dynamic:
+        raise SeqParError("seqpar verify of sequence_parallel.size: dynamic needs --nproc-per-node N (its world size)")
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.sequence_parallel.size
     from ..train.lifecycle.launch import prelaunch_checks
 
@@ -196,6 +225,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     world = _world_for_checks(args, cfg)
     from ..train.lifecycle.launch import prelaunch_checks
 
+    check_dynamic_memory(cfg, world, args.device_memory)
     stats = prelaunch_checks(cfg, world)  # exactly what `train` checks before it starts
     print(f"[seqpar check] OK: {stats['examples']} training examples from {stats['rows']} rows "
           f"({stats['truncated']} truncated, {stats['dropped_unsupervised']} dropped), world={world}, "

@@ -1,6 +1,7 @@
 """Hugging Face integration: run unmodified transformers causal LMs under seqpar sequence parallelism.
 
-    attention.py          apply_sequence_parallel / remove_sequence_parallel (a scoped attention registration)
+    attention.py          apply_sequence_parallel / remove_sequence_parallel (a scoped attention registration);
+                          use_mesh (length-aware SP: the mesh of each micro-batch)
     forward_plan.py       the per-forward plan: full length and packed documents, from the full position_ids
     attention_fn.py       the attention functions the layers call, with their per-call refusals
     linear_attention.py   Gated DeltaNet (Qwen3-Next / Qwen3.5) under Ulysses; mixers.py: refused sequence mixers
@@ -12,7 +13,14 @@
     equivalence.py        a small SP-vs-no-SP check (tests, `seqpar verify`)
 """
 
-from .attention import ForwardPlan, apply_sequence_parallel, is_sequence_parallel, remove_sequence_parallel
+from .attention import (
+    ForwardPlan,
+    apply_sequence_parallel,
+    check_mesh,
+    is_sequence_parallel,
+    remove_sequence_parallel,
+    use_mesh,
+)
 from .models import (
     ARCHS,
     HYBRID_ARCHS,
@@ -45,6 +53,8 @@ __all__ = [
     "tiny_config",
     "tiny_model",
     "sp_vlm_inputs",
+    "use_mesh",
+    "check_mesh",
     "SequenceParallelTrainer",
     "SequenceParallelDPOTrainer",
 ]

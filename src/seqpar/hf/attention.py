@@ -36,7 +36,7 @@ from .mixers import check_softmax_attention_only
 from .vision import check_vlm, is_vlm, vision_batch_inputs, vision_pre_hook, vlm_language_model
 
 __all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "is_sequence_parallel", "ForwardPlan",
-           "check_config"]
+           "check_config", "use_mesh", "check_mesh"]
 
 _counter = itertools.count()
 _lock = threading.Lock()
@@ -182,6 +182,27 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     # Unregister the name when the model is garbage-collected (state lives as long as the model).
     state.finalizer = weakref.finalize(base, _unregister, name)
     return model
+
+
+def check_mesh(model: torch.nn.Module, mesh: SequenceParallelMesh) -> None:
+    """SeqParError unless an SP model's layers can run on `mesh` (a hybrid's recurrent layers bound the Ulysses
+    degree); the same on every rank (config and mesh only)."""
+    base = _base_model(model)
+    check_linear_attention(find_linear_attention(base), mesh)
+    check_mamba2(find_mamba2(base), mesh)
+
+
+def use_mesh(model: torch.nn.Module, mesh: SequenceParallelMesh) -> None:
+    """Run the SP model's next forwards, and the backwards of their graphs, on `mesh` (length-aware SP: the group
+    view of each micro-batch's degree, seqpar.dynamic). Check the mesh with `check_mesh` once beforehand. The
+    attention, a hybrid's recurrent layers and a VLM's vision inputs read the mesh at each call; a forward's
+    backward must run before the next switch (activation checkpointing recomputes in backward)."""
+    state = getattr(_base_model(model), "_seqpar_state", None)
+    if state is None:
+        raise SeqParError("use_mesh: sequence parallelism is not applied to this model (apply_sequence_parallel)")
+    if not isinstance(mesh, SequenceParallelMesh):
+        raise SeqParError(f"use_mesh needs a SequenceParallelMesh, got {type(mesh).__name__}")
+    state.mesh = mesh
 
 
 def _unregister(name: str) -> None:

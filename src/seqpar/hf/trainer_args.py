@@ -151,6 +151,14 @@ def pad_id(model: torch.nn.Module, tok: Any) -> int:
 def check_sp_sizes(name: str, sequence_parallel_size: Any, ulysses_degree: Any, ring_degree: Any, mesh: Any) -> None:
     """The drop-ins' mesh arguments: None (the default: the world size / automatic degrees) or a positive int; a
     0 must not fall back to the world size. A mesh= and sizes that disagree with it are refused (the mesh wins)."""
+    if sequence_parallel_size == "dynamic":
+        raise SeqParError(
+            f"{name}: sequence_parallel_size='dynamic' (length-aware SP) runs in `seqpar train` only: the Trainer's "
+            "data loader gives every dp rank its own fixed micro-batches and its DDP / FSDP / DeepSpeed wrapper "
+            "expects the same forwards on every rank of an SP group, while length-aware SP plans each step's rows "
+            "over all ranks, in groups whose sizes change per micro-step. Use `seqpar train` with "
+            "sequence_parallel: {size: dynamic, max_local_tokens: N} (docs/training.md), or a fixed "
+            "sequence_parallel_size here")
     given = (("sequence_parallel_size", sequence_parallel_size, "the world size"),
              ("ulysses_degree", ulysses_degree, "automatic"), ("ring_degree", ring_degree, "automatic"))
     for arg, v, default in given:

@@ -23,6 +23,10 @@ def add_plan_parser(sub: Any) -> None:
     g = w.add_mutually_exclusive_group()
     g.add_argument("--seq-len", type=int, default=None)
     g.add_argument("--max-seq-len", action="store_true", help="search the longest sequence that fits")
+    g.add_argument("--lengths", default=None, metavar="SPEC",
+                   help="a dataset's lengths: a histogram 'share:lo-hi,...' (e.g. 0.9:512-4096,0.09:4096-32768,"
+                        "0.01:131072) or a file (JSON list, JSONL with input_ids or length, one per line): fixed SP "
+                        "vs length-aware SP (size: dynamic), tokens/s, and max_local_tokens")
     w.add_argument("--stage", choices=("sft", "dpo"), default="sft")
     w.add_argument("--finetuning", choices=("full", "lora"), default="full")
     w.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
@@ -36,6 +40,7 @@ def add_plan_parser(sub: Any) -> None:
     w.add_argument("--prompt-len", type=int, default=0,
                    help="tokens per row without a label (a DPO or SFT prompt): the fused loss computes logits "
                         "only for supervised positions; default 0 = all supervised (the upper bound)")
+    _lengths_args(w)
     s = p.add_argument_group("restrict the search")
     s.add_argument("--ulysses-degree", type=int, default=None)
     s.add_argument("--ring-degree", type=int, default=None)
@@ -70,6 +75,13 @@ def add_plan_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def _lengths_args(w: Any) -> None:
+    w.add_argument("--max-local-tokens", type=int, default=None,
+                   help="--lengths: size: dynamic's tokens per rank (default: the best the memory model fits)")
+    w.add_argument("--rows-per-step", type=int, default=64, help="--lengths: rows per optimizer step (global batch)")
+    w.add_argument("--sample-rows", type=int, default=1024, help="--lengths histogram: rows drawn from it")
+
+
 def _cluster_args(c: Any) -> None:
     c.add_argument("--gpus", type=int, default=8)
     c.add_argument("--gpus-per-node", type=int, default=None)
@@ -89,8 +101,8 @@ def _request(args: argparse.Namespace) -> Any:
 
     if args.micro_batch_size < 1:
         raise SeqParError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    if not args.max_seq_len and args.seq_len is None:
-        raise SeqParError("give --seq-len N or --max-seq-len")
+    if not args.max_seq_len and args.seq_len is None and args.lengths is None:
+        raise SeqParError("give --seq-len N, --max-seq-len or --lengths SPEC")
     if args.seq_len is not None and args.seq_len < 1:
         raise SeqParError(f"--seq-len must be a number of tokens >= 1, got {args.seq_len}")
     if args.top < 1:
@@ -191,6 +203,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cl = make_cluster(args.gpus, args.gpus_per_node, args.gpu, args.gpu_mem, args.intra_bw, args.inter_bw,
                       args.peak_tflops, args.host_mem)
     req = _request(args)
+    if args.lengths is not None:
+        return _plan_lengths(args, m, cl, req)
     notes: list[str] = []
     cands, rec = plan(m, cl, req, notes)
     if args.tiled_layer:
@@ -215,4 +229,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ctx = context_limit(m, req.max_position, req.rope_scaling)
     print(f"\n# seqpar train config (launch {cl.gpus} processes):\n"
           + train_yaml(trainable_name(args.model), best, req.workload, seq, ctx))
+    return 0
+
+
+def _plan_lengths(args: argparse.Namespace, m: Any, cl: Any, req: Any) -> int:
+    """--lengths: the fixed layout for the longest row vs size: dynamic over the dataset's rows."""
+    from .lengths import parse_lengths, plan_mix
+
+    if args.rows_per_step < 1 or (args.max_local_tokens is not None and args.max_local_tokens < 1):
+        raise SeqParError("--rows-per-step and --max-local-tokens must be >= 1")
+    lengths = parse_lengths(args.lengths, rows=max(1, args.sample_rows))
+    res = plan_mix(m, cl, req, lengths, args.max_local_tokens, args.rows_per_step)
+    if args.json:
+        print(json.dumps({"model": args.model, "gpus": cl.gpus, "gpu": cl.name, "lengths": args.lengths, **res},
+                         indent=1))
+        return 0
+    tps, fx = res["tokens_per_s"], res["fixed_layout"]
+    print(f"{args.model} on {cl.gpus} x {cl.name}: {res['rows']} rows (longest {res['longest']}), "
+          f"{res['rows_per_step']} per step, {res['steps']} steps")
+    print(f"  fixed SP (ulysses {fx['ulysses']} x ring {fx['ring']} x dp {fx['dp']}), one row per micro-batch: "
+          f"{tps['fixed'] / 1e3:8.1f} ktok/s")
+    if "fixed_packed" in tps:
+        print(f"  the same, rows packed to the longest (dataset.packing):            {tps['fixed_packed'] / 1e3:8.1f} "
+              "ktok/s")
+    print(f"  size: dynamic, max_local_tokens {res['max_local_tokens']}:                        "
+          f"{tps['dynamic'] / 1e3:8.1f} ktok/s   x{res['speedup_vs_fixed']:.2f}"
+          + (f" (x{res['speedup_vs_fixed_packed']:.2f} vs packed)" if res["speedup_vs_fixed_packed"] else ""))
+    print(f"  rows per degree: {res['sp_degrees']}; the memory model fits up to {res['memory_max_local_tokens']} "
+          f"tokens per rank with {', '.join(k for k, v in res['dynamic_features'].items() if v) or 'no features'}")
+    print(f"\n# seqpar train config (launch {cl.gpus} processes):\nsequence_parallel: {{size: dynamic, "
+          f"max_local_tokens: {res['max_local_tokens']}}}")
     return 0

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..attention.costs import ring_theory, ulysses_theory
+from ..attention.costs import attention_comm
 from ..attention.ulysses import head_plan, sent_heads
 from ..comm import IN_PLACE_MIN_NUMEL
 from .memory import Features, Layout, Workload
@@ -67,17 +67,15 @@ def passes(wl: Workload, feats: Features) -> tuple[int, int]:
 
 
 def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:
-    out: list[Collective] = []
     hq, hkv = sent_ulysses_heads(m, lay)  # the ring (USP) moves the kv heads the exchange placed
     fwd_bwd, fwd_only = passes(wl, feats)
-    fwds, L, r = fwd_bwd + fwd_only, m.attn_layers, lay.ring
+    c = attention_comm(wl.seq_len, wl.rows, hq, hkv, m.head_dim, lay.ulysses, lay.ring, wl.elt,
+                       fwd_bwd + fwd_only, m.attn_layers)
+    out: list[Collective] = []
     if lay.ulysses > 1:
-        one = ulysses_theory(wl.seq_len // r, wl.rows, hq, hkv, m.head_dim, lay.ulysses, wl.elt)
-        out.append(Collective("ulysses", "all_to_all", "ulysses", 2 * L * (fwds + 1), one * L * (fwds + 1)))
-    if r > 1:
-        t = ring_theory(wl.seq_len, wl.rows, hkv, m.head_dim, r, wl.elt)
-        calls = L * (2 * (r - 1) * fwds + 2 * (r - 1) + (r - 1))
-        out.append(Collective("ring", "p2p", "ring", calls, L * (t["fwd"] * fwds + t["bwd"]) // lay.ulysses))
+        out.append(Collective("ulysses", "all_to_all", "ulysses", *c.ulysses))
+    if lay.ring > 1:
+        out.append(Collective("ring", "p2p", "ring", *c.ring))
     return out
 
 

@@ -6,9 +6,9 @@ intra = NVLink/NVSwitch inside a node, inter = the GPU's share of the node's net
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
+from ..dynamic.cost import Machine
 from ..errors import SeqParError
 
 __all__ = ["Cluster", "GPU_PRESETS", "parse_bytes", "make_cluster"]
@@ -43,29 +43,24 @@ class Cluster:
     # processes, shared by the GPUs the job uses on the node (make_cluster)
     host_mem_bytes: int | None = None
 
+    @property
+    def machine(self) -> Machine:
+        """The rates, links and overheads a micro-batch's cost needs (seqpar.dynamic.cost, shared with `seqpar
+        train`'s length-aware balancing)."""
+        return Machine(self.gpus_per_node, self.intra_bw, self.inter_bw, self.latency_s, self.overlap,
+                       self.host_layer_s, self.attn_tflops, self.attn_by_len, self.per_kind)
+
     def bw(self, group: int, stride: int = 1) -> float:
         """Bandwidth of a group of `group` ranks spaced `stride` apart (ranks fill nodes in order)."""
-        return self.intra_bw if group * stride <= self.gpus_per_node else self.inter_bw
+        return self.machine.bw(group, stride)
 
     def attention_tflops(self, length: int) -> float | None:
         """The attention kernel's rate at a query length (measured clusters), else `attn_tflops`."""
-        pts = sorted(self.attn_by_len)
-        if not pts:
-            return self.attn_tflops
-        if length <= pts[0][0]:
-            return pts[0][1]
-        for (n0, r0), (n1, r1) in zip(pts, pts[1:]):
-            if length <= n1:
-                w = math.log(length / n0) / math.log(n1 / n0)
-                return r0 + w * (r1 - r0)
-        return pts[-1][1]
+        return self.machine.attention_tflops(length)
 
     def collective_s(self, kind: str, calls: int, nbytes: float, group: int, stride: int = 1) -> float:
         """Seconds for `calls` collectives of one kind that send `nbytes` in all: latency + bytes / bandwidth."""
-        for k, lat, gbs in self.per_kind:
-            if k == kind:
-                return calls * lat + nbytes / (gbs * 1e9)
-        return calls * self.latency_s + nbytes / (self.bw(group, stride) * 1e9)
+        return self.machine.collective_s(kind, calls, nbytes, group, stride)
 
 
 # A100 SXM 80GB: 312 dense bf16 TFLOP/s, 19.5 fp32 (156 tf32), NVLink3 ~240 GB/s achieved, 200 Gb/s IB per GPU.

@@ -18,7 +18,8 @@ from .model import ModelFacts
 from .tiled import auto_head_chunks
 from .time import TimeEstimate, estimate_time
 
-__all__ = ["Candidate", "Request", "plan", "usable_bytes", "MARGIN_FRACTION", "MARGIN_BYTES", "train_yaml"]
+__all__ = ["Candidate", "Request", "plan", "feature_sets", "usable_bytes", "MARGIN_FRACTION", "MARGIN_BYTES",
+           "train_yaml"]
 
 # Headroom the planner keeps free: allocator fragmentation (fraction) + CUDA context, NCCL buffers,
 # kernels' workspaces (bytes). See docs/planner.md.
@@ -93,7 +94,7 @@ class Candidate:
         return d
 
 
-def _feature_sets(req: Request) -> list[Features]:
+def feature_sets(req: Request) -> list[Features]:
     ac = [req.activation_checkpointing] if req.activation_checkpointing is not None else [False, True]
     fsdp = [req.fsdp] if req.fsdp is not None else [False, True]
     out = []
@@ -264,7 +265,7 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
     cands = []
     if req.max_seq_len:
         for lay in _layouts(m, cl, req):
-            cands += [_longest(m, cl, wl, lay, _chunked(f, m, lay, req), ctx) for f in _feature_sets(req)]
+            cands += [_longest(m, cl, wl, lay, _chunked(f, m, lay, req), ctx) for f in feature_sets(req)]
         if any(c.capped_by for c in cands):
             notes.append(f"--max-seq-len capped at {ctx.limit}: {ctx.reason}" + (
                 "" if ctx.extended or "sliding" in ctx.reason else
@@ -273,7 +274,7 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
         refuse_too_long(ctx, wl.seq_len)
         for lay, n in _meshes(m, cl, req, ctx, notes):
             cands += [_evaluate(m, cl, replace(wl, seq_len=n), lay, _chunked(f, m, lay, req))
-                      for f in _feature_sets(req)]
+                      for f in feature_sets(req)]
     _rank(cands, cl, req.max_seq_len)
     return cands, (0 if cands and cands[0].fits else None)
 

@@ -38,7 +38,8 @@ from .memory import Features, Layout, Workload, layer_bytes_per_token
 from .model import ModelFacts
 
 __all__ = ["TimeEstimate", "estimate_time", "offload_s", "comm_bytes_per_layer", "attention_flops", "step_flops",
-           "recurrent_flops", "DEFAULT_MFU"]
+           "recurrent_flops", "DEFAULT_MFU", "attention_passes", "matmul_rate", "adamw_s", "ADAMW_BYTES_PER_PARAM",
+           "param_tensors", "BACKWARD_SHARE"]
 
 DEFAULT_MFU = 0.45
 BACKWARD_SHARE = 2 / 3  # of a step's compute: backward's 2 matmuls per forward one, which gradient sums can hide behind
@@ -100,8 +101,15 @@ def step_flops(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> tup
     elif feats.tiled_mlp and not feats.activation_checkpointing:
         linear += 2 * tokens * mlp_w * m.layers  # the MLP tiles run again in backward
     a_fwd = attention_flops(m, wl, lay) * m.attn_layers + recurrent_flops(m, wl, lay) * m.linear_layers
+    return linear, a_fwd * attention_passes(wl, feats)
+
+
+def attention_passes(wl: Workload, feats: Features) -> float:
+    """Attention's work per step in forward-pass units: each forward pass (the policy's, its recomputation
+    unless keep_attention reuses its outputs, DPO's reference pass) and the backward at 2.5x."""
+    fwd_bwd, fwd_only = passes(wl, feats)
     kept = int(feats.keep_attention and feats.activation_checkpointing)  # the recompute reuses attention's outputs
-    return linear, a_fwd * (fwd_bwd - kept + fwd_only + 2.5)
+    return fwd_bwd - kept + fwd_only + 2.5
 
 
 def _memory_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> float:
@@ -109,10 +117,25 @@ def _memory_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> 
     fwd_bwd, fwd_only = passes(wl, feats)
     per_layer = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp, lay.ring)
     acts = tokens * m.layers * per_layer * (fwd_bwd + fwd_only + 2)
+    return acts + _adamw_bytes(m, wl, lay, feats)
+
+
+def _adamw_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> float:
+    """AdamW's streaming per step on the device (its shard under FSDP; 0 when the update runs on the host)."""
     trained = m.num_params() if not wl.lora else m.lora_params(wl.lora_r, wl.lora_targets)
     shards = lay.world if feats.fsdp else 1
     on_device = not (feats.fsdp and feats.offload_optimizer)  # else the update runs on the host (offload_s)
-    return acts + (ADAMW_BYTES_PER_PARAM * trained / shards if on_device else 0)
+    return ADAMW_BYTES_PER_PARAM * trained / shards if on_device else 0
+
+
+def adamw_s(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, cl: Cluster) -> float:
+    """Seconds of the optimizer's memory streaming: once per step, whatever its micro-batches."""
+    return _adamw_bytes(m, wl, lay, feats) / (cl.mem_bw * 1e9)
+
+
+def matmul_rate(wl: Workload, cl: Cluster, mfu: float = DEFAULT_MFU) -> float:
+    """Achieved matmul FLOP/s: the precision's peak x MFU."""
+    return (cl.peak_tflops if wl.precision == "bf16" else cl.fp32_tflops) * 1e12 * mfu
 
 
 def offload_s(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, cl: Cluster) -> dict[str, float]:
@@ -159,7 +182,7 @@ def _group(lay: Layout, group: str) -> tuple[int, int]:
 
 def estimate_time(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, cl: Cluster,
                   mfu: float = DEFAULT_MFU) -> TimeEstimate:
-    rate = (cl.peak_tflops if wl.precision == "bf16" else cl.fp32_tflops) * 1e12 * mfu
+    rate = matmul_rate(wl, cl, mfu)
     # Rate of one causal kernel over the full length, under ring too: its pieces are shorter, but all but
     # the diagonal ones are unmasked (no wasted blocks); measured CPU step times show the two balance.
     kernel_tflops = cl.attention_tflops(wl.seq_len)

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..dynamic.meshes import init_degree_meshes
 from ..errors import SeqParError, TrainingDiverged
 from ..memory.meter import PeakMemoryMeter
 from ..mesh import init_mesh, node_size_from_env
 from ..threaded import serial
-from .config import TrainConfig, validate_for_launch, with_total_steps
+from .config import TrainConfig, dynamic_degrees, validate_for_launch, with_total_steps
 from .dataset.prepare import prepare_examples
 from .grpo.rollout import GRPORollout, grpo_step_spec
 from .lifecycle.checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -40,6 +41,7 @@ from .lifecycle.process import (
 from .lifecycle.resume import check_output_dir, resume_point, resume_start, run_meta
 from .lifecycle.run_layout import RunLayout
 from .loop.build import build_loop
+from .loop.dynamic_step import measured_dynamic_step
 from .loop.evaluation import maybe_eval
 from .loop.metrics import log_row, open_tensorboard, report_data_stats, trim_metrics
 from .loop.plots import plot_curves, read_metrics
@@ -67,6 +69,7 @@ class _Prepared:
     node_size: int  # processes per node (LOCAL_WORLD_SIZE); < world over several nodes
     info: ModelInfo  # the model's config, read once for the whole run
     layout: RunLayout  # world, dp x sp, FSDP2, the global batch: what a checkpoint records, what a resume compares
+    degrees: dict[int, tuple[int, int]] | None = None  # size: dynamic: {degree: (ulysses, ring)}
 
 
 def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
@@ -111,10 +114,13 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
         raise SeqParError("stage: grpo has no emulated-dp reference (seqpar verify): compare runs with dp=1 instead")
     examples, data_stats = prepare_examples(cfg, tok, info=info)
     eval_data = prepare_examples(cfg, tok, cfg.eval_dataset, info) if cfg.eval_dataset is not None else None
-    dp = emulate_dp if emulate_dp > 1 else world // cfg.sequence_parallel.size
+    degrees = (dynamic_degrees(cfg, world, nh, nkv, recurrent=info.recurrent, node_size=node)
+               if cfg.sequence_parallel.dynamic else None)
+    sp = max(degrees) if degrees else cfg.sequence_parallel.size
+    dp = emulate_dp if emulate_dp > 1 else world // sp
     # global_batch_size -> grad_accum at this dp; num_epochs -> max_steps (continuing a resumed data position)
     cfg = with_total_steps(cfg, len(examples), dp, start=resume_start(cfg, len(examples)))
-    layout = RunLayout.of(cfg, world, u, r, dp=dp)
+    layout = RunLayout.of(cfg, world, u, r, dp=dp, sp=sp)
     check_model(cfg, examples, info)
     if node == world:  # one node: every rank sees the folder; over nodes rank 0 checks it (take_lock)
         check_output_dir(cfg, layout, len(examples))  # another run's checkpoint, or results a fresh start replaces
@@ -124,7 +130,7 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     if loaded_heads(model) != (nh, nkv):
         raise SeqParError(f"model has heads {loaded_heads(model)} but its config said {(nh, nkv)}")
     check_memory_features(cfg, model, on_accelerator=torch.cuda.is_available())
-    return _Prepared(cfg, tok, examples, data_stats, eval_data, model, u, r, node, info, layout)
+    return _Prepared(cfg, tok, examples, data_stats, eval_data, model, u, r, node, info, layout, degrees)
 
 
 def _start_process_group(cfg: TrainConfig, world: int, pg_ready: bool) -> bool:
@@ -140,13 +146,18 @@ def _start_process_group(cfg: TrainConfig, world: int, pg_ready: bool) -> bool:
 
 
 def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_dp: int) -> TrainResult:
-    cfg = prep.cfg
-    mesh = init_mesh(cfg.sequence_parallel.size, ulysses_degree=prep.ulysses, ring_degree=prep.ring,
-                     layout=cfg.sequence_parallel.layout, node_size=prep.node_size, timeout=cfg.collective_timeout,
-                     state_passing=cfg.sequence_parallel.state_passing)
+    cfg, sp = prep.cfg, prep.cfg.sequence_parallel
+    meshes = None
+    if prep.degrees is not None:  # every degree's process groups, once (each creation is collective)
+        meshes = init_degree_meshes(prep.degrees, world, rank, layout=sp.layout, node_size=prep.node_size,
+                                    timeout=cfg.collective_timeout, state_passing=sp.state_passing)
+        mesh = meshes.meshes[meshes.top]
+    else:
+        mesh = init_mesh(sp.size, ulysses_degree=prep.ulysses, ring_degree=prep.ring, layout=sp.layout,
+                         node_size=prep.node_size, timeout=cfg.collective_timeout, state_passing=sp.state_passing)
     out = Path(cfg.output_dir)
     loop = build_loop(cfg, mesh, prep.model, prep.tok, prep.examples, device, world, rank, emulate_dp=emulate_dp,
-                      out=out, eval_data=prep.eval_data, info=prep.info)
+                      out=out, eval_data=prep.eval_data, info=prep.info, meshes=meshes, degrees=prep.degrees)
     if cfg.memory.measure:
         # CUDA: the allocator's exact peak, without the tracker's per-op Python cost (no split by category).
         extra = (getattr(loop.reference, "ref_model", None), loop.prec.module if loop.prec else None)
@@ -205,7 +216,7 @@ def _steps(loop: Loop, result: TrainResult, metrics_path: Path, start_step: int,
     step = start_step
     t_start = time.perf_counter()
     while step < cfg.max_steps:
-        row = measured_step(loop, step)
+        row = measured_dynamic_step(loop, step) if loop.dynamic is not None else measured_step(loop, step)
         if loop.meter is not None:
             result.peak_alloc.append(loop.meter.last)
         step += 1
@@ -238,7 +249,12 @@ def _start_line(loop: Loop, n_examples: int, start_step: int) -> str:
                                        ("memory.measure", m.measure)) if on]
     unit = "packed rows" if cfg.dataset.packing else ("prompts" if cfg.stage == "grpo" else "examples")
     where = f"resuming at step {start_step}" if start_step else "from step 0"
-    return (f"[seqpar] {cfg.stage} {cfg.precision}: {loop.mesh!r}, world {loop.world}; {n_examples} {unit}; "
+    mesh = repr(loop.mesh)
+    if loop.dynamic is not None:
+        m = loop.dynamic.meshes
+        mesh = (f"length-aware SP, degrees {'/'.join(str(d) for d in m.degrees)} (largest: {loop.mesh!r}), "
+                f"max_local_tokens {cfg.sequence_parallel.max_local_tokens}")
+    return (f"[seqpar] {cfg.stage} {cfg.precision}: {mesh}, world {loop.world}; {n_examples} {unit}; "
             f"{cfg.max_steps} steps {where}; features: {', '.join(features) or 'none'}")
 
 
@@ -255,7 +271,8 @@ def _save_checkpoint(loop: Loop, step: int) -> None:
     cfg, m = loop.cfg, loop.mesh
     rows = loop.streams[0].rows  # every slot's stream is at the same global row between steps
     state = {"step": step, "scheduler": loop.scheduler.state_dict(), "data": {"rows": rows}}
-    layout = RunLayout.of(cfg, loop.world, m.ulysses_degree, m.ring_degree, dp=m.dp_size * len(loop.streams))
+    layout = RunLayout.of(cfg, loop.world, m.ulysses_degree, m.ring_degree, dp=m.dp_size * len(loop.streams),
+                          sp=m.sp_size)
     save_checkpoint(loop.out, step, _state_model(loop), loop.optimizer, state, trainable_only=_lora(loop),
                     keep_last=cfg.checkpoint.keep_last,
                     run_meta=run_meta(cfg, loop.world, layout, rows, len(loop.examples)))

@@ -75,17 +75,17 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
            timeout: float | None = None) -> dict[str, Any]:
     """Run SP (nproc ranks) and the SP=1 reference for `steps` steps; return the report (also JSON + PNG)."""
     out = Path(out_dir)
-    if nproc % cfg.sequence_parallel.size != 0:
+    size = _rows_sp(cfg, nproc)
+    if nproc % size != 0:
         raise SeqParError(
-            f"--nproc-per-node={nproc} is not a multiple of sequence_parallel.size={cfg.sequence_parallel.size}: "
-            f"use {cfg.sequence_parallel.size} or a multiple"
+            f"--nproc-per-node={nproc} is not a multiple of sequence_parallel.size={size}: use {size} or a multiple"
         )
-    dp = nproc // cfg.sequence_parallel.size
+    dp = nproc // size
     if cfg.stage == "grpo" and dp > 1:  # refused here, before the SP run, not by the reference after it
         raise SeqParError(
             f"seqpar verify of stage: grpo needs dp = 1 (--nproc-per-node={nproc} with sequence_parallel.size="
-            f"{cfg.sequence_parallel.size} gives dp={dp}): the SP=1 reference cannot emulate several dp ranks' "
-            f"rollouts; use --nproc-per-node {cfg.sequence_parallel.size}"
+            f"{size} gives dp={dp}): the SP=1 reference cannot emulate several dp ranks' rollouts; use "
+            f"--nproc-per-node {size}"
         )
     check_verify_folder(out)
     base = cfg.model_dump(mode="json")
@@ -109,6 +109,18 @@ def verify(cfg: TrainConfig, steps: int, nproc: int, out_dir: str | Path, tolera
     with _env(GRAD_DUMP_ENV, str(ref_dump)):
         train(ref_cfg, emulate_dp=dp)
     return _report(cfg, steps, nproc, dp, out, tolerance, sp_dump, ref_dump, dropout)
+
+
+def _rows_sp(cfg: TrainConfig, nproc: int) -> int:
+    """The SP size a step's rows are counted at (size: dynamic: its largest degree at this world size), so the
+    reference plays world / it dp slots: the same rows per step."""
+    if not cfg.sequence_parallel.dynamic:
+        return cfg.sequence_parallel.size
+    from .config import rows_sp_size
+    from .model.load import model_info
+
+    info = model_info(cfg)
+    return rows_sp_size(cfg, nproc, *info.heads, recurrent=info.recurrent)
 
 
 def without_dropout(cfg: TrainConfig, base: dict[str, Any]) -> float | None:
@@ -169,7 +181,8 @@ def _report(cfg: TrainConfig, steps: int, nproc: int, dp: int, out: Path, tolera
     tol = DEFAULT_TOL[cfg.precision] if tolerance is None else tolerance
     grads = compare_gradients(sp_rows, ref_rows, sp_dump, ref_dump, cfg.precision)
     sp = cfg.sequence_parallel
-    label_sp = f"SP={sp.size} x dp={dp} ({nproc} ranks)"
+    label_sp = (f"length-aware SP, max_local_tokens {sp.max_local_tokens} ({nproc} ranks)" if sp.dynamic
+                else f"SP={sp.size} x dp={dp} ({nproc} ranks)")
     label_ref = f"SP=1 reference (1 process, {dp} dp slot{'s' if dp > 1 else ''})"
     png = plot_curves(
         {label_sp: [(s, sp_loss[s]) for s in common_steps], label_ref: [(s, ref_loss[s]) for s in common_steps]},

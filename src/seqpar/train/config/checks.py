@@ -18,12 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...dynamic.cost import padded
 from ...errors import SeqParError
 from ...layout import required_multiple
-from ...mesh import RecurrentHeads, check_divides, resolve_degrees
+from ...mesh import RecurrentHeads, auto_degrees, check_divides, divisors, resolve_degrees
 from .schema import SequenceParallelSpec, TrainConfig
 
-__all__ = ["resolve_sp_degrees", "validate_for_launch", "steps_for_epochs", "with_total_steps", "rows_per_step",
+__all__ = ["resolve_sp_degrees", "dynamic_degrees", "rows_sp_size",
+           "validate_for_launch", "steps_for_epochs", "with_total_steps", "rows_per_step",
            "resolve_grad_accum", "import_reward", "check_reward_funcs", "add_reward_search_path"]
 
 
@@ -35,11 +37,47 @@ def resolve_sp_degrees(sp: SequenceParallelSpec, num_heads: int | None, num_kv_h
                            recurrent=recurrent, node_size=node_size)
 
 
+def dynamic_degrees(cfg: TrainConfig, world: int, num_heads: int | None, num_kv_heads: int | None, *,
+                    recurrent: RecurrentHeads | None = None,
+                    node_size: int | None = None) -> dict[int, tuple[int, int]]:
+    """size: dynamic: {degree: (ulysses, ring)} for the degrees dividing the world, up to the one a row of
+    dataset.max_length needs (tokens per rank: its padded length x its sequences / d <= max_local_tokens), each
+    split as `size: d` would; SeqParError when even the whole world cannot hold such a row."""
+    sp = cfg.sequence_parallel
+    n, length = sp.max_local_tokens, cfg.dataset.max_length
+    seqs = 2 if cfg.stage == "dpo" else 1
+    out: dict[int, tuple[int, int]] = {}
+    for d in divisors(world):
+        u, r = auto_degrees(d, num_heads, num_kv_heads, recurrent=recurrent, node_size=node_size)
+        out[d] = (u, r)
+        need = seqs * padded(length, r, u, sp.layout) // d
+        if need <= n:
+            return out
+    pair = " x 2 rows (a DPO pair)" if seqs == 2 else ""
+    raise SeqParError(
+        f"sequence_parallel.max_local_tokens={n} cannot hold a row of dataset.max_length={length} tokens{pair} even "
+        f"at the largest degree, the world size {world} ({need} tokens per rank): set max_local_tokens: {need} or "
+        f"more, lower max_length, or launch more processes")
+
+
+def rows_sp_size(cfg: TrainConfig, world: int, num_heads: int | None, num_kv_heads: int | None, *,
+                 recurrent: RecurrentHeads | None = None, node_size: int | None = None) -> int:
+    """The SP size a step's rows are counted at: the fixed size, or with size: dynamic the largest degree it uses
+    (its steps take the rows of the fixed run at that size: dp = world / it)."""
+    if not cfg.sequence_parallel.dynamic:
+        return cfg.sequence_parallel.size
+    return max(dynamic_degrees(cfg, world, num_heads, num_kv_heads, recurrent=recurrent, node_size=node_size))
+
+
 def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | None = None,
                         num_kv_heads: int | None = None, recurrent: RecurrentHeads | None = None,
                         node_size: int | None = None) -> tuple[int, int]:
-    """Checks that need the world size and head counts; returns (ulysses, ring). No collectives.
-    node_size: processes per node (None: one node holds the world)."""
+    """Checks that need the world size and head counts; returns (ulysses, ring) (size: dynamic: of its largest
+    degree). No collectives. node_size: processes per node (None: one node holds the world)."""
+    if cfg.sequence_parallel.dynamic:
+        degrees = dynamic_degrees(cfg, world_size, num_heads, num_kv_heads, recurrent=recurrent, node_size=node_size)
+        _common_checks(cfg, world_size // max(degrees))
+        return degrees[max(degrees)]
     sp = cfg.sequence_parallel.size
     check_divides(sp, world_size, f"sequence_parallel.size={sp} does not divide the world size {world_size}: set "
                   f"size to one of {{ok}}, or launch a multiple of {sp} processes (--nproc-per-node)")
@@ -64,7 +102,12 @@ def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | N
                 f"(ulysses={u}, ring={r}, layout={cfg.sequence_parallel.layout}): it must be a multiple of {m}; "
                 f"use max_length: {alts}"
             )
-    resolve_grad_accum(cfg, world_size // sp)  # global_batch_size: a grad_accum must exist at this dp size
+    _common_checks(cfg, world_size // sp)
+    return u, r
+
+
+def _common_checks(cfg: TrainConfig, dp: int) -> None:
+    resolve_grad_accum(cfg, dp)  # global_batch_size: a grad_accum must exist at this dp size
     check_reward_funcs(cfg)
     if "tensorboard" in cfg.report_to:
         try:
@@ -73,7 +116,6 @@ def validate_for_launch(cfg: TrainConfig, world_size: int, *, num_heads: int | N
             raise SeqParError(
                 "report_to: tensorboard needs the tensorboard package: pip install tensorboard (or drop report_to)"
             ) from None
-    return u, r
 
 
 def rows_per_step(cfg: TrainConfig, dp_size: int) -> int:

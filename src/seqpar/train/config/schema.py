@@ -68,15 +68,30 @@ class DatasetSpec(_Strict):
 
 
 class SequenceParallelSpec(_Strict):
-    size: int = Field(default=1, ge=1)
+    """size: an SP degree, or "dynamic" (length-aware SP: each row at the degree its length needs, at most
+    max_local_tokens tokens per rank; docs/training.md, "Length-aware SP")."""
+
+    size: int | Literal["dynamic"] = Field(default=1)
     ulysses_degree: int | None = Field(default=None, ge=1)
     ring_degree: int | None = Field(default=None, ge=1)
     layout: Literal["zigzag", "contiguous"] = "zigzag"
     # hybrid models under a ring: how the recurrent layers' states travel (seqpar.init_mesh's state_passing)
     state_passing: Literal["chain", "scan"] = "chain"
+    max_local_tokens: int | None = Field(default=None, ge=1)  # size: dynamic: tokens per rank and micro-batch
+
+    @property
+    def dynamic(self) -> bool:
+        return self.size == "dynamic"
 
     @model_validator(mode="after")
     def _degrees(self) -> SequenceParallelSpec:
+        if self.dynamic:
+            return self._dynamic_rules()
+        if self.size < 1:
+            raise ValueError(f"size={self.size}: use a degree >= 1, or dynamic")
+        if self.max_local_tokens is not None:
+            raise ValueError("max_local_tokens is read with size: dynamic only: remove it, or set "
+                             "size: dynamic")
         u, r, s = self.ulysses_degree, self.ring_degree, self.size
         for name, val in (("ulysses_degree", u), ("ring_degree", r)):
             if val is not None:  # a SeqParError is a ValueError: pydantic reports it as the field's error
@@ -86,6 +101,15 @@ class SequenceParallelSpec(_Strict):
                 f"sequence_parallel: ulysses_degree={u} x ring_degree={r} = {u * r} != size={s}: "
                 f"set size: {u * r}, or pick degrees whose product is {s}"
             )
+        return self
+
+    def _dynamic_rules(self) -> SequenceParallelSpec:
+        if self.max_local_tokens is None:
+            raise ValueError("size: dynamic needs max_local_tokens: N (tokens per rank and "
+                             "micro-batch; `seqpar plan --lengths ...` proposes one from the memory budget)")
+        if self.ulysses_degree is not None or self.ring_degree is not None:
+            raise ValueError("size: dynamic chooses ulysses x ring per degree (as a size alone "
+                             "does): remove ulysses_degree / ring_degree, or use a fixed size")
         return self
 
 
@@ -310,12 +334,24 @@ class TrainConfig(_Strict):
                 "grad_sync: overlap needs each gradient while backward runs, but precision: bf16 sums the fp32 "
                 "master gradients made after it: set grad_sync: auto (or after_backward), or precision: bf16-pure"
             )
+        if self.sequence_parallel.dynamic:
+            _check_dynamic(self)
         if self.dataset.packing and self.micro_batch_size != 1:
             raise ValueError(
                 "with dataset.packing, a micro-batch is one packed row of up to max_length tokens: "
                 "set micro_batch_size: 1 (raise max_length or grad_accum for more tokens per step)"
             )
         return self
+
+
+def _check_dynamic(cfg: TrainConfig) -> None:
+    """sequence_parallel: {size: dynamic} rules that involve other sections."""
+    if cfg.dataset.packing:
+        raise ValueError("sequence_parallel: size: dynamic packs the short rows itself, per rank, up to "
+                         "max_local_tokens: set dataset.packing: false")
+    if cfg.grad_sync == "overlap":
+        raise ValueError("grad_sync: overlap posts the gradient sums during each rank's last backward, but with size: "
+                         "dynamic ranks run different numbers of slots: set grad_sync: auto (sums after backward)")
 
 
 def _check_grpo(cfg: TrainConfig) -> None:

@@ -72,9 +72,13 @@ class DataStream:
 
 
 def build_data(cfg: TrainConfig, mesh: Any, tok: Any, n_examples: int, emulate_dp: int,
-               info: ModelInfo | None = None) -> tuple[list, Any]:
-    """One row stream per dp slot this process plays (1, or emulate_dp in the SP=1 reference), and the collator."""
+               info: ModelInfo | None = None, one_stream: bool = False) -> tuple[list, Any]:
+    """One row stream per dp slot this process plays (1, or emulate_dp in the SP=1 reference; one_stream: one
+    stream of the whole global batch, as length-aware SP plans every step's rows on every rank), and the
+    collator."""
     slots = [(mesh.dp_size, mesh.dp_rank)] if emulate_dp == 1 else [(emulate_dp, d) for d in range(emulate_dp)]
+    if one_stream:
+        slots = [(1, 0)]
     streams = [DataStream(n_examples, n, d, shuffle=cfg.dataset.shuffle, seed=cfg.seed) for n, d in slots]
     return streams, make_collator(cfg, mesh, tok, cfg.dataset, info)
 

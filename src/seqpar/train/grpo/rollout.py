@@ -114,14 +114,20 @@ class GRPORollout:
         per_func, total = scored
         return completions, group_advantages(total, g.num_generations, g.scale_rewards), (per_func, total)
 
-    def micro_batches(self, rows: list[PromptRow], completions: list[list[int]],
-                      advantages: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        """SP micro-batches of micro_batch_size rows each: prompt + completion, completion supervised."""
-        n_gen, mbs = self.g.num_generations, self.cfg.micro_batch_size
+    def full_rows(self, rows: list[PromptRow], completions: list[list[int]]) -> list[dict[str, Any]]:
+        """The training rows: prompt + completion, completion supervised (and the prompt's media)."""
+        n_gen = self.g.num_generations
         full = []
         for j, c in enumerate(completions):
             p = rows[j // n_gen].prompt_ids
             full.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c, **rows[j // n_gen].media})
+        return full
+
+    def micro_batches(self, rows: list[PromptRow], completions: list[list[int]],
+                      advantages: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """SP micro-batches of micro_batch_size rows each: prompt + completion, completion supervised."""
+        mbs = self.cfg.micro_batch_size
+        full = self.full_rows(rows, completions)
         out = []
         for s in range(0, len(full), mbs):
             b = self.collator(full[s:s + mbs])
@@ -163,3 +169,19 @@ class GRPORollout:
                                                      // self.g.num_generations)]
         completions, advantages, scored = self.rollout(model, rows, step)
         return self.micro_batches(rows, completions, advantages), self.metrics(completions, scored)
+
+    def step_rows(self, model: torch.nn.Module, stream: Any, step: int) -> tuple[list[dict], torch.Tensor, dict]:
+        """Length-aware SP (train/loop/dynamic_step.py): the step's prompts rolled out as the fixed run at this
+        mesh (the largest degree) would -- dp group d takes prompts d, d + dp, ... of the step's block, with its
+        seeds and batch shapes -- then every group's completion rows gathered: (rows, advantages [n], metrics),
+        the same on every rank. `stream` is the run's one stream (dp 1)."""
+        m = self.mesh
+        per = self.cfg.micro_batch_size * self.cfg.grad_accum // self.g.num_generations
+        idx = stream.take(per * m.dp_size)
+        mine = [self.prompts[i] for i in idx[m.dp_rank::m.dp_size]]
+        completions, advantages, scored = self.rollout(model, mine, step)
+        part = (self.full_rows(mine, completions), advantages.tolist())
+        parts = comm.all_gather_object(part, m.dp_group) if m.dp_size > 1 else [part]
+        rows = [r for full, _ in parts for r in full]
+        adv = torch.tensor([x for _, got in parts for x in got], dtype=torch.float32)
+        return rows, adv, self.metrics(completions, scored)

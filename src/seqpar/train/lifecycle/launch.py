@@ -45,7 +45,7 @@ def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
     "resume" the ResumePlan (None: a fresh start; not checked without output_dir).
     node_size: processes per node (None: one node); output_dir: also the resume / overwrite rules; other_worlds:
     the world sizes an elastic run may restart at (config x world size checked for each)."""
-    from ..config import with_total_steps
+    from ..config import rows_sp_size, with_total_steps
     from ..dataset.prepare import prepare_examples
     from ..model.checks import check_model, refuse_unsupported_model
     from ..model.load import load_tokenizer, model_info
@@ -69,9 +69,10 @@ def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
     evals = prepare_examples(cfg, tok, cfg.eval_dataset, info)[0] if cfg.eval_dataset is not None else []
     check_model(cfg, examples + evals, info)  # the eval rows' errors are input errors too
     n, plan = len(examples), None
-    cfg = with_total_steps(cfg, n, world // cfg.sequence_parallel.size, start=resume_start(cfg, n))
+    sp = rows_sp_size(cfg, world, nh, nkv, recurrent=info.recurrent, node_size=node_size)
+    cfg = with_total_steps(cfg, n, world // sp, start=resume_start(cfg, n))
     if output_dir:
-        plan = check_output_dir(cfg, RunLayout.of(cfg, world, u, r), n)
+        plan = check_output_dir(cfg, RunLayout.of(cfg, world, u, r, sp=sp), n)
     return {**stats, "examples": n, "resume": plan, "max_steps": cfg.max_steps}
 
 

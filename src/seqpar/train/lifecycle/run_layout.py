@@ -31,7 +31,8 @@ def row_unit(cfg: TrainConfig) -> str:
 
 @dataclass(frozen=True)
 class RunLayout:
-    """The layout of one launch. ulysses / ring None: not recorded (a checkpoint from before run.json had it)."""
+    """The layout of one launch. ulysses / ring None: not recorded (a checkpoint from before run.json had it).
+    max_local_tokens: set for length-aware SP (sp is then its largest degree, whose dp sets the rows per step)."""
 
     world: int
     dp: int
@@ -43,15 +44,22 @@ class RunLayout:
     grad_accum: int
     rows_per_step: int
     unit: str
+    max_local_tokens: int | None = None
 
     @classmethod
     def of(cls, cfg: TrainConfig, world: int, ulysses: int | None = None, ring: int | None = None,
-           dp: int | None = None) -> RunLayout:
+           dp: int | None = None, sp: int | None = None) -> RunLayout:
         """cfg (grad_accum resolved for this dp) at `world` processes; dp: the dp slots played (verify's reference
-        plays several in one process), default world // sp."""
-        dp = dp if dp is not None else max(1, world // cfg.sequence_parallel.size)
-        return cls(world, dp, cfg.sequence_parallel.size, ulysses, ring, bool(cfg.fsdp), cfg.micro_batch_size,
-                   cfg.grad_accum, rows_per_step(cfg, dp), row_unit(cfg))
+        plays several in one process), default world // sp; sp: the SP size rows are counted at (size: dynamic:
+        its largest degree, train.config.rows_sp_size), default the fixed size."""
+        spec = cfg.sequence_parallel
+        if sp is None:
+            if spec.dynamic:
+                raise ValueError("RunLayout.of a size: dynamic run needs sp= (train.config.rows_sp_size)")
+            sp = spec.size
+        dp = dp if dp is not None else max(1, world // sp)
+        return cls(world, dp, sp, ulysses, ring, bool(cfg.fsdp), cfg.micro_batch_size, cfg.grad_accum,
+                   rows_per_step(cfg, dp), row_unit(cfg), spec.max_local_tokens if spec.dynamic else None)
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> RunLayout:
@@ -62,9 +70,14 @@ class RunLayout:
         return cls.of(cfg, int(meta["world_size"]))
 
     def mesh(self) -> str:
-        """e.g. 'world 4 (dp 1 x sp 4: ulysses 2 x ring 2, FSDP2)'."""
+        """e.g. 'world 4 (dp 1 x sp 4: ulysses 2 x ring 2, FSDP2)', or with length-aware SP 'world 4 (length-aware
+        SP, degrees up to 4, max_local_tokens 32)'."""
+        fsdp = ", FSDP2" if self.fsdp else ""
+        if self.max_local_tokens is not None:
+            return (f"world {self.world} (length-aware SP, degrees up to {self.sp}, max_local_tokens "
+                    f"{self.max_local_tokens}{fsdp})")
         deg = f": ulysses {self.ulysses} x ring {self.ring}" if self.ulysses is not None and self.sp > 1 else ""
-        return f"world {self.world} (dp {self.dp} x sp {self.sp}{deg}{', FSDP2' if self.fsdp else ''})"
+        return f"world {self.world} (dp {self.dp} x sp {self.sp}{deg}{fsdp})"
 
     def batch(self) -> str:
         """e.g. 'dp 2 x micro_batch_size 1 x grad_accum 2'."""
@@ -99,7 +112,8 @@ def _epoch_at(rows: int, n: int, unit: str) -> str:
 def resume_lines(ckpt: Path, saved: RunLayout, now: RunLayout, rows: int, examples: int) -> list[str]:
     """What resuming `ckpt` at layout `now` does, one line each (empty: the layout and batch are the saved ones)."""
     lines = []
-    moved = (saved.world, saved.dp, saved.sp, saved.fsdp) != (now.world, now.dp, now.sp, now.fsdp) or (
+    moved = (saved.world, saved.dp, saved.sp, saved.fsdp, saved.max_local_tokens) != (
+        now.world, now.dp, now.sp, now.fsdp, now.max_local_tokens) or (
         None not in (saved.ulysses, now.ulysses) and (saved.ulysses, saved.ring) != (now.ulysses, now.ring))
     if moved:
         rng = "" if saved.world == now.world else (

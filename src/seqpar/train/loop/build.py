@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ... import loss as L
+from ...dynamic.meshes import DegreeMeshes
 from ...errors import SeqParError
 from ...loss.grad_sync import OverlappedGradSum
 from ...mesh import SequenceParallelMesh
@@ -19,6 +20,7 @@ from ..config import TrainConfig
 from ..dataset.streams import build_data, make_collator
 from ..model.build import build_model
 from ..model.load import ModelInfo, model_info
+from .dynamic import build_dynamic
 from .grads import fault_grad_scale
 from .optim import build_optimizer
 from .state import Loop
@@ -59,19 +61,25 @@ def overlaps_grad_sync(cfg: TrainConfig, mesh: SequenceParallelMesh, world: int,
 
 def build_loop(cfg: TrainConfig, mesh: SequenceParallelMesh, model: torch.nn.Module, tok: Any, examples: list,
                device: torch.device, world: int, rank: int, *, emulate_dp: int = 1, out: Path | None = None,
-               eval_data: tuple[list, dict] | None = None, info: ModelInfo | None = None) -> Loop:
+               eval_data: tuple[list, dict] | None = None, info: ModelInfo | None = None,
+               meshes: DegreeMeshes | None = None, degrees: dict[int, tuple[int, int]] | None = None) -> Loop:
     """Everything one rank's loop needs, built in a fixed order (identical on every rank and in the SP=1
     reference). FSDP averages gradients, seqpar's loss convention sums them: the loss factor undoes that.
-    info: the run's model config (default: read here)."""
+    info: the run's model config (default: read here). meshes / degrees: size: dynamic (mesh is then its
+    largest degree's: the model is prepared on it, eval and GRPO's rollout run on it as a fixed run would)."""
     refuse_partly_precomputed(cfg, examples, eval_data[0] if eval_data else [])
     model, reference, prec = build_model(cfg, model, mesh, device, world)
     params = prec.masters if prec else [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = build_optimizer(cfg, params)
     info = info or model_info(cfg)
-    streams, collator = build_data(cfg, mesh, tok, len(examples), emulate_dp, info)
+    streams, collator = build_data(cfg, mesh, tok, len(examples), emulate_dp, info, one_stream=meshes is not None)
     factor = (L.gradient_reduction_factor(mesh) if cfg.fsdp else 1.0) * fault_grad_scale(world)
-    grad_sum = OverlappedGradSum(params, mesh) if overlaps_grad_sync(cfg, mesh, world, prec is not None) else None
-    return Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples, step_spec(cfg),
+    overlap = meshes is None and overlaps_grad_sync(cfg, mesh, world, prec is not None)
+    grad_sum = OverlappedGradSum(params, mesh) if overlap else None
+    loop = Loop(cfg, mesh, model, params, optimizer, scheduler, streams, collator, examples, step_spec(cfg),
                 reference, device, world, rank, out, factor=factor, prec=prec, grad_sum=grad_sum,
                 eval_examples=eval_data[0] if eval_data else None,
                 eval_collator=make_collator(cfg, mesh, tok, cfg.eval_dataset, info) if eval_data else None)
+    if meshes is not None:
+        loop.dynamic = build_dynamic(cfg, meshes, model, tok, info, degrees, device)
+    return loop

@@ -64,3 +64,4 @@ class Loop:
     nonfinite_streak: int = 0  # consecutive skipped (non-finite) steps
     rollout: GRPORollout | None = None  # stage: grpo: builds each step's micro-batches (grpo/rollout.py)
     grad_sum: OverlappedGradSum | None = None  # replicated gradients on > 1 rank: summed during backward
+    dynamic: Any = None  # size: dynamic: loop/dynamic.py's DynamicRun (meshes, scheduler, collators)

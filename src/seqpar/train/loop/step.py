@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from ...steps import count_items, micro_batch_loss
 from .grads import maybe_dump_grads
 from .state import Loop
 
-__all__ = ["train_step", "measured_step", "next_micro_batches", "backward_micro_batches", "apply_update",
+__all__ = ["train_step", "measured_step", "metered", "next_micro_batches", "backward_micro_batches", "apply_update",
            "peak_memory_mb"]
 
 
@@ -121,10 +122,16 @@ def measured_step(loop: Loop, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         prepared = loop.rollout.step_batches(loop.model, loop.streams[0], step)
         prepared[1]["rollout_s"] = time.perf_counter() - t0
+    return metered(loop, lambda: train_step(loop, step, prepared))
+
+
+def metered(loop: Loop, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """run() (one step, returning its metrics row) inside the memory meter when there is one: the row gets
+    peak_alloc_mb, the max over ranks (and offloaded_peak_mb with activation offload)."""
     if loop.meter is None:
-        return train_step(loop, step, prepared)
+        return run()
     with loop.meter.measure():
-        row = train_step(loop, step, prepared)
+        row = run()
     peak = [float(loop.meter.last["peak_bytes"])]
     if loop.world > 1:
         peak = comm.all_reduce_values(peak, dist.group.WORLD, loop.mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
