@@ -107,6 +107,7 @@ class GRPOSpec(_Strict):
     max_completion_length: int = Field(default=64, ge=1)
     temperature: float = Field(default=1.0, gt=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)  # 0: off
     beta: float = Field(default=0.0, ge=0)
     epsilon: float = Field(default=0.2, gt=0, lt=1)
     epsilon_high: float | None = Field(default=None, gt=0)
