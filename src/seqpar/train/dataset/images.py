@@ -38,7 +38,7 @@ from .tokenize import IGNORE, build_dpo_pairs, new_stats, pack_rows, tokenize_dp
 from .videos import frame_timestamps, read_frames, video_patches
 
 __all__ = ["VisionSpec", "PLACEHOLDER", "VIDEO_PLACEHOLDER", "build_vision_examples", "build_vision_dpo_examples",
-           "expand_media", "media_columns", "VisionCollator"]
+           "expand_media", "media_columns", "VisionCollator", "carries_media", "refuse_media_rows", "TEXT_ONLY"]
 
 PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -154,6 +154,24 @@ def media_columns(row: Mapping[str, Any]) -> tuple[list, list]:
         return [v] if isinstance(v, (str, dict)) else list(v)
 
     return listed("images"), listed("videos")
+
+
+# Rows with media for a text-only model (SFT, DPO and GRPO alike): nothing would embed them.
+TEXT_ONLY = ("carries images/videos, but the model is text-only: they would be dropped and their <image> / <video> "
+             "placeholders trained as text: drop the images / videos columns, or use a vision-language model "
+             "(Qwen2.5-VL, Qwen3-VL)")
+
+
+def carries_media(row: Mapping[str, Any]) -> bool:
+    """The row names images or videos (the `images` / `videos` columns, or a singular `image` / `video`)."""
+    return any(media_columns(row)) or bool(row.get("image")) or bool(row.get("video"))
+
+
+def refuse_media_rows(rows: Sequence[Mapping[str, Any]]) -> None:
+    """SeqParError at the first row with images / videos (for a text-only model); rows are 1-based lines."""
+    for i, row in enumerate(rows, 1):
+        if carries_media(row):
+            raise SeqParError(f"row {i} {TEXT_ONLY}")
 
 
 def _video_tokens(spec: VisionSpec, tok: Any, grid: list[int], stamps: list[float]) -> list[int]:
