@@ -67,7 +67,7 @@ def load_prompts(cfg: TrainConfig, tok: Any, info: ModelInfo | None = None) -> t
             raise SeqParError(f"{cfg.dataset.path}: row {i} has no 'prompt' column: stage: grpo reads prompt rows "
                               f"(text or chat messages, plus any columns the reward functions read)")
         media: dict = {}
-        if carries_media(row):
+        if carries_media(row, i):
             if row.get("image") or row.get("video"):
                 raise SeqParError(f"{cfg.dataset.path}: row {i}: name the media columns 'images' / 'videos' (lists "
                                   "of local files, one <image> / <video> placeholder each)")
