@@ -92,12 +92,12 @@ def test_vlm_rollouts_never_draw_media_placeholders(arch, monkeypatch):
         m.setattr(generation, "placeholder_ids", lambda model: [])
         unmasked = generation.generate_for_group(model, mesh, PROMPTS, **kw)
     assert any(t in placeholders for c in unmasked for t in c), "this rollout must reach a placeholder unmasked"
-    for top_k in (0, 3):
+    for top_k, checked in ((0, 2), (3, 1)):  # the manual sampler (a full forward per token) on the first prompts
         got = generation.generate_for_group(model, mesh, PROMPTS, top_k=top_k, **kw)
         assert not any(t in placeholders for c in got for t in c)
         ref = [manual_sample(model, p, generation.row_seed(0, 0, 0, i, k), 24, EOS, top_k=top_k, banned=placeholders)
-               for i, p in enumerate(PROMPTS) for k in range(4)]
-        assert got == ref
+               for i, p in enumerate(PROMPTS[:checked]) for k in range(4)]
+        assert got[:len(ref)] == ref
 
 
 # ----------------------------------------------------------------------------- multi-rank
