@@ -244,7 +244,6 @@ def test_pyproject_license_is_an_spdx_expression():
     needs setuptools >= 77 in build-system.requires. (Checked by hand: `pip wheel --no-deps` builds it from the local
     package index, METADATA `License-Expression: Apache-2.0`, no banner.)"""
     import tomllib
-
     from packaging.requirements import Requirement
 
     root = SRC.parents[1]
