@@ -136,3 +136,59 @@ def test_demo_counts(tmp_path, capsys):
     assert demo(["--nproc", "0", "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "seqpar demo: error: --nproc 0: give a whole number >= 1", err
+
+
+def _rows(tmp_path: Path, name: str, rows: list) -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+UNSUPERVISED = [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}]
+CHAT = [{"messages": [{"role": "user", "content": "<image> hi"}, {"role": "assistant", "content": "x"}]}]
+
+
+@pytest.mark.parametrize("name,rows,over,needles", [
+    # all labels -100: the fix named depends on the format and on train_on_prompt (it was always train_on_prompt)
+    ("unsup.jsonl", UNSUPERVISED, {"train_on_prompt": True},
+     ["tokenized rows keep their labels as given (dataset.train_on_prompt does not change them)"]),
+    ("unsup.jsonl", UNSUPERVISED, {}, ["leave the labels column out to supervise every token"]),
+    ("one.jsonl", [{"text": ""}], {"train_on_prompt": True},
+     ["dataset.train_on_prompt is already on", "every row is at most one token long"]),
+    # tracebacks before: ValueError (int('a')), TypeError (str + int, iterating an int); a negative id was accepted
+    ("ids.jsonl", [{"input_ids": ["a", "b"]}], {}, ["row 1: input_ids must be a list of integers, token ids >= 0"]),
+    ("neg.jsonl", [{"input_ids": [1, -5, 3]}], {}, ["input_ids must be a list of integers", "got -5"]),
+    ("lab.jsonl", [{"input_ids": [1, 2], "labels": [1, -1]}], {}, ["labels must be", "-100 (not supervised); got -1"]),
+    ("dpo.jsonl", [{"prompt": "a", "chosen": 1, "rejected": "b"}], {"stage": "dpo"},
+     ["row 1: 'chosen' must be text or a list of chat messages, got int"]),
+    ("img.jsonl", [{**CHAT[0], "images": 5}], {"model": {"name": "tiny:qwen2_5_vl"}},
+     ["row 1: 'images' must be a list of local files (or one), got int 5"]),
+])
+def test_bad_rows_one_line(tmp_path, capsys, name, rows, over, needles):
+    path = _rows(tmp_path, name, rows)
+    cfg = _config(tmp_path, **{k: v for k, v in over.items() if k != "train_on_prompt"})
+    data = yaml.safe_load(cfg.read_text())
+    data["dataset"] = {"path": path, "max_length": 64, **({"train_on_prompt": True} if "train_on_prompt" in over
+                                                          else {})}
+    cfg.write_text(yaml.safe_dump(data))
+    _one_line(capsys, ["check", str(cfg)], *needles)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"num_heads": 0}, "do not make a tiny llama config (ZeroDivisionError"),
+    ({"num_heads": "four"}, "do not make a tiny llama config"),
+    ({"vocab_size": "big"}, "do not make a tiny llama config"),
+    ({"seed": "x"}, "model.kwargs.seed='x': give an integer"),
+    ({"dtype": "foo"}, "model.kwargs.dtype='foo': use one of float32, float64, bfloat16, float16"),
+])
+def test_bad_tiny_model_kwargs_one_line(tmp_path, capsys, kwargs, needle):
+    """Tiny-model kwargs transformers' config classes reject (each was a traceback) are one line before launch."""
+    cfg = _config(tmp_path, model={"name": "tiny:llama", "kwargs": kwargs})
+    _one_line(capsys, ["check", str(cfg)], "model.kwargs", needle)
+
+
+def test_bad_tiny_attn_implementation_one_line(tmp_path, capsys):
+    """model.kwargs.attn_implementation reaches transformers only when the weights are built: one line from train."""
+    cfg = _config(tmp_path, model={"name": "tiny:llama", "kwargs": {"attn_implementation": "nope"}})
+    _one_line(capsys, ["train", str(cfg)], "model.kwargs {'attn_implementation': 'nope'}: the tiny model cannot be "
+              "built (Specified `attn_implementation=\"nope\"` is not supported")

@@ -119,6 +119,38 @@ def test_bad_image_rows_refused(tmp_path):
         build_vision_examples(rows[1:2], "auto", ByteTokenizer(), spec, 256, str(tmp_path))
 
 
+def test_media_rows_on_a_text_model_refused(tmp_path):
+    """SFT and DPO rows with images / videos on a text-only model are refused (as GRPO's are), naming the file and
+    row: they were trained with the media dropped and `<image>` as text. The eval_dataset too; empty media columns
+    and text-only rows are fine."""
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.dataset.prepare import prepare_examples
+
+    sft = _dataset(tmp_path, n=3)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "hello", "chosen": "a", "rejected": "b", "images": []}) + "\n"
+                     + json.dumps({"prompt": "see <video>", "chosen": "a", "rejected": "b", "videos": ["clips/c"]})
+                     + "\n")
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"instruction": "hi", "output": "there", "images": None}) + "\n")
+
+    def cfg(path, stage="sft", eval_path=None):
+        d = {"model": {"name": "tiny:llama"}, "dataset": {"path": str(path), "max_length": 128}, "stage": stage}
+        if eval_path is not None:
+            d["eval_dataset"] = {"path": str(eval_path), "max_length": 128}
+        return config_from_dict(d, source="test")
+
+    with pytest.raises(SeqParError, match=f"dataset {sft}: row 1 carries images/videos, but the model is text-only: "
+                                          "they would be dropped and their <image> / <video> placeholders trained"):
+        prepare_examples(cfg(sft))
+    with pytest.raises(SeqParError, match=f"dataset {pairs}: row 2 carries images/videos, but the model is text-only"):
+        prepare_examples(cfg(pairs, "dpo"))
+    assert len(prepare_examples(cfg(text))[0]) == 1
+    ev = cfg(text, eval_path=sft)
+    with pytest.raises(SeqParError, match=f"eval_dataset {sft}: row 1 carries images/videos"):
+        prepare_examples(ev, spec=ev.eval_dataset)
+
+
 @pytest.mark.parametrize("over,match", [({"stage": "dpo"}, "stage: dpo needs rows with prompt, chosen and rejected")])
 def test_unsupported_vlm_runs_refused(tmp_path, over, match):
     from seqpar.train.config import config_from_dict

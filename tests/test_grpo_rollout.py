@@ -31,12 +31,14 @@ def peaked_model(seed: int = 0) -> torch.nn.Module:
 
 @torch.no_grad()
 def manual_sample(model: torch.nn.Module, prompt: list[int], seed: int, max_new: int, eos: int,
-                  temperature: float = 1.0, top_k: int = 0) -> list[int]:
-    """One completion drawn token by token from softmax(logits / temperature) (top_k > 0: the k largest only)."""
+                  temperature: float = 1.0, top_k: int = 0, banned: tuple[int, ...] = ()) -> list[int]:
+    """One completion drawn token by token from softmax(logits / temperature) (top_k > 0: the k largest only;
+    `banned` ids: probability 0)."""
     g = torch.Generator().manual_seed(int(seed))
     ids, out = list(prompt), []
     for _ in range(max_new):
         logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float() / temperature
+        logits[list(banned)] = float("-inf")
         if top_k:
             kth = logits.topk(top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -69,6 +71,33 @@ def test_sampling_ignores_model_generation_config_extras():
     # suppress) shows up, as the peaked model makes it likely.
     assert model.generation_config is gc and gc.repetition_penalty == 3.0
     assert any(len(set(c)) < len(c) for c in got)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_vlm_rollouts_never_draw_media_placeholders(arch, monkeypatch):
+    """The shipped tiny VL models (random weights: every id about equally likely) put an image / video placeholder
+    in some completion of this rollout when the sampler may draw one; seqpar's never does, and its completions are
+    the manual sampler's over the other ids (top_k after the mask: k ids that may be drawn)."""
+    import seqpar.hf.generation as generation
+    from seqpar import init_mesh
+    from seqpar.hf import tiny_model
+
+    model = tiny_model(arch, vocab_size=259).eval()
+    placeholders = (model.config.image_token_id, model.config.video_token_id)
+    assert generation.placeholder_ids(model) == sorted(placeholders) == [259, 260]
+    assert generation.placeholder_ids(peaked_model()) == []  # a text model: nothing banned
+    mesh = init_mesh(1)
+    kw = dict(num_generations=4, max_new_tokens=24, seed=0, step=0, eos_token_id=EOS, pad_token_id=PAD)
+    with monkeypatch.context() as m:
+        m.setattr(generation, "placeholder_ids", lambda model: [])
+        unmasked = generation.generate_for_group(model, mesh, PROMPTS, **kw)
+    assert any(t in placeholders for c in unmasked for t in c), "this rollout must reach a placeholder unmasked"
+    for top_k, checked in ((0, 2), (3, 1)):  # the manual sampler (a full forward per token) on the first prompts
+        got = generation.generate_for_group(model, mesh, PROMPTS, top_k=top_k, **kw)
+        assert not any(t in placeholders for c in got for t in c)
+        ref = [manual_sample(model, p, generation.row_seed(0, 0, 0, i, k), 24, EOS, top_k=top_k, banned=placeholders)
+               for i, p in enumerate(PROMPTS[:checked]) for k in range(4)]
+        assert got[:len(ref)] == ref
 
 
 # ----------------------------------------------------------------------------- multi-rank
@@ -146,3 +175,28 @@ def test_seqpar_train_grpo_fsdp2_matches_unsharded(tmp_path):
     s1, s2 = torch.load(sharded["state"]), torch.load(plain["state"])
     assert s1.keys() == s2.keys()
     assert max(float((s1[k].float() - s2[k].float()).abs().max()) for k in s1) <= 1e-5
+
+
+def test_grpo_top_k_reaches_the_sampler(monkeypatch, tmp_path):
+    """`grpo.top_k` (a key since the placeholder hint named it) goes to generate_for_group, as top_p does."""
+    import seqpar.train.grpo.rollout as rollout
+    from seqpar import init_mesh
+    from seqpar.errors import SeqParError
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.dataset.prompts import PromptRow
+    from seqpar.train.model.tokenizers import ByteTokenizer
+
+    seen = {}
+
+    def fake(model, mesh, prompts, **kw):
+        seen.update(kw)
+        raise SeqParError("sampled")
+
+    monkeypatch.setattr(rollout, "generate_for_group", fake)
+    cfg = config_from_dict({"model": {"name": "tiny:llama"}, "dataset": {"path": "p.jsonl", "max_length": 512},
+                            "stage": "grpo", "micro_batch_size": 4, "output_dir": str(tmp_path),
+                            "grpo": {"reward_funcs": ["seqpar:length"], "top_k": 5, "top_p": 0.9}})
+    r = rollout.GRPORollout(cfg, init_mesh(1), ByteTokenizer(), [], None)
+    with pytest.raises(SeqParError, match="sampled"):
+        r.rollout(None, [PromptRow("p", [1, 2])], 0)
+    assert (seen["top_k"], seen["top_p"], seen["temperature"]) == (5, 0.9, 1.0), seen

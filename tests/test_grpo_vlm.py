@@ -123,7 +123,7 @@ def _reference_step(cfg, model, ref, streams, prompts, step: int) -> float:
                                    media=[p.media for p in picked])
         for j, p in enumerate(picked):
             mine = comps[j * g.num_generations:(j + 1) * g.num_generations]
-            assert not any(t in (259, 260) for c in mine for t in c), "a completion sampled a placeholder: pick a seed"
+            assert not any(t in (259, 260) for c in mine for t in c), "the sampler drew a media placeholder"
             r = torch.tensor([c[0] % 7 + 0.5 * len(c) / 100 for c in mine], dtype=torch.float64)
             adv = (r - r.mean()) / (r.std() + 1e-4)
             rows += [(p, c, float(a)) for c, a in zip(mine, adv)]
@@ -172,3 +172,21 @@ def test_text_model_refuses_image_prompts(data):
     cfg = config_from_dict(_cfg(data, Path("/tmp/x"), "qwen2_5_vl", {"size": 1}, model={"name": "tiny:llama"}))
     with pytest.raises(SeqParError, match="the model is text-only"):
         prepare_examples(cfg)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_grpo_with_images_runs_at_default_sampling(data, tmp_path, arch, monkeypatch):
+    """A GRPO step with image prompts on the shipped tiny VL models at grpo's default sampling (temperature 1, no
+    top_k / top_p) and 32-token completions: it stopped in step 1 when the sampler could draw a media placeholder
+    (shown here by letting it), and runs now (the sampler never draws one)."""
+    import seqpar.hf.generation as generation
+    from seqpar.errors import SeqParError
+
+    cfg = _cfg(data, tmp_path / "run", arch, {"size": 1}, micro_batch_size=4, checkpoint={"save_final": False},
+               grpo={"temperature": 1.0, "max_completion_length": 32, "num_generations": 4, "beta": 0.0})
+    with monkeypatch.context() as m:
+        m.setattr(generation, "placeholder_ids", lambda model: [])
+        with pytest.raises(SeqParError, match="(image|video) tokens but (image|video)_grid_thw describes"):
+            _train_world(dict(cfg, output_dir=str(tmp_path / "unmasked")))
+    res = _train_world(cfg)
+    assert len(res["losses"]) == 1 and res["losses"][0] == res["losses"][0]  # one finite step

@@ -353,20 +353,23 @@ def test_resume_rules(data, tmp_path, monkeypatch):
     """find_resume: same run -> (checkpoint, step); a changed key -> SeqParError naming it; more max_steps,
     other checkpoint settings and another layout (world, SP, dp, FSDP2, micro-batch / grad-accum) are fine;
     resume: false -> fresh. plan_resume says what a layout / global-batch change does, and refuses a dataset
-    of another size (the data position is a row count)."""
+    of another size (the data position is a row count; other data changes: test_resume_data.py)."""
     import seqpar.train.lifecycle.resume as resume
     from seqpar.errors import SeqParError
 
     monkeypatch.setattr(resume, "checkpoint_damage", lambda ckpt: None)  # a stand-in checkpoint: no real files
     from seqpar.train.config import config_from_dict
+    from seqpar.train.dataset.identity import DataIdentity, resolved_path
     from seqpar.train.lifecycle.resume import find_resume, plan_resume, run_meta
     from seqpar.train.lifecycle.run_layout import RunLayout
+
+    six = DataIdentity(6, resolved_path(str(data / "sft.jsonl")), "files", "examples")  # stand-in hashes
 
     base = _cfg(data, tmp_path, sequence_parallel={"size": 2})
     ck = tmp_path / "checkpoint-4"
     ck.mkdir()
     saved = RunLayout.of(config_from_dict(base), 2, 2, 1)  # world 2: dp 1 x sp 2 (ulysses 2), 2 examples per step
-    (ck / "run.json").write_text(json.dumps(run_meta(config_from_dict(base), 2, saved, rows=8, examples=6)))
+    (ck / "run.json").write_text(json.dumps(run_meta(config_from_dict(base), 2, saved, rows=8, data=six)))
     for name in (".metadata", "trainer_state_rank0.pt"):  # what a finished save leaves
         (ck / name).write_text("")
     (tmp_path / "latest").write_text("checkpoint-4")
@@ -386,9 +389,9 @@ def test_resume_rules(data, tmp_path, monkeypatch):
         assert msg in str(e.value) and "checkpoint.resume: false" in str(e.value), str(e.value)
     # The same layout: nothing to say. World 4 at dp 2 x sp 2 (ring 2), micro-batch 1: the global batch is kept.
     cfg = config_from_dict(base)
-    assert plan_resume(cfg, saved, 6).lines == () and plan_resume(cfg, saved, 6).rows == 8
+    assert plan_resume(cfg, saved, six).lines == () and plan_resume(cfg, saved, six).rows == 8
     moved = config_from_dict(dict(base, micro_batch_size=1, fsdp=True))
-    plan = plan_resume(moved, RunLayout.of(moved, 4, 1, 2), 6)
+    plan = plan_resume(moved, RunLayout.of(moved, 4, 1, 2), six)
     assert (plan.step, plan.rows, plan.saved) == (4, 8, saved)
     text = "\n".join(plan.lines)
     assert "world 2 (dp 1 x sp 2: ulysses 2 x ring 1), this run is world 4 (dp 2 x sp 2: ulysses 1 x ring 2, " \
@@ -398,11 +401,19 @@ def test_resume_rules(data, tmp_path, monkeypatch):
            in text, text
     # Another global batch: what changes, and how to keep the old one.
     bigger = config_from_dict(dict(base, grad_accum=3))
-    text = "\n".join(plan_resume(bigger, RunLayout.of(bigger, 2, 2, 1), 6).lines)
+    text = "\n".join(plan_resume(bigger, RunLayout.of(bigger, 2, 2, 1), six).lines)
     assert "global batch 2 -> 6 examples per step" in text and "steps per epoch 3 -> 1" in text, text
     assert "the data continues at row 8" in text and "global_batch_size: 2" in text, text
+    seven = DataIdentity(7, six.path, "other files", "other examples")
+    with pytest.raises(SeqParError, match="content sha256 files -> other files.* .6 -> 7 examples.") as e:
+        plan_resume(cfg, saved, seven)
+    assert "its data is not this run's: the dataset file(s) at " in str(e.value), str(e.value)
+    # A checkpoint from before the data's identity was recorded: its size is what can be compared.
+    (ck / "run.json").write_text(json.dumps({k: v for k, v in json.loads((ck / "run.json").read_text()).items()
+                                             if k != "data"}))
+    assert plan_resume(cfg, saved, DataIdentity(6, six.path, "a", "b")).rows == 8
     with pytest.raises(SeqParError, match="its run had 6 examples and this dataset gives 7"):
-        plan_resume(cfg, saved, 7)
+        plan_resume(cfg, saved, seven)
 
 
 @pytest.mark.slow

@@ -352,7 +352,13 @@ def test_unmodelled_architectures_refused(tmp_path):
     # a VL model: refused with the way to plan it (its text decoder from text_config, the tower measured)
     vl = tiny_config("qwen2_5_vl", 4, 2)
     vl.save_pretrained(tmp_path / "vl")
-    with pytest.raises(SeqParError, match=r"text_config.*--seq-len = text \+ vision tokens"):
+    with pytest.raises(SeqParError, match=r"text_config.*--seq-len = text \+ vision tokens") as saved:
         load_model_facts(str(tmp_path / "vl"))
+    for arch in ("qwen2_5_vl", "qwen3_vl"):  # the shipped tiny VL models: the same message, not "unknown tiny"
+        with pytest.raises(SeqParError) as e:
+            load_model_facts(f"tiny:{arch}")
+        assert str(e.value).replace(f"'tiny:{arch}'", "X") == str(saved.value).replace(f"'{tmp_path / 'vl'}'", "X")
+    with pytest.raises(SeqParError, match=r"unknown tiny architecture 'foo': use tiny:<llama\|.*\|bamba>"):
+        load_model_facts("tiny:foo")
     (tmp_path / "vl_text.json").write_text(json.dumps({**vl.text_config.to_dict(), "model_type": "qwen2"}))
     assert load_model_facts(str(tmp_path / "vl_text.json")).layers == 2

@@ -238,3 +238,17 @@ def test_no_raw_collectives_outside_comm():
     assert any(p.name == "step.py" for p in files)
     bad = [c for p in files for c in _raw_collective_calls(p)]
     assert not bad, bad
+
+
+def test_pyproject_license_is_an_spdx_expression():
+    """PEP 639: `license = "Apache-2.0"` (a table made setuptools print its deprecation banner at every build), which
+    needs setuptools >= 77 in build-system.requires. (Checked by hand: `pip wheel --no-deps` builds it from the local
+    package index, METADATA `License-Expression: Apache-2.0`, no banner.)"""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    root = SRC.parents[1]
+    meta = tomllib.loads((root / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    (req,) = [Requirement(r) for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
+    assert not req.specifier.contains("76.9") and req.specifier.contains("77.0"), req

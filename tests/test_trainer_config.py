@@ -127,6 +127,26 @@ def test_load_config_relative_path_and_overrides(tmp_path, sft_file):
     assert cfg.sequence_parallel.size == 2 and cfg.sequence_parallel.ring_degree == 2
 
 
+def test_global_batch_size_and_grad_accum_not_both(tmp_path, sft_file):
+    """Both set in one place: refused (grad_accum would be replaced silently). On the command line one replaces the
+    file's other, as --max-steps replaces num_epochs. A dump (config.json, run.json, verify's configs) of a config
+    with global_batch_size leaves the derived grad_accum out, so it loads again."""
+    _err(lambda: _cfg(sft_file, global_batch_size=4, grad_accum=2), "set global_batch_size or grad_accum, not both",
+         "grad_accum=2 would not be used")
+    y = tmp_path / "c.yaml"
+    y.write_text(f"model: tiny:llama\ndataset: {{path: {sft_file}, max_length: 64}}\nglobal_batch_size: 4\n")
+    assert load_config(y, {"grad_accum": 2}).global_batch_size is None
+    y.write_text(f"model: tiny:llama\ndataset: {{path: {sft_file}, max_length: 64}}\ngrad_accum: 2\n")
+    cfg = load_config(y, {"global_batch_size": 4})
+    assert (cfg.global_batch_size, "grad_accum" in cfg.model_fields_set) == (4, False)
+    _err(lambda: load_config(y, {"global_batch_size": 4, "grad_accum": 2}), "not both")
+    from seqpar.train.config import resolve_grad_accum
+
+    resolved = resolve_grad_accum(cfg, 2)  # dp 2, micro_batch_size 1: grad_accum 2
+    assert resolved.grad_accum == 2 and "grad_accum" not in resolved.model_dump(mode="json")
+    assert config_from_dict(json.loads(resolved.model_dump_json())).global_batch_size == 4
+
+
 def test_cli_bad_config_fails_before_spawning(tmp_path, sft_file):
     """`seqpar train --nproc-per-node 3` with sp=2: exit 2, the fix named, no torchrun started."""
     p = tmp_path / "cfg.yaml"

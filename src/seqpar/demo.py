@@ -8,8 +8,8 @@ are supervised, so the gradient must flow through attention across the whole doc
 every SP shard. The demo then runs `seqpar verify` logic: the same steps with SP=1 in one process,
 and writes the overlaid loss curves (PNG) and max |dloss| (JSON).
 
-Options: --steps (default 5), --max-length (tokens per example, default 1024), --nproc (default 4),
---out (default demo_output/). On 2 CPU cores the default run takes a few minutes.
+Options: --steps (default 3), --max-length (tokens per example, default 1024), --nproc (default 4),
+--out (default demo_output/). Times measured on 2 shared CPU cores: README.md, "Quickstart".
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def _peak_alloc_line(verify_dir: Path, nproc: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m seqpar.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=5)
+    # 3 steps: the step-1 gradients and two AdamW updates compared (5 took 5/3 the time for no more evidence)
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--rows", type=int, default=12)

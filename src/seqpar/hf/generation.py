@@ -12,7 +12,9 @@ logits processor and warper of generate() explicitly neutral) and puts it in pla
 `generation_config` for the call, so a checkpoint's extras (repetition_penalty, min_p, ...) are not
 applied: tokens are drawn from softmax(logits / T) restricted by top_k / top_p, the distribution the
 GRPO loss assumes. Temperature, top_k, top_p and the draw are `_RowSampler`'s (a logits processor, after
-generate()'s neutral ones; transformers' own warpers), which samples from one
+generate()'s neutral ones; transformers' own warpers), which never draws a vision-language model's image / video
+placeholder ids (`placeholder_ids`: a placeholder in a completion has no media to embed, so the row could not be
+trained; stock TRL suppresses the image id the same way) and samples from one
 torch.Generator per completion row seeded from (seed, step, dp rank, prompt index, generation index), or,
 given `prompt_index` (the prompts' positions in the step's global batch, as `seqpar train` passes), from
 (seed, step, that position, generation index): a completion does not depend on which SP rank drew it, on
@@ -55,7 +57,7 @@ from ..unwrap import base_model as _base_model
 from .rollout_media import media_encoded_in_forward
 
 __all__ = ["sequence_parallel_paused", "generate_for_group", "media_generate_kwargs", "sampling_seed", "row_seed",
-           "group_source_rank",
+           "group_source_rank", "placeholder_ids",
            "sampling_config", "prompt_share", "is_sharded", "sample_rows", "checkpointing_kept", "fsdp_synced",
            "share_rollout", "rng_states", "set_rng_states"]
 
@@ -150,13 +152,25 @@ def sampling_config(*, max_new_tokens: int, eos_token_id: int, pad_token_id: int
     )
 
 
-class _RowSampler(LogitsProcessor):
-    """The draw: softmax(logits / temperature) after top_k / top_p (transformers' own warpers), sampled from
-    one generator per row. Runs after generate()'s (neutral) processors; the scores it returns put all mass
-    on the drawn token, so generate()'s own multinomial can only return it."""
+def placeholder_ids(model: torch.nn.Module) -> list[int]:
+    """The ids a completion must never hold: a vision-language model's image / video placeholders (their count
+    must match the media's patches, and a completion brings no media). Empty for a text-only model."""
+    cfg = _base_model(model).config
+    if getattr(cfg, "vision_config", None) is None:
+        return []
+    return sorted({int(v) for v in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None))
+                   if v is not None})
 
-    def __init__(self, generators: list[torch.Generator], temperature: float, top_k: int, top_p: float) -> None:
+
+class _RowSampler(LogitsProcessor):
+    """The draw: softmax(logits / temperature) after top_k / top_p (transformers' own warpers), over every id but
+    `banned` (placeholder_ids), sampled from one generator per row. Runs after generate()'s (neutral) processors;
+    the scores it returns put all mass on the drawn token, so generate()'s own multinomial can only return it."""
+
+    def __init__(self, generators: list[torch.Generator], temperature: float, top_k: int, top_p: float,
+                 banned: Sequence[int] = ()) -> None:
         self.generators = generators
+        self.banned = list(banned)
         self.warpers = LogitsProcessorList([TemperatureLogitsWarper(float(temperature))])
         if top_k:
             self.warpers.append(TopKLogitsWarper(int(top_k)))
@@ -164,7 +178,10 @@ class _RowSampler(LogitsProcessor):
             self.warpers.append(TopPLogitsWarper(float(top_p)))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1).cpu()
+        scores = scores.float()
+        if self.banned:  # before top_k / top_p: they then choose among the ids that may be drawn
+            scores = scores.index_fill(1, torch.tensor(self.banned, device=scores.device), float("-inf"))
+        probs = torch.softmax(self.warpers(input_ids, scores), dim=-1).cpu()
         drawn = torch.stack([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(1, drawn.to(scores.device), 0.0)
@@ -206,18 +223,19 @@ def sample_rows(model: torch.nn.Module, rows: Sequence[Sequence[int]], seeds: Se
                 *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                 synced: bool = False, media: Sequence[dict] | None = None) -> list[list[int]]:
     """One batched generate() over `rows` (left-padded, KV cache) with `cfg` (`sampling_config`), row i drawn
-    with a generator seeded seeds[i]; each completion ends at its first EOS (kept). `synced`: synced_gpus.
-    media: per row, a vision-language prompt's images / videos (`media_generate_kwargs`)."""
+    with a generator seeded seeds[i], never a media placeholder (`placeholder_ids`); each completion ends at its
+    first EOS (kept). `synced`: synced_gpus. media: per row, a vision-language prompt's images / videos
+    (`media_generate_kwargs`)."""
     device = next(model.parameters()).device
     width = max(len(r) for r in rows)
     pad = cfg.pad_token_id
     x = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
     gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    sampler = _RowSampler(gens, temperature, top_k, top_p, banned=placeholder_ids(model))
     with _generation_config(model, cfg), media_encoded_in_forward(model, synced and bool(media)):
         out = model.generate(input_ids=x, attention_mask=mask, generation_config=cfg, synced_gpus=synced,
-                             logits_processor=LogitsProcessorList([_RowSampler(gens, temperature, top_k, top_p)]),
-                             **media_generate_kwargs(model, x, media))
+                             logits_processor=LogitsProcessorList([sampler]), **media_generate_kwargs(model, x, media))
     eos = cfg.eos_token_id
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 

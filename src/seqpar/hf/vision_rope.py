@@ -19,9 +19,11 @@ from ..errors import SeqParError
 
 __all__ = ["Media", "check_media", "mrope_positions", "runs"]
 
-# GRPO: a text-only policy can sample a placeholder id; the forward cannot embed a placeholder without its media.
-SAMPLED_HINT = (". In GRPO, this happens when a completion samples the model's image/video placeholder token: "
-                "such a rollout cannot be trained (lower the temperature, top_p or top_k so these ids are not drawn)")
+# GRPO: a sampler that may draw a placeholder id puts one in a completion, which has no media to embed.
+SAMPLED_HINT = (". In GRPO, a completion holding the model's image/video placeholder id cannot be trained (it brings "
+                "no media): sample with seqpar.hf.generation.generate_for_group or sample_rows, which never draw these "
+                "ids (seqpar train uses them; stock TRL's GRPOTrainer suppresses the image id), or pass "
+                "suppress_tokens=[image_token_id, video_token_id] to your own generate()")
 
 
 @dataclass

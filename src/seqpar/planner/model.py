@@ -277,15 +277,16 @@ def _layer_count(c: dict[str, Any], kinds: list[str]) -> int:
 
 
 def _tiny(name: str, kwargs: dict[str, Any] | None) -> ModelFacts:
-    from ..hf import ARCHS, HYBRID_ARCHS, tiny_config
+    from ..hf import ARCHS, HYBRID_ARCHS, VLM_ARCHS, tiny_config
 
     arch = name.split(":", 1)[1]
-    if arch not in ARCHS + HYBRID_ARCHS:  # hybrids: refused by _facts with the reason
-        raise SeqParError(f"model {name!r}: unknown tiny architecture {arch!r}: use tiny:<{'|'.join(ARCHS)}>")
+    if arch not in ARCHS + HYBRID_ARCHS + VLM_ARCHS:  # VLMs: refused by _facts with how to plan one, as a saved config
+        raise SeqParError(f"model {name!r}: unknown tiny architecture {arch!r}: use "
+                          f"tiny:<{'|'.join(ARCHS + HYBRID_ARCHS)}>")
     kw = dict(kwargs or {})
     kw.setdefault("vocab_size", 259)  # the byte tokenizer seqpar train gives tiny models
     c = tiny_config(arch, **kw).to_dict()
-    if arch not in HYBRID_ARCHS:  # (a hybrid keeps its text config's own type: qwen3_5 is the VL wrapper's)
+    if arch in ARCHS:  # (a hybrid or VLM keeps its config's own type: qwen3_5 is the VL wrapper's)
         c["model_type"] = arch
     return _facts(name, c)
 

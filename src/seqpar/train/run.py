@@ -26,6 +26,7 @@ from ..memory.meter import PeakMemoryMeter
 from ..mesh import init_mesh, node_size_from_env
 from ..threaded import serial
 from .config import TrainConfig, dynamic_degrees, validate_for_launch, with_total_steps
+from .dataset.identity import DataIdentity, data_identity
 from .dataset.prepare import prepare_examples
 from .grpo.rollout import GRPORollout, grpo_step_spec
 from .lifecycle.checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -69,6 +70,7 @@ class _Prepared:
     node_size: int  # processes per node (LOCAL_WORLD_SIZE); < world over several nodes
     info: ModelInfo  # the model's config, read once for the whole run
     layout: RunLayout  # world, dp x sp, FSDP2, the global batch: what a checkpoint records, what a resume compares
+    data: DataIdentity  # the examples' size and fingerprint: what a checkpoint records, what a resume must find again
     degrees: dict[int, tuple[int, int]] | None = None  # size: dynamic: {degree: (ulysses, ring)}
 
 
@@ -92,7 +94,7 @@ def train(cfg: TrainConfig, *, emulate_dp: int = 1) -> TrainResult:
     if use_cuda:
         torch.cuda.set_device(device)
     # over several nodes rank 0 checks output_dir (the nodes may not share it) under the lock
-    check = (lambda: check_output_dir(prep.cfg, prep.layout, len(prep.examples))) if prep.node_size < world else None
+    check = (lambda: check_output_dir(prep.cfg, prep.layout, prep.data)) if prep.node_size < world else None
     lock = take_lock(prep.cfg, world, rank, check_dir=check)
     try:
         return _run(prep, world, rank, device, emulate_dp)
@@ -122,15 +124,16 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     cfg = with_total_steps(cfg, len(examples), dp, start=resume_start(cfg, len(examples)))
     layout = RunLayout.of(cfg, world, u, r, dp=dp, sp=sp)
     check_model(cfg, examples, info)
+    data = data_identity(cfg.dataset.path, examples)
     if node == world:  # one node: every rank sees the folder; over nodes rank 0 checks it (take_lock)
-        check_output_dir(cfg, layout, len(examples))  # another run's checkpoint, or results a fresh start replaces
+        check_output_dir(cfg, layout, data)  # another run's checkpoint, or results a fresh start replaces
     with serial():  # the seeded global RNG builds the model: ranks that are threads (seqpar.threaded) take turns
         torch.manual_seed(cfg.seed)
         model = load_model(cfg, info)
     if loaded_heads(model) != (nh, nkv):
         raise SeqParError(f"model has heads {loaded_heads(model)} but its config said {(nh, nkv)}")
     check_memory_features(cfg, model, on_accelerator=torch.cuda.is_available())
-    return _Prepared(cfg, tok, examples, data_stats, eval_data, model, u, r, node, info, layout, degrees)
+    return _Prepared(cfg, tok, examples, data_stats, eval_data, model, u, r, node, info, layout, data, degrees)
 
 
 def _start_process_group(cfg: TrainConfig, world: int, pg_ready: bool) -> bool:
@@ -162,7 +165,7 @@ def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_d
         # CUDA: the allocator's exact peak, without the tracker's per-op Python cost (no split by category).
         extra = (getattr(loop.reference, "ref_model", None), loop.prec.module if loop.prec else None)
         loop.meter = PeakMemoryMeter(loop.model, loop.optimizer, device, extra=extra, categories=device.type != "cuda")
-    start_step = _restore(loop, prep.layout)
+    start_step = _restore(loop, prep)
     if cfg.stage == "grpo":
         loop.spec, loop.rollout = grpo_step_spec(cfg), GRPORollout(cfg, mesh, prep.tok, prep.examples, loop.collator)
     metrics_path = out / "metrics.jsonl"
@@ -179,7 +182,7 @@ def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_d
     return result
 
 
-def _restore(loop: Loop, layout: RunLayout) -> int:
+def _restore(loop: Loop, prep: _Prepared) -> int:
     """The output folder, and the model / optimizer / schedule / data position of the checkpoint to resume
     from (if any), at this run's layout; returns the step to start at."""
     out = loop.out
@@ -188,8 +191,7 @@ def _restore(loop: Loop, layout: RunLayout) -> int:
     if loop.world > 1:
         dist.barrier()
     # Rank 0's view of the folder decides (nodes need not share it: take_lock refuses checkpoints then).
-    n = len(loop.examples)
-    plan = rank0_decides(lambda: resume_point(loop.cfg, layout, n, 0, out), loop.world, loop.rank)
+    plan = rank0_decides(lambda: resume_point(loop.cfg, prep.layout, prep.data, 0, out), loop.world, loop.rank)
     if plan is None:
         return 0
     state = load_checkpoint(plan.ckpt, _state_model(loop), loop.optimizer, trainable_only=_lora(loop),
@@ -233,7 +235,7 @@ def _steps(loop: Loop, result: TrainResult, metrics_path: Path, start_step: int,
         stop_if_diverged(loop, step)
         every = cfg.checkpoint.every
         if every and (step % every == 0 or step == cfg.max_steps):  # the last step too: resumable, exportable
-            _save_checkpoint(loop, step)
+            _save_checkpoint(loop, step, prep.data)
         maybe_eval(loop, result, metrics_path, step)
         maybe_fault(step, rank, loop.world)
     bar.close()
@@ -267,7 +269,7 @@ def _state_model(loop: Loop) -> torch.nn.Module:
     return loop.prec.module if loop.prec else loop.model
 
 
-def _save_checkpoint(loop: Loop, step: int) -> None:
+def _save_checkpoint(loop: Loop, step: int, data: DataIdentity) -> None:
     cfg, m = loop.cfg, loop.mesh
     rows = loop.streams[0].rows  # every slot's stream is at the same global row between steps
     state = {"step": step, "scheduler": loop.scheduler.state_dict(), "data": {"rows": rows}}
@@ -275,7 +277,7 @@ def _save_checkpoint(loop: Loop, step: int) -> None:
                           sp=m.sp_size)
     save_checkpoint(loop.out, step, _state_model(loop), loop.optimizer, state, trainable_only=_lora(loop),
                     keep_last=cfg.checkpoint.keep_last,
-                    run_meta=run_meta(cfg, loop.world, layout, rows, len(loop.examples)))
+                    run_meta=run_meta(cfg, loop.world, layout, rows, data))
 
 
 def stop_if_diverged(loop: Loop, step: int) -> None:

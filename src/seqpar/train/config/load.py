@@ -53,17 +53,21 @@ def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None
     _relative_to(data, p.parent)
     for key, val in (overrides or {}).items():
         set_dotted(data, key, val)
-    for a, b in (("max_steps", "num_epochs"), ("num_epochs", "max_steps")):
-        if a in (overrides or {}) and b not in (overrides or {}):
-            data.pop(b, None)  # --max-steps on the command line replaces the file's num_epochs (and back)
+    for a, b in (("max_steps", "num_epochs"), ("global_batch_size", "grad_accum")):
+        for x, y in ((a, b), (b, a)):
+            if x in (overrides or {}) and y not in (overrides or {}):
+                data.pop(y, None)  # --max-steps on the command line replaces the file's num_epochs (and back), etc.
     # Override values (CLI --set / --output-dir) keep the caller's working directory as their base, except
-    # dataset paths, which fall back to the config directory as before.
+    # dataset paths, which fall back to the config directory as before; either way they are stored absolute (a
+    # resume compares them with the config file's, which _relative_to made absolute).
     for name in ("dataset", "eval_dataset"):
         ds = data.get(name)
         if isinstance(ds, dict) and isinstance(ds.get("path"), str) and not os.path.isabs(ds["path"]):
             cand = p.parent / ds["path"]
-            if cand.exists() and not Path(ds["path"]).exists():
-                ds["path"] = str(cand)
+            if Path(ds["path"]).exists():
+                ds["path"] = str(Path(ds["path"]).absolute())
+            elif cand.exists():
+                ds["path"] = str(cand.absolute())
     return config_from_dict(data, source=str(p))
 
 

@@ -10,7 +10,7 @@ import math
 from datetime import timedelta
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from ...mesh import check_divides
 from .base import StrictModel
@@ -131,6 +131,7 @@ class GRPOSpec(_Strict):
     max_completion_length: int = Field(default=64, ge=1)
     temperature: float = Field(default=1.0, gt=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)  # 0: off
     beta: float = Field(default=0.0, ge=0)
     epsilon: float = Field(default=0.2, gt=0, lt=1)
     epsilon_high: float | None = Field(default=None, gt=0)
@@ -248,7 +249,8 @@ class TrainConfig(_Strict):
     micro_batch_size: int = Field(default=1, ge=1)
     grad_accum: int = Field(default=1, ge=1)
     # Rows per step over all dp ranks (dp x micro_batch_size x grad_accum); when set, grad_accum follows each launch's
-    # dp, so a resume at another world / dp size keeps the global batch (checks.py, resolve_grad_accum).
+    # dp, so a resume at another world / dp size keeps the global batch (checks.py, resolve_grad_accum). Setting
+    # grad_accum as well is refused; a dump leaves grad_accum out then (it is derived, not an input).
     global_batch_size: int | None = Field(default=None, ge=1)
     # When replicated gradients (no FSDP) are summed over dp x sp: "overlap" during the step's last backward
     # (seqpar.loss.OverlappedGradSum), "after_backward" after it, "auto" overlaps on CUDA / NCCL streams and sums
@@ -317,10 +319,23 @@ class TrainConfig(_Strict):
     def _sp_int(cls, v: Any) -> Any:
         return {"size": v} if isinstance(v, int) else v
 
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if self.global_batch_size is not None:
+            out.pop("grad_accum", None)  # follows global_batch_size at each launch's dp: a reload must not see both
+        return out
+
     @model_validator(mode="after")
     def _cross(self) -> TrainConfig:
         if self.max_steps is not None and self.num_epochs is not None:
             raise ValueError("set max_steps or num_epochs, not both")
+        if self.global_batch_size is not None and "grad_accum" in self.model_fields_set:
+            raise ValueError(
+                f"set global_batch_size or grad_accum, not both: global_batch_size={self.global_batch_size} fixes the "
+                f"rows per step and grad_accum follows each launch's dp (global_batch_size / (dp x micro_batch_size)), "
+                f"so grad_accum={self.grad_accum} would not be used: drop one of them"
+            )
         if self.max_steps is None and self.num_epochs is None:
             self.max_steps = 10
         if self.stage == "dpo" and self.dataset.packing:

@@ -128,6 +128,18 @@ def _content(v: Any, i: int) -> str:
     raise SeqParError(f"row {i}: message content must be a string, null or a list of text parts, got {v!r:.80}")
 
 
+def _int_list(v: Any, i: int, key: str) -> list[int]:
+    """A tokenized row's input_ids (token ids >= 0) or labels (the same, or -100: not supervised)."""
+    def ok(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and (x >= 0 or (key == "labels" and x == -100))
+
+    if not isinstance(v, list) or not all(ok(x) for x in v):
+        bad = v if not isinstance(v, list) else next(x for x in v if not ok(x))
+        what = "token ids >= 0 or -100 (not supervised)" if key == "labels" else "token ids >= 0"
+        raise SeqParError(f"row {i}: {key} must be a list of integers, {what}; got {bad!r:.60}")
+    return v
+
+
 def normalize_messages(msgs: Any, i: int) -> list[dict[str, Any]]:
     """{role|from, content|value} dicts -> {role, content} dicts (other keys, e.g. tool_calls, kept)."""
     if isinstance(msgs, dict):
@@ -179,8 +191,8 @@ def normalize_sft(row: dict[str, Any], fmt: str, i: int) -> Text | Tokenized | C
     if fmt == "text":
         return Text(_content(_need(row, ("text",), i, fmt), i))
     if fmt == "tokenized":
-        ids = [int(x) for x in _need(row, ("input_ids",), i, fmt)]
-        labels = [int(x) for x in row["labels"]] if row.get("labels") is not None else None
+        ids = _int_list(_need(row, ("input_ids",), i, fmt), i, "input_ids")
+        labels = _int_list(row["labels"], i, "labels") if row.get("labels") is not None else None
         if labels is not None and len(labels) != len(ids):
             raise SeqParError(f"tokenized row has {len(ids)} input_ids but {len(labels)} labels: make them equal")
         return Tokenized(ids, labels)
@@ -208,6 +220,9 @@ def normalize_dpo(row: dict[str, Any], i: int) -> Preference:
     chosen = _need(row, ("chosen",), i, "dpo", hint if "chosen" in row else "")
     rejected = _need(row, ("rejected",), i, "dpo", hint)
     prompt = _pick(row, ("prompt", "conversations"))
+    for key, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        if v is not None and not isinstance(v, (str, list, dict)):
+            raise SeqParError(f"row {i}: '{key}' must be text or a list of chat messages, got {type(v).__name__}")
     conversational = any(isinstance(x, (list, dict)) for x in (prompt, chosen, rejected))
     if not conversational:
         if prompt is None:

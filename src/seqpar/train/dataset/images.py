@@ -38,7 +38,7 @@ from .tokenize import IGNORE, build_dpo_pairs, new_stats, pack_rows, tokenize_dp
 from .videos import frame_timestamps, read_frames, video_patches
 
 __all__ = ["VisionSpec", "PLACEHOLDER", "VIDEO_PLACEHOLDER", "build_vision_examples", "build_vision_dpo_examples",
-           "expand_media", "media_columns", "VisionCollator"]
+           "expand_media", "media_columns", "VisionCollator", "carries_media", "refuse_media_rows", "TEXT_ONLY"]
 
 PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -147,13 +147,34 @@ def _find_all(ids: list[int], pattern: list[int]) -> list[int]:
     return out
 
 
-def media_columns(row: Mapping[str, Any]) -> tuple[list, list]:
-    """(image paths, video entries) of a row."""
+def media_columns(row: Mapping[str, Any], i: int = 0) -> tuple[list, list]:
+    """(image paths, video entries) of row `i` (1-based, for messages)."""
     def listed(key: str) -> list:
         v = row.get(key) or []
+        if not isinstance(v, (str, dict, list, tuple)):
+            raise SeqParError(f"row {i}: '{key}' must be a list of local files (or one), got {type(v).__name__} "
+                              f"{v!r:.40}")
         return [v] if isinstance(v, (str, dict)) else list(v)
 
     return listed("images"), listed("videos")
+
+
+# Rows with media for a text-only model (SFT, DPO and GRPO alike): nothing would embed them.
+TEXT_ONLY = ("carries images/videos, but the model is text-only: they would be dropped and their <image> / <video> "
+             "placeholders trained as text: drop the images / videos columns, or use a vision-language model "
+             "(Qwen2.5-VL, Qwen3-VL)")
+
+
+def carries_media(row: Mapping[str, Any], i: int = 0) -> bool:
+    """Row `i` names images or videos (the `images` / `videos` columns, or a singular `image` / `video`)."""
+    return any(media_columns(row, i)) or bool(row.get("image")) or bool(row.get("video"))
+
+
+def refuse_media_rows(rows: Sequence[Mapping[str, Any]]) -> None:
+    """SeqParError at the first row with images / videos (for a text-only model); rows are 1-based lines."""
+    for i, row in enumerate(rows, 1):
+        if carries_media(row, i):
+            raise SeqParError(f"row {i} {TEXT_ONLY}")
 
 
 def _video_tokens(spec: VisionSpec, tok: Any, grid: list[int], stamps: list[float]) -> list[int]:
@@ -172,7 +193,7 @@ def expand_media(ids: list[int], labels: list[int] | None, row: Mapping[str, Any
                  base_dir: str, i: int) -> dict[str, Any]:
     """ids (tokenized from `with_markers(row, tok)`) with each placeholder marker replaced by its medium's tokens
     (unsupervised), plus the media tensors; labels None: no labels (GRPO prompts)."""
-    images, videos = media_columns(row)
+    images, videos = media_columns(row, i)
     found = []
     for placeholder, entries in ((PLACEHOLDER, images), (VIDEO_PLACEHOLDER, videos)):
         _, pattern = _marker_ids(tok, placeholder)

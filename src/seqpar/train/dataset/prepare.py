@@ -11,7 +11,7 @@ from typing import Any
 from ...errors import SeqParError
 from ..config import DatasetSpec, TrainConfig
 from ..model.load import ModelInfo, load_tokenizer, model_info
-from .images import VisionSpec, build_vision_dpo_examples, build_vision_examples
+from .images import VisionSpec, build_vision_dpo_examples, build_vision_examples, refuse_media_rows
 from .prompts import load_prompts
 from .tokenize import build_examples, load_rows
 
@@ -32,6 +32,7 @@ def prepare_examples(cfg: TrainConfig, tok: Any = None, spec: DatasetSpec | None
     try:
         if info.vlm:
             return vision_examples(cfg, d, rows, tok, info.config)
+        refuse_media_rows(rows)  # a text-only model would drop the media and train their placeholders as text
         return build_examples(rows, d.format, cfg.stage, tok, d.max_length, d.packing,
                               train_on_prompt=d.train_on_prompt, mask_history=d.mask_history,
                               max_prompt_length=d.max_prompt_length, truncation_mode=d.truncation_mode)

@@ -16,7 +16,7 @@ from ..config import TrainConfig
 from ..model.load import ModelInfo
 from ..model.tokenizers import ByteTokenizer
 from .formats import normalize_messages
-from .images import VisionSpec, expand_media, media_columns, with_markers
+from .images import TEXT_ONLY, VisionSpec, carries_media, expand_media, with_markers
 from .tokenize import load_rows
 
 __all__ = ["PromptRow", "load_prompts", "describe_prompt_stats"]
@@ -47,8 +47,7 @@ def _tokenize_prompt(prompt: Any, tok: Any, i: int) -> list[int]:
 def _media_prompt(row: dict, i: int, tok: Any, spec: VisionSpec | None, base_dir: str) -> tuple[list[int], dict]:
     """A prompt with images / videos: (ids with the media's tokens, the media tensors)."""
     if spec is None:
-        raise SeqParError(f"row {i} carries images/videos, but the model is text-only (they would be ignored): "
-                          "drop the image columns, or use a vision-language model (Qwen2.5-VL, Qwen3-VL)")
+        raise SeqParError(f"row {i} {TEXT_ONLY}")
     ids = _tokenize_prompt(with_markers({"prompt": row["prompt"]}, tok)["prompt"], tok, i)
     out = expand_media(ids, None, row, tok, spec, base_dir, i)
     return out.pop("input_ids"), out
@@ -68,7 +67,7 @@ def load_prompts(cfg: TrainConfig, tok: Any, info: ModelInfo | None = None) -> t
             raise SeqParError(f"{cfg.dataset.path}: row {i} has no 'prompt' column: stage: grpo reads prompt rows "
                               f"(text or chat messages, plus any columns the reward functions read)")
         media: dict = {}
-        if any(media_columns(row)) or row.get("image") or row.get("video"):
+        if carries_media(row, i):
             if row.get("image") or row.get("video"):
                 raise SeqParError(f"{cfg.dataset.path}: row {i}: name the media columns 'images' / 'videos' (lists "
                                   "of local files, one <image> / <video> placeholder each)")

@@ -287,10 +287,8 @@ def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokeni
         stats["truncated"] += cut  # counted for kept rows only (a dropped row is counted once, as dropped)
         examples.append(ex)
     if not examples and no_labels == len(rows):
-        raise SeqParError(
-            "every row's labels are -100 (not supervised) after the first token, so there is nothing to train on: "
-            "check the labels of the tokenized rows, or set dataset.train_on_prompt: true to supervise the prompts"
-        )
+        raise SeqParError("every row's labels are -100 (not supervised) after the first token, so there is nothing "
+                          f"to train on: {_no_labels_fix(fmt, train_on_prompt)}")
     if not examples:
         raise SeqParError(
             f"no row keeps a supervised token within dataset.max_length={max_length} (responses start at token "
@@ -299,6 +297,17 @@ def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokeni
     if packing:
         return pack_rows(examples, max_length), stats
     return examples, stats
+
+
+def _no_labels_fix(fmt: str, train_on_prompt: bool) -> str:
+    """What to change when no row has a supervised token (by format: train_on_prompt cannot help tokenized rows)."""
+    if fmt == "tokenized":
+        return ("tokenized rows keep their labels as given (dataset.train_on_prompt does not change them): give labels "
+                "other than -100 after the first token, or leave the labels column out to supervise every token")
+    if train_on_prompt:
+        return ("dataset.train_on_prompt is already on (every token after the first is supervised), so every row is "
+                "at most one token long: check the rows' text")
+    return "check the rows, or set dataset.train_on_prompt: true to supervise the prompts"
 
 
 def describe_stats(stats: dict[str, int], max_length: int, what: str = "dataset") -> list[str]:

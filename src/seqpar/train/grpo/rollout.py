@@ -99,7 +99,7 @@ class GRPORollout:
         try:
             completions = generate_for_group(
                 model, self.mesh, [r.prompt_ids for r in rows], num_generations=g.num_generations,
-                max_new_tokens=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
+                max_new_tokens=g.max_completion_length, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                 seed=self.cfg.seed, step=step, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                 prompt_index=index, media=[r.media for r in rows] if any(r.media for r in rows) else None)
         except SeqParError as e:

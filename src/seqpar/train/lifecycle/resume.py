@@ -4,11 +4,13 @@ resume on another layout does.
 Reads files only (no collectives), so every rank -- and the launching `seqpar train --nproc-per-node`
 process, before torchrun starts -- reaches the same decision with the same message.
 
-A checkpoint continues a run only when what defines the run is unchanged: the keys in `MUST_MATCH`, and the
-dataset's size (the data position is a row count). The layout may change -- world size, sequence_parallel
-(size, degrees, layout), dp size, FSDP2, nodes (run_layout.py) -- and so may micro_batch_size / grad_accum /
-global_batch_size: the same global batch continues the uninterrupted trajectory, another one is announced
-(steps per epoch, the row the data continues at). `max_steps` may change (grow, to train longer), and so may
+A checkpoint continues a run only when what defines the run is unchanged: the keys in `MUST_MATCH` (dataset.path
+compared resolved, so a path given relative to the config file or on the command line is the same path), and the
+data itself: the examples' fingerprint (train/dataset/identity.py; the data position is a row count into them),
+which also lets the data move to another path with the same content. The layout may change -- world size,
+sequence_parallel (size, degrees, layout), dp size, FSDP2, nodes (run_layout.py) -- and so may micro_batch_size /
+grad_accum / global_batch_size: the same global batch continues the uninterrupted trajectory, another one is
+announced (steps per epoch, the row the data continues at). `max_steps` may change (grow, to train longer), and so may
 checkpointing, export, progress and memory settings (exactness features: same loss and gradients).
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 from ...errors import SeqParError
 from ...textfiles import read_json
 from ..config import TrainConfig
+from ..dataset.identity import DataIdentity, resolved_path
 from .checkpoint import checkpoint_step, latest_name
 from .lock import run_identity
 from .output_dir import (
@@ -43,12 +46,14 @@ MUST_MATCH = ("model", "dataset", "stage", "dpo", "grpo", "finetuning", "precisi
 
 
 def run_meta(cfg: TrainConfig, world: int, layout: RunLayout | None = None, rows: int = 0,
-             examples: int | None = None) -> dict[str, Any]:
+             data: DataIdentity | None = None) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it (checkpoint-N/run.json): the config and world size,
-    and (layout given) the layout and data position (run_layout.py)."""
-    meta = {"config": cfg.model_dump(mode="json"), "world_size": world}
+    (layout given) the layout and data position (run_layout.py), and (data given) the data's identity."""
+    meta: dict[str, Any] = {"config": cfg.model_dump(mode="json"), "world_size": world}
     if layout is not None:
-        meta.update(layout_meta(layout, rows, examples))
+        meta.update(layout_meta(layout, rows, data.rows if data is not None else None))
+    if data is not None:
+        meta["data"] = data.meta()
     return meta
 
 
@@ -61,16 +66,22 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
-    """Dotted keys (within MUST_MATCH) whose value differs, as 'key: saved -> now'."""
+def config_differences(saved: dict[str, Any], cfg: TrainConfig, skip: tuple[str, ...] = ()) -> list[str]:
+    """Dotted keys (within MUST_MATCH, less `skip`) whose value differs, as 'key: saved -> now'; dataset.path is
+    compared resolved (a relative one against the working directory)."""
     now = cfg.model_dump(mode="json")
     diffs = []
     for top in MUST_MATCH:
         a, b = _flatten(saved.get(top), top), _flatten(now.get(top), top)
         for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
+            same = (_same_path(a.get(k), b.get(k)) if k == "dataset.path" else a.get(k) == b.get(k))
+            if k not in skip and not same:
                 diffs.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
     return diffs
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    return isinstance(a, str) and isinstance(b, str) and resolved_path(a) == resolved_path(b)
 
 
 def _saved_meta(ckpt: Path) -> dict[str, Any] | None:
@@ -126,7 +137,8 @@ def find_resume(cfg: TrainConfig) -> tuple[Path, int] | None:
     if meta is None:
         raise SeqParError(f"{ckpt} (step {step}) has no run.json and {ckpt.parent / 'config.json'} is missing, so "
                           f"it cannot be checked against this config: {fresh}")
-    diffs = config_differences(meta["config"], cfg)
+    # with the data's identity recorded, the data decides whether another dataset.path is the same data (plan_resume)
+    diffs = config_differences(meta["config"], cfg, skip=("dataset.path",) if "data" in meta else ())
     if diffs:
         raise SeqParError(
             f"cannot resume from {ckpt} (step {step}): the run that wrote it differs in\n  " + "\n  ".join(diffs)
@@ -147,23 +159,34 @@ class ResumePlan:
     lines: tuple[str, ...]
 
 
-def plan_resume(cfg: TrainConfig, now: RunLayout, examples: int) -> ResumePlan | None:
-    """find_resume, and what continuing it at layout `now` does; SeqParError when the dataset's size changed
-    (the data position counts rows of it). `cfg`: grad_accum resolved for now.dp."""
+def plan_resume(cfg: TrainConfig, now: RunLayout, data: DataIdentity) -> ResumePlan | None:
+    """find_resume, and what continuing it at layout `now` does; SeqParError when the data changed (the data
+    position counts rows of it): which of path, file content, examples or their number. `cfg`: grad_accum resolved
+    for now.dp; `data`: this run's (dataset/identity.py)."""
     found = find_resume(cfg)
     if found is None:
         return None
     ckpt, step = found
     meta = _saved_meta(ckpt)
-    saved_n = meta.get("examples")
-    if saved_n is not None and int(saved_n) != examples:
-        raise SeqParError(f"cannot resume from {ckpt} (step {step}): its run had {saved_n} {row_unit(cfg)} and "
-                          f"this dataset gives {examples}, so its data position (a row count) would point elsewhere: "
-                          f"restore that dataset, or start fresh (checkpoint.resume: false with --overwrite, or a "
-                          f"new output_dir)")
+    refusals, notes = _data_changes(cfg, meta, data)
+    if refusals:
+        raise SeqParError(f"cannot resume from {ckpt} (step {step}): its data is not this run's: "
+                          + "; ".join(refusals) + ", so its data position (a row count) would point elsewhere: "
+                          "restore that dataset, or start fresh (checkpoint.resume: false with --overwrite, or a new "
+                          "output_dir)")
     saved = RunLayout.from_meta(meta)
-    rows = checkpoint_rows(ckpt, meta, examples)
-    return ResumePlan(ckpt, step, rows, saved, tuple(resume_lines(ckpt, saved, now, rows, examples)))
+    rows = checkpoint_rows(ckpt, meta, data.rows)
+    return ResumePlan(ckpt, step, rows, saved, tuple(notes + resume_lines(ckpt, saved, now, rows, data.rows)))
+
+
+def _data_changes(cfg: TrainConfig, meta: dict[str, Any], data: DataIdentity) -> tuple[list[str], list[str]]:
+    """(refusals, notes) about the data: by its recorded identity, else (older checkpoints) by its size."""
+    if isinstance(meta.get("data"), dict):
+        return data.changes(meta["data"])
+    saved_n = meta.get("examples")
+    if saved_n is not None and int(saved_n) != data.rows:
+        return [f"its run had {saved_n} {row_unit(cfg)} and this dataset gives {data.rows}"], []
+    return [], []
 
 
 def resume_start(cfg: TrainConfig, examples: int) -> tuple[int, int] | None:
@@ -178,11 +201,11 @@ def resume_start(cfg: TrainConfig, examples: int) -> tuple[int, int] | None:
         return None
 
 
-def check_output_dir(cfg: TrainConfig, layout: RunLayout, examples: int) -> ResumePlan | None:
+def check_output_dir(cfg: TrainConfig, layout: RunLayout, data: DataIdentity) -> ResumePlan | None:
     """plan_resume, and for a fresh start the refusal to replace an earlier run's results (output_dir.py)."""
     out = Path(cfg.output_dir)
     refuse_nested_output_dir(out)
-    found = plan_resume(cfg, layout, examples)
+    found = plan_resume(cfg, layout, data)
     if found is None and not _same_run(out):
         refuse_overwrite(out, cfg.overwrite_output_dir)
     return found
@@ -194,10 +217,10 @@ def _same_run(out: Path) -> bool:
     return f.is_file() and f.read_bytes().decode("utf-8", "replace").strip() == run_identity()[0]
 
 
-def resume_point(cfg: TrainConfig, now: RunLayout, examples: int, rank: int, out: Path) -> ResumePlan | None:
+def resume_point(cfg: TrainConfig, now: RunLayout, data: DataIdentity, rank: int, out: Path) -> ResumePlan | None:
     """The checkpoint to resume from (announced, with what the layout change does), or None (rank 0 clears the
     folder for a fresh start)."""
-    plan = plan_resume(cfg, now, examples)
+    plan = plan_resume(cfg, now, data)
     if rank == 0:
         if plan is None:
             removed = clear_results(out) if cfg.overwrite_output_dir and not _same_run(out) else []

@@ -59,6 +59,10 @@ def unknown_model(name: str, e: Exception) -> SeqParError:
 
 def tiny_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     kwargs = dict(cfg.model.kwargs)
+    if not isinstance(kwargs.get("seed", 0), int) or isinstance(kwargs.get("seed"), bool):
+        raise SeqParError(f"model.kwargs.seed={kwargs['seed']!r}: give an integer (or drop it: the run's seed)")
+    if kwargs.get("dtype", "float32") not in TINY_DTYPES:
+        raise SeqParError(f"model.kwargs.dtype={kwargs['dtype']!r}: use one of {', '.join(TINY_DTYPES)} (or drop it)")
     kwargs.setdefault("vocab_size", ByteTokenizer.vocab_size)
     if kwargs["vocab_size"] < ByteTokenizer.vocab_size:
         raise SeqParError(
@@ -68,14 +72,26 @@ def tiny_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     return kwargs
 
 
+TINY_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
 def model_config(cfg: TrainConfig) -> Any:
     """The model's HF config alone (no weights loaded); None for the bundled SmolLM2."""
     kind = model_kind(cfg)
     if kind == "tiny":
         from ...hf import tiny_config
 
-        kw = {k: v for k, v in tiny_kwargs(cfg).items() if k not in ("seed", "dtype", "attn_implementation")}
-        return tiny_config(cfg.model.name.split(":", 1)[1], **kw)
+        arch = cfg.model.name.split(":", 1)[1]
+        try:
+            kw = {k: v for k, v in tiny_kwargs(cfg).items() if k not in ("seed", "dtype", "attn_implementation")}
+            return tiny_config(arch, **kw)
+        except SeqParError:
+            raise
+        except Exception as e:  # whatever transformers' config class says of the values: an input error
+            raise SeqParError(f"model.kwargs {dict(cfg.model.kwargs)} do not make a tiny {arch} config "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:120]}): give positive integers "
+                              "(num_heads, num_kv_heads dividing it, num_layers, head_dim, ...) or drop the key"
+                              ) from None
     if kind == "smollm2":
         return None
     from transformers import AutoConfig
@@ -168,7 +184,13 @@ def load_model(cfg: TrainConfig, info: ModelInfo | None = None) -> torch.nn.Modu
 
         kwargs = tiny_kwargs(cfg)
         kwargs.setdefault("seed", cfg.seed)
-        return tiny_model(cfg.model.name.split(":", 1)[1], **kwargs)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+        try:
+            return tiny_model(cfg.model.name.split(":", 1)[1], **kwargs)
+        except ValueError as e:  # e.g. an attn_implementation transformers does not have
+            raise SeqParError(f"model.kwargs {dict(cfg.model.kwargs)}: the tiny model cannot be built "
+                              f"({str(e).splitlines()[0][:160]})") from None
     if kind == "smollm2":
         from ...hf import load_smollm2
 
