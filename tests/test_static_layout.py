@@ -20,7 +20,7 @@ import seqpar
 SRC = Path(seqpar.__file__).parent
 
 LAYERS = [
-    {"errors", "unwrap", "spawn", "textfiles"},
+    {"errors", "unwrap", "spawn", "textfiles", "threaded"},
     {"comm"},
     {"mesh"},
     {"layout"},

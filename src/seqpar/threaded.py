@@ -83,16 +83,13 @@ def _ranged(fn):
     return call
 
 
-@functools.cache
-def _group_class():
-    """ProcessLocalGroup with point-to-point operations (imported lazily: torch.testing is heavy). Its collectives
-    keep their state on ProcessLocalGroup itself (reset and stopped there)."""
-    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+def _recv_work_class(mtpg):
+    """A receive's Work: wait() takes the message from the mailbox (or stops when another rank failed)."""
 
-    class _RecvWork(dist.Work):
-        def __init__(self, pg, key: tuple, tensors: list[torch.Tensor]) -> None:
+    class RecvWork(dist.Work):
+        def __init__(self, key: tuple, tensors: list[torch.Tensor]) -> None:
             super().__init__()
-            self._pg, self._key, self._tensors, self._done = pg, key, tensors, False
+            self._key, self._tensors, self._done = key, tensors, False
 
         @_ranged
         def wait(self, timeout=None) -> bool:
@@ -115,25 +112,14 @@ def _group_class():
         def is_completed(self) -> bool:
             return self._done
 
-    class ThreadRankGroup(mtpg.ProcessLocalGroup):
-        def __init__(self, rank, world_size):
-            super().__init__(rank, world_size)
-            self._generation = _GENERATION[0]
+    return RecvWork
 
-        @_ranged
-        def send(self, tensors, dst, tag=0):
-            _box((self._generation, self.pg_name, self._rank, dst, tag)).put([t.detach().clone() for t in tensors])
-            return mtpg.ret_work(tensors)
 
-        def recv(self, tensors, src, tag=0):
-            return _RecvWork(self, (self._generation, self.pg_name, src, self._rank, tag), tensors)
-
-        def getBackendName(self):
-            return BACKEND
+def _key_collectives_by_world(mtpg) -> None:
+    """ProcessLocalGroup matches collectives by group name, and names repeat in every world: keyed by world too, so
+    a rank left over from an earlier world (timed out, still running) never meets this world's ranks."""
 
     def start_coll(cls, collective, pg):
-        # collectives are matched by group name, and names repeat in every world: keyed by world too, so a rank left
-        # over from an earlier world (timed out, still running) never meets this world's ranks
         with cls._coll_lock:
             key = (getattr(pg, "_generation", None), pg.pg_name)
             if key not in cls._cur_coll_on_pgs:
@@ -146,12 +132,39 @@ def _group_class():
             if cls._cur_coll_on_pgs.get(key) is collective:
                 cls._cur_coll_on_pgs.pop(key)
 
+    mtpg.ProcessLocalGroup._start_coll = classmethod(start_coll)
+    mtpg.ProcessLocalGroup._end_coll = classmethod(end_coll)
+
+
+@functools.cache
+def _group_class():
+    """ProcessLocalGroup with point-to-point operations (imported lazily: torch.testing is heavy). Its collectives
+    keep their state on ProcessLocalGroup itself (reset and stopped there)."""
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    recv_work = _recv_work_class(mtpg)
+
+    class ThreadRankGroup(mtpg.ProcessLocalGroup):
+        def __init__(self, rank, world_size):
+            super().__init__(rank, world_size)
+            self._generation = _GENERATION[0]
+
+        @_ranged
+        def send(self, tensors, dst, tag=0):
+            _box((self._generation, self.pg_name, self._rank, dst, tag)).put([t.detach().clone() for t in tensors])
+            return mtpg.ret_work(tensors)
+
+        def recv(self, tensors, src, tag=0):
+            return recv_work((self._generation, self.pg_name, src, self._rank, tag), tensors)
+
+        def getBackendName(self):
+            return BACKEND
+
     for name in _COLLECTIVES:  # a profiler range around each, so a profile tells transfers from compute
         # only its own Python methods (the names differ between torch releases; a C++ base method must stay as is)
         if name in vars(mtpg.ProcessLocalGroup):
             setattr(ThreadRankGroup, name, _ranged(vars(mtpg.ProcessLocalGroup)[name]))
-    mtpg.ProcessLocalGroup._start_coll = classmethod(start_coll)
-    mtpg.ProcessLocalGroup._end_coll = classmethod(end_coll)
+    _key_collectives_by_world(mtpg)
     return mtpg, ThreadRankGroup
 
 

@@ -25,6 +25,27 @@ from collections.abc import Callable
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m seqpar.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
+    _add_attention(sub)
+    _add_cpu_benches(sub)
+    _add_dynamic(sub)
+    _add_gpu(sub)
+    args = parser.parse_args(argv)
+    other = {"gpu": _gpu, "rollout": _rollout, "step": _step, "memory": _memory, "layer-memory": _layer_memory,
+             "recurrent": _recurrent, "dynamic": _dynamic}
+    if args.bench in other:
+        return other[args.bench](args)
+
+    if args.peers not in ("auto", "deepspeed", "none"):
+        return _peers(args)
+    from .attention import run
+    from .plot import plot_attention, summary_lines
+
+    args.out = args.out or "bench_results/attention.json"
+    result = run(quick=args.quick, timeout=args.timeout, peers=args.peers)
+    return _report(args, result, summary_lines, plot_attention)
+
+
+def _add_attention(sub: argparse._SubParsersAction) -> None:
     att = sub.add_parser("attention", help="comm bytes vs theory, causal load balance, SP vs one-process time")
     att.add_argument("--out", default=None,
                      help="JSON output path (default bench_results/attention.json; with --peers: attention_peers.json)")
@@ -39,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     att.add_argument("--peer-cases", default=None, help="side-by-side cases S:P:HQ:HKV[:D],... (P 2 or 4)")
     att.add_argument("--reps", type=int, default=None, help="side-by-side timed repeats (default 5; quick 2)")
     att.add_argument("--timeout", type=float, default=540.0, help="per spawned world, seconds")
+
+
+def _add_cpu_benches(sub: argparse._SubParsersAction) -> None:
     mem = sub.add_parser("memory", help="exact per-rank peak vs length, SP size and memory features; max length")
     mem.add_argument("--out", default="bench_results/memory.json", help="JSON output path")
     mem.add_argument("--png", default=None, help="PNG output path (default: next to --out); 'none' to skip")
@@ -70,22 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--sp", default="2,4", help="comma-separated SP sizes (2 and / or 4)")
     rec.add_argument("--reps", type=int, default=3, help="timed repetitions per point (after one warm-up)")
     rec.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
-    _add_dynamic(sub)
-    _add_gpu(sub)
-    args = parser.parse_args(argv)
-    other = {"gpu": _gpu, "rollout": _rollout, "step": _step, "memory": _memory, "layer-memory": _layer_memory,
-             "recurrent": _recurrent, "dynamic": _dynamic}
-    if args.bench in other:
-        return other[args.bench](args)
-
-    if args.peers not in ("auto", "deepspeed", "none"):
-        return _peers(args)
-    from .attention import run
-    from .plot import plot_attention, summary_lines
-
-    args.out = args.out or "bench_results/attention.json"
-    result = run(quick=args.quick, timeout=args.timeout, peers=args.peers)
-    return _report(args, result, summary_lines, plot_attention)
 
 
 def _peers(args: argparse.Namespace) -> int:

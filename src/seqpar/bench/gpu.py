@@ -24,11 +24,12 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 from typing import Any
 
 import torch
+
+from .cuda_time import cuda_time_ms
 
 __all__ = ["run", "summary_lines", "device_info", "attention_flops"]
 
@@ -56,24 +57,10 @@ def device_info() -> dict[str, Any]:
     return info
 
 
-def _time_ms(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = _time_ms(lambda: a @ b, reps, warmup=3)
+    ms = cuda_time_ms(lambda: a @ b, reps, warmup=3)
     return 2 * n**3 / (ms / 1e3) / 1e12
 
 
@@ -137,7 +124,7 @@ def attention_rows(lengths=(8192, 32768), reps: int = 10) -> list[dict[str, Any]
         for name, fn in _candidates(mesh).items():
             try:
                 step = _fwd_bwd(fn, q, k, v, do)
-                row[f"{name}_ms"] = _time_ms(step, reps)
+                row[f"{name}_ms"] = cuda_time_ms(step, reps)
                 row[f"{name}_peak_mib"] = _peak_mib(step)
             except Exception as e:  # noqa: BLE001 - a kernel this GPU or torch lacks is reported, not fatal
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -175,7 +162,7 @@ def packed_row(s: int = 131072, doc: int = 2048, reps: int = 5) -> dict[str, Any
     for name, fn in fns.items():
         try:
             step = _fwd_bwd(fn, q, k, v, do)
-            row[f"{name}_ms"] = _time_ms(step, reps)
+            row[f"{name}_ms"] = cuda_time_ms(step, reps)
             row[f"{name}_peak_mib"] = _peak_mib(step)
         except Exception as e:  # noqa: BLE001
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"

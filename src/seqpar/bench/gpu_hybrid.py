@@ -26,7 +26,7 @@ def _layer_rate(seq: int, reps: int) -> dict[str, Any]:
     from ..hf import tiny_model
     from ..hf.layer_kernels import kernel_origin, layer_function
     from ..hf.linear_attention import find_linear_attention
-    from .gpu import _time_ms
+    from .cuda_time import cuda_time_ms
     from .gpu_train import QWEN35_2L
 
     kw = {k: v for k, v in QWEN35_2L.items() if k not in ("num_heads", "num_kv_heads")}
@@ -39,7 +39,7 @@ def _layer_rate(seq: int, reps: int) -> dict[str, Any]:
         x.grad = None
         layer(x).backward(dy)
 
-    ms = _time_ms(step, reps)
+    ms = cuda_time_ms(step, reps)
     torch.cuda.reset_peak_memory_stats()
     step()
     return {"seq": seq, "ms": ms, "tokens_per_s": seq / (ms / 1e3),
