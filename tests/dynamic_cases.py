@@ -86,6 +86,7 @@ def train_cases(cases: list[tuple]) -> dict[str, list[dict]]:
     """Rank body: train each (name, config[, env]) case; every metrics row of each (read back from metrics.jsonl).
     env: variables set for that case only (test-only fault hooks, seqpar.train.loop.grads)."""
     import os
+    from unittest import mock
 
     from seqpar.train.config import config_from_dict
     from seqpar.train.loop.plots import read_metrics
@@ -93,17 +94,8 @@ def train_cases(cases: list[tuple]) -> dict[str, list[dict]]:
 
     out = {}
     for name, c, *env in cases:
-        extra = env[0] if env else {}
-        old = {k: os.environ.get(k) for k in extra}
-        os.environ.update(extra)
-        try:
+        with mock.patch.dict(os.environ, env[0] if env else {}):
             res = train(config_from_dict(c))
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         out[name] = read_metrics(Path(res.metrics_path))
     return out
 

@@ -70,6 +70,7 @@ def _train_cases(cases, env=None):
     """Each (name, config[, env]) through train(); env (the world's) and a case's own env: test-only fault hooks
     (seqpar.train.loop.grads), a case's only for that case."""
     import os
+    from unittest import mock
 
     from seqpar.train.config import config_from_dict
     from seqpar.train.run import train
@@ -77,17 +78,8 @@ def _train_cases(cases, env=None):
     os.environ.update(env or {})
     out = {}
     for name, c, *case_env in cases:
-        extra = case_env[0] if case_env else {}
-        old = {k: os.environ.get(k) for k in extra}
-        os.environ.update(extra)
-        try:
+        with mock.patch.dict(os.environ, case_env[0] if case_env else {}):
             out[name] = train(config_from_dict(c)).losses
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return out
 
 
