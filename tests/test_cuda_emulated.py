@@ -65,9 +65,12 @@ def emulated_grid(sp: int, dtypes: tuple[torch.dtype, ...]):
 
 @pytest.mark.parametrize("sp", [1, 2, 3, 4])
 def test_cuda_kernels_every_mode_emulated(sp):
-    res = run_threaded(emulated_grid, sp, sp, (torch.float32, torch.bfloat16), timeout=240)
+    """fp32 (the spy's precise mode: the logic at fp32 tolerance) in every mode; bf16 (the real ops' dtype rule, the
+    half-precision casts) in a world of 1 and in the three layouts of 4."""
+    dtypes = (torch.float32, torch.bfloat16) if sp in (1, 4) else (torch.float32,)
+    res = run_threaded(emulated_grid, sp, sp, dtypes, timeout=240)
     flat = [case for rank in res for case in rank]
-    assert len(flat) == sp * len(MODES[sp]) * (len(CASES) + 1) * len(KERNELS) * 2
+    assert len(flat) == sp * len(MODES[sp]) * (len(CASES) + 1) * len(KERNELS) * len(dtypes)
     _check(flat, DTYPE_TOL)
 
 
