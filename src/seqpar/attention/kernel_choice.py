@@ -105,6 +105,7 @@ def _version(text: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
+@lru_cache(maxsize=8)
 def torch_rules(version: tuple[int, int] | None = None) -> TorchRules:
     """The rules of the installed torch (or of `version`); releases after the last known one get its rules."""
     v = version or _version(torch.__version__)
@@ -217,15 +218,18 @@ def resolve_kernel_name(device: torch.device, name: str, dtype: torch.dtype | No
                         head_dim: int | None = None, training: bool = True) -> str:
     """'auto' -> kernel_name_for(...); an explicit name is checked and refused with the fix (SeqParError)."""
     cap = device_capability(device)
-    cudnn = torch.backends.cudnn.version() if cap is not None and torch.backends.cudnn.is_available() else None
-    auto = kernel_name_for(device.type, dtype if dtype is not None else torch.bfloat16, head_dim, cap, cudnn,
-                           flash_implementation(), training=training)
+
+    def auto() -> str:
+        cudnn = torch.backends.cudnn.version() if cap is not None and torch.backends.cudnn.is_available() else None
+        return kernel_name_for(device.type, dtype if dtype is not None else torch.bfloat16, head_dim, cap, cudnn,
+                               flash_implementation(), training=training)
+
     if name == "auto":
-        return auto
+        return auto()
     name = check_kernel_name(name)
     why = kernel_problem(name, device.type, dtype, head_dim, cap, training=training)
     if why is not None:
-        raise SeqParError(f"attention kernel {name!r} {why}: use attention_kernel 'auto' (picks {auto!r} here) "
+        raise SeqParError(f"attention kernel {name!r} {why}: use attention_kernel 'auto' (picks {auto()!r} here) "
                           "or 'math'")
     return name
 
