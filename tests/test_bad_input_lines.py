@@ -177,9 +177,11 @@ def test_bad_rows_one_line(tmp_path, capsys, name, rows, over, needles):
 @pytest.mark.parametrize("kwargs,needle", [
     ({"num_heads": 0}, "do not make a tiny llama config (ZeroDivisionError"),
     ({"num_heads": "four"}, "do not make a tiny llama config"),
-    ({"vocab_size": "big"}, "do not make a tiny llama config"),
+    ({"vocab_size": "big"}, "set model.kwargs.vocab_size >= 259"),
     ({"seed": "x"}, "model.kwargs.seed='x': give an integer"),
     ({"dtype": "foo"}, "model.kwargs.dtype='foo': use one of float32, float64, bfloat16, float16"),
+    # config classes keep any keyword as an attribute: a misspelt key would change nothing, silently
+    ({"num_hiden_layers": 3}, "'num_hiden_layers' is not a setting of LlamaConfig: did you mean 'num_hidden_layers'?"),
 ])
 def test_bad_tiny_model_kwargs_one_line(tmp_path, capsys, kwargs, needle):
     """Tiny-model kwargs transformers' config classes reject (each was a traceback) are one line before launch."""
@@ -192,3 +194,13 @@ def test_bad_tiny_attn_implementation_one_line(tmp_path, capsys):
     cfg = _config(tmp_path, model={"name": "tiny:llama", "kwargs": {"attn_implementation": "nope"}})
     _one_line(capsys, ["train", str(cfg)], "model.kwargs {'attn_implementation': 'nope'}: the tiny model cannot be "
               "built (Specified `attn_implementation=\"nope\"` is not supported")
+
+
+@pytest.mark.parametrize("arch,cls", [("qwen3_5", "Qwen3_5TextConfig"), ("qwen3_vl", "Qwen3VLTextConfig")])
+def test_tiny_config_refuses_unknown_keys(arch, cls):
+    """The library's tiny_config too (hybrid, and a VLM's text config); keys transformers converts still pass."""
+    from seqpar.hf import tiny_config
+
+    with pytest.raises(SeqParError, match=f"'linear_num_key_head' is not a setting of {cls}: did you mean"):
+        tiny_config(arch, linear_num_key_head=2)
+    assert tiny_config(arch, rope_theta=5e5) is not None

@@ -199,7 +199,7 @@ def _cfg(**over):
     ({"grpo.num_iterations": 2}, "set num_iterations: 1"),
     ({"grpo.reward_weights": [1.0, 2.0]}, "one weight per function"),
     ({"grpo.loss_type": "ppo"}, "grpo.loss_type"),
-    ({"grpo.max_completion_length": 40}, "set max_length: 72"),
+    ({"grpo.max_completion_length": 40}, "set dataset.max_length: 72"),
     ({"grpo.epsilon_hi": 0.3}, "unknown key"),
     ({"stage": "sft"}, "only read with stage: grpo"),
 ])

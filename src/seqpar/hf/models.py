@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
+import functools
 import importlib.util
+import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,8 +107,28 @@ def tiny_config(
         initializer_range=0.1,
     )
     _arch_kwargs(arch, kw, sliding_window, head_dim, num_layers)
+    _check_overrides(arch, cls, overrides)
     kw.update(overrides)
     return cls(**kw)
+
+
+# Keys transformers still converts (into rope_parameters) though no config lists them any more.
+_LEGACY_KEYS = frozenset({"rope_theta", "rope_scaling"})
+
+
+@functools.lru_cache(maxsize=None)
+def _known_keys(cls: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.__init__).parameters) | frozenset(cls().to_dict()) | _LEGACY_KEYS
+
+
+def _check_overrides(arch: str, cls: Any, overrides: dict[str, Any]) -> None:
+    """A config class stores any keyword as an attribute: a misspelt key would change nothing, silently."""
+    known = _known_keys(cls)
+    for key in overrides:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"see transformers' {cls.__name__}"
+            raise SeqParError(f"tiny {arch} model: {key!r} is not a setting of {cls.__name__}: {hint}")
 
 
 def _arch_kwargs(arch: str, kw: dict[str, Any], sliding_window: int | None, head_dim: int, num_layers: int) -> None:
@@ -151,6 +174,7 @@ def _tiny_vlm_config(arch: str, num_heads: int, num_kv_heads: int, head_dim: int
         rope["mrope_interleaved"] = True
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
     text["rope_parameters"] = rope
+    _check_overrides(arch, cls.sub_configs["text_config"], overrides)
     text.update(overrides)
     return cls(text_config=text, vision_config=vision, image_token_id=vocab_size, video_token_id=vocab_size + 1,
                vision_start_token_id=vocab_size + 2, vision_end_token_id=vocab_size + 3, tie_word_embeddings=False,

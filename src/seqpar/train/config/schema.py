@@ -354,7 +354,7 @@ class TrainConfig(_Strict):
         if self.dataset.packing and self.micro_batch_size != 1:
             raise ValueError(
                 "with dataset.packing, a micro-batch is one packed row of up to max_length tokens: "
-                "set micro_batch_size: 1 (raise max_length or grad_accum for more tokens per step)"
+                "set micro_batch_size: 1 (raise dataset.max_length or grad_accum for more tokens per step)"
             )
         return self
 
@@ -385,11 +385,11 @@ def _check_grpo(cfg: TrainConfig) -> None:
         )
     if cfg.dataset.packing:
         raise ValueError("dataset.packing is not supported with stage: grpo (one advantage per row): "
-                         "set packing: false")
+                         "set dataset.packing: false")
     need = g.max_prompt_length + g.max_completion_length
     if cfg.dataset.max_length < need:
         raise ValueError(f"dataset.max_length={cfg.dataset.max_length} < grpo.max_prompt_length + "
-                         f"max_completion_length = {need}: set max_length: {need} or more")
+                         f"grpo.max_completion_length = {need}: set dataset.max_length: {need} or more")
     if cfg.eval_dataset is not None:
         raise ValueError("eval_dataset is not supported with stage: grpo: remove it")
     if cfg.num_epochs is not None:

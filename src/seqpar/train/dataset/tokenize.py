@@ -247,7 +247,7 @@ def build_dpo_pairs(rows: list[dict[str, Any]], tok: Tokenizer, max_length: int,
     if not out:
         raise SeqParError(
             f"every DPO row's prompt alone reaches dataset.max_length={max_length} (up to {longest} tokens), leaving "
-            f"no response tokens: raise max_length above {longest}, or set dataset.max_prompt_length below "
+            f"no response tokens: raise dataset.max_length above {longest}, or set dataset.max_prompt_length below "
             f"{max_length} to cut prompts (dataset.truncation_mode: keep_end | keep_start)"
         )
     return out
@@ -292,7 +292,7 @@ def build_examples(rows: list[dict[str, Any]], fmt: str, stage: str, tok: Tokeni
     if not examples:
         raise SeqParError(
             f"no row keeps a supervised token within dataset.max_length={max_length} (responses start at token "
-            f"{longest_prompt} or later): raise max_length above {longest_prompt}"
+            f"{longest_prompt} or later): raise dataset.max_length above {longest_prompt}"
         )
     if packing:
         return pack_rows(examples, max_length), stats

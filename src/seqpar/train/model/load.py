@@ -64,7 +64,7 @@ def tiny_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     if kwargs.get("dtype", "float32") not in TINY_DTYPES:
         raise SeqParError(f"model.kwargs.dtype={kwargs['dtype']!r}: use one of {', '.join(TINY_DTYPES)} (or drop it)")
     kwargs.setdefault("vocab_size", ByteTokenizer.vocab_size)
-    if kwargs["vocab_size"] < ByteTokenizer.vocab_size:
+    if not isinstance(kwargs["vocab_size"], int) or kwargs["vocab_size"] < ByteTokenizer.vocab_size:
         raise SeqParError(
             f"tiny models use a byte tokenizer of {ByteTokenizer.vocab_size} ids: set model.kwargs.vocab_size >= "
             f"{ByteTokenizer.vocab_size}"
@@ -82,11 +82,11 @@ def model_config(cfg: TrainConfig) -> Any:
         from ...hf import tiny_config
 
         arch = cfg.model.name.split(":", 1)[1]
+        kw = {k: v for k, v in tiny_kwargs(cfg).items() if k not in ("seed", "dtype", "attn_implementation")}
         try:
-            kw = {k: v for k, v in tiny_kwargs(cfg).items() if k not in ("seed", "dtype", "attn_implementation")}
             return tiny_config(arch, **kw)
-        except SeqParError:
-            raise
+        except SeqParError as e:  # a key the config class does not have (model_kind checked the arch)
+            raise SeqParError(f"model.kwargs: {e}") from None
         except Exception as e:  # whatever transformers' config class says of the values: an input error
             raise SeqParError(f"model.kwargs {dict(cfg.model.kwargs)} do not make a tiny {arch} config "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:120]}): give positive integers "
