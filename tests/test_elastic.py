@@ -26,10 +26,14 @@ import torch
 import yaml
 from procs import communicate, run_command, spawned, write_sft_rows
 
+from seqpar.errors import SeqParError
 from seqpar.spawn import free_port
 from seqpar.train.lifecycle.nodes import NodeLaunch, resolve_nodes
 
 TOL = 1e-5
+# The restart waits last_call_timeout (torch: 30 s) for more nodes once node 0 is there: 8 s here, still well past
+# the second launcher's start at the beginning (0.5 s after the first).
+RDZV_CONF = "last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -83,6 +87,20 @@ def test_elastic_node_range():
             resolve_nodes(2, bad, 0, "h:1", env={})
 
 
+def test_rdzv_conf_reaches_torchrun_and_bad_keys_are_refused():
+    """--rdzv-conf: torch ignores a key it does not know (a typo would change nothing), so seqpar refuses it."""
+    n = resolve_nodes(2, "1:2", 1, "h:1", env={}, rdzv_conf="last_call_timeout=8, keep_alive_interval=1")
+    assert "--rdzv-conf=is_host=false,last_call_timeout=8,keep_alive_interval=1" in n.torchrun_args(3, "x")
+    assert "--rdzv-conf=is_host=true" in resolve_nodes(2, "2", 0, "h:1", env={}).torchrun_args(0, "x")
+    for bad, needle in (("last_call=8", "KEY one of join_timeout"), ("is_host=true", "seqpar sets it"),
+                        ("join_timeout=-1", "positive whole number"), ("join_timeout", "positive whole number"),
+                        ("timeout=1.5", "positive whole number")):
+        with pytest.raises(SeqParError, match=needle):
+            resolve_nodes(2, "1:2", 0, "h:1", env={}, rdzv_conf=bad)
+    with pytest.raises(SeqParError, match="--rdzv-conf only apply to a launch over several nodes"):
+        resolve_nodes(2, None, env={}, rdzv_conf="join_timeout=60")
+
+
 def test_elastic_launch_checks_every_world(tmp_path):
     """SP 4 over nodes of 2 processes cannot go on with one node: refused before launch (exit 2), naming it."""
     data = write_sft_rows(tmp_path)
@@ -109,7 +127,8 @@ def test_elastic_restart_after_a_lost_node(tmp_path):
             cwd = tmp_path / f"node{node}"
             cwd.mkdir()
             cmd = [sys.executable, "-m", "seqpar", "train", str(cfg), "--nproc-per-node", "2", "--nnodes", "1:2",
-                   "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "2"]
+                   "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "2",
+                   "--rdzv-conf", RDZV_CONF]
             nodes.append(stack.enter_context(spawned(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                                      stderr=subprocess.PIPE, text=True)))
             time.sleep(0.5)

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "MASTER_ADDR:MASTER_PORT, or SLURM's first node:29500)")
     t.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: SLURM's job id, "
                                                     "else one derived from --rdzv-endpoint)")
+    t.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                   help="torch's c10d rendezvous settings, e.g. last_call_timeout=10 (how long a restart waits for "
+                        "more nodes once MIN are there), keep_alive_interval=2 (docs/training.md)")
     t.add_argument("--emulate-dp", type=int, default=1, help=argparse.SUPPRESS)
 
     v = sub.add_parser("verify", help="run with SP and with SP=1, overlay the loss curves, report max |dloss|")
@@ -192,7 +195,7 @@ def _nodes(args: argparse.Namespace):
     from ..train.lifecycle.nodes import resolve_nodes
 
     return resolve_nodes(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
-                         env=os.environ)
+                         env=os.environ, rdzv_conf=args.rdzv_conf)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
     seqpar train cfg.yaml --nproc-per-node 8 --nnodes 2 --node-rank R --rdzv-endpoint node0:29500   # on each node
     srun --ntasks-per-node=1 seqpar train cfg.yaml --nproc-per-node 8                            # SLURM: the same
     seqpar train cfg.yaml --nproc-per-node 8 --nnodes 1:2 ... --max-restarts 3                   # elastic
+    seqpar train cfg.yaml ... --rdzv-conf last_call_timeout=10,keep_alive_interval=2            # rendezvous timing
 
 Elastic (`--nnodes MIN:MAX`, torchrun's form): the run starts on the nodes that arrive (up to MAX) and, when
 a node is lost, the surviving agents restart their ranks (a --max-restarts attempt) on the MIN..MAX nodes
@@ -24,6 +25,11 @@ inside an allocation), for each value the command line leaves out:
   rdzv_id         SLURM_JOB_ID[.SLURM_STEP_ID]
   nproc_per_node  SLURM_GPUS_ON_NODE
 A step with more than one task per node is refused: each task would start its own nproc_per_node ranks.
+
+--rdzv-conf KEY=VALUE,... tunes torch's c10d rendezvous (RDZV_KEYS, seconds or a count): how long a restart waits
+for more nodes once MIN are there (last_call_timeout, 30), how soon a silent node counts as lost
+(keep_alive_interval x keep_alive_max_attempt, 5 x 3), how long nodes wait to meet (join_timeout, 600). torch
+ignores a key it does not know, so one here is refused; is_host is seqpar's (node 0 hosts the store).
 """
 
 from __future__ import annotations
@@ -34,9 +40,12 @@ from dataclasses import dataclass
 
 from ...errors import SeqParError
 
-__all__ = ["NodeLaunch", "resolve_nodes", "first_slurm_host", "DEFAULT_PORT"]
+__all__ = ["NodeLaunch", "resolve_nodes", "first_slurm_host", "parse_rdzv_conf", "DEFAULT_PORT", "RDZV_KEYS"]
 
 DEFAULT_PORT = 29500  # torchrun's default master port
+# The c10d rendezvous settings torch reads (torch.distributed.elastic.rendezvous), each a positive integer.
+RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+             "keep_alive_max_attempt", "read_timeout", "timeout")
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class NodeLaunch:
     rdzv_id: str | None = None  # the same on every node, for nnodes > 1
     source: str = "command line"  # or "SLURM": where the values came from (the launch line says)
     min_nodes: int | None = None  # elastic (--nnodes MIN:MAX): the fewest nodes the run goes on with
+    rdzv_conf: tuple[tuple[str, int], ...] = ()  # --rdzv-conf, checked by parse_rdzv_conf
 
     @property
     def world(self) -> int:
@@ -79,8 +89,10 @@ class NodeLaunch:
         # is_host: node 0 hosts the rendezvous store at the endpoint; the others connect to it (torch's own
         # guess from the host name fails on one machine, and for an endpoint on another interface).
         nnodes = f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
+        conf = ",".join([f"is_host={'true' if self.node_rank == 0 else 'false'}",
+                         *(f"{k}={v}" for k, v in self.rdzv_conf)])
         return args + [f"--nnodes={nnodes}", f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}",
-                       f"--rdzv-conf=is_host={'true' if self.node_rank == 0 else 'false'}", "-m", "seqpar"]
+                       f"--rdzv-conf={conf}", "-m", "seqpar"]
 
     def describe(self) -> str:
         if self.elastic:
@@ -153,12 +165,32 @@ def _node_range(nnodes: int | str | None) -> tuple[int | None, int | None]:
     return int(m.group(1)), int(m.group(2))
 
 
+def parse_rdzv_conf(text: str | None) -> tuple[tuple[str, int], ...]:
+    """--rdzv-conf "KEY=VALUE,..." -> ((key, value), ...); SeqParError naming the fix for anything torch would
+    ignore or refuse."""
+    if not text:
+        return ()
+    out = []
+    for item in text.split(","):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if key == "is_host":
+            raise SeqParError("--rdzv-conf is_host: seqpar sets it (node 0 hosts the rendezvous store): drop it")
+        if key not in RDZV_KEYS:
+            raise SeqParError(f"--rdzv-conf {item!r}: write KEY=VALUE pairs separated by commas, KEY one of "
+                              f"{', '.join(RDZV_KEYS)}")
+        if not (eq and value.isdigit() and int(value) > 0):
+            raise SeqParError(f"--rdzv-conf {key}={value}: give a positive whole number (seconds, or a count)")
+        out.append((key, int(value)))
+    return tuple(out)
+
+
 def resolve_nodes(nproc_per_node: int | None = None, nnodes: int | str | None = None, node_rank: int | None = None,
                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-                  env: Mapping[str, str] | None = None) -> NodeLaunch:
+                  env: Mapping[str, str] | None = None, rdzv_conf: str | None = None) -> NodeLaunch:
     """This node's launch from the command line, filled in from SLURM's variables in `env` (module docstring).
     nnodes: N, or "MIN:MAX" (elastic). SeqParError for a launch that cannot work, naming the flag to fix."""
     env = {} if env is None else env
+    conf = parse_rdzv_conf(rdzv_conf)
     min_nodes, nnodes = _node_range(nnodes)
     # Only an srun step says how many nodes run this command: SLURM_NNODES is the allocation's, also seen by
     # the batch script, which runs on the first node alone.
@@ -181,7 +213,7 @@ def resolve_nodes(nproc_per_node: int | None = None, nnodes: int | str | None = 
         nproc_per_node = 1
     if nnodes == 1:
         extra = [f for f, v in (("--node-rank", node_rank), ("--rdzv-endpoint", rdzv_endpoint),
-                                ("--rdzv-id", rdzv_id)) if v is not None]
+                                ("--rdzv-id", rdzv_id), ("--rdzv-conf", rdzv_conf or None)) if v is not None]
         if extra:
             raise SeqParError(f"{', '.join(extra)} only apply to a launch over several nodes: add --nnodes N, or "
                               f"drop them for one node")
@@ -197,4 +229,5 @@ def resolve_nodes(nproc_per_node: int | None = None, nnodes: int | str | None = 
     _check_endpoint(ep)
     # Every node must name the same rendezvous: without SLURM's job id, the endpoint itself is shared by all.
     rid = rdzv_id or f"seqpar-{ep}"
-    return NodeLaunch(nproc_per_node, nnodes, node_rank, ep, rid, "SLURM" if slurm else "command line", min_nodes)
+    return NodeLaunch(nproc_per_node, nnodes, node_rank, ep, rid, "SLURM" if slurm else "command line", min_nodes,
+                      conf)
