@@ -43,13 +43,15 @@ def test_xfail():
 '''
 
 
-def test_a_skip_that_does_not_need_cuda_fails_the_run(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadfile"]], ids=["one_process", "xdist"])
+def test_a_skip_that_does_not_need_cuda_fails_the_run(tmp_path, workers):
+    """Also on `make test`'s two pytest-xdist workers, whose reports the controller receives already failed."""
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "test_missing_dep.py").write_text('import pytest\npytest.importorskip("no_such_module_anywhere")\n')
     # (a collection error alone stops a run: --continue-on-collection-errors shows the items' outcomes too)
     r = run_command([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-o", "addopts=",
-                     "--continue-on-collection-errors", str(tmp_path)], cwd=tmp_path, timeout=240,
+                     "--continue-on-collection-errors", *workers, str(tmp_path)], cwd=tmp_path, timeout=240,
                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     out = r.stdout + r.stderr
     assert r.returncode == 1, out[-3000:]

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from ..dynamic.meshes import init_degree_meshes
 from ..errors import SeqParError, TrainingDiverged
-from ..memory.meter import PeakMemoryMeter
 from ..mesh import init_mesh, node_size_from_env
 from ..threaded import serial
 from .config import TrainConfig, dynamic_degrees, validate_for_launch, with_total_steps
@@ -162,6 +161,9 @@ def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_d
     loop = build_loop(cfg, mesh, prep.model, prep.tok, prep.examples, device, world, rank, emulate_dp=emulate_dp,
                       out=out, eval_data=prep.eval_data, info=prep.info, meshes=meshes, degrees=prep.degrees)
     if cfg.memory.measure:
+        # imported here: torch's MemTracker pulls in dynamo and inductor (about 1 s of every rank's start)
+        from ..memory.meter import PeakMemoryMeter
+
         # CUDA: the allocator's exact peak, without the tracker's per-op Python cost (no split by category).
         extra = (getattr(loop.reference, "ref_model", None), loop.prec.module if loop.prec else None)
         loop.meter = PeakMemoryMeter(loop.model, loop.optimizer, device, extra=extra, categories=device.type != "cuda")
