@@ -59,12 +59,15 @@ def write_grpo(path: Path) -> Path:
 
 
 def sft_case(data: Path, out: Path, sp: dict, *, fsdp: bool = False, steps: int = 3, measure: bool = False,
-             model: dict | None = None) -> dict:
-    return {"model": model or TINY, "dataset": {"path": str(data), "format": "tokenized", "max_length": 128,
-                                                "shuffle": False},
-            "sequence_parallel": sp, "fsdp": fsdp, "micro_batch_size": 1, "grad_accum": 4, "max_steps": steps,
-            "optimizer": SGD, "output_dir": str(out), "progress": False, "seed": 0, "memory": {"measure": measure},
-            "checkpoint": {"save_final": True}, "export": {"final": False}}
+             model: dict | None = None, lora: bool = False) -> dict:
+    c = {"model": model or TINY, "dataset": {"path": str(data), "format": "tokenized", "max_length": 128,
+                                             "shuffle": False},
+         "sequence_parallel": sp, "fsdp": fsdp, "micro_batch_size": 1, "grad_accum": 4, "max_steps": steps,
+         "optimizer": SGD, "output_dir": str(out), "progress": False, "seed": 0, "memory": {"measure": measure},
+         "checkpoint": {"save_final": True}, "export": {"final": False}}
+    if lora:
+        c["finetuning"] = {"method": "lora", "r": 4, "alpha": 8}
+    return c
 
 
 def dpo_case(data: Path, out: Path, sp: dict) -> dict:
@@ -73,8 +76,8 @@ def dpo_case(data: Path, out: Path, sp: dict) -> dict:
     return c
 
 
-def grpo_case(data: Path, out: Path, sp: dict) -> dict:
-    c = sft_case(data, out, sp, steps=2)
+def grpo_case(data: Path, out: Path, sp: dict, *, fsdp: bool = False) -> dict:
+    c = sft_case(data, out, sp, steps=2, fsdp=fsdp)
     c.update(stage="grpo", dataset={"path": str(data), "max_length": 48}, micro_batch_size=2, grad_accum=2, seed=9,
              grpo={"reward_funcs": ["seqpar:length", "seqpar:contains"], "reward_weights": [1.0, 0.5],
                    "num_generations": 2, "max_prompt_length": 24, "max_completion_length": 12, "temperature": 0.7,

@@ -43,6 +43,10 @@ def world(tmp_path_factory):
                                                                                       "max_local_tokens": 64})),
         "grpo": (grpo_case(grpo, d / "grpo_fixed", FIXED), grpo_case(grpo, d / "grpo_dyn", {**DYNAMIC,
                                                                                             "max_local_tokens": 12})),
+        "grpo_fsdp": (grpo_case(grpo, d / "grpo_fsdp_fixed", FIXED, fsdp=True),
+                      grpo_case(grpo, d / "grpo_fsdp_dyn", {**DYNAMIC, "max_local_tokens": 12}, fsdp=True)),
+        "lora_fsdp": (sft_case(sft, d / "lora_fsdp_fixed", FIXED, fsdp=True, lora=True),
+                      sft_case(sft, d / "lora_fsdp_dyn", DYNAMIC, fsdp=True, lora=True)),
     }
     flat = [(f"{name}_{kind}", c) for name, pair in cases.items() for kind, c in zip(("fixed", "dyn"), pair)]
     # the dynamic SFT run again with every loss share scaled by 4 (a test-only fault): the reference must see it
@@ -61,7 +65,7 @@ def _dparam(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("name", ["sft", "sft_fsdp", "dpo", "grpo"])
+@pytest.mark.parametrize("name", ["sft", "sft_fsdp", "dpo", "grpo", "grpo_fsdp", "lora_fsdp"])
 def test_dynamic_equals_fixed(world, name):
     cases, results = world
     fixed, dyn = results[0][f"{name}_fixed"], results[0][f"{name}_dyn"]
