@@ -95,7 +95,8 @@ def test_max_length_unreachable(tmp_path):
     f = _write_jsonl(tmp_path / "i.jsonl", [{"instruction": "x" * 80, "response": "y"}])
     _err(lambda: build_examples(load_rows(str(f)), "auto", "sft", tok, 64, False), "raise dataset.max_length above")
     d = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 80, "chosen": "a", "rejected": "b"}])
-    _err(lambda: build_examples(load_rows(str(d)), "auto", "dpo", tok, 64, False), "prompt alone", "raise dataset.max_length")
+    _err(lambda: build_examples(load_rows(str(d)), "auto", "dpo", tok, 64, False), "prompt alone",
+         "raise dataset.max_length")
 
 
 def test_formats_supervise_only_responses(tmp_path):

@@ -116,7 +116,7 @@ def tiny_config(
 _LEGACY_KEYS = frozenset({"rope_theta", "rope_scaling"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _known_keys(cls: Any) -> frozenset[str]:
     return frozenset(inspect.signature(cls.__init__).parameters) | frozenset(cls().to_dict()) | _LEGACY_KEYS
 
