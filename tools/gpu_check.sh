@@ -11,7 +11,8 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 SITE=/tmp/seqpar_gpu_site
 if [ -n "${1:-}" ]; then
-    "$(dirname "$0")/gpu_install.sh" "$1" "$SITE" || { echo "installing the wheels in $1 failed"; exit 1; }
+    # a failed install still leaves the checks that need none of it (the device time is spent either way)
+    "$(dirname "$0")/gpu_install.sh" "$1" "$SITE" || echo "installing the wheels in $1 failed: going on without"
 fi
 export PYTHONPATH=$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
