@@ -90,7 +90,9 @@ def _delta_piece_fn(layer: torch.nn.Module, nk_l: int) -> Any:
         b, n = y.shape[:2]
         q, k, v = torch.split(y, [nk_l * kd, nk_l * kd, y.shape[-1] - 2 * nk_l * kd], dim=-1)
         beta, g = side
-        q, k = (t.reshape(b, n, nk_l, kd).repeat_interleave(repeat, dim=2) for t in (q, k))  # v head j: k j // r
+        q, k = (t.reshape(b, n, nk_l, kd) for t in (q, k))
+        if repeat > 1:  # v head j reads k head j // repeat (repeat_interleave copies even by 1)
+            q, k = (t.repeat_interleave(repeat, dim=2) for t in (q, k))
         return delta_piece(rule, q, k, v.reshape(b, n, -1, vd), g, beta, carries)
 
     return piece
