@@ -432,8 +432,10 @@ def test_cli_verify_hybrid_ring_checkpointing(tmp_path):
     ("nemotron_h", {"size": 2, "ring_degree": 2}, 2, "dpo", True, False),
     ("qwen3_5", 4, 4, "sft", True, True),  # auto degrees: ulysses 2 x ring 2 (USP)
     ("granitemoehybrid", {"size": 4, "ring_degree": 4}, 4, "sft", False, True),
+    ("lfm2", {"size": 2, "ring_degree": 2}, 2, "sft", True, True),
+    ("lfm2", 4, 4, "dpo", False, False),  # auto degrees: ulysses 2 x ring 2 (USP)
 ], ids=["qwen3_next-auto", "qwen3_next-ring-scan-fsdp-ckpt", "qwen3_5-ring-dpo", "nemotron_h-ring-dpo-fsdp",
-        "qwen3_5-usp-fsdp-ckpt", "granite-ring4-ckpt"])
+        "qwen3_5-usp-fsdp-ckpt", "granite-ring4-ckpt", "lfm2-ring-fsdp-ckpt", "lfm2-usp-dpo"])
 def test_cli_verify_hybrids(tmp_path, arch, sp, nproc, stage, fsdp, ckpt):
     """`seqpar verify` (SFT and DPO) on the hybrids under Ulysses, ring and USP, with FSDP2 (the recurrent
     forwards slice the gathered conv1d / A_log / dt_bias / D parameters) and activation checkpointing."""

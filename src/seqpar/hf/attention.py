@@ -30,9 +30,8 @@ from ..unwrap import BATCH_INPUTS_HOOK
 from ..unwrap import base_model as _base_model
 from .attention_fn import NOPE_TEMPERATURE, make_attention_fn, make_linear_forward
 from .forward_plan import ForwardPlan, SPState, make_backbone_hook
-from .linear_attention import check_linear_attention, find_linear_attention
-from .mamba2 import check_mamba2, find_mamba2
 from .mixers import check_softmax_attention_only
+from .recurrent_layers import check_recurrent, find_recurrent
 from .vision import check_vlm, is_vlm, vision_batch_inputs, vision_pre_hook, vlm_language_model
 
 __all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "is_sequence_parallel", "ForwardPlan",
@@ -104,12 +103,8 @@ def _checked_config(base: torch.nn.Module, mesh: SequenceParallelMesh) -> tuple[
             "model.language_model with its own lm_head)"
         )
     check_config(cfg)
-    linear = find_linear_attention(base)  # Gated DeltaNet (Qwen3-Next, Qwen3.5): run by seqpar (recurrent/)
-    check_linear_attention(linear, mesh)
-    mamba = find_mamba2(base)  # Mamba2 mixers (Nemotron-H, Granite 4, Bamba)
-    check_mamba2(mamba, mesh)
-    linear = linear + mamba
-    allowed = frozenset({"linear_attention"}) if linear else frozenset()
+    linear, allowed = find_recurrent(base)  # Gated DeltaNet, Mamba2, short convs: run by seqpar (recurrent_layers)
+    check_recurrent(linear, mesh)
     decoder = vlm_language_model(base) if vlm else base  # a vision tower's patch convolution is no sequence mixer
     check_softmax_attention_only(decoder, cfg, tuple(linear), allowed)  # other linear attention, SSMs, convs, ...
     heads, kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -207,8 +202,7 @@ def check_mesh(model: torch.nn.Module, mesh: SequenceParallelMesh) -> None:
     """SeqParError unless an SP model's layers can run on `mesh` (a hybrid's recurrent layers bound the Ulysses
     degree); the same on every rank (config and mesh only)."""
     base = _base_model(model)
-    check_linear_attention(find_linear_attention(base), mesh)
-    check_mamba2(find_mamba2(base), mesh)
+    check_recurrent(find_recurrent(base)[0], mesh)
 
 
 def use_mesh(model: torch.nn.Module, mesh: SequenceParallelMesh) -> None:

@@ -18,8 +18,7 @@ from ..errors import SeqParError
 from ..layout import local_positions
 from ..mesh import SequenceParallelMesh
 from .forward_plan import PLAN_KWARG, ForwardPlan, SPState
-from .linear_attention import sp_gated_delta_forward
-from .mamba2 import MAMBA2_CLASSES, sp_mamba2_forward
+from .recurrent_layers import recurrent_forward
 
 __all__ = ["make_attention_fn", "make_linear_forward", "check_attention_call"]
 
@@ -227,7 +226,6 @@ def make_linear_forward(state_ref: weakref.ReferenceType) -> Any:
             )
         # cache_params (transformers >= 5.24: `cache`, in kwargs): never filled under SP (use_cache is forced off;
         # filled caches are refused by the plan).
-        run = sp_mamba2_forward if type(self).__name__ in MAMBA2_CLASSES else sp_gated_delta_forward
-        return run(self, hidden_states, attention_mask, plan.row_bounds, state.mesh)
+        return recurrent_forward(self)(self, hidden_states, attention_mask, plan.row_bounds, state.mesh)
 
     return forward

@@ -9,9 +9,8 @@ local shard alone and silently give wrong results. Three independent signals, an
   LinearAttention, LightningAttention, ShortConv, ...);
 - the config: `layer_types` entries that are not softmax attention ("linear_attention", "mamba",
   "conv", "hybrid", ...), `layers_block_type`, an `attention_chunk_size` without `layer_types`.
-The Gated DeltaNet layers of Qwen3-Next / Qwen3.5 and the Mamba2 mixers of Nemotron-H / Granite 4 / Bamba are
-the exception: seqpar.hf.linear_attention and seqpar.hf.mamba2 run them (Ulysses, ring, USP), and
-apply_sequence_parallel passes them here as `supported`.
+The layers of seqpar.hf.recurrent_layers (Gated DeltaNet, Mamba2, LFM2's short convs) are the exception: seqpar
+runs them (Ulysses, ring, USP), and apply_sequence_parallel passes them here as `supported`.
 Sliding-window and chunked attention (Llama 4's 'chunked_attention' layers) are softmax attention with another
 mask: seqpar's attention runs them (attention.pieces).
 """
@@ -116,5 +115,5 @@ def check_softmax_attention_only(
             "seqpar supports softmax-attention models only: these layers would see only their rank's shard and "
             "give silently wrong results. Use a softmax-attention model (Llama, Qwen2/3, Mistral, Gemma2/3, "
             "Phi3, ...) or a supported hybrid (Qwen3-Next, Qwen3.5 text: Gated DeltaNet; Nemotron-H, Granite 4 "
-            "(GraniteMoeHybrid), Bamba: Mamba2), or train without SP"
+            "(GraniteMoeHybrid), Bamba: Mamba2; LFM2: short convolutions), or train without SP"
         )

@@ -26,8 +26,9 @@ __all__ = ["ARCHS", "HYBRID_ARCHS", "VLM_ARCHS", "tiny_config", "tiny_model", "s
            "load_smollm2", "load_smollm2_tokenizer"]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
-# Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5) or Mamba2 (Nemotron-H, Granite 4, Bamba) + softmax attention.
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba")
+# Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba2 (Nemotron-H, Granite 4, Bamba) or short convolutions
+# (LFM2) + softmax attention.
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba", "lfm2")
 # Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -53,6 +54,7 @@ def _config_class(arch: str) -> Any:
         "nemotron_h": tf.NemotronHConfig,
         "granitemoehybrid": tf.GraniteMoeHybridConfig,
         "bamba": tf.BambaConfig,
+        "lfm2": tf.Lfm2Config,
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS + VLM_ARCHS}")
@@ -207,6 +209,9 @@ def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
     shared expert). Mamba2 hybrids: _mamba2_kwargs."""
     if arch in ("nemotron_h", "granitemoehybrid", "bamba"):
         return _mamba2_kwargs(arch, num_layers)
+    if arch == "lfm2":  # short convs of kernel 3 (with bias) first, then attention
+        return dict(layer_types=["full_attention" if i % 2 else "conv" for i in range(num_layers)], conv_L_cache=3,
+                    conv_bias=True, block_auto_adjust_ff_dim=False)
     kw: dict[str, Any] = dict(
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=12,
         linear_conv_kernel_dim=4,

@@ -3,7 +3,8 @@
     segments.py   where this ring rank's segments sit in the full sequence; document pieces; global chunk order
     halo.py       the causal conv's (kernel_size - 1)-token history from the chunks before a segment
     combine.py    every chunk's incoming state from the chunks' affine transitions: chain (P2P) or scan (all-gather)
-    engine.py     the driver: conv with halo -> recurrence from a zero state per piece -> combine -> correction
+    engine.py     the driver: conv with halo -> recurrence from a zero state per piece -> combine -> correction;
+                  ring_conv: a conv with halo alone (short convolutions)
     delta.py      the gated delta rule's piece (one kernel call with [v | 0] from [0 | I] gives M and the correction)
     ssd.py        Mamba2's SSD piece (a scalar decay per head)
 
@@ -12,10 +13,10 @@ Model adapters (projections, head slices, norms) live in seqpar.hf (linear_atten
 
 from .combine import KINDS, MODES, incoming_states
 from .delta import delta_piece
-from .engine import PieceResult, ring_recurrence
+from .engine import PieceResult, ring_conv, ring_recurrence
 from .halo import conv_with_halo, gather_halos
 from .segments import RingPlan, ring_plan
 from .ssd import SSDParams, ssd_piece
 
 __all__ = ["KINDS", "MODES", "PieceResult", "RingPlan", "SSDParams", "conv_with_halo", "delta_piece",
-           "gather_halos", "incoming_states", "ring_plan", "ring_recurrence", "ssd_piece"]
+           "gather_halos", "incoming_states", "ring_conv", "ring_plan", "ring_recurrence", "ssd_piece"]

@@ -29,7 +29,7 @@ from .combine import incoming_states, tie, zero_transition
 from .halo import conv_with_halo, gather_halos
 from .segments import RingPlan
 
-__all__ = ["PieceResult", "ring_recurrence"]
+__all__ = ["PieceResult", "ring_conv", "ring_recurrence"]
 
 
 @dataclass
@@ -101,3 +101,22 @@ def ring_recurrence(x: torch.Tensor, side: tuple[torch.Tensor, ...], plan: RingP
         out.append(torch.cat(rows, dim=0) if len(rows) > 1 else rows[0])
     result = torch.cat(out, dim=1) if len(out) > 1 else out[0]
     return tie(result, *s_in) if plan.ring_degree > 1 else result  # every rank runs the combine's backward
+
+
+def ring_conv(x: torch.Tensor, plan: RingPlan, mesh: SequenceParallelMesh,
+              conv: Callable[[torch.Tensor], torch.Tensor], kernel_size: int) -> torch.Tensor:
+    """A causal conv alone (no recurrence: LFM2's short convolutions) over this ring rank's segments: each
+    segment's first piece gets its halo, a piece that starts a document starts from zeros. Collective over
+    mesh.ring_group (the halo gather)."""
+    halos, tails = gather_halos(x, plan, kernel_size, mesh)
+    out = []
+    for s, off in enumerate(plan.offsets()):
+        rows = []
+        for r0, r1 in _row_groups(plan, x.shape[0]):
+            parts = [conv_with_halo(conv, x[r0:r1, off + p.lo : off + p.hi],
+                                    halos[s][r0:r1] if (p.carries and halos[s] is not None) else None)
+                     for p in plan.pieces(s, r0)]
+            rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        out.append(torch.cat(rows, dim=0) if len(rows) > 1 else rows[0])
+    result = torch.cat(out, dim=1) if len(out) > 1 else out[0]
+    return tie(result, tails) if tails is not None else result  # every rank runs the gather's backward

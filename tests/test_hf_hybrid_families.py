@@ -1,0 +1,133 @@
+"""The hybrid families of issue 58 through whole HF models (tiny, random init, fp32) under ring 2, Ulysses 2 and
+USP 2 x 2, against the unmodified model on every document alone (seqpar.hf.equivalence.compare: loss, every
+real-token logit and every parameter gradient within 1e-5), padded rows (B = 2) and packed rows (documents of 41
+and 23 tokens: boundaries inside shards; the recurrences' chunks are shorter than the documents).
+
+- LFM2 (`Lfm2ShortConv`: short causal convolutions, kernel 3 with bias, no recurrence: a halo only), LFM2-MoE and
+  LFM3 (the same layer; LFM3 with a sliding-window layer of 5 tokens).
+The models are built once, in the main thread (fixed seed), and deep-copied in each rank's thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+
+import pytest
+import torch
+import transformers as tf
+
+import seqpar
+from seqpar.hf import apply_sequence_parallel, tiny_model
+from seqpar.hf.equivalence import compare
+from seqpar.hf.recurrent_layers import find_recurrent, recurrent_forward
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.threaded import run_threaded
+
+TOL = 1e-5
+ROWS = [[{"input_ids": [(7 * i) % 150 + 3 for i in range(41)]}, {"input_ids": [5, 9, 2, 7] * 5 + [11, 12, 13]}]]
+
+
+def _run(models, modes):
+    out = []
+    for u, r in modes:
+        mesh = seqpar.init_mesh(u * r, ulysses_degree=u, ring_degree=r)
+        for name, base in models.items():
+            for packing in (False, True):
+                errs = compare(lambda m=base: copy.deepcopy(m), ROWS, mesh, packing=packing)
+                out.append(((name, u, r, packing), errs))
+    return out
+
+
+def _check(results):
+    bad = [(k, e) for rank in results for k, e in rank if max(e["loss"], e["grad"], e["logits"], e["count"]) > TOL]
+    assert not bad, bad
+    worst = {k: max(e[k] for rank in results for _, e in rank) for k in ("loss", "grad", "logits")}
+    print(f"worst errors: {worst}")  # pytest -s
+
+
+IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+SMALL = {"vocab_size": 160, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, **IDS}
+
+
+def _built(cfg):
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(cfg).float()
+
+
+def _families() -> dict:
+    """name -> a function building the tiny model (tiny_model's archs, or a config here)."""
+    return {
+        "lfm2": lambda: tiny_model("lfm2"),
+        "lfm2_moe": lambda: _built(tf.Lfm2MoeConfig(**SMALL, moe_intermediate_size=16, num_hidden_layers=2,
+                                                    conv_bias=True, num_dense_layers=1, num_experts=4,
+                                                    num_experts_per_tok=2, layer_types=["conv", "full_attention"])),
+        "lfm3": lambda: _built(tf.Lfm3Config(**SMALL, num_hidden_layers=3, sliding_window=5,
+                                             layer_types=["conv", "sliding_attention", "full_attention"])),
+    }
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: build() for name, build in _families().items()}
+
+
+def test_families_ring2_ulysses2(models):
+    _check(run_threaded(_run, 2, models, [(1, 2), (2, 1)], timeout=600))
+
+
+def test_families_usp_2x2(models):
+    _check(run_threaded(_run, 4, models, [(2, 2)], timeout=600))
+
+
+@pytest.mark.parametrize("arch", sorted(_families()))
+def test_every_mixer_gets_the_sp_forward(models, arch):
+    """The comparisons above would pass vacuously if a family's mixers kept their own forward: they do not."""
+    model = copy.deepcopy(models[arch])
+    layers, _ = find_recurrent(model)
+    assert layers
+    apply_sequence_parallel(model, SequenceParallelMesh(dp_size=1, ring_degree=2, ulysses_degree=2, layout="zigzag"))
+    assert all("forward" in m.__dict__ for m in layers)
+    assert torch.is_grad_enabled()
+
+
+class Spy:
+    """Stands in for a kernel function of the model's module: counts calls, delegates to the real one."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.lock = inner, 0, threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+# arch: the module functions its mixer's forward calls (where transformers dispatches to causal-conv1d / mamba_ssm /
+# flash-linear-attention when installed)
+KERNELS = {"lfm2": ("causal_conv1d_fn",)}
+
+
+def _layer_world(model):
+    """One mixer's SP forward at ring 2 (pieces carry history) vs its own forward on the whole sequence."""
+    mesh = seqpar.init_mesh(2, ulysses_degree=1, ring_degree=2)
+    layer = copy.deepcopy(find_recurrent(model)[0][0])
+    x = torch.randn(1, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ref = layer(x)
+    out = recurrent_forward(layer)(layer, seqpar.shard(x, mesh, 1), None, ((),), mesh)
+    return float((seqpar.unshard(out.detach(), mesh, 1) - ref.detach()).abs().max())
+
+
+@pytest.mark.parametrize("arch", sorted(KERNELS))
+def test_sp_forward_calls_the_module_kernels(monkeypatch, models, arch):
+    """On GPUs transformers routes these functions to the installed kernels: the SP forward calls the same ones."""
+    model = models[arch]
+    module = sys.modules[type(find_recurrent(model)[0][0]).__module__]
+    spies = {name: Spy(getattr(module, name)) for name in KERNELS[arch]}
+    for name, spy in spies.items():
+        monkeypatch.setattr(module, name, spy)
+    errs = run_threaded(_layer_world, 2, model, timeout=120)
+    assert max(errs) < 2e-5, errs
+    assert all(s.calls for s in spies.values()), {n: s.calls for n, s in spies.items()}
