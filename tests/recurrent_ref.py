@@ -3,7 +3,8 @@
 - gated delta rule (Gated DeltaNet): S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t,
   with q, k L2-normalised (eps 1e-6 inside the rsqrt, as transformers / FLA) and q scaled by dk^-1/2;
 - Mamba2 SSD: dt_t = clamp(softplus(dt_t + dt_bias)), h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,
-  y_t = h_t C_t + D x_t.
+  y_t = h_t C_t + D x_t;
+- Mamba1's selective scan (per channel and state entry; see naive_selective_scan).
 They keep the dtype they are given (transformers' torch paths compute in fp32 even for fp64 inputs), and have the
 signatures of transformers' `torch_chunk_gated_delta_rule` / `mamba2_chunk_scan`, so a test can put them in the
 model's module for the unsharded reference AND the SP run (`patched_float64_kernels`).
@@ -60,13 +61,35 @@ def naive_ssd(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None,
     return (y, s) if return_final_states else y
 
 
+def naive_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                         return_last_state=False, **kwargs):
+    """Mamba1: dt_t = softplus(dt_t + bias), h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t, y_t = (h_t C_t + D x_t) silu(z_t),
+    channels first ([b, d, L]; B, C [b, n, L]), in the dtype of x."""
+    x, acc = hidden_states, hidden_states.dtype
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(acc)[..., None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    a, s, ys = A.to(acc), x.new_zeros(x.shape[0], x.shape[1], A.shape[-1]), []
+    for t in range(x.shape[-1]):
+        s = (dt[:, :, t, None] * a).exp() * s + dt[:, :, t, None] * x[:, :, t, None] * B[:, None, :, t].to(acc)
+        ys.append((s * C[:, None, :, t].to(acc)).sum(-1))
+    y = torch.stack(ys, -1)
+    if D is not None:
+        y = y + x * D.to(acc)[None, :, None]
+    if z is not None:
+        y = y * F.silu(z)
+    return (y, s) if return_last_state else y
+
+
 @contextlib.contextmanager
 def patched_float64_kernels(*modules: str):
     """Swap the named transformers modeling modules' recurrence functions for the float64-faithful loops."""
     saved = []
     for name in modules:
         mod = sys.modules[name]
-        for attr, fn in (("torch_chunk_gated_delta_rule", naive_gated_delta), ("mamba2_chunk_scan", naive_ssd)):
+        for attr, fn in (("torch_chunk_gated_delta_rule", naive_gated_delta), ("mamba2_chunk_scan", naive_ssd),
+                         ("mamba_selective_scan", naive_selective_scan)):
             if hasattr(mod, attr):
                 saved.append((mod, attr, getattr(mod, attr)))
                 setattr(mod, attr, fn)

@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 import transformers as tf
+from recurrent_ref import patched_float64_kernels
 
 import seqpar
 from seqpar.hf import apply_sequence_parallel, tiny_model
@@ -61,6 +62,10 @@ def _families() -> dict:
     """name -> a function building the tiny model (tiny_model's archs, or a config here)."""
     return {
         "lfm2": lambda: tiny_model("lfm2"),
+        "falcon_h1": lambda: tiny_model("falcon_h1"),
+        "falcon_h1_nonorm": lambda: tiny_model("falcon_h1", mamba_rms_norm=False, mamba_n_groups=1),
+        "zamba2": lambda: tiny_model("zamba2", num_layers=4),  # two hybrid layers share one attention block
+        "jamba": lambda: tiny_model("jamba"),
         "lfm2_moe": lambda: _built(tf.Lfm2MoeConfig(**SMALL, moe_intermediate_size=16, num_hidden_layers=2,
                                                     conv_bias=True, num_dense_layers=1, num_experts=4,
                                                     num_experts_per_tok=2, layer_types=["conv", "full_attention"])),
@@ -80,6 +85,66 @@ def test_families_ring2_ulysses2(models):
 
 def test_families_usp_2x2(models):
     _check(run_threaded(_run, 4, models, [(2, 2)], timeout=600))
+
+
+F64_TOL = 1e-9
+# Jamba: 1e-7. Its RMS norms (dt / B / C, layers) and its router's softmax compute in fp32 even in a float64 model,
+# and x_proj's all-reduce (Ulysses) or the state correction (ring) changes their inputs in the 16th digit: 1-ulp
+# fp32 flips, ~1e-8. The mixer alone in float64 is exact to 1e-15 (test_mamba1_mixer_float64).
+F64_FAMILIES = {"lfm2": ({}, F64_TOL), "falcon_h1": ({}, F64_TOL), "zamba2": ({"num_layers": 4}, F64_TOL),
+                "jamba": ({}, 1e-7)}
+
+
+def test_families_float64_ring2_ulysses2():
+    """In float64, with the recurrences swapped for the token-by-token loops of tests/recurrent_ref.py (transformers'
+    torch scan computes in fp32): SP equals the unsharded model to ~1e-11 (gradients ~0.1-1). fp32's 1e-5 above is
+    rounding only; what it hides in a long run (Adam on Zamba2's ~1e-9 A_log gradients) is not SP's."""
+    f64 = {name: tiny_model(name, dtype=torch.float64, **kw) for name, (kw, _) in F64_FAMILIES.items()}
+    with patched_float64_kernels(*{type(m).__module__ for m in f64.values()}):
+        results = run_threaded(_run, 2, f64, [(1, 2), (2, 1)], timeout=600)
+    bad = [(k, e) for rank in results for k, e in rank
+           if max(e["loss"], e["grad"], e["logits"]) > F64_FAMILIES[k[0]][1]]
+    assert not bad, bad
+
+
+def _mixer_world(model, u: int, r: int):
+    """One mixer, SP vs its own forward on the whole sequence (B = 2, float64): output error and, per parameter, the
+    gradient's max relative error (summed over the ranks)."""
+    mesh = seqpar.init_mesh(2, ulysses_degree=u, ring_degree=r)
+    layer = copy.deepcopy(find_recurrent(model)[0][0])
+    ref_layer = copy.deepcopy(layer)
+    x, w = (torch.randn(2, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(i),
+                        dtype=torch.float64) for i in (0, 1))
+    ref = ref_layer(x)
+    (ref * w).sum().backward()
+    out = recurrent_forward(layer)(layer, seqpar.shard(x, mesh, 1), None, ((), ()), mesh)
+    (out * seqpar.shard(w, mesh, 1)).sum().backward()
+    errs = {}
+    for (name, p), (_, q) in zip(ref_layer.named_parameters(), layer.named_parameters()):
+        g = q.grad.clone()
+        torch.distributed.all_reduce(g)
+        errs[name] = float((p.grad - g).abs().max() / p.grad.abs().max())
+    return float((seqpar.unshard(out.detach(), mesh, 1) - ref.detach()).abs().max()), errs
+
+
+def test_mamba1_mixer_float64(monkeypatch):
+    """Jamba's Mamba1 mixer in float64 (its scan swapped for tests/recurrent_ref.py's loop, its RMS norms computed in
+    float64) under Ulysses 2 and ring 2: output to 1e-14, every gradient to 1e-12 relative but those of A_log, D and
+    dt_proj.bias, which upstream casts to fp32 (`.float()`) in the forward, so their gradients are fp32-rounded: SP
+    sums the scan's and the correction's shares before that rounding, upstream only the scan's (2e-7)."""
+    import transformers.models.jamba.modeling_jamba as jamba
+
+    def norm64(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(jamba.JambaRMSNorm, "forward", norm64)
+    model = tiny_model("jamba", dtype=torch.float64)
+    fp32_cast = ("A_log", "D", "dt_proj.bias")
+    with patched_float64_kernels(jamba.__name__):
+        for u, r in ((2, 1), (1, 2)):
+            for out_err, errs in run_threaded(_mixer_world, 2, model, u, r, timeout=120):
+                assert out_err < 1e-14, (u, r, out_err)
+                assert all(e < (2e-7 if n in fp32_cast else 1e-12) for n, e in errs.items()), (u, r, errs)
 
 
 @pytest.mark.parametrize("arch", sorted(_families()))
@@ -107,7 +172,8 @@ class Spy:
 
 # arch: the module functions its mixer's forward calls (where transformers dispatches to causal-conv1d / mamba_ssm /
 # flash-linear-attention when installed)
-KERNELS = {"lfm2": ("causal_conv1d_fn",)}
+KERNELS = {"lfm2": ("causal_conv1d_fn",), "falcon_h1": ("causal_conv1d_fn", "mamba2_chunk_scan"),
+           "zamba2": ("causal_conv1d_fn", "mamba2_chunk_scan"), "jamba": ("causal_conv1d_fn", "mamba_selective_scan")}
 
 
 def _layer_world(model):

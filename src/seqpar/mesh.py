@@ -59,7 +59,8 @@ class RecurrentHeads:
 _RECURRENT_FIELDS = (  # (kind, heads field, groups field) of the config families seqpar runs
     ("gated_deltanet", "linear_num_key_heads", None),
     ("mamba2", "mamba_num_heads", "n_groups"),  # Nemotron-H
-    ("mamba2", "mamba_n_heads", "mamba_n_groups"),  # Granite 4 (GraniteMoeHybrid), Bamba
+    ("mamba2", "mamba_n_heads", "mamba_n_groups"),  # Granite 4 (GraniteMoeHybrid), Bamba, Falcon-H1
+    ("mamba2", "n_mamba_heads", "mamba_ngroups"),  # Zamba2
 )
 
 
@@ -68,7 +69,7 @@ def recurrent_heads(model_config: Any) -> RecurrentHeads | None:
     recurrent layer in its layer_types)."""
     cfg = getattr(model_config, "text_config", None) or model_config
     types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None) or ()
-    if not any(str(t) in ("linear_attention", "mamba") for t in types):
+    if not any(str(t) in ("linear_attention", "mamba", "hybrid") for t in types):
         return None
     for kind, heads, groups in _RECURRENT_FIELDS:
         h = getattr(cfg, heads, None)

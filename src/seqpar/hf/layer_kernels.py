@@ -30,6 +30,7 @@ _ON_LAYER = {
     "torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule",),
     "causal_conv1d_fn": ("causal_conv1d_fn",),
     "mamba2_chunk_scan": (),
+    "mamba_selective_scan": (),
 }
 
 

@@ -1,10 +1,13 @@
-"""Sequence-parallel Mamba2 (SSD) mixers of hybrid models: Nemotron-H, Granite 4 (GraniteMoeHybrid), Bamba.
+"""Sequence-parallel Mamba2 (SSD) mixers of hybrid models: Nemotron-H, Granite 4 (GraniteMoeHybrid), Bamba,
+Falcon-H1 (in parallel with attention in every layer), Zamba2 (with a shared attention block).
 
-The three share one mixer forward in transformers (5.24: `NemotronHMamba2Mixer`, `GraniteMoeHybridMambaLayer`,
-`BambaMixer`): in_proj -> [gate | xBC | dt] -> depthwise causal Conv1d over xBC (x, B, C channels) -> SSD
-scan per head (`mamba2_chunk_scan`: A = -exp(A_log), dt = clamp(softplus(dt + dt_bias)), D skip) ->
-gated RMSNorm (per group of channels, per token) -> out_proj. Only the conv and the scan look along the
-sequence, both independent per head (x, dt) and per group (B, C), so:
+They share one mixer forward in transformers (5.24: `NemotronHMamba2Mixer`, `GraniteMoeHybridMambaLayer`,
+`BambaMixer`, `Zamba2MambaMixer`, `FalconH1Mixer`): in_proj -> [gate | xBC | dt] -> depthwise causal Conv1d over
+xBC (x, B, C channels) -> SSD scan per head (`mamba2_chunk_scan`: A = -exp(A_log), dt = clamp(softplus(dt +
+dt_bias)), D skip) -> gated RMSNorm (per group of channels, per token) -> out_proj. Falcon-H1 adds muP
+multipliers (its input times ssm_in_multiplier, in_proj's output times mup_vector) and may drop the norm
+(mamba_rms_norm False: the output times silu(gate)); its decoder layer scales the mixer's output itself. Only the
+conv and the scan look along the sequence, both independent per head (x, dt) and per group (B, C), so:
 
 - Ulysses: one all-to-all moves each rank's heads' x channels and dt, and the B / C channels of the groups
   those heads read, to the ring rank's sequence. The Ulysses degree U must divide the head count and either
@@ -25,6 +28,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..attention.ulysses import heads_to_seq, seq_to_heads
 from ..errors import SeqParError
@@ -34,7 +38,8 @@ from .layer_kernels import layer_function
 
 __all__ = ["MAMBA2_CLASSES", "find_mamba2", "check_mamba2", "mamba2_degrees", "sp_mamba2_forward"]
 
-MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
+MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer",
+                  "Zamba2MambaMixer")
 
 
 def find_mamba2(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -118,8 +123,8 @@ def sp_mamba2_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, atten
     fns = sys.modules[type(layer).__module__]
     dtype = hidden_states.dtype
     hidden_states = fns.apply_mask_to_padding_states(hidden_states, attention_mask)
-    gate, xbc, dt = layer.in_proj(hidden_states).split([layer.intermediate_size, layer.conv_dim, layer.num_heads],
-                                                       dim=-1)
+    gate, xbc, dt = _in_proj(layer, hidden_states).split([layer.intermediate_size, layer.conv_dim, layer.num_heads],
+                                                         dim=-1)
     bsz, s_loc = xbc.shape[:2]
     xbc_h, dt_h, mask_h = _to_heads(layer, xbc, dt, attention_mask, mesh)
     chans, heads = _rank_channels(layer, mesh.ulysses_rank, mesh.ulysses_degree)
@@ -141,5 +146,19 @@ def sp_mamba2_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, atten
     out = ring_recurrence(xbc_h, side, plan, mesh, conv, _piece_fn(layer, prm, hr, gl), "scalar",
                           int(layer.conv_kernel_size), mesh.state_passing)  # [B, n, hr, head_dim]
     out = heads_to_seq(out.contiguous(), mesh.ulysses_group, mesh.stats, device=mesh.comm_device)
-    out = layer.norm(out.reshape(bsz, s_loc, -1), gate)
+    out = out.reshape(bsz, s_loc, -1)
+    if getattr(layer, "mamba_rms_norm", True):
+        out = layer.norm(out, gate)
+    else:  # Falcon-H1 without its gated norm: the gate alone, as upstream
+        out = out * F.silu(gate)
     return layer.out_proj(out.to(dtype))
+
+
+def _in_proj(layer: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """in_proj, with Falcon-H1's muP multipliers (on its input, and per channel group on its output) as upstream."""
+    mult = getattr(layer, "ssm_in_multiplier", None)
+    if mult is not None:
+        hidden_states = hidden_states * mult
+    out = layer.in_proj(hidden_states)
+    mup = getattr(layer, "mup_vector", None)
+    return out * mup if mup is not None else out

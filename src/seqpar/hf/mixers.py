@@ -91,9 +91,12 @@ def find_sequence_mixers(
         found.append(f"{type(model).__name__}: a {family} model (a non-attention model family)")
     seen: set[type] = set()
     skip = {id(m) for s in supported for m in s.modules()}
+    holders = {id(m) for m in model.modules() if any(id(c) in skip for c in m.modules())}
     for path, module in model.named_modules():
         if type(module) in seen or id(module) in skip:
             continue
+        if id(module) in holders and not isinstance(module, (torch.nn.Conv1d, torch.nn.RNNBase)):
+            continue  # a block holding a supported mixer (Zamba2MambaDecoderLayer): named after it, its own children
         reason = _module_reason(module, family)
         if reason is not None:
             seen.add(type(module))
@@ -115,5 +118,6 @@ def check_softmax_attention_only(
             "seqpar supports softmax-attention models only: these layers would see only their rank's shard and "
             "give silently wrong results. Use a softmax-attention model (Llama, Qwen2/3, Mistral, Gemma2/3, "
             "Phi3, ...) or a supported hybrid (Qwen3-Next, Qwen3.5 text: Gated DeltaNet; Nemotron-H, Granite 4 "
-            "(GraniteMoeHybrid), Bamba: Mamba2; LFM2: short convolutions), or train without SP"
+            "(GraniteMoeHybrid), Bamba, Falcon-H1, Zamba2: Mamba2; Jamba: Mamba1; LFM2: short convolutions), or train "
+            "without SP"
         )

@@ -26,9 +26,10 @@ __all__ = ["ARCHS", "HYBRID_ARCHS", "VLM_ARCHS", "tiny_config", "tiny_model", "s
            "load_smollm2", "load_smollm2_tokenizer"]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
-# Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba2 (Nemotron-H, Granite 4, Bamba) or short convolutions
-# (LFM2) + softmax attention.
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba", "lfm2")
+# Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba2 (Nemotron-H, Granite 4, Bamba, Falcon-H1, Zamba2),
+# Mamba1 (Jamba) or short convolutions (LFM2) + softmax attention.
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1",
+                "zamba2", "jamba", "lfm2")
 # Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -55,6 +56,9 @@ def _config_class(arch: str) -> Any:
         "granitemoehybrid": tf.GraniteMoeHybridConfig,
         "bamba": tf.BambaConfig,
         "lfm2": tf.Lfm2Config,
+        "falcon_h1": tf.FalconH1Config,
+        "zamba2": tf.Zamba2Config,
+        "jamba": tf.JambaConfig,
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS + VLM_ARCHS}")
@@ -146,8 +150,8 @@ def _arch_kwargs(arch: str, kw: dict[str, Any], sliding_window: int | None, head
         kw["query_pre_attn_scalar"] = head_dim
     if arch == "gemma3":
         kw["query_pre_attn_scalar"] = head_dim
-    if arch == "phi3":
-        kw.pop("head_dim")  # Phi3 derives head_dim = hidden_size // num_heads
+    if arch in ("phi3", "zamba2"):
+        kw.pop("head_dim")  # derived: Phi3 hidden_size // num_heads, Zamba2 2 * hidden_size // num_heads
     if arch in HYBRID_ARCHS:
         kw.update(_hybrid_kwargs(arch, num_layers))
 
@@ -198,6 +202,17 @@ def _mamba2_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
                  mamba_chunk_size=16, mamba_expand=1)
     if arch == "bamba":
         return dict(attn_layer_indices=[i for i in range(num_layers) if i % 2], **mamba)
+    if arch == "falcon_h1":  # Mamba2 beside attention in every layer; muP multipliers all != 1, the gated norm on
+        return dict(mamba_d_ssm=32, mamba_n_heads=8, mamba_d_head=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                    mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=False,
+                    ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.7], ssm_in_multiplier=0.9, ssm_out_multiplier=1.1,
+                    attention_in_multiplier=0.8, attention_out_multiplier=1.3, key_multiplier=0.7,
+                    embedding_multiplier=1.2, lm_head_multiplier=0.9, mlp_multipliers=[0.6, 1.4])
+    if arch == "zamba2":  # Mamba2 layers, then a hybrid one (the shared attention block with its LoRA adapter + Mamba2)
+        return dict(layers_block_type=["hybrid" if i % 2 else "linear_attention" for i in range(num_layers)],
+                    n_mamba_heads=8, mamba_expand=1, mamba_ngroups=2, mamba_d_state=8, mamba_d_conv=4, chunk_size=16,
+                    num_mem_blocks=1, use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True,
+                    num_key_value_heads=None)  # = the heads: upstream's k / v adapters have the q width
     return dict(layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(num_layers)], **mamba,
                 num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=24,
                 position_embedding_type="rope")
@@ -207,8 +222,12 @@ def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
     """Gated DeltaNet shapes: 4 k heads with 2 v heads each, k/v head dims 8 / 12; layers alternate
     linear / full attention (linear first). Qwen3-Next's and Qwen3.5-MoE's MLPs are MoE (4 experts, top-2, a
     shared expert). Mamba2 hybrids: _mamba2_kwargs."""
-    if arch in ("nemotron_h", "granitemoehybrid", "bamba"):
+    if arch in ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2"):
         return _mamba2_kwargs(arch, num_layers)
+    if arch == "jamba":  # Mamba1 (64 channels, state 8, dt rank 4) then attention; MoE (4 experts, top-2) in layer 1
+        return dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                    num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                    mamba_dt_rank=4, output_router_logits=False)
     if arch == "lfm2":  # short convs of kernel 3 (with bias) first, then attention
         return dict(layer_types=["full_attention" if i % 2 else "conv" for i in range(num_layers)], conv_L_cache=3,
                     conv_bias=True, block_auto_adjust_ff_dim=False)

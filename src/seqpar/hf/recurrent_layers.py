@@ -16,6 +16,7 @@ import torch
 
 from ..mesh import SequenceParallelMesh
 from .linear_attention import LINEAR_ATTENTION_CLASSES, check_linear_attention, sp_gated_delta_forward
+from .mamba1 import MAMBA1_CLASSES, check_mamba1, sp_mamba1_forward
 from .mamba2 import MAMBA2_CLASSES, check_mamba2, sp_mamba2_forward
 from .short_conv import SHORT_CONV_CLASSES, check_short_conv, sp_short_conv_forward
 
@@ -33,7 +34,8 @@ class RecurrentKind:
 KINDS = (
     RecurrentKind(LINEAR_ATTENTION_CLASSES, check_linear_attention, sp_gated_delta_forward,
                   frozenset({"linear_attention"})),
-    RecurrentKind(MAMBA2_CLASSES, check_mamba2, sp_mamba2_forward, frozenset({"linear_attention", "mamba"})),
+    RecurrentKind(MAMBA2_CLASSES, check_mamba2, sp_mamba2_forward, frozenset({"linear_attention", "mamba", "hybrid"})),
+    RecurrentKind(MAMBA1_CLASSES, check_mamba1, sp_mamba1_forward, frozenset({"linear_attention", "mamba"})),
     RecurrentKind(SHORT_CONV_CLASSES, check_short_conv, sp_short_conv_forward, frozenset({"conv"})),
 )
 

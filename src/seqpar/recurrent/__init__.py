@@ -1,4 +1,4 @@
-"""Linear recurrences (Gated DeltaNet, Mamba2 / SSD) over a sequence split across a ring, with state passing.
+"""Linear recurrences (Gated DeltaNet, Mamba2 / SSD, Mamba1) over a sequence split across a ring, with state passing.
 
     segments.py   where this ring rank's segments sit in the full sequence; document pieces; global chunk order
     halo.py       the causal conv's (kernel_size - 1)-token history from the chunks before a segment
@@ -7,6 +7,7 @@
                   ring_conv: a conv with halo alone (short convolutions)
     delta.py      the gated delta rule's piece (one kernel call with [v | 0] from [0 | I] gives M and the correction)
     ssd.py        Mamba2's SSD piece (a scalar decay per head)
+    selective.py  Mamba1's selective-scan piece (a decay per channel and state entry)
 
 Model adapters (projections, head slices, norms) live in seqpar.hf (linear_attention.py, mamba2.py).
 """
@@ -16,7 +17,9 @@ from .delta import delta_piece
 from .engine import PieceResult, ring_conv, ring_recurrence
 from .halo import conv_with_halo, gather_halos
 from .segments import RingPlan, ring_plan
+from .selective import SelectiveParams, selective_piece
 from .ssd import SSDParams, ssd_piece
 
 __all__ = ["KINDS", "MODES", "PieceResult", "RingPlan", "SSDParams", "conv_with_halo", "delta_piece",
-           "gather_halos", "incoming_states", "ring_conv", "ring_plan", "ring_recurrence", "ssd_piece"]
+           "gather_halos", "incoming_states", "ring_conv", "ring_plan", "ring_recurrence", "SelectiveParams",
+           "selective_piece", "ssd_piece"]

@@ -14,8 +14,9 @@ S_in(0) = 0, S_in(j) = M_{j-1} S_in(j-1) + b_{j-1} in GLOBAL chunk order. Two wa
   (a reduce-scatter of each rank's gradient for every chunk's (M, b)), taken by autograd.
 
 A chunk that contains a document start passes nothing through (M = 0): the state restarts there.
-Transitions come in two kinds: "matrix" (Gated DeltaNet: M [.., dk, dk] acting on S [.., dk, dv]) and
-"scalar" (Mamba2 / SSD: one decay per head, M [..] scaling S [.., p, n]). States are fp32 (fp64 for fp64).
+Transitions come in three kinds: "matrix" (Gated DeltaNet: M [.., dk, dk] acting on S [.., dk, dv]), "scalar"
+(Mamba2 / SSD: one decay per head, M [..] scaling S [.., p, n]) and "diagonal" (Mamba1's selective scan: one
+decay per state entry, M shaped as S and multiplying it elementwise). States are fp32 (fp64 for fp64).
 """
 
 from __future__ import annotations
@@ -32,18 +33,22 @@ from .segments import RingPlan
 __all__ = ["MODES", "KINDS", "apply_transition", "transition_grads", "zero_transition", "incoming_states", "tie"]
 
 MODES = STATE_PASSING
-KINDS = ("matrix", "scalar")
+KINDS = ("matrix", "scalar", "diagonal")
 
 
 def apply_transition(kind: str, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """M S (the state a chunk passes on from S, before its own b)."""
-    return m @ s if kind == "matrix" else m[..., None, None] * s
+    if kind == "matrix":
+        return m @ s
+    return m * s if kind == "diagonal" else m[..., None, None] * s
 
 
 def transition_grads(kind: str, m: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Given dL/d(M S) = g: (dL/dS, dL/dM)."""
     if kind == "matrix":
         return m.transpose(-1, -2) @ g, g @ s.transpose(-1, -2)
+    if kind == "diagonal":
+        return m * g, g * s
     return m[..., None, None] * g, (g * s).sum(dim=(-1, -2))
 
 
@@ -51,7 +56,7 @@ def zero_transition(kind: str, state: torch.Tensor) -> torch.Tensor:
     """The M of a chunk that passes nothing through (a document starts inside it), shaped for `state`."""
     if kind == "matrix":
         return state.new_zeros(*state.shape[:-1], state.shape[-2])
-    return state.new_zeros(state.shape[:-2])
+    return torch.zeros_like(state) if kind == "diagonal" else state.new_zeros(state.shape[:-2])
 
 
 class _Tie(torch.autograd.Function):
