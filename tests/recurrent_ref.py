@@ -63,8 +63,8 @@ def naive_ssd(hidden_states, dt, A, B, C, chunk_size=None, D=None, dt_bias=None,
 
 def naive_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                          return_last_state=False, **kwargs):
-    """Mamba1: dt_t = softplus(dt_t + bias), h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t, y_t = (h_t C_t + D x_t) silu(z_t),
-    channels first ([b, d, L]; B, C [b, n, L]), in the dtype of x."""
+    """Mamba1: dt_t = softplus(dt_t + bias), h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t,
+    y_t = (h_t C_t + D x_t) silu(z_t); channels first ([b, d, L]; B, C [b, n, L]), in the dtype of x."""
     x, acc = hidden_states, hidden_states.dtype
     if delta_bias is not None:
         dt = dt + delta_bias.to(acc)[..., None]
