@@ -4,7 +4,11 @@ real-token logit and every parameter gradient within 1e-5), padded rows (B = 2) 
 and 23 tokens: boundaries inside shards; the recurrences' chunks are shorter than the documents).
 
 - LFM2 (`Lfm2ShortConv`: short causal convolutions, kernel 3 with bias, no recurrence: a halo only), LFM2-MoE and
-  LFM3 (the same layer; LFM3 with a sliding-window layer of 5 tokens).
+  LFM3 (the same layer; LFM3 with a sliding-window layer of 5 tokens);
+- Falcon-H1 (Mamba2 beside attention, muP multipliers; with and without its gated norm), Zamba2 (Mamba2 + a shared
+  attention block with LoRA adapters, used by two layers): the Mamba2 path;
+- Jamba (Mamba1 + attention, MoE), Falcon-Mamba and Mamba (Mamba1 only): the selective scan (recurrent.selective);
+plus float64 runs (recurrences swapped for tests/recurrent_ref.py's loops) and spies on the kernel functions.
 The models are built once, in the main thread (fixed seed), and deep-copied in each rank's thread.
 """
 
@@ -66,6 +70,8 @@ def _families() -> dict:
         "falcon_h1_nonorm": lambda: tiny_model("falcon_h1", mamba_rms_norm=False, mamba_n_groups=1),
         "zamba2": lambda: tiny_model("zamba2", num_layers=4),  # two hybrid layers share one attention block
         "jamba": lambda: tiny_model("jamba"),
+        "falcon_mamba": lambda: tiny_model("falcon_mamba"),
+        "mamba": lambda: tiny_model("mamba"),
         "lfm2_moe": lambda: _built(tf.Lfm2MoeConfig(**SMALL, moe_intermediate_size=16, num_hidden_layers=2,
                                                     conv_bias=True, num_dense_layers=1, num_experts=4,
                                                     num_experts_per_tok=2, layer_types=["conv", "full_attention"])),
@@ -172,8 +178,9 @@ class Spy:
 
 # arch: the module functions its mixer's forward calls (where transformers dispatches to causal-conv1d / mamba_ssm /
 # flash-linear-attention when installed)
+_M1 = ("causal_conv1d_fn", "mamba_selective_scan")
 KERNELS = {"lfm2": ("causal_conv1d_fn",), "falcon_h1": ("causal_conv1d_fn", "mamba2_chunk_scan"),
-           "zamba2": ("causal_conv1d_fn", "mamba2_chunk_scan"), "jamba": ("causal_conv1d_fn", "mamba_selective_scan")}
+           "zamba2": ("causal_conv1d_fn", "mamba2_chunk_scan"), "jamba": _M1, "falcon_mamba": _M1, "mamba": _M1}
 
 
 def _layer_world(model):

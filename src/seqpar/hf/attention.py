@@ -15,6 +15,7 @@ How it works (see docs/hf.md):
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import threading
 import types
@@ -45,6 +46,8 @@ def _backbone(base: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack (LlamaModel, ...): the module that receives position_ids and kwargs."""
     inner = getattr(base, "base_model", None)
     if isinstance(inner, torch.nn.Module) and inner is not base:
+        if "position_ids" not in inspect.signature(inner.forward).parameters:  # Mamba, Falcon-Mamba: the causal
+            return base  # LM keeps position_ids (and cu_seqlens) to itself: the plan is made from its inputs
         return inner
     return base
 
@@ -107,7 +110,8 @@ def _checked_config(base: torch.nn.Module, mesh: SequenceParallelMesh) -> tuple[
     check_recurrent(linear, mesh)
     decoder = vlm_language_model(base) if vlm else base  # a vision tower's patch convolution is no sequence mixer
     check_softmax_attention_only(decoder, cfg, tuple(linear), allowed)  # other linear attention, SSMs, convs, ...
-    heads, kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    heads = int(getattr(cfg, "num_attention_heads", None) or 1)  # 1: attention-free (Mamba, Falcon-Mamba)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     if heads % kv != 0:
         raise SeqParError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     return cfg, vlm, linear

@@ -87,7 +87,7 @@ def find_sequence_mixers(
     """
     found = _config_reasons(cfg, supported_types)
     family = _family(model)
-    if _MIXER_NAMES.search(family):
+    if _MIXER_NAMES.search(family) and not supported:  # with its mixers supported, the module scan decides
         found.append(f"{type(model).__name__}: a {family} model (a non-attention model family)")
     seen: set[type] = set()
     skip = {id(m) for s in supported for m in s.modules()}

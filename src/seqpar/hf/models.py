@@ -27,9 +27,10 @@ __all__ = ["ARCHS", "HYBRID_ARCHS", "VLM_ARCHS", "tiny_config", "tiny_model", "s
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
 # Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba2 (Nemotron-H, Granite 4, Bamba, Falcon-H1, Zamba2),
-# Mamba1 (Jamba) or short convolutions (LFM2) + softmax attention.
+# Mamba1 (Jamba) or short convolutions (LFM2) + softmax attention; and the attention-free Mamba1 models (Falcon-Mamba,
+# Mamba).
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1",
-                "zamba2", "jamba", "lfm2")
+                "zamba2", "jamba", "lfm2", "falcon_mamba", "mamba")
 # Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -59,6 +60,8 @@ def _config_class(arch: str) -> Any:
         "falcon_h1": tf.FalconH1Config,
         "zamba2": tf.Zamba2Config,
         "jamba": tf.JambaConfig,
+        "falcon_mamba": tf.FalconMambaConfig,
+        "mamba": tf.MambaConfig,
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS + VLM_ARCHS}")
@@ -228,6 +231,8 @@ def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
         return dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                     num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                     mamba_dt_rank=4, output_router_logits=False)
+    if arch in ("falcon_mamba", "mamba"):  # Mamba1 blocks only (64 channels, state 8, dt rank 4, conv kernel 4)
+        return dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=4)
     if arch == "lfm2":  # short convs of kernel 3 (with bias) first, then attention
         return dict(layer_types=["full_attention" if i % 2 else "conv" for i in range(num_layers)], conv_L_cache=3,
                     conv_bias=True, block_auto_adjust_ff_dim=False)
@@ -257,7 +262,8 @@ def tiny_model(
 ) -> torch.nn.Module:
     """A random-init (fixed seed) tiny causal LM; identical weights for identical arguments."""
     if attn_implementation is None:
-        attn_implementation = "eager" if arch == "gemma2" else "sdpa"  # transformers has no SDPA path for Gemma2
+        # transformers has no SDPA path for Gemma2, and refuses it for the attention-free Mamba models
+        attn_implementation = "eager" if arch in ("gemma2", "falcon_mamba", "mamba") else "sdpa"
     # torch's grouped_mm (transformers' default MoE path) has no float64: the eager per-expert loop does
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     # ranks that are threads (seqpar.threaded) take turns: the global RNG is seeded here, and transformers' lazy
