@@ -2,7 +2,7 @@
 
 The reference runs the whole sequence on one process, row by row and document by document, with a causal
 depthwise conv (F.conv1d, zero history at every document start) and the token-by-token float64 recurrences of
-tests/recurrent_ref.py (gated delta rule; Mamba2 SSD). The sharded run gives each ring rank its shard
+tests/recurrent_ref.py (gated delta rule; Mamba2 SSD; Mamba1's selective scan), or the conv alone (ring_conv). The sharded run gives each ring rank its shard
 (seqpar.shard: zigzag or contiguous), runs seqpar.recurrent.ring_recurrence with the same per-piece
 recurrences and compares the unsharded output and the gradients of EVERY input (x, gates, step sizes: this
 rank's shard of the reference gradient; conv weight and SSD parameters: summed over ranks) after
@@ -17,16 +17,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from recurrent_ref import naive_gated_delta, naive_ssd
+from recurrent_ref import naive_gated_delta, naive_selective_scan, naive_ssd
 
 import seqpar
-from seqpar.recurrent import SSDParams, delta_piece, ring_plan, ring_recurrence, ssd_piece
+from seqpar.recurrent import (SelectiveParams, SSDParams, delta_piece, ring_conv, ring_plan, ring_recurrence,
+                              selective_piece, ssd_piece)
 from seqpar.spawn import run_distributed
+from seqpar.threaded import run_threaded
 
 TOL = 1e-10
 K = 4  # conv kernel
 HK, DK, HV, DV = 2, 3, 4, 5  # delta rule: k heads, k dim, v heads, v dim
 H, P, G, N = 4, 3, 2, 5  # SSD: heads, head dim, groups, state
+D1, N1 = 4, 3  # Mamba1 selective scan: channels, state entries
+TRANSITION = {"delta": "matrix", "ssd": "scalar", "selective": "diagonal"}
 
 
 def _conv(w: torch.Tensor, bias: torch.Tensor):
@@ -45,6 +49,10 @@ def _inputs(kind: str, b: int, s: int, seed: int) -> dict[str, torch.Tensor]:
     if kind == "delta":
         c = 2 * HK * DK + HV * DV
         return {"x": r(b, s, c), "beta": r(b, s, HV), "a": r(b, s, HV), "w": r(c, K, scale=0.5), "bias": r(c)}
+    if kind in ("selective", "conv"):
+        return {"x": r(b, s, D1), "dt": r(b, s, D1), "bm": r(b, s, N1), "cm": r(b, s, N1), "z": r(b, s, D1),
+                "w": r(D1, K, scale=0.5), "bias": r(D1), "a_log": r(D1, N1, scale=0.3), "dt_bias": r(D1, scale=0.3),
+                "d": r(D1)}
     c = H * P + 2 * G * N
     return {"x": r(b, s, c), "dt": r(b, s, H), "w": r(c, K, scale=0.5), "bias": r(c), "a_log": r(H, scale=0.3),
             "dt_bias": r(H, scale=0.3), "d": r(H)}
@@ -59,6 +67,12 @@ def _piece_fn(kind: str, t: dict[str, torch.Tensor]):
             return delta_piece(naive_gated_delta, q.reshape(b, n, HK, DK), k.reshape(b, n, HK, DK),
                                v.reshape(b, n, HV, DV), g, beta, carries)
         return piece
+    if kind == "selective":
+        sel = SelectiveParams(a=-t["a_log"].exp(), d=t["d"], dt_bias=t["dt_bias"])
+
+        def piece(y, side, carries):
+            return selective_piece(naive_selective_scan, y, *side, sel, carries)
+        return piece
     prm = SSDParams(a=-t["a_log"].exp(), d=t["d"], dt_bias=t["dt_bias"], dt_limit=(0.0, float("inf")), chunk_size=8)
 
     def piece(y, side, carries):
@@ -72,6 +86,8 @@ def _piece_fn(kind: str, t: dict[str, torch.Tensor]):
 def _side(kind: str, t: dict[str, torch.Tensor], cut) -> tuple[torch.Tensor, ...]:
     if kind == "delta":
         return cut(t["beta"]).sigmoid(), -F.softplus(cut(t["a"])) * 0.7
+    if kind == "selective":
+        return cut(t["dt"]), cut(t["bm"]), cut(t["cm"]), cut(t["z"])
     return (cut(t["dt"]),)
 
 
@@ -85,13 +101,14 @@ def _reference(kind: str, t: dict[str, torch.Tensor], bounds) -> torch.Tensor:
         for lo, hi in zip(edges[:-1], edges[1:]):
             def cut(z, i=i, lo=lo, hi=hi):
                 return z[i : i + 1, lo:hi]
-            docs.append(piece(conv(cut(t["x"])), _side(kind, t, cut), False).out)
+            y = conv(cut(t["x"]))
+            docs.append(y if kind == "conv" else piece(y, _side(kind, t, cut), False).out)
         rows.append(torch.cat(docs, dim=1))
     return torch.cat(rows, dim=0)
 
 
 def _grads(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.grad.detach().clone() for k, v in t.items()}
+    return {k: (v.grad.detach().clone() if v.grad is not None else None) for k, v in t.items()}
 
 
 def run_case(mesh, kind: str, b: int, s: int, bounds, mode: str, seed: int) -> dict:
@@ -104,14 +121,19 @@ def run_case(mesh, kind: str, b: int, s: int, bounds, mode: str, seed: int) -> d
     def cut(z):
         return seqpar.shard(z, mesh, 1)
 
-    got = ring_recurrence(cut(t_sp["x"]), _side(kind, t_sp, cut), plan, mesh, _conv(t_sp["w"], t_sp["bias"]),
-                          _piece_fn(kind, t_sp), "matrix" if kind == "delta" else "scalar", K, mode)
+    if kind == "conv":  # the halo alone (short convolutions)
+        got = ring_conv(cut(t_sp["x"]), plan, mesh, _conv(t_sp["w"], t_sp["bias"]), K)
+    else:
+        got = ring_recurrence(cut(t_sp["x"]), _side(kind, t_sp, cut), plan, mesh, _conv(t_sp["w"], t_sp["bias"]),
+                              _piece_fn(kind, t_sp), TRANSITION[kind], K, mode)
     (got * cut(weight)).sum().backward()
     full = seqpar.unshard(got.detach(), mesh, 1)
     gr, gs = _grads(t_ref), _grads(t_sp)
     err = {"out": float((full - want.detach()).abs().max())}
     for name in gr:
         g_sp = gs[name]
+        if g_sp is None:  # an input the conv alone does not read
+            continue
         if g_sp.dim() == 3 and g_sp.shape[1] == s:  # per-token input: this rank's shard holds its gradient
             err[name] = float((cut(g_sp) - cut(gr[name])).abs().max())
         else:  # parameters: every rank contributes
@@ -153,6 +175,22 @@ CASES_R2 = [
 def test_ring2_fast():
     """Ring 2, both kinds, both modes, zigzag and contiguous, unpacked and packed."""
     _check(run_distributed(world_cases, 2, CASES_R2, timeout=300))
+
+
+CASES_NEW = [  # Mamba1's selective scan ("diagonal" transitions) and the conv alone, in threads
+    ("zigzag", "selective", 2, 24, ((), ()), "chain"),
+    ("zigzag", "selective", 2, 24, ((4, 13), (6, 19)), "scan"),
+    ("contiguous", "selective", 1, 24, ((10,),), "chain"),
+    ("zigzag", "conv", 2, 24, ((4, 13), ()), "chain"),
+    ("contiguous", "conv", 1, 24, ((12,),), "chain"),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_selective_and_conv_threaded(world):
+    """Ring 2 and 3 (zigzag 3 at S=24: 4-token chunks; the halo of 3 fits), packed rows with documents on and off
+    the seams, both state-passing modes."""
+    _check(run_threaded(world_cases, world, CASES_NEW, timeout=300))
 
 
 CASES_R3 = [
