@@ -20,8 +20,16 @@ import torch.nn.functional as F
 from recurrent_ref import naive_gated_delta, naive_selective_scan, naive_ssd
 
 import seqpar
-from seqpar.recurrent import (SelectiveParams, SSDParams, delta_piece, ring_conv, ring_plan, ring_recurrence,
-                              selective_piece, ssd_piece)
+from seqpar.recurrent import (
+    SelectiveParams,
+    SSDParams,
+    delta_piece,
+    ring_conv,
+    ring_plan,
+    ring_recurrence,
+    selective_piece,
+    ssd_piece,
+)
 from seqpar.spawn import run_distributed
 from seqpar.threaded import run_threaded
 
