@@ -1,12 +1,13 @@
 """seqpar.recurrent: conv + linear recurrence over a ring with state passing, in float64, vs one process.
 
-The reference runs the whole sequence on one process, row by row and document by document, with a causal
-depthwise conv (F.conv1d, zero history at every document start) and the token-by-token float64 recurrences of
-tests/recurrent_ref.py (gated delta rule; Mamba2 SSD; Mamba1's selective scan), or the conv alone (ring_conv).
-The sharded run gives each ring rank its shard (seqpar.shard: zigzag or contiguous), runs
-seqpar.recurrent.ring_recurrence with the same per-piece recurrences and compares the unsharded output and the gradients of EVERY input (x, gates, step sizes: this
-rank's shard of the reference gradient; conv weight and SSD parameters: summed over ranks) after
-backward of a fixed random weighting of the output. Tolerance: 1e-10 absolute (float64; values O(1)).
+The reference runs the whole sequence on one process, row by row and document by document, with a causal depthwise
+conv (F.conv1d, zero history at every document start) and the token-by-token float64 recurrences of
+tests/recurrent_ref.py (gated delta rule; Mamba2 SSD; Mamba1's selective scan), or the conv alone (ring_conv). The
+sharded run gives each ring rank its shard (seqpar.shard: zigzag or contiguous), runs
+seqpar.recurrent.ring_recurrence with the same per-piece recurrences and compares the unsharded output and the
+gradients of EVERY input (x, gates, step sizes: this rank's shard of the reference gradient; conv weight and SSD
+parameters: summed over ranks) after backward of a fixed random weighting of the output. Tolerance: 1e-10 absolute
+(float64; values O(1)).
 Cases: ring 2 / 3 / 4, zigzag and contiguous, unpacked B=2 rows and packed rows whose documents start inside
 shards, on shard seams and within the conv's kernel of a seam, chunks shorter than the conv kernel (S=12 at
 ring 3 zigzag: 2-token chunks, the halo spans two chunks), both state-passing modes (chain, scan).
