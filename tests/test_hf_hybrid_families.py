@@ -72,6 +72,7 @@ def _families() -> dict:
         "jamba": lambda: tiny_model("jamba"),
         "falcon_mamba": lambda: tiny_model("falcon_mamba"),
         "mamba": lambda: tiny_model("mamba"),
+        "olmo_hybrid": lambda: tiny_model("olmo_hybrid"),
         "lfm2_moe": lambda: _built(tf.Lfm2MoeConfig(**SMALL, moe_intermediate_size=16, num_hidden_layers=2,
                                                     conv_bias=True, num_dense_layers=1, num_experts=4,
                                                     num_experts_per_tok=2, layer_types=["conv", "full_attention"])),
@@ -97,8 +98,8 @@ F64_TOL = 1e-9
 # Jamba: 1e-7. Its RMS norms (dt / B / C, layers) and its router's softmax compute in fp32 even in a float64 model,
 # and x_proj's all-reduce (Ulysses) or the state correction (ring) changes their inputs in the 16th digit: 1-ulp
 # fp32 flips, ~1e-8. The mixer alone in float64 is exact to 1e-15 (test_mamba1_mixer_float64).
-F64_FAMILIES = {"lfm2": ({}, F64_TOL), "falcon_h1": ({}, F64_TOL), "zamba2": ({"num_layers": 4}, F64_TOL),
-                "jamba": ({}, 1e-7)}
+F64_FAMILIES = {"lfm2": ({}, F64_TOL), "olmo_hybrid": ({}, F64_TOL), "falcon_h1": ({}, F64_TOL),
+                "zamba2": ({"num_layers": 4}, F64_TOL), "jamba": ({}, 1e-7)}
 
 
 def test_families_float64_ring2_ulysses2():
@@ -180,7 +181,8 @@ class Spy:
 # flash-linear-attention when installed)
 _M1 = ("causal_conv1d_fn", "mamba_selective_scan")
 KERNELS = {"lfm2": ("causal_conv1d_fn",), "falcon_h1": ("causal_conv1d_fn", "mamba2_chunk_scan"),
-           "zamba2": ("causal_conv1d_fn", "mamba2_chunk_scan"), "jamba": _M1, "falcon_mamba": _M1, "mamba": _M1}
+           "zamba2": ("causal_conv1d_fn", "mamba2_chunk_scan"), "jamba": _M1, "falcon_mamba": _M1, "mamba": _M1,
+           "olmo_hybrid": ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")}
 
 
 def _layer_world(model):

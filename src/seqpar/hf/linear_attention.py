@@ -1,6 +1,8 @@
-"""Sequence-parallel Gated DeltaNet (the linear-attention layers of Qwen3-Next / Qwen3.5): Ulysses, ring, USP.
+"""Sequence-parallel Gated DeltaNet (the linear-attention layers of Qwen3-Next / Qwen3.5 / OLMo-hybrid): Ulysses,
+ring, USP.
 
-A Gated DeltaNet layer (transformers' `Qwen3NextGatedDeltaNet.forward`, `Qwen3_5GatedDeltaNet.forward`):
+A Gated DeltaNet layer (transformers' `Qwen3NextGatedDeltaNet.forward`, `Qwen3_5GatedDeltaNet.forward`,
+`OlmoHybridGatedDeltaNet.forward`: its own q / k / v / gate projections, beta doubled with allow_neg_eigval):
 per-token input projections -> depthwise causal Conv1d over the sequence on the q|k|v channels ->
 gated delta-rule recurrence per head over the sequence -> gated RMSNorm per v-head vector -> out_proj.
 Only the conv and the recurrence look along the sequence, and both are independent per head (per channel):
@@ -41,7 +43,8 @@ __all__ = ["LINEAR_ATTENTION_CLASSES", "find_linear_attention", "check_linear_at
            "head_space_plan"]
 
 # Layers whose forward sp_gated_delta_forward reproduces (same algorithm; they differ only in the projections).
-LINEAR_ATTENTION_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+LINEAR_ATTENTION_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
+                            "OlmoHybridGatedDeltaNet")
 
 
 def find_linear_attention(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -70,8 +73,13 @@ def _project(layer: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...
     if hasattr(layer, "in_proj_qkvz"):  # Qwen3-Next: q|k|v|z interleaved per k-head group
         q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(h), layer.in_proj_ba(h))
         return q, k, v, z, b, a
-    # Qwen3.5: separate projections, q|k|v flat as the conv sees them
+    # Qwen3.5: separate projections, q|k|v flat as the conv sees them (OLMo-hybrid: one projection each)
     bsz, s, _ = h.shape
+    if hasattr(layer, "q_proj"):
+        q, k, v = layer.q_proj(h), layer.k_proj(h), layer.v_proj(h)
+        z, b, a = layer.g_proj(h), layer.b_proj(h), layer.a_proj(h)
+        return (q.reshape(bsz, s, -1, layer.head_k_dim), k.reshape(bsz, s, -1, layer.head_k_dim),
+                v.reshape(bsz, s, -1, layer.head_v_dim), z.reshape(bsz, s, -1, layer.head_v_dim), b, a)
     q, k, v = torch.split(layer.in_proj_qkv(h), [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     q = q.reshape(bsz, s, -1, layer.head_k_dim)
     k = k.reshape(bsz, s, -1, layer.head_k_dim)
@@ -148,6 +156,8 @@ def sp_gated_delta_forward(
     weight, bias, a_log, dt_bias = _param_slices(layer, mesh.ulysses_rank, mesh.ulysses_degree)
     mixed = torch.cat([qh.reshape(bsz, n, -1), kh.reshape(bsz, n, -1), vh.reshape(bsz, n, -1)], dim=-1)
     beta = bh.reshape(bsz, n, -1).sigmoid()
+    if getattr(layer, "allow_neg_eigval", False):  # OLMo-hybrid: beta in [0, 2]
+        beta = beta * 2.0
     g = -a_log.float().exp() * F.softplus(ah.reshape(bsz, n, -1).float() + dt_bias)  # as upstream (A_log in fp32)
 
     conv_fn = layer_function(layer, "causal_conv1d_fn")
@@ -160,5 +170,6 @@ def sp_gated_delta_forward(
                           int(layer.conv_kernel_size), mesh.state_passing)  # [B, n, nv/U, dv]
     out = heads_to_seq(out.contiguous(), group, mesh.stats, device=dev)  # [B, s, nv, dv]
     # Per token, as upstream: gated RMSNorm per v-head vector, then out_proj.
-    normed = layer.norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
-    return layer.out_proj(normed.reshape(bsz, s_loc, -1))
+    norm, out_proj = (layer.o_norm, layer.o_proj) if hasattr(layer, "o_proj") else (layer.norm, layer.out_proj)
+    normed = norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return out_proj(normed.reshape(bsz, s_loc, -1))

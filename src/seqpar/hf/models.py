@@ -26,11 +26,11 @@ __all__ = ["ARCHS", "HYBRID_ARCHS", "VLM_ARCHS", "tiny_config", "tiny_model", "s
            "load_smollm2", "load_smollm2_tokenizer"]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
-# Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba2 (Nemotron-H, Granite 4, Bamba, Falcon-H1, Zamba2),
-# Mamba1 (Jamba) or short convolutions (LFM2) + softmax attention; and the attention-free Mamba1 models (Falcon-Mamba,
-# Mamba).
+# Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-hybrid), Mamba2 (Nemotron-H, Granite 4, Bamba, Falcon-H1,
+# Zamba2), Mamba1 (Jamba) or short convolutions (LFM2) + softmax attention; and the attention-free Mamba1 models
+# (Falcon-Mamba, Mamba).
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1",
-                "zamba2", "jamba", "lfm2", "falcon_mamba", "mamba")
+                "zamba2", "jamba", "lfm2", "falcon_mamba", "mamba", "olmo_hybrid")
 # Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -62,6 +62,7 @@ def _config_class(arch: str) -> Any:
         "jamba": tf.JambaConfig,
         "falcon_mamba": tf.FalconMambaConfig,
         "mamba": tf.MambaConfig,
+        "olmo_hybrid": tf.OlmoHybridConfig,
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS + VLM_ARCHS}")
