@@ -4,7 +4,8 @@
   with q, k L2-normalised (eps 1e-6 inside the rsqrt, as transformers / FLA) and q scaled by dk^-1/2;
 - Mamba2 SSD: dt_t = clamp(softplus(dt_t + dt_bias)), h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,
   y_t = h_t C_t + D x_t;
-- Mamba1's selective scan (per channel and state entry; see naive_selective_scan).
+- Mamba1's selective scan (per channel and state entry; see naive_selective_scan);
+- Kimi Delta Attention (the gated delta rule with a decay per key channel; naive_kda).
 They keep the dtype they are given (transformers' torch paths compute in fp32 even for fp64 inputs), and have the
 signatures of transformers' `torch_chunk_gated_delta_rule` / `mamba2_chunk_scan`, so a test can put them in the
 model's module for the unsharded reference AND the SP run (`patched_float64_kernels`).
@@ -35,6 +36,26 @@ def naive_gated_delta(query, key, value, g, beta, initial_state=None, output_fin
         read = (s * k[:, t, :, :, None]).sum(-2)
         delta = (value[:, t] - read) * beta[:, t, :, None].to(s.dtype)
         s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append((s * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(outs, 1), (s if output_final_state else None)
+
+
+def naive_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **kwargs):
+    """Kimi Delta Attention: the gated delta rule with a decay per key channel, g [b, L, h, dk]:
+    S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t."""
+    q, k = query, key
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    b, n, h, dv = value.shape
+    s = torch.zeros(b, h, k.shape[-1], dv, dtype=value.dtype) if initial_state is None else initial_state.to(value)
+    outs = []
+    for t in range(n):
+        s = s * g[:, t].to(s.dtype).exp()[..., None]
+        read = (s * k[:, t, :, :, None]).sum(-2)
+        s = s + k[:, t, :, :, None] * ((value[:, t] - read) * beta[:, t, :, None].to(s.dtype))[:, :, None, :]
         outs.append((s * q[:, t, :, :, None]).sum(-2))
     return torch.stack(outs, 1), (s if output_final_state else None)
 
@@ -89,7 +110,7 @@ def patched_float64_kernels(*modules: str):
     for name in modules:
         mod = sys.modules[name]
         for attr, fn in (("torch_chunk_gated_delta_rule", naive_gated_delta), ("mamba2_chunk_scan", naive_ssd),
-                         ("mamba_selective_scan", naive_selective_scan)):
+                         ("mamba_selective_scan", naive_selective_scan), ("chunk_kimi_delta_attention", naive_kda)):
             if hasattr(mod, attr):
                 saved.append((mod, attr, getattr(mod, attr)))
                 setattr(mod, attr, fn)

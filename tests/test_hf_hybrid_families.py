@@ -73,6 +73,7 @@ def _families() -> dict:
         "falcon_mamba": lambda: tiny_model("falcon_mamba"),
         "mamba": lambda: tiny_model("mamba"),
         "olmo_hybrid": lambda: tiny_model("olmo_hybrid"),
+        "kimi_linear": lambda: tiny_model("kimi_linear"),
         "lfm2_moe": lambda: _built(tf.Lfm2MoeConfig(**SMALL, moe_intermediate_size=16, num_hidden_layers=2,
                                                     conv_bias=True, num_dense_layers=1, num_experts=4,
                                                     num_experts_per_tok=2, layer_types=["conv", "full_attention"])),
@@ -97,9 +98,11 @@ def test_families_usp_2x2(models):
 F64_TOL = 1e-9
 # Jamba: 1e-7. Its RMS norms (dt / B / C, layers) and its router's softmax compute in fp32 even in a float64 model,
 # and x_proj's all-reduce (Ulysses) or the state correction (ring) changes their inputs in the 16th digit: 1-ulp
-# fp32 flips, ~1e-8. The mixer alone in float64 is exact to 1e-15 (test_mamba1_mixer_float64).
-F64_FAMILIES = {"lfm2": ({}, F64_TOL), "olmo_hybrid": ({}, F64_TOL), "falcon_h1": ({}, F64_TOL),
-                "zamba2": ({"num_layers": 4}, F64_TOL), "jamba": ({}, 1e-7)}
+# fp32 flips, ~1e-8. The mixer alone in float64 is exact to 1e-15 (test_mixers_float64).
+# Kimi-Linear: 1e-6. Its gated output norm computes in fp32 (and casts its weight to fp32) even in a float64 model;
+# the mixer alone is exact to 1e-13 but for the fp32-cast parameters (test_mixers_float64).
+F64_FAMILIES = {"lfm2": ({}, F64_TOL), "olmo_hybrid": ({}, F64_TOL), "kimi_linear": ({}, 1e-6),
+                "falcon_h1": ({}, F64_TOL), "zamba2": ({"num_layers": 4}, F64_TOL), "jamba": ({}, 1e-7)}
 
 
 def test_families_float64_ring2_ulysses2():
@@ -134,24 +137,29 @@ def _mixer_world(model, u: int, r: int):
     return float((seqpar.unshard(out.detach(), mesh, 1) - ref.detach()).abs().max()), errs
 
 
-def test_mamba1_mixer_float64(monkeypatch):
-    """Jamba's Mamba1 mixer in float64 (its scan swapped for tests/recurrent_ref.py's loop, its RMS norms computed in
-    float64) under Ulysses 2 and ring 2: output to 1e-14, every gradient to 1e-12 relative but those of A_log, D and
-    dt_proj.bias, which upstream casts to fp32 (`.float()`) in the forward, so their gradients are fp32-rounded: SP
-    sums the scan's and the correction's shares before that rounding, upstream only the scan's (2e-7)."""
+# arch: the parameters upstream's forward casts to fp32 (`.float()`, `.to(torch.float32)`) even in a float64 model
+FP32_CAST = {"jamba": ("A_log", "D", "dt_proj.bias"), "kimi_linear": ("forget_gate.dt_bias", "forget_gate.A_log",
+                                                                       "o_norm.weight")}
+
+
+@pytest.mark.parametrize("arch", sorted(FP32_CAST))
+def test_mixers_float64(monkeypatch, arch):
+    """One mixer in float64 (its recurrence swapped for tests/recurrent_ref.py's loop; Jamba's RMS norms computed in
+    float64) under Ulysses 2 and ring 2: output to 1e-14, every gradient to 1e-12 relative but those of the
+    parameters upstream casts to fp32 in the forward: their gradients are fp32-rounded, and SP sums the piece's and
+    the correction's shares before that rounding, upstream only one (2e-7)."""
     import transformers.models.jamba.modeling_jamba as jamba
 
     def norm64(self, h):
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
     monkeypatch.setattr(jamba.JambaRMSNorm, "forward", norm64)
-    model = tiny_model("jamba", dtype=torch.float64)
-    fp32_cast = ("A_log", "D", "dt_proj.bias")
-    with patched_float64_kernels(jamba.__name__):
+    model = tiny_model(arch, dtype=torch.float64)
+    with patched_float64_kernels(type(model).__module__):
         for u, r in ((2, 1), (1, 2)):
             for out_err, errs in run_threaded(_mixer_world, 2, model, u, r, timeout=120):
                 assert out_err < 1e-14, (u, r, out_err)
-                assert all(e < (2e-7 if n in fp32_cast else 1e-12) for n, e in errs.items()), (u, r, errs)
+                assert all(e < (2e-7 if n in FP32_CAST[arch] else 1e-12) for n, e in errs.items()), (u, r, errs)
 
 
 @pytest.mark.parametrize("arch", sorted(_families()))
@@ -182,7 +190,8 @@ class Spy:
 _M1 = ("causal_conv1d_fn", "mamba_selective_scan")
 KERNELS = {"lfm2": ("causal_conv1d_fn",), "falcon_h1": ("causal_conv1d_fn", "mamba2_chunk_scan"),
            "zamba2": ("causal_conv1d_fn", "mamba2_chunk_scan"), "jamba": _M1, "falcon_mamba": _M1, "mamba": _M1,
-           "olmo_hybrid": ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")}
+           "olmo_hybrid": ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"),
+           "kimi_linear": ("causal_conv1d_fn", "chunk_kimi_delta_attention")}
 
 
 def _layer_world(model):

@@ -58,6 +58,7 @@ class RecurrentHeads:
 
 _RECURRENT_FIELDS = (  # (kind, heads field, groups field) of the config families seqpar runs
     ("gated_deltanet", "linear_num_key_heads", None),
+    ("gated_deltanet", "linear_num_heads", None),  # Kimi-Linear's KDA (the same bound: the degree divides the heads)
     ("mamba2", "mamba_num_heads", "n_groups"),  # Nemotron-H
     ("mamba2", "mamba_n_heads", "mamba_n_groups"),  # Granite 4 (GraniteMoeHybrid), Bamba, Falcon-H1
     ("mamba2", "n_mamba_heads", "mamba_ngroups"),  # Zamba2

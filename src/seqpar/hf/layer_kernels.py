@@ -31,6 +31,7 @@ _ON_LAYER = {
     "causal_conv1d_fn": ("causal_conv1d_fn",),
     "mamba2_chunk_scan": (),
     "mamba_selective_scan": (),
+    "chunk_kimi_delta_attention": (),
 }
 
 

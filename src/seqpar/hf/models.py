@@ -30,7 +30,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
 # Zamba2), Mamba1 (Jamba) or short convolutions (LFM2) + softmax attention; and the attention-free Mamba1 models
 # (Falcon-Mamba, Mamba).
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1",
-                "zamba2", "jamba", "lfm2", "falcon_mamba", "mamba", "olmo_hybrid")
+                "zamba2", "jamba", "lfm2", "falcon_mamba", "mamba", "olmo_hybrid", "kimi_linear")
 # Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -63,6 +63,7 @@ def _config_class(arch: str) -> Any:
         "falcon_mamba": tf.FalconMambaConfig,
         "mamba": tf.MambaConfig,
         "olmo_hybrid": tf.OlmoHybridConfig,
+        "kimi_linear": tf.KimiLinearConfig,
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS + VLM_ARCHS}")
@@ -234,6 +235,12 @@ def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
                     mamba_dt_rank=4, output_router_logits=False)
     if arch in ("falcon_mamba", "mamba"):  # Mamba1 blocks only (64 channels, state 8, dt rank 4, conv kernel 4)
         return dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=4)
+    if arch == "kimi_linear":  # KDA (4 heads of 8) then MLA attention (v head dim 4); layer 1's MLP a 4-expert MoE
+        return dict(layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(num_layers)],
+                    linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4, num_key_value_heads=None,
+                    q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=4,
+                    num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                    mlp_layer_types=["dense" if i % 2 == 0 else "sparse" for i in range(num_layers)])
     if arch == "lfm2":  # short convs of kernel 3 (with bias) first, then attention
         return dict(layer_types=["full_attention" if i % 2 else "conv" for i in range(num_layers)], conv_L_cache=3,
                     conv_bias=True, block_auto_adjust_ff_dim=False)
