@@ -117,8 +117,7 @@ def check_softmax_attention_only(
             f"{type(model).__name__} mixes information along the sequence outside softmax attention ({listed}). "
             "seqpar supports softmax-attention models only: these layers would see only their rank's shard and "
             "give silently wrong results. Use a softmax-attention model (Llama, Qwen2/3, Mistral, Gemma2/3, "
-            "Phi3, ...) or a supported hybrid (Qwen3-Next, Qwen3.5 text, OLMo-hybrid: Gated DeltaNet; Kimi-Linear: KDA; "
-            "Nemotron-H, "
-            "Granite 4 (GraniteMoeHybrid), Bamba, Falcon-H1, Zamba2: Mamba2; Jamba, Falcon-Mamba, Mamba: Mamba1; "
-            "LFM2: short convolutions), or train without SP"
+            "Phi3, ...) or a supported hybrid (Qwen3-Next, Qwen3.5 text, OLMo-hybrid: Gated DeltaNet; Kimi-Linear: "
+            "KDA; Nemotron-H, Granite 4 (GraniteMoeHybrid), Bamba, Falcon-H1, Zamba2: Mamba2; Jamba, Falcon-Mamba, "
+            "Mamba: Mamba1; LFM2: short convolutions), or train without SP"
         )
