@@ -170,24 +170,12 @@ _SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
               num_key_value_heads=2)
 _MAMBA2_MIX = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4)
 # (family, config class, model class, tiny config kwargs, what the refusal must name)
-# (Qwen3-Next / Qwen3.5 Gated DeltaNet and the Mamba2 mixers of Nemotron-H, Granite 4 and Bamba are supported:
-# tests/test_hf_hybrid.py; Bamba and Granite 4 built from the configs below pass: test_supported_mamba2_hybrids.)
+# (Gated DeltaNet, KDA, Mamba2, Mamba1 and LFM2's short convs are supported: tests/test_hf_hybrid*.py; the models
+# built from the configs of test_supported_recurrent_hybrids pass.)
 NON_ATTENTION_MODELS = [
-    ("mamba", "MambaConfig", "MambaForCausalLM",
-     dict(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4), "MambaMixer"),
     ("mamba2", "Mamba2Config", "Mamba2ForCausalLM",
      dict(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, num_heads=4, head_dim=16,
           n_groups=1), "Mamba2Mixer"),
-    ("jamba", "JambaConfig", "JambaForCausalLM",
-     dict(_SMALL, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
-          expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
-          mamba_dt_rank=4), "JambaMambaMixer"),
-    ("falcon_h1", "FalconH1Config", "FalconH1ForCausalLM",
-     dict(_SMALL, head_dim=8, mamba_d_ssm=64, **_MAMBA2_MIX), "FalconH1Mixer"),
-    ("zamba2", "Zamba2Config", "Zamba2ForCausalLM",
-     dict(_SMALL, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=4, mamba_ngroups=1, num_mem_blocks=1,
-          layers_block_type=["mamba", "hybrid"]), "Zamba2MambaMixer"),
-    ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", dict(_SMALL, layer_types=["conv", "full_attention"]), "Lfm2ShortConv"),
     ("recurrent_gemma", "RecurrentGemmaConfig", "RecurrentGemmaForCausalLM",
      dict(_SMALL, lru_width=32, attention_window_size=16, conv1d_width=4), "RecurrentGemmaRecurrentBlock"),
     ("rwkv", "RwkvConfig", "RwkvForCausalLM",
@@ -215,14 +203,31 @@ def test_refuses_non_softmax_sequence_mixers(family, cfg_cls, model_cls, kw, nam
     assert not is_sequence_parallel(model)
 
 
-@pytest.mark.parametrize("cfg_cls,model_cls,kw", [
+SUPPORTED_RECURRENT = [
     ("BambaConfig", "BambaForCausalLM", dict(_SMALL, attn_layer_indices=[1], **_MAMBA2_MIX)),
     ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
      dict(_SMALL, num_local_experts=2, num_experts_per_tok=1, layer_types=["mamba", "attention"], **_MAMBA2_MIX)),
-], ids=["bamba", "granite_moe_hybrid"])
-def test_supported_mamba2_hybrids(cfg_cls, model_cls, kw):
-    """Bamba and Granite 4 (legacy "mamba" layer names included): their Mamba2 mixers get seqpar's forward, and
-    at SP=1 it gives the model's own logits (fp32, 1e-5); other mixers stay refused (the list above)."""
+    ("MambaConfig", "MambaForCausalLM",
+     dict(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4)),
+    ("JambaConfig", "JambaForCausalLM",
+     dict(_SMALL, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+          expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+          mamba_dt_rank=4)),
+    ("FalconH1Config", "FalconH1ForCausalLM",
+     dict(_SMALL, head_dim=8, mamba_d_ssm=64, **_MAMBA2_MIX)),
+    ("Zamba2Config", "Zamba2ForCausalLM",
+     dict(_SMALL, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=4, mamba_ngroups=1, num_mem_blocks=1,
+          layers_block_type=["mamba", "hybrid"])),
+    ("Lfm2Config", "Lfm2ForCausalLM", dict(_SMALL, layer_types=["conv", "full_attention"])),
+]
+
+
+@pytest.mark.parametrize("cfg_cls,model_cls,kw", SUPPORTED_RECURRENT,
+                         ids=["bamba", "granite_moe_hybrid", "mamba", "jamba", "falcon_h1", "zamba2", "lfm2"])
+def test_supported_recurrent_hybrids(cfg_cls, model_cls, kw):
+    """Bamba and Granite 4 (legacy "mamba" layer names included), Mamba, Jamba, Falcon-H1, Zamba2, LFM2: their
+    recurrent / conv mixers get seqpar's forward, and at SP=1 it gives the model's own logits (fp32, 1e-5); other
+    mixers stay refused (the list above)."""
     import transformers
 
     torch.manual_seed(0)
