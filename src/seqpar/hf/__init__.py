@@ -4,7 +4,9 @@
                           use_mesh (length-aware SP: the mesh of each micro-batch)
     forward_plan.py       the per-forward plan: full length and packed documents, from the full position_ids
     attention_fn.py       the attention functions the layers call, with their per-call refusals
-    linear_attention.py   Gated DeltaNet (Qwen3-Next / Qwen3.5) under Ulysses; mixers.py: refused sequence mixers
+    linear_attention.py   Gated DeltaNet (Qwen3-Next / Qwen3.5 / OLMo-hybrid) under Ulysses, ring, USP; mixers.py:
+                          refused sequence mixers; recurrent_layers.py: the recurrent / conv mixers seqpar runs
+                          (mamba2.py, mamba1.py, kda.py, short_conv.py)
     vision.py             Qwen2.5-VL / Qwen3-VL: vision tower local, text decoder under SP
     prepare.py            prepare_model / frozen_reference: the one model preparation of every trainer
     trainer.py            SequenceParallelTrainer / SequenceParallelDPOTrainer (Trainer drop-ins), with

@@ -140,9 +140,9 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, attention
     sinks, nested/encoder-decoder configs, MoE router aux losses (output_router_logits), any sequence
     mixing outside softmax attention (linear attention, Mamba/SSM, convolutions, recurrences, chunked
-    attention: see seqpar.hf.mixers) except the Gated DeltaNet layers of Qwen3-Next / Qwen3.5 and the Mamba2
-    mixers of Nemotron-H / Granite 4 / Bamba, which run in every mode (ring / USP by state passing:
-    seqpar.hf.linear_attention, seqpar.hf.mamba2; the Ulysses degree must split their heads)
+    attention: see seqpar.hf.mixers) except the recurrent / conv mixers of seqpar.hf.recurrent_layers (Gated
+    DeltaNet, KDA, Mamba2, Mamba1, LFM2's short convs), which run in every mode (ring / USP by state passing;
+    the Ulysses degree must split their heads)
     (here); attention dropout in train mode, non-causal attention, sliding windows shorter than
     the sequence (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
     the kernel each model's first attention call resolves to is printed once per process, on rank 0.
