@@ -170,8 +170,8 @@ _SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
               num_key_value_heads=2)
 _MAMBA2_MIX = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4)
 # (family, config class, model class, tiny config kwargs, what the refusal must name)
-# (Gated DeltaNet, KDA, Mamba2, Mamba1 and LFM2's short convs are supported: tests/test_hf_hybrid*.py; the models
-# built from the configs of test_supported_recurrent_hybrids pass.)
+# (Gated DeltaNet, KDA, Mamba2, Mamba1, lightning attention and LFM2's short convs are supported:
+# tests/test_hf_hybrid*.py; the models built from the configs of test_supported_recurrent_hybrids pass.)
 NON_ATTENTION_MODELS = [
     ("mamba2", "Mamba2Config", "Mamba2ForCausalLM",
      dict(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, num_heads=4, head_dim=16,
@@ -183,9 +183,6 @@ NON_ATTENTION_MODELS = [
      "RwkvForCausalLM: a Rwkv model"),
     ("xlstm", "xLSTMConfig", "xLSTMForCausalLM", dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4),
      "xLSTMForCausalLM: a xLSTM model"),
-    ("minimax", "MiniMaxConfig", "MiniMaxForCausalLM",
-     dict(_SMALL, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
-          layer_types=["linear_attention", "full_attention"]), "MiniMaxLightningAttention"),
 ]
 
 
@@ -219,14 +216,17 @@ SUPPORTED_RECURRENT = [
      dict(_SMALL, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=4, mamba_ngroups=1, num_mem_blocks=1,
           layers_block_type=["mamba", "hybrid"])),
     ("Lfm2Config", "Lfm2ForCausalLM", dict(_SMALL, layer_types=["conv", "full_attention"])),
+    ("MiniMaxConfig", "MiniMaxForCausalLM", dict(_SMALL, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+                                                 layer_types=["linear_attention", "full_attention"])),
 ]
 
 
 @pytest.mark.parametrize("cfg_cls,model_cls,kw", SUPPORTED_RECURRENT,
-                         ids=["bamba", "granite_moe_hybrid", "mamba", "jamba", "falcon_h1", "zamba2", "lfm2"])
+                         ids=["bamba", "granite_moe_hybrid", "mamba", "jamba", "falcon_h1", "zamba2", "lfm2",
+                              "minimax"])
 def test_supported_recurrent_hybrids(cfg_cls, model_cls, kw):
-    """Bamba and Granite 4 (legacy "mamba" layer names included), Mamba, Jamba, Falcon-H1, Zamba2, LFM2: their
-    recurrent / conv mixers get seqpar's forward, and at SP=1 it gives the model's own logits (fp32, 1e-5); other
+    """Bamba and Granite 4 (legacy "mamba" layer names included), Mamba, Jamba, Falcon-H1, Zamba2, LFM2, MiniMax:
+    their recurrent / conv mixers get seqpar's forward, and at SP=1 it gives the model's own logits (fp32, 1e-5); other
     mixers stay refused (the list above)."""
     import transformers
 

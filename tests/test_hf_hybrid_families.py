@@ -8,6 +8,7 @@ and 23 tokens: boundaries inside shards; the recurrences' chunks are shorter tha
 - Falcon-H1 (Mamba2 beside attention, muP multipliers; with and without its gated norm), Zamba2 (Mamba2 + a shared
   attention block with LoRA adapters, used by two layers): the Mamba2 path;
 - Jamba (Mamba1 + attention, MoE), Falcon-Mamba and Mamba (Mamba1 only): the selective scan (recurrent.selective);
+- OLMo-hybrid (Gated DeltaNet), Kimi-Linear (KDA + MLA, MoE), MiniMax (lightning attention, blocks of 16, MoE);
 plus float64 runs (recurrences swapped for tests/recurrent_ref.py's loops) and spies on the kernel functions.
 The models are built once, in the main thread (fixed seed), and deep-copied in each rank's thread.
 """
@@ -74,6 +75,7 @@ def _families() -> dict:
         "mamba": lambda: tiny_model("mamba"),
         "olmo_hybrid": lambda: tiny_model("olmo_hybrid"),
         "kimi_linear": lambda: tiny_model("kimi_linear"),
+        "minimax": lambda: tiny_model("minimax"),
         "lfm2_moe": lambda: _built(tf.Lfm2MoeConfig(**SMALL, moe_intermediate_size=16, num_hidden_layers=2,
                                                     conv_bias=True, num_dense_layers=1, num_experts=4,
                                                     num_experts_per_tok=2, layer_types=["conv", "full_attention"])),
@@ -102,7 +104,8 @@ F64_TOL = 1e-9
 # Kimi-Linear: 1e-6. Its gated output norm computes in fp32 (and casts its weight to fp32) even in a float64 model;
 # the mixer alone is exact to 1e-13 but for the fp32-cast parameters (test_mixers_float64).
 F64_FAMILIES = {"lfm2": ({}, F64_TOL), "olmo_hybrid": ({}, F64_TOL), "kimi_linear": ({}, 1e-6),
-                "falcon_h1": ({}, F64_TOL), "zamba2": ({"num_layers": 4}, F64_TOL), "jamba": ({}, 1e-7)}
+                "falcon_h1": ({}, F64_TOL), "zamba2": ({"num_layers": 4}, F64_TOL), "jamba": ({}, 1e-7),
+                "minimax": ({}, F64_TOL)}
 
 
 def test_families_float64_ring2_ulysses2():
@@ -186,7 +189,7 @@ class Spy:
 
 
 # arch: the module functions its mixer's forward calls (where transformers dispatches to causal-conv1d / mamba_ssm /
-# flash-linear-attention when installed)
+# flash-linear-attention when installed); MiniMax's lightning attention calls none (its block algorithm is inline)
 _M1 = ("causal_conv1d_fn", "mamba_selective_scan")
 KERNELS = {"lfm2": ("causal_conv1d_fn",), "falcon_h1": ("causal_conv1d_fn", "mamba2_chunk_scan"),
            "zamba2": ("causal_conv1d_fn", "mamba2_chunk_scan"), "jamba": _M1, "falcon_mamba": _M1, "mamba": _M1,

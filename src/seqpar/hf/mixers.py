@@ -119,5 +119,5 @@ def check_softmax_attention_only(
             "give silently wrong results. Use a softmax-attention model (Llama, Qwen2/3, Mistral, Gemma2/3, "
             "Phi3, ...) or a supported hybrid (Qwen3-Next, Qwen3.5 text, OLMo-hybrid: Gated DeltaNet; Kimi-Linear: "
             "KDA; Nemotron-H, Granite 4 (GraniteMoeHybrid), Bamba, Falcon-H1, Zamba2: Mamba2; Jamba, Falcon-Mamba, "
-            "Mamba: Mamba1; LFM2: short convolutions), or train without SP"
+            "Mamba: Mamba1; MiniMax: lightning attention; LFM2: short convolutions), or train without SP"
         )

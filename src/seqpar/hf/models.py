@@ -30,7 +30,8 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
 # Zamba2), Mamba1 (Jamba) or short convolutions (LFM2) + softmax attention; and the attention-free Mamba1 models
 # (Falcon-Mamba, Mamba).
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1",
-                "zamba2", "jamba", "lfm2", "falcon_mamba", "mamba", "olmo_hybrid", "kimi_linear")
+                "zamba2", "jamba", "lfm2", "falcon_mamba", "mamba", "olmo_hybrid", "kimi_linear",
+                "minimax")
 # Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -64,6 +65,7 @@ def _config_class(arch: str) -> Any:
         "mamba": tf.MambaConfig,
         "olmo_hybrid": tf.OlmoHybridConfig,
         "kimi_linear": tf.KimiLinearConfig,
+        "minimax": tf.MiniMaxConfig,
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS + VLM_ARCHS}")
@@ -241,6 +243,10 @@ def _hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
                     q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=4,
                     num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
                     mlp_layer_types=["dense" if i % 2 == 0 else "sparse" for i in range(num_layers)])
+    if arch == "minimax":  # lightning attention (blocks of 16 tokens) then softmax attention; 4-expert top-2 MoE
+        return dict(layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(num_layers)],
+                    block_size=16, num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
+                    linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1)
     if arch == "lfm2":  # short convs of kernel 3 (with bias) first, then attention
         return dict(layer_types=["full_attention" if i % 2 else "conv" for i in range(num_layers)], conv_L_cache=3,
                     conv_bias=True, block_auto_adjust_ff_dim=False)

@@ -16,6 +16,7 @@ import torch
 
 from ..mesh import SequenceParallelMesh
 from .kda import KDA_CLASSES, check_kda, sp_kda_forward
+from .lightning import LIGHTNING_CLASSES, check_lightning, sp_lightning_forward
 from .linear_attention import LINEAR_ATTENTION_CLASSES, check_linear_attention, sp_gated_delta_forward
 from .mamba1 import MAMBA1_CLASSES, check_mamba1, sp_mamba1_forward
 from .mamba2 import MAMBA2_CLASSES, check_mamba2, sp_mamba2_forward
@@ -38,6 +39,7 @@ KINDS = (
     RecurrentKind(KDA_CLASSES, check_kda, sp_kda_forward, frozenset({"linear_attention"})),
     RecurrentKind(MAMBA2_CLASSES, check_mamba2, sp_mamba2_forward, frozenset({"linear_attention", "mamba", "hybrid"})),
     RecurrentKind(MAMBA1_CLASSES, check_mamba1, sp_mamba1_forward, frozenset({"linear_attention", "mamba"})),
+    RecurrentKind(LIGHTNING_CLASSES, check_lightning, sp_lightning_forward, frozenset({"linear_attention"})),
     RecurrentKind(SHORT_CONV_CLASSES, check_short_conv, sp_short_conv_forward, frozenset({"conv"})),
 )
 

@@ -8,6 +8,7 @@
     delta.py      the gated delta rule's piece (one kernel call with [v | 0] from [0 | I] gives M and the correction)
     ssd.py        Mamba2's SSD piece (a scalar decay per head)
     selective.py  Mamba1's selective-scan piece (a decay per channel and state entry)
+    lightning.py  MiniMax's lightning-attention piece (a constant decay per head)
 
 Model adapters (projections, head slices, norms) live in seqpar.hf (linear_attention.py, mamba2.py).
 """
@@ -16,10 +17,11 @@ from .combine import KINDS, MODES, incoming_states
 from .delta import delta_piece
 from .engine import PieceResult, ring_conv, ring_recurrence
 from .halo import conv_with_halo, gather_halos
+from .lightning import lightning_piece
 from .segments import RingPlan, ring_plan
 from .selective import SelectiveParams, selective_piece
 from .ssd import SSDParams, ssd_piece
 
-__all__ = ["KINDS", "MODES", "PieceResult", "RingPlan", "SSDParams", "conv_with_halo", "delta_piece",
-           "gather_halos", "incoming_states", "ring_conv", "ring_plan", "ring_recurrence", "SelectiveParams",
-           "selective_piece", "ssd_piece"]
+__all__ = ["KINDS", "MODES", "PieceResult", "RingPlan", "SSDParams", "SelectiveParams", "conv_with_halo",
+           "delta_piece", "gather_halos", "incoming_states", "lightning_piece", "ring_conv", "ring_plan",
+           "ring_recurrence", "selective_piece", "ssd_piece"]
