@@ -108,6 +108,7 @@ F64_FAMILIES = {"lfm2": ({}, F64_TOL), "olmo_hybrid": ({}, F64_TOL), "kimi_linea
                 "minimax": ({}, F64_TOL)}
 
 
+@pytest.mark.slow
 def test_families_float64_ring2_ulysses2():
     """In float64, with the recurrences swapped for the token-by-token loops of tests/recurrent_ref.py (transformers'
     torch scan computes in fp32): SP equals the unsharded model to ~1e-11 (gradients ~0.1-1). fp32's 1e-5 above is
