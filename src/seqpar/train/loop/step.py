@@ -91,12 +91,19 @@ def backward_micro_batches(loop: Loop, micro: list[dict[str, torch.Tensor]],
             (share * loop.factor).backward()
             share_sum += share.detach().float().cpu()
             for k, v in met.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) / len(micro)
+                metrics[k] = max(metrics.get(k, 0.0), float(v)) if k == _DIFF_MAX else \
+                    metrics.get(k, 0.0) + float(v) / len(micro)
     except BaseException:
         if loop.grad_sum is not None:  # a later step's first backwards must not post sums
             loop.grad_sum.disarm()
         raise
+    if "rollout_logprob_diff_sum" in metrics:  # the step's mean over every completion token (sums over count)
+        total, count = metrics.pop("rollout_logprob_diff_sum"), metrics.pop("rollout_logprob_diff_count")
+        metrics["rollout_logprob_diff_mean"] = total / max(count, 1e-30)
     return share_sum, metrics
+
+
+_DIFF_MAX = "rollout_logprob_diff_max"  # the step's max over micro-batches (not their mean)
 
 
 def apply_update(loop: Loop, loss: float, grad_norm: float) -> bool:
