@@ -44,9 +44,14 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 # Bytecode compiled once up front: where PYTHONDONTWRITEBYTECODE is set, every spawned rank would compile seqpar's
 # modules again (about 0.4 s of each process's start).
-test: setup
+test: setup vllm-env
 	$(PY) -m compileall -q src tests
 	$(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) -m "not slow"
+	$(MAKE) --no-print-directory test-vllm
+
+# The vLLM engine's tests (tests/vllm_env) in the vLLM venv; the main suite skips them (no vLLM there).
+test-vllm: vllm-env
+	$(VPY) -m pytest $(PYTEST_FLAGS) -p no:xdist -p no:cacheprovider tests/vllm_env
 
 # The heavy cases load SmolLM2 on several ranks at once: one test at a time unless TEST_WORKERS says otherwise.
 test-all: setup
@@ -84,4 +89,4 @@ bench-memory: setup
 	$(PY) -m seqpar.bench memory --out bench_results/memory.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache bench_results
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache bench_results
