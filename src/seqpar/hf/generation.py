@@ -59,7 +59,7 @@ from .rollout_media import media_encoded_in_forward
 __all__ = ["sequence_parallel_paused", "generate_for_group", "media_generate_kwargs", "sampling_seed", "row_seed",
            "group_source_rank", "placeholder_ids",
            "sampling_config", "prompt_share", "is_sharded", "sample_rows", "checkpointing_kept", "fsdp_synced",
-           "local_rows"]
+           "local_rows", "gather_shares"]
 
 
 @contextlib.contextmanager
@@ -318,13 +318,19 @@ def generate_for_group(
                              f"{type(e).__name__}: {e}")
     finally:
         model.train(was_training)
+    ids, lps = gather_shares(result, mesh)
+    return (ids, lps) if return_logprobs else ids
+
+
+def gather_shares(result: Any, mesh: SequenceParallelMesh) -> tuple[list[list[int]], list[list[float]]]:
+    """Every SP rank's share ([(completion, log-probs)] or the SeqParError it met), all-gathered in rank order:
+    (completions, log-probs), or the first error raised on every rank of the group."""
     parts = comm.all_gather_object(result, group=mesh.sp_group) if mesh.sp_size > 1 else [result]
     for p in parts:
         if isinstance(p, Exception):
             raise SeqParError(str(p))
     got = [c for p in parts for c in p]
-    ids = [c for c, _ in got]
-    return (ids, [lp for _, lp in got]) if return_logprobs else ids
+    return [c for c, _ in got], [lp for _, lp in got]
 
 
 # ----------------------------------------------------------------------------- TRL GRPO drop-in helpers

@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
-from .generation import group_source_rank, local_rows, prompt_share, sequence_parallel_paused
+from .generation import gather_shares, group_source_rank, local_rows, prompt_share, sequence_parallel_paused
 from .weight_stream import named_full_weights
 
 __all__ = ["vllm_generate_for_group"]
@@ -58,9 +57,4 @@ def vllm_generate_for_group(
         first = (str(e).strip().splitlines() or [""])[0][:300]
         result = SeqParError(f"vLLM rollout failed on rank {group_source_rank(mesh) + mesh.sp_rank}: "
                              f"{type(e).__name__}: {first}")
-    parts = comm.all_gather_object(result, group=mesh.sp_group) if mesh.sp_size > 1 else [result]
-    for p in parts:
-        if isinstance(p, Exception):
-            raise SeqParError(str(p))
-    got = [c for p in parts for c in p]
-    return [c for c, _ in got], [lp for _, lp in got]
+    return gather_shares(result, mesh)
