@@ -134,26 +134,30 @@ class GRPORollout:
             full.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c, **rows[j // n_gen].media})
         return full
 
-    def micro_batches(self, rows: list[PromptRow], completions: list[list[int]],
-                      advantages: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        """SP micro-batches of micro_batch_size rows each: prompt + completion, completion supervised."""
+    def micro_batches(self, rows: list[PromptRow], completions: list[list[int]], advantages: torch.Tensor,
+                      logprobs: list[list[float]] | None = None) -> list[dict[str, torch.Tensor]]:
+        """SP micro-batches of micro_batch_size rows each: prompt + completion, completion supervised; with the
+        sampler's `logprobs`, "rollout_logps" for the mismatch metrics."""
         mbs = self.cfg.micro_batch_size
         full = self.full_rows(rows, completions)
         out = []
         for s in range(0, len(full), mbs):
             part = full[s:s + mbs]
             b = self.collator(part)
-            width = b["shift_labels"].shape[1] * self.mesh.sp_size  # the full (padded) length
-            b["rollout_logps"] = shard(self._rollout_logps(width, rows, range(s, s + len(part))), self.mesh, dim=1)
+            if logprobs is not None:
+                width = b["shift_labels"].shape[1] * self.mesh.sp_size  # the full (padded) length
+                full_lp = self._rollout_logps(width, rows, logprobs, range(s, s + len(part)))
+                b["rollout_logps"] = shard(full_lp, self.mesh, dim=1)
             b["advantages"] = advantages[s:s + mbs].to(torch.float32)
             out.append(b)
         return out
 
-    def _rollout_logps(self, width: int, rows: list[PromptRow], idx: range) -> torch.Tensor:
+    def _rollout_logps(self, width: int, rows: list[PromptRow], logprobs: list[list[float]],
+                       idx: range) -> torch.Tensor:
         """[B, width]: at each completion token's target position (shift_labels), the engine's log-prob of it."""
         out = torch.zeros(len(idx), width, dtype=torch.float32)
         for i, j in enumerate(idx):
-            p, lp = len(rows[j // self.g.num_generations].prompt_ids), self.logprobs[j]
+            p, lp = len(rows[j // self.g.num_generations].prompt_ids), logprobs[j]
             out[i, p - 1:p - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
         return out
 
@@ -190,7 +194,7 @@ class GRPORollout:
         rows = [self.prompts[i] for i in stream.take(self.cfg.micro_batch_size * self.cfg.grad_accum
                                                      // self.g.num_generations)]
         completions, advantages, scored = self.rollout(model, rows, step)
-        return self.micro_batches(rows, completions, advantages), self.metrics(completions, scored)
+        return self.micro_batches(rows, completions, advantages, self.logprobs), self.metrics(completions, scored)
 
     def step_rows(self, model: torch.nn.Module, stream: Any, step: int) -> tuple[list[dict], torch.Tensor, dict]:
         """Length-aware SP (train/loop/dynamic_step.py): the step's prompts rolled out as the fixed run at this
