@@ -56,12 +56,13 @@ test: setup vllm-env
 
 # The vLLM engine's tests (tests/vllm_env) in the vLLM venv; the main suite skips them (no vLLM there).
 test-vllm: vllm-env
-	$(VPY) -m pytest $(PYTEST_FLAGS) -p no:xdist -p no:cacheprovider tests/vllm_env
+	$(VPY) -m pytest $(PYTEST_FLAGS) -p no:xdist -p no:cacheprovider -m "not slow" tests/vllm_env
 
 # The heavy cases load SmolLM2 on several ranks at once: one test at a time unless TEST_WORKERS says otherwise.
-test-all: setup
+test-all: setup vllm-env
 	$(PY) -m compileall -q src tests
 	$(PY) -m pytest $(PYTEST_FLAGS) $(if $(filter command line,$(origin TEST_WORKERS)),$(XDIST),-p no:xdist)
+	$(VPY) -m pytest $(PYTEST_FLAGS) -p no:xdist -p no:cacheprovider tests/vllm_env
 
 # On a machine with a CUDA GPU: its own python3 and torch (no venv, no network), seqpar from src/ (docs/gpu.md).
 GPU_ENV := PYTHONPATH=$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH)) PYTHONUNBUFFERED=1

@@ -151,6 +151,24 @@ def test_dead_engine_stops_every_rank(data, tmp_path):
     assert msg.count(want) >= 2, msg[-3000:]  # both ranks raise it, at the same step (no hang)
 
 
+@pytest.mark.slow
+def test_sp2_equals_sp1_lora_fsdp2(data, tmp_path):
+    """LoRA under FSDP2: the merged adapters pushed from sharded parameters; SP 2 on 2 ranks vs SP 1 on 1 rank."""
+    extra = {"finetuning": {"method": "lora", "r": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "down_proj"]},
+             "fsdp": True, "optimizer": {"name": "sgd", "lr": 2.0}}
+    sp2 = run_distributed(_train, 2, {**_cfg(data, tmp_path / "sp2", 2), **extra}, timeout=420)[0]
+    sp1 = run_distributed(_train, 1, {**_cfg(data, tmp_path / "sp1", 1), **extra}, timeout=420)[0]
+    a, b = _rows(tmp_path / "sp2" / "rollouts.jsonl"), _rows(tmp_path / "sp1" / "rollouts.jsonl")
+    assert [r["completion_ids"] for r in a] == [r["completion_ids"] for r in b]
+    assert max(abs(p - q) for p, q in zip(sp2, sp1)) < TOL, (sp2, sp1)
+    step1 = {tuple(r["completion_ids"]): r["logprobs"] for r in a if r["step"] == 1}
+    assert any(abs(r["advantage"]) > 0.1 for r in a)
+    for run in ("sp1", "sp2"):
+        for m in _rows(tmp_path / run / "metrics.jsonl"):
+            assert m["rollout_logprob_diff_max"] < LP_TOL  # the engine samples the merged, current policy
+    assert step1
+
+
 @pytest.mark.parametrize("change,needle", [
     ({"model": {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8}}},
      "head_dim=8 is not one vLLM's CPU attention runs"),
