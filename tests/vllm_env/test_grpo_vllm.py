@@ -161,12 +161,13 @@ def test_sp2_equals_sp1_lora_fsdp2(data, tmp_path):
     a, b = _rows(tmp_path / "sp2" / "rollouts.jsonl"), _rows(tmp_path / "sp1" / "rollouts.jsonl")
     assert [r["completion_ids"] for r in a] == [r["completion_ids"] for r in b]
     assert max(abs(p - q) for p, q in zip(sp2, sp1)) < TOL, (sp2, sp1)
-    step1 = {tuple(r["completion_ids"]): r["logprobs"] for r in a if r["step"] == 1}
     assert any(abs(r["advantage"]) > 0.1 for r in a)
     for run in ("sp1", "sp2"):
         for m in _rows(tmp_path / run / "metrics.jsonl"):
             assert m["rollout_logprob_diff_max"] < LP_TOL  # the engine samples the merged, current policy
-    assert step1
+    # the base weights never move under LoRA: step 2 under them (no adapter delta) is far from what was logged
+    stale = _recompute({**_cfg(data, tmp_path / "sp1", 1), **extra}, None, [r for r in a if r["step"] == 2], 0.7)
+    assert stale > 1e-3, stale
 
 
 @pytest.mark.parametrize("change,needle", [
