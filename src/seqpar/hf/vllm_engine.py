@@ -180,6 +180,9 @@ def _join_world(rank: int) -> bool:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "0")
     if dist.is_initialized():
+        if dist.get_backend() == "seqpar_threads":  # seqpar.threaded: vLLM keeps one engine's state per process
+            raise SeqParError("the vLLM engine needs ranks that are processes (vLLM keeps its state per process), "
+                              "not threads (seqpar.threaded): launch with seqpar train / torchrun")
         return False
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return True

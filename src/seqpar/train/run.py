@@ -27,7 +27,7 @@ from ..threaded import serial
 from .config import TrainConfig, dynamic_degrees, validate_for_launch, with_total_steps
 from .dataset.identity import DataIdentity, data_identity
 from .dataset.prepare import prepare_examples
-from .grpo.engine import check_rollout_engine
+from .grpo.engine import check_rollout_engine, trim_rollouts
 from .grpo.rollout import GRPORollout, grpo_step_spec
 from .lifecycle.checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .lifecycle.export import export_trained
@@ -175,8 +175,7 @@ def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_d
     metrics_path = out / "metrics.jsonl"
     if rank == 0:
         trim_metrics(metrics_path, start_step)
-        if start_step == 0:  # grpo.log_rollouts appends from the first step on
-            (out / "rollouts.jsonl").unlink(missing_ok=True)
+        trim_rollouts(out / "rollouts.jsonl", start_step)  # grpo.log_rollouts appends step by step
         if start_step == 0:
             (out / "config.json").write_text(cfg.model_dump_json(indent=2))
         (out / "mesh.txt").write_text(f"{mesh!r} world={world}\n")

@@ -15,7 +15,7 @@ from ...hf.generation import generate_for_group
 from ...mesh import SequenceParallelMesh
 from ..config import TrainConfig
 
-__all__ = ["check_rollout_engine", "RolloutEngine", "write_rollouts"]
+__all__ = ["check_rollout_engine", "RolloutEngine", "write_rollouts", "trim_rollouts"]
 
 
 def check_rollout_engine(cfg: TrainConfig, config: Any) -> None:
@@ -88,3 +88,14 @@ def write_rollouts(path: Path, mesh: SequenceParallelMesh, rows: list[dict[str, 
                         f.write(json.dumps(r) + "\n")
         except OSError as e:
             raise SeqParError(f"grpo.log_rollouts: cannot write {path}: {e}") from None
+
+
+def trim_rollouts(path: Path, start_step: int) -> None:
+    """rollouts.jsonl as the run starting at `start_step` continues it: a fresh start (0) removes it, a resume keeps
+    the rows of steps <= start_step (a run stopped after its last checkpoint wrote rows the resumed run redoes)."""
+    if start_step == 0 or not path.is_file():
+        path.unlink(missing_ok=True)
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start_step]
+    path.write_text("".join(line + "\n" for line in keep))
+

@@ -1,10 +1,12 @@
-"""seqpar.hf.weight_stream.named_full_weights: what the vLLM engine is fed before every rollout.
+"""The parts of the vLLM rollout engine that run without vLLM (the main environment).
+
+seqpar.hf.weight_stream.named_full_weights, what the engine is fed before every rollout.
 
 Plain model: every parameter under its state_dict name, the same values. LoRA (peft): the adapted linears'
 weights merged (W + scaling x B @ A) equal peft's own merge_and_unload() within 1e-6 (fp32), adapter tensors not
 yielded under their own names, and the trained model's tensors untouched (bitwise). FSDP2 on 2 threaded ranks:
 each parameter's full tensor equals the unsharded model's (exact). Plus the one-line refusal of engine: vllm where
-vLLM is not installed (the main environment)."""
+vLLM is not installed (the main environment), and rollouts.jsonl trimmed for a resume."""
 
 from __future__ import annotations
 
@@ -87,3 +89,17 @@ def test_vllm_engine_needs_vllm():
     with pytest.raises(SeqParError) as e:
         check_rollout_engine(cfg, _model().config)
     assert "make vllm-env" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_trim_rollouts(tmp_path):
+    import json
+
+    from seqpar.train.grpo.engine import trim_rollouts
+
+    p = tmp_path / "rollouts.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "completion_ids": [s]}) + "\n" for s in (1, 1, 2, 3)))
+    trim_rollouts(p, 2)  # a resume from checkpoint-2: step 3's row is redone
+    assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 1, 2]
+    trim_rollouts(p, 0)  # a fresh start
+    assert not p.exists()
+
