@@ -31,9 +31,10 @@ import torch
 
 from ..errors import SeqParError
 
-__all__ = ["VLLMEngine", "check_vllm_model", "vllm_available", "CPU_HEAD_DIMS_HINT"]
+__all__ = ["VLLMEngine", "check_vllm_model", "vllm_available"]
 
-CPU_HEAD_DIMS_HINT = "32, 64, 80, 96, 112, 128, 160, 192, 224, 256 or 512"
+# vLLM logs every engine's start at INFO on every rank; its warnings and errors still show (read at its import).
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def vllm_available() -> bool:
@@ -88,6 +89,17 @@ def check_vllm_model(config: Any, on_cuda: bool) -> None:
                               f"model.kwargs.head_dim: 32), or engine: transformers")
 
 
+def _quiet_rope_reload() -> None:
+    """vLLM's layerwise reload warns at every push that RotaryEmbedding got no weights: an HF checkpoint has none
+    for it (the cos / sin cache is rebuilt from the config, and vLLM puts its own back). Only that line goes."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.getMessage() == "RotaryEmbedding: Failed to load weights")
+
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(keep)
+
+
 class VLLMEngine:
     """One in-process vLLM engine for `config` (an HF PretrainedConfig): `push` weights, `generate` rows."""
 
@@ -96,6 +108,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process (external_launcher needs it)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the trainer's threads where they are
         self._own_world = _join_world(rank)
+        _quiet_rope_reload()
         from vllm import LLM
 
         self._dir = tempfile.TemporaryDirectory(prefix="seqpar_vllm_")
