@@ -73,15 +73,13 @@ def test_fsdp2_full_tensors():
     assert run_threaded(_fsdp_rank, 2, full, timeout=120) == [True, True]
 
 
-def test_vllm_engine_needs_vllm():
-    import importlib.util
-
+def test_vllm_engine_needs_vllm(monkeypatch):
     from seqpar.errors import SeqParError
+    from seqpar.hf import vllm_engine
     from seqpar.train.config import config_from_dict
     from seqpar.train.grpo.engine import check_rollout_engine
 
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed here: tests/vllm_env covers the engine")
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)  # as in the main environment
     cfg = config_from_dict({"model": {"name": "tiny:llama"}, "dataset": {"path": "x.jsonl", "max_length": 64},
                             "stage": "grpo", "output_dir": "o", "micro_batch_size": 2,
                             "grpo": {"reward_funcs": ["seqpar:length"], "num_generations": 2, "max_prompt_length": 16,
