@@ -33,8 +33,9 @@ from ..errors import SeqParError
 
 __all__ = ["VLLMEngine", "check_vllm_model", "vllm_available"]
 
-# vLLM logs every engine's start at INFO on every rank; its warnings and errors still show (read at its import).
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# vLLM logs every engine's start on every rank (INFO, and WARNINGs about a tokenizer and chat template the engine
+# does not use, thread binding, LD_PRELOAD): errors only, unless VLLM_LOGGING_LEVEL says otherwise (read at import).
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def vllm_available() -> bool:
