@@ -8,7 +8,9 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
   log_softmax(logits / T)) from the weights after step 1 (the checkpoint) within 1e-4, and differ from the initial
   weights' (step 0) by more than 1e-3: a missed weight push fails the test.
 - An engine that fails mid-run (rank 1's, step 2) stops both ranks with the same one-line SeqParError.
-- Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel 2.
+- Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel 2, a short max_model_len.
+- Slow: LoRA under FSDP2, SP 2 vs SP 1 (the merged adapters are what the engine samples); a resume after step 1
+  rebuilds the engine and repeats the uninterrupted run's step 2.
 """
 
 from __future__ import annotations
@@ -168,6 +170,24 @@ def test_sp2_equals_sp1_lora_fsdp2(data, tmp_path):
     # the base weights never move under LoRA: step 2 under them (no adapter delta) is far from what was logged
     stale = _recompute({**_cfg(data, tmp_path / "sp1", 1), **extra}, None, [r for r in a if r["step"] == 2], 0.7)
     assert stale > 1e-3, stale
+
+
+@pytest.mark.slow
+def test_resume_rebuilds_the_engine(runs, data, tmp_path, monkeypatch):
+    """A run stopped after step 1's checkpoint and resumed: the new process builds its engine, pushes the restored
+    weights, and step 2 equals the uninterrupted SP 1 run's (completions, log-probs, loss)."""
+    from seqpar.train.lifecycle.process import FAULT_ENV
+
+    cfg = _cfg(data, tmp_path / "r", 1)
+    monkeypatch.setenv(FAULT_ENV, "1")  # the rank exits right after step 1 (and its checkpoint)
+    with pytest.raises(DistributedFailure):
+        run_distributed(_train, 1, cfg, timeout=420)
+    monkeypatch.delenv(FAULT_ENV)
+    losses = run_distributed(_train, 1, cfg, timeout=420)[0]
+    assert len(losses) == 1 and abs(losses[0] - runs["sp1"][1]) < TOL, (losses, runs["sp1"])
+    got, want = _rows(tmp_path / "r" / "rollouts.jsonl"), _rows(runs["out"] / "sp1" / "rollouts.jsonl")
+    assert [(r["step"], r["completion_ids"]) for r in got] == [(r["step"], r["completion_ids"]) for r in want]
+    assert max(abs(p - q) for x, y in zip(got, want) for p, q in zip(x["logprobs"], y["logprobs"])) < LP_TOL
 
 
 @pytest.mark.parametrize("change,needle", [
