@@ -7,7 +7,8 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
 - The engine's logged log-probs of step 2's completions equal an independent transformers recompute (plain model,
   log_softmax(logits / T)) from the weights after step 1 (the checkpoint) within 1e-4, and differ from the initial
   weights' (step 0) by more than 1e-3: a missed weight push fails the test.
-- An engine that fails mid-run (rank 1's, step 2) stops both ranks with the same one-line SeqParError.
+- dp 2 x SP 1 draws the SP 1 run's completions; then rank 1's engine fails at step 2 and both ranks stop with the
+  same one-line SeqParError.
 - Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel 2, a short max_model_len.
 - Slow: LoRA under FSDP2, SP 2 vs SP 1 (the merged adapters are what the engine samples); a resume after step 1
   rebuilds the engine and repeats the uninterrupted run's step 2.
@@ -143,14 +144,22 @@ def test_logprobs_follow_the_weights(runs, data, tmp_path):
     assert stale > 1e-3, stale  # step 2 under the initial weights differs: a missed push would show
 
 
-def test_dead_engine_stops_every_rank(data, tmp_path):
-    cfg = _cfg(data, tmp_path / "dead", 2)
+def test_dp2_then_a_dead_engine_stops_every_rank(runs, data, tmp_path):
+    """dp 2 x SP 1 (grad_accum 1: the SP 1 run's global batch): step 1 draws the SP 1 run's completions (the seeds
+    follow the prompts' positions in the global batch, not the dp rank); at step 2 rank 1's engine dies and both
+    ranks stop with the same line (agreed over dp), no hang."""
+    cfg = {**_cfg(data, tmp_path / "dead", 1), "grad_accum": 1}
     cfg["checkpoint"] = {"every": 0}
     with pytest.raises(DistributedFailure) as e:
         run_distributed(_train, 2, cfg, fail_at=2, timeout=420)
     msg = str(e.value)
     want = "vLLM rollout failed on rank 1: RuntimeError: EngineDeadError: the engine core died"
     assert msg.count(want) >= 2, msg[-3000:]  # both ranks raise it, at the same step (no hang)
+    got = _rows(tmp_path / "dead" / "rollouts.jsonl")
+    want_rows = [r for r in _rows(runs["out"] / "sp1" / "rollouts.jsonl") if r["step"] == 1]
+    assert [r["step"] for r in got] == [1] * 4  # step 2 never finished
+    assert [(r["prompt_ids"], r["completion_ids"]) for r in got] == \
+        [(r["prompt_ids"], r["completion_ids"]) for r in want_rows]
 
 
 @pytest.mark.slow
