@@ -138,14 +138,14 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     this rank's shard of the logits (in the order of `seqpar.shard`). Works in train and eval mode
     and with PEFT wrappers (apply before or after get_peft_model). Only this model is affected: it
     gets its own config copy pointing at an attention function registered under a unique name.
-    Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, attention
-    sinks, nested/encoder-decoder configs, MoE router aux losses (output_router_logits), any sequence
-    mixing outside softmax attention (linear attention, Mamba/SSM, convolutions, recurrences, chunked
-    attention: see seqpar.hf.mixers) except the Gated DeltaNet layers of Qwen3-Next / Qwen3.5 and the Mamba2
-    mixers of Nemotron-H / Granite 4 / Bamba, which run in every mode (ring / USP by state passing:
-    seqpar.hf.linear_attention, seqpar.hf.mamba2; the Ulysses degree must split their heads)
-    (here); attention dropout in train mode, non-causal attention, sliding windows shorter than
-    the sequence (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
+    Sliding windows, attention sinks, MLA's v head dim and Llama 4's NoPE temperature and chunked attention run
+    exactly (docs/attention.md, "Attention variants").
+    Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, nested/encoder-decoder
+    configs, MoE router aux losses (output_router_logits), any sequence mixing outside softmax attention (linear
+    attention, Mamba/SSM, convolutions, recurrences: see seqpar.hf.mixers) except the Gated DeltaNet layers of
+    Qwen3-Next / Qwen3.5 and the Mamba2 mixers of Nemotron-H / Granite 4 / Bamba, which run in every mode (ring /
+    USP by state passing: seqpar.hf.linear_attention, seqpar.hf.mamba2; the Ulysses degree must split their
+    heads) (here); attention dropout in train mode, non-causal attention (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
     the kernel each model's first attention call resolves to is printed once per process, on rank 0.
     head_chunks: seqpar.attention's head_chunks= (the kernels run per group of heads; attention.heads).
     The recurrent layers' states travel the ring as the mesh's `state_passing` says (seqpar.init_mesh).
