@@ -24,6 +24,8 @@ from .attention import (
 from .models import (
     ARCHS,
     HYBRID_ARCHS,
+    TINY_ARCHS,
+    VARIANT_ARCHS,
     VLM_ARCHS,
     load_smollm2,
     load_smollm2_tokenizer,
@@ -38,6 +40,8 @@ from .vision import sp_vlm_inputs
 __all__ = [
     "ARCHS",
     "HYBRID_ARCHS",
+    "TINY_ARCHS",
+    "VARIANT_ARCHS",
     "VLM_ARCHS",
     "ForwardPlan",
     "PrepareSpec",

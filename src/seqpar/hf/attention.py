@@ -145,7 +145,8 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     attention, Mamba/SSM, convolutions, recurrences: see seqpar.hf.mixers) except the Gated DeltaNet layers of
     Qwen3-Next / Qwen3.5 and the Mamba2 mixers of Nemotron-H / Granite 4 / Bamba, which run in every mode (ring /
     USP by state passing: seqpar.hf.linear_attention, seqpar.hf.mamba2; the Ulysses degree must split their
-    heads) (here); attention dropout in train mode, non-causal attention (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
+    heads) (here); attention dropout in train mode, non-causal attention (per forward, on every rank alike).
+    attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
     the kernel each model's first attention call resolves to is printed once per process, on rank 0.
     head_chunks: seqpar.attention's head_chunks= (the kernels run per group of heads; attention.heads).
     The recurrent layers' states travel the ring as the mesh's `state_passing` says (seqpar.init_mesh).

@@ -277,12 +277,12 @@ def _layer_count(c: dict[str, Any], kinds: list[str]) -> int:
 
 
 def _tiny(name: str, kwargs: dict[str, Any] | None) -> ModelFacts:
-    from ..hf import ARCHS, HYBRID_ARCHS, VLM_ARCHS, tiny_config
+    from ..hf import ARCHS, HYBRID_ARCHS, TINY_ARCHS, VARIANT_ARCHS, tiny_config
 
     arch = name.split(":", 1)[1]
-    if arch not in ARCHS + HYBRID_ARCHS + VLM_ARCHS:  # VLMs: refused by _facts with how to plan one, as a saved config
+    if arch not in TINY_ARCHS:  # VLMs: refused by _facts with how to plan one, as a saved config
         raise SeqParError(f"model {name!r}: unknown tiny architecture {arch!r}: use "
-                          f"tiny:<{'|'.join(ARCHS + HYBRID_ARCHS)}>")
+                          f"tiny:<{'|'.join(ARCHS + VARIANT_ARCHS + HYBRID_ARCHS)}>")
     kw = dict(kwargs or {})
     kw.setdefault("vocab_size", 259)  # the byte tokenizer seqpar train gives tiny models
     c = tiny_config(arch, **kw).to_dict()
