@@ -172,7 +172,8 @@ def _variant_kwargs(arch: str, kw: dict[str, Any], window: int | None, head_dim:
     if arch == "deepseek_v3":
         half = max(head_dim // 2, 2)
         # (config.head_dim is the rotary part's, as DeepSeek-V3's own config has it)
-        return dict(head_dim=half, num_key_value_heads=kw["num_attention_heads"], q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=half,
+        return dict(head_dim=half, num_key_value_heads=kw["num_attention_heads"], q_lora_rank=16, kv_lora_rank=16,
+                    qk_rope_head_dim=half,
                     qk_nope_head_dim=head_dim - half,
                     v_head_dim=half, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
                     n_group=1, topk_group=1, moe_intermediate_size=kw["intermediate_size"] // 2)
