@@ -25,6 +25,7 @@ from ...dynamic.schedule import Row, Slot, StepPlan
 from ...errors import SeqParError
 from ...hf.attention import use_mesh
 from ...steps import count_items, micro_batch_loss
+from ...threaded import cpu_time
 from ..config import rows_per_step
 from .dynamic import dummy_batch, example_rows
 from .grads import maybe_dump_grads
@@ -145,7 +146,7 @@ def _run_slots(loop: Loop, mine: list, batches: list, num_items: torch.Tensor) -
 def dynamic_train_step(loop: Loop, step: int, rows: StepRows) -> dict[str, Any]:
     """One optimizer step of length-aware SP; returns its metrics row (train_step's, plus the plan's)."""
     dyn = loop.dynamic
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), cpu_time()
     plan = dyn.scheduler.plan(rows.rows, lockstep=dyn.lockstep)
     _agree(plan, loop)
     mine = plan.of_rank(loop.rank)
@@ -160,7 +161,7 @@ def dynamic_train_step(loop: Loop, step: int, rows: StepRows) -> dict[str, Any]:
     if unknown:
         raise SeqParError(f"length-aware SP does not know how to sum the micro-batch metrics {unknown}")
     tot = [float(lead), busy, weight, *(sums.get(n, 0.0) for n in names)]
-    top = [peak_memory_mb(loop.device), time.process_time() - c0, busy]
+    top = [peak_memory_mb(loop.device), cpu_time() - c0, busy]
     if loop.world > 1:
         tot = comm.all_reduce_values(tot, dist.group.WORLD, loop.mesh.comm_device).tolist()
         top = comm.all_reduce_values(top, dist.group.WORLD, loop.mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
