@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..dynamic.schedule import Row, Scheduler
 from ..errors import SeqParError
+from ..layout import round_up_length
 from .dynamic import degree_needed, max_local_tokens, row_cost, world_degrees
 from .gpus import Cluster
 from .memory import Features, Layout, Workload
@@ -209,10 +210,8 @@ def plan_mix(m: ModelFacts, cl: Cluster, req: Request, lengths: list[int], n: in
             "longest": max(lengths), "rows": len(lengths)}
 
 
-def max_local_need(length: int, degrees: dict[int, tuple[int, int]]) -> int:
+def max_local_need(length: int, degrees: dict[int, tuple[int, int]], layout: str = "zigzag") -> int:
     """Tokens per rank a row of `length` tokens needs at the largest degree (one sequence)."""
-    from ..dynamic.cost import padded
-
     top = max(degrees)
     u, r = degrees[top]
-    return padded(length, r, u, "zigzag") // top
+    return round_up_length(length, r, u, layout) // top
