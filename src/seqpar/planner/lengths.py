@@ -154,7 +154,7 @@ def predict_mix(m: ModelFacts, cl: Cluster, wl: Workload, feats: Features, lengt
             packs = [[rc_fix.seconds([p], fixed.sp) for p in _packs(rows[g::fixed.dp], cap)] for g in range(fixed.dp)]
             packed_s += _fixed_step(packs, lock) + rc_fix.step_s
         plan = sched.plan([Row(i, x, seqs) for i, x in enumerate(rows)], lockstep=lock)
-        dyn_s += (plan.lockstep_s() if lock else max(plan.finish())) + rc_dyn.step_s
+        dyn_s += sched.step_s(plan, lock) + rc_dyn.step_s
         for d, k in plan.degrees.items():
             used[d] = used.get(d, 0) + k
     tokens = sum(seqs * x for rows in steps for x in rows)
