@@ -5,8 +5,9 @@ says it trains SFT, DPO and GRPO."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

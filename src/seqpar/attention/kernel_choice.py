@@ -102,6 +102,7 @@ class TorchRules:
     cudnn_first: CudnnFirst | None = None  # None: the default order never changes (cuDNN after math)
 
 
+_CUDNN_ORDER = ("cudnn", "flash", "efficient", "math")  # priority_order()'s order where cuDNN is preferred
 _SM86_89 = ((8, 6), (8, 7), (8, 9))
 _GATE_120 = (*_SM86_89, (12, 0), (12, 1))
 _ALL = ((8, 0), (12, 1)), ((5, 0), (12, 1)), ((8, 0), (12, 1))
@@ -217,7 +218,7 @@ def torch_order(rules: TorchRules, cap: tuple[int, int] | None, cudnn_version: i
     the user set is kept (one set back to exactly the default after that first call reads as the default here)."""
     order = switches.order
     if order == DEFAULT_ORDER and cudnn_first(rules, cap, cudnn_version, switches):
-        order = ("cudnn", "flash", "efficient", "math")
+        order = _CUDNN_ORDER
     return tuple(n for n in order if n in KERNELS)
 
 
@@ -312,8 +313,10 @@ def describe_choice(device: torch.device, name: str, dtype: torch.dtype, head_di
     where = f"{device.type}" + (f" sm{cap[0]}{cap[1]}" if cap else "")
     how = "auto" if name == "auto" else "forced"
     line = f"attention kernel: {chosen} ({how}; {where}, {dtype}, head_dim {head_dim}, torch {torch.__version__})"
-    if (sw := SdpaSwitches.current()) != SdpaSwitches(order=sw.order, env=sw.env, cuda_major=sw.cuda_major) or \
-            sw.order != DEFAULT_ORDER:
+    sw = SdpaSwitches.current()
+    # the switches when the user changed them (torch's own cuDNN-first order, set at its first SDPA call, is not)
+    if sw != SdpaSwitches(order=sw.order, env=sw.env, cuda_major=sw.cuda_major) or \
+            sw.order not in (DEFAULT_ORDER, _CUDNN_ORDER + ("overrideable",)):
         line += f", SDPA switches {sw.describe()}"
     if chosen == "flash":
         line += f", flash implementation {flash_implementation()}"
