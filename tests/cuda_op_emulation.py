@@ -36,11 +36,29 @@ def _scale(scale, d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
 
-def _scores(q, k, causal: bool, scale: float, op: str, align_any: bool):
-    """q [B, H, Sq, D], k [B, Hk, Sk, D] (float64) -> scores [B, H, Sq, Sk] with the causal mask (top-left)."""
+def _window_mask(sq: int, sk: int, left, right) -> torch.Tensor:
+    """FlashAttention's local window (bottom-right aligned): q row i sees keys i + sk - sq - left .. i + sk - sq +
+    right (None / negative: unbounded on that side)."""
+    d = torch.arange(sk)[None, :] - (torch.arange(sq)[:, None] + sk - sq)
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if left is not None and left >= 0:
+        ok &= d >= -left
+    if right is not None and right >= 0:
+        ok &= d <= right
+    return ok
+
+
+def _scores(q, k, causal: bool, scale: float, op: str, align_any: bool, window=None):
+    """q [B, H, Sq, D], k [B, Hk, Sk, D] (float64) -> scores [B, H, Sq, Sk] with the causal mask (top-left) and a
+    FlashAttention window (left, right) if given."""
     g = q.shape[1] // k.shape[1]
     s = torch.matmul(q, k.repeat_interleave(g, 1).transpose(-1, -2)) * scale
     sq, sk = s.shape[-2], s.shape[-1]
+    if window is not None:
+        ok = _window_mask(sq, sk, *window)
+        if not ok.any(-1).all():
+            raise EmulatedOpRefused(f"{op}: window {window} leaves a query row without keys")
+        s = s.masked_fill(~ok, float("-inf"))
     if causal:
         if sq != sk and not align_any:
             raise EmulatedOpRefused(f"{op}: is_causal with Sq {sq} != Sk {sk}: this op aligns the diagonal "
@@ -49,10 +67,10 @@ def _scores(q, k, causal: bool, scale: float, op: str, align_any: bool):
     return s, g
 
 
-def _fwd(q, k, v, causal, scale, op, align_any=False):
+def _fwd(q, k, v, causal, scale, op, align_any=False, window=None):
     """float64 (out [B, H, Sq, D], lse [B, H, Sq]) of [B, H, S, D] inputs."""
     q64, k64, v64 = q.double(), k.double(), v.double()
-    s, g = _scores(q64, k64, causal, _scale(scale, q.shape[-1]), op, align_any)
+    s, g = _scores(q64, k64, causal, _scale(scale, q.shape[-1]), op, align_any, window)
     lse = torch.logsumexp(s, -1)
     out = torch.matmul(torch.exp(s - lse[..., None]), v64.repeat_interleave(g, 1))
     return out, lse
@@ -63,11 +81,11 @@ def _fold(x, hk: int):
     return x.view(b, hk, h // hk, s, d).sum(2)
 
 
-def _bwd(dout, q, k, v, out, lse, causal, scale, op, align_any=False):
+def _bwd(dout, q, k, v, out, lse, causal, scale, op, align_any=False, window=None):
     """float64 (dq, dk, dv) from the given out / lse ([B, H, S, D] / [B, H, Sq])."""
     q64, k64, v64 = q.double(), k.double(), v.double()
     sc = _scale(scale, q.shape[-1])
-    s, g = _scores(q64, k64, causal, sc, op, align_any)
+    s, g = _scores(q64, k64, causal, sc, op, align_any, window)
     p = torch.exp(s - lse.double()[..., None])
     do = dout.double()
     dv = _fold(torch.matmul(p.transpose(-1, -2), do), k.shape[1])
@@ -134,6 +152,11 @@ def _bhsd(x, rows):
     return x[rows].transpose(0, 1)[None]  # [T, H, D] rows -> [1, H, S, D]
 
 
+def _window_args(a):
+    left, right = a.get("window_size_left"), a.get("window_size_right")
+    return None if left is None and right is None else (left, right)
+
+
 def varlen_fwd(a):
     _no_dropout(a, "flash varlen")
     if a["cum_seq_q"] is None:
@@ -143,7 +166,8 @@ def varlen_fwd(a):
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
 
     def one(sq, sk):
-        o, l_ = _fwd(_bhsd(q, sq), _bhsd(k, sk), _bhsd(v, sk), a["is_causal"], a["scale"], "flash varlen")
+        o, l_ = _fwd(_bhsd(q, sq), _bhsd(k, sk), _bhsd(v, sk), a["is_causal"], a["scale"], "flash varlen",
+                     window=_window_args(a))
         out[sq], lse[sq] = o[0].transpose(0, 1), l_[0].transpose(0, 1)
 
     _varlen(a, one)
@@ -158,7 +182,7 @@ def varlen_bwd(a):
 
     def one(sq, sk):
         g = _bwd(_bhsd(a["grad_out"], sq), _bhsd(q, sq), _bhsd(k, sk), _bhsd(v, sk), _bhsd(a["out"], sq),
-                 lse[sq].t()[None], a["is_causal"], a["scale"], "flash varlen")
+                 lse[sq].t()[None], a["is_causal"], a["scale"], "flash varlen", window=_window_args(a))
         dq[sq] += g[0][0].transpose(0, 1)
         dk[sk] += g[1][0].transpose(0, 1)
         dv[sk] += g[2][0].transpose(0, 1)

@@ -158,3 +158,30 @@ def test_cudnn_one_key_inside_a_ring_merge_regression():
 
     for errs in run_threaded(world, 2, timeout=60):
         assert max(errs) < 2e-5, errs
+
+
+def variants_grid(sp: int):
+    """Sliding windows, sinks and MLA through the CUDA kernel classes (flash's window, cuDNN's hand-over to it, the
+    memory-efficient op's math fallback for banded calls), on the emulated ops; fp32, the spy's precise mode."""
+    from test_attention_variants import run_variant
+
+    out = []
+    modes = {1: [(1, 1)], 2: [(1, 2), (2, 1)], 4: [(2, 2)]}[sp]
+    cases = [(6, 2, 1, 48, None, [0, 7, 30, 31, 48], 9, False), (4, 2, 2, 48, None, None, 13, True),
+             (4, 1, 1, 48, 24, [0, 17, 48], 5, True)]
+    for u, r in modes:
+        mesh = seqpar.init_mesh(sp, ulysses_degree=u, ring_degree=r)
+        for i, (hq, hkv, b, s, dv, cu, window, sinks) in enumerate(cases):
+            for kname, kcls in KERNELS.items():
+                with CudaOpSpy(emulate=True, precise=True):
+                    errs = run_variant(mesh, hq, hkv, b, s, dv=dv, cu=cu, window=window, sinks=sinks, seed=i,
+                                       kernel=kcls())
+                out.append(((u, r, i, kname), errs))
+    return out
+
+
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_cuda_kernels_attention_variants_emulated(sp):
+    res = run_threaded(variants_grid, sp, sp, timeout=240)
+    bad = [(k, e) for rank in res for k, e in rank if max(e) > 2e-5]
+    assert not bad, bad

@@ -50,12 +50,17 @@ def attention(
     kernel: str | AttentionKernel = "auto",
     overlap_chunks: int = 1,
     head_chunks: int = 1,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention for sequence-parallel inputs.
 
-    q: [B, S_local, Hq, D]; k, v: [B, S_local, Hkv, D] (Hq % Hkv == 0), each this rank's shard
-    made by `seqpar.shard`. Returns [B, S_local, Hq, D] in q's dtype, differentiable w.r.t. q, k, v.
-    cu_seqlens: packed-document boundaries in the FULL sequence (B == 1); attention never crosses them.
+    q: [B, S_local, Hq, D]; k: [B, S_local, Hkv, D] (Hq % Hkv == 0); v: [B, S_local, Hkv, Dv], each this rank's
+    shard made by `seqpar.shard`. Returns [B, S_local, Hq, Dv] in q's dtype, differentiable w.r.t. q, k, v. A v head
+    dim other than q/k's (MLA) is padded with zeros to the larger of the two (what every kernel and exchange
+    takes; the logits and the output's first Dv columns are unchanged) and the output cut back.
+    cu_seqlens: packed-document boundaries in the FULL sequence, the same for every row of the batch; attention
+    never crosses them.
     Mode (Ulysses / ring / USP) and layout come from the mesh. Accumulation is fp32 (fp64 for fp64).
     kernel: 'auto' (attention.kernel_choice), a kernel name ('flash', 'cudnn', 'efficient', 'cpu', 'math'), or
     an AttentionKernel object.
@@ -64,13 +69,44 @@ def attention(
     head_chunks: run every local kernel call over this many groups of kv heads (with their q heads), one after
     another (attention.heads): exact for any value; on a GPU the kernels' backward workspace exists for one
     group at a time. 1 = whole calls.
+    window: a causal sliding window: query i sees keys i - window + 1 .. i (transformers' `sliding_window`);
+    blocks out of reach are not computed (attention.pieces). None = full causal attention.
+    sinks: [Hq] attention-sink logits (gpt-oss): one more term per head in every row's softmax denominator,
+    differentiable (attention.sinks). None = no sinks.
     All checks run before any communication, so bad input raises SeqParError on every rank.
     """
+    _check_qkv(q, k, v)
+    b, s, hq, d = q.shape
+    seq_len = s * mesh.sp_size
+    check_length(seq_len, mesh)
+    bounds = None
+    if cu_seqlens is not None:  # the same boundaries in every row (B > 1: e.g. Llama 4's attention chunks)
+        bounds = validate_cu_seqlens(cu_seqlens, seq_len)
+    _check_chunks(overlap_chunks, q.shape[2], k.shape[2], mesh)
+    _check_window(window, causal)
+    _check_sinks(sinks, hq, q)
+    scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
+    dv = v.shape[3]
+    if dv != d:  # MLA: one head dim for every kernel and exchange, zeros where a tensor had none
+        width = max(d, dv)
+        q, k, v = (torch.nn.functional.pad(t, (0, width - t.shape[3])) for t in (q, k, v))
+        d = width
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # torch refuses more backwards
+    kern = get_kernel(q.device, kernel, q.dtype, head_dim=d, training=training)
+    if not isinstance(head_chunks, int) or head_chunks < 1:
+        raise SeqParError(f"head_chunks must be an int >= 1, got {head_chunks!r}")
+    if head_chunks > 1:
+        kern = HeadChunked(kern, head_chunks)
+    out = usp_attention(q, k, v, mesh, seq_len, causal, scale, kern, bounds, overlap_chunks, window, sinks)
+    return out if out.shape[3] == dv else out[..., :dv]
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         raise SeqParError(f"q, k, v must be [B, S_local, H, D]; got {shapes}")
-    if k.shape != v.shape:
-        raise SeqParError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[:3] != v.shape[:3]:
+        raise SeqParError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, length and heads")
     b, s, hq, d = q.shape
     if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
         raise SeqParError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch, length or head_dim")
@@ -78,22 +114,25 @@ def attention(
         raise SeqParError(f"num q heads {hq} must be a multiple of num kv heads {k.shape[2]} (GQA)")
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
         raise SeqParError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    seq_len = s * mesh.sp_size
-    check_length(seq_len, mesh)
-    bounds = None
-    if cu_seqlens is not None:
-        if b != 1:
-            raise SeqParError(f"cu_seqlens (packed documents) needs batch size 1, got B={b}: pack rows into one")
-        bounds = validate_cu_seqlens(cu_seqlens, seq_len)
-    _check_chunks(overlap_chunks, q.shape[2], k.shape[2], mesh)
-    scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # torch refuses more backwards
-    kern = get_kernel(q.device, kernel, q.dtype, head_dim=d, training=training)
-    if not isinstance(head_chunks, int) or head_chunks < 1:
-        raise SeqParError(f"head_chunks must be an int >= 1, got {head_chunks!r}")
-    if head_chunks > 1:
-        kern = HeadChunked(kern, head_chunks)
-    return usp_attention(q, k, v, mesh, seq_len, causal, scale, kern, bounds, overlap_chunks)
+
+
+def _check_window(window: int | None, causal: bool) -> None:
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise SeqParError(f"window must be a positive int (tokens a query sees, itself included), got {window!r}")
+    if not causal:
+        raise SeqParError("window= needs causal=True: seqpar's sliding window is transformers' causal one")
+
+
+def _check_sinks(sinks: torch.Tensor | None, hq: int, q: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,) or not sinks.dtype.is_floating_point:
+        what = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise SeqParError(f"sinks must be a floating tensor of shape [{hq}] (one logit per q head), got {what}")
+    if sinks.device != q.device:
+        raise SeqParError(f"sinks are on {sinks.device} but q on {q.device}: move them to q's device")
 
 
 def _check_chunks(chunks: int, hq: int, hkv: int, mesh: SequenceParallelMesh) -> None:

@@ -14,7 +14,18 @@ import torch
 from .kernels import AttentionKernel
 from .pieces import KernelCall
 
-__all__ = ["varlen_ok", "take_rows", "put_rows", "call_forward", "call_backward"]
+__all__ = ["varlen_ok", "window_tile", "take_rows", "put_rows", "call_forward", "call_backward"]
+
+MIN_TILE = 64  # q rows of a banded piece at least: fewer, larger calls for small windows
+
+
+def window_tile(kernel: AttentionKernel, window: int | None) -> int | None:
+    """The q tile of a sliding window's banded pieces: None (whole rectangles) for a kernel that skips what is out
+    of reach itself (FlashAttention's window), else max(window, MIN_TILE) rows, so a tile's masked call computes
+    at most (tile + window) keys per row: work ~ S x window, not S^2."""
+    if window is None or getattr(kernel, "native_window", False):
+        return None
+    return max(int(window), MIN_TILE)
 
 
 def varlen_ok(kernel: AttentionKernel, batch: int) -> bool:
@@ -41,11 +52,16 @@ def put_rows(dst: torch.Tensor, src: torch.Tensor, ranges, add: bool) -> None:
         t += b - a
 
 
+def _band(call: KernelCall) -> tuple:
+    """The extra kernel argument of a banded call (none otherwise: kernels without `band` run unwindowed calls)."""
+    return () if call.band is None else (call.band,)
+
+
 def call_forward(kernel: AttentionKernel, call: KernelCall, q, k, v, scale: float):
     """-> (out [B, T, Hq, D] in q's dtype, lse [B, T, Hq]) for the call's q rows in range order."""
     if len(call.pieces) == 1:
         p = call.pieces[0]
-        return kernel.forward(q[:, p.q0 : p.q1], k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.causal, scale)
+        return kernel.forward(q[:, p.q0 : p.q1], k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.causal, scale, *_band(call))
     qr, kr = call.q_ranges, call.k_ranges
     o, lse = kernel.varlen_forward(
         take_rows(q, qr)[0], take_rows(k, kr)[0], take_rows(v, kr)[0], call.cu_q, call.cu_k, call.max_q,
@@ -60,7 +76,8 @@ def call_backward(kernel: AttentionKernel, call: KernelCall, dout, q, k, v, out,
     if len(call.pieces) == 1:
         p = call.pieces[0]
         sq, sk = slice(p.q0, p.q1), slice(p.k0, p.k1)
-        return kernel.backward(dout[:, sq], q[:, sq], k[:, sk], v[:, sk], out[:, sq], lse[:, sq], p.causal, scale)
+        return kernel.backward(dout[:, sq], q[:, sq], k[:, sk], v[:, sk], out[:, sq], lse[:, sq], p.causal, scale,
+                               *_band(call))
     qr, kr = call.q_ranges, call.k_ranges
     g = kernel.varlen_backward(
         take_rows(dout, qr)[0], take_rows(q, qr)[0], take_rows(k, kr)[0], take_rows(v, kr)[0],

@@ -12,6 +12,12 @@ one call, gathers, merges) is made in CPU-tested code; here only layouts and op 
   strided view can give a q head its KV head (head h reads kv h // G: not an affine map), so K/V are
   repeated (a copy) and dK/dV folded back; its lse is padded to a multiple of 32 rows.
 
+A sliding window's banded call (attention.pieces: q row a sees key c iff lo <= a - c <= hi) runs on flash's varlen
+op with its local window (`window_size_left` / `_right`, aligned bottom-right), the B rows as B sequences of one
+call; flash skips the blocks out of reach itself, so these kernels take whole rectangles (`native_window`). cuDNN
+hands banded calls to flash; the memory-efficient op (no window argument) runs them on the math kernel, as does
+flash where a band has no window form (never for the pieces seqpar plans).
+
 Backward calls pass what the forward op returned for the arguments that describe the call (undefined
 cum_seq for dense calls, the forward's philox seed/offset tensors), as torch's own autograd does: a defined
 cum_seq selects FlashAttention's varlen path, which demands int32 (the crash of every bf16 step before).
@@ -28,7 +34,8 @@ from functools import lru_cache
 
 import torch
 
-from .kernel_utils import bhsd, fold_kv_grad, repeat_kv
+from .kernel_utils import Band, bhsd, fold_kv_grad, repeat_kv
+from .math_kernel import MathKernel
 
 __all__ = ["FlashKernel", "CudnnKernel", "EfficientKernel", "CUDA_KERNELS"]
 
@@ -47,20 +54,66 @@ def _cu_seqlens(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
+def _flash_window(sq: int, sk: int, band: Band) -> tuple[int, int] | None:
+    """FlashAttention's (left, right) window for a band (q row i sees keys i + sk - sq - left .. i + sk - sq + right),
+    or None where the band has no such form (a negative side)."""
+    left, right = sk - sq + band[1], -band[0] - (sk - sq)
+    return (left, right) if left >= 0 and right >= 0 else None
+
+
+def _math() -> MathKernel:
+    return MathKernel()
+
+
 class FlashKernel:
     name = "flash"
     varlen = True
+    native_window = True
 
     def __init__(self) -> None:
         self._dense_aux = None  # (cum_seq_q, cum_seq_k, philox seed, philox offset) of the last dense forward
         self._varlen_aux = None  # (philox seed, philox offset) of the last varlen forward
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, band=None):
+        if band is not None:
+            return self._band_forward(q, k, v, scale, band)
         res = aten._scaled_dot_product_flash_attention(bhsd(q), bhsd(k), bhsd(v), 0.0, causal, False, scale=scale)
         self._dense_aux = (res[2], res[3], res[6], res[7])
         return bhsd(res[0]), bhsd(res[1])
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def _band_forward(self, q, k, v, scale, band):
+        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        win = _flash_window(sq, sk, band)
+        if win is None:
+            return _math().forward(q, k, v, False, scale, band)
+        cu_q, cu_k = tuple(range(0, b * sq + 1, sq)), tuple(range(0, b * sk + 1, sk))
+        out, lse, seed, offset, _ = aten._flash_attention_forward(
+            q.reshape(b * sq, *q.shape[2:]), k.reshape(b * sk, *k.shape[2:]), v.reshape(b * sk, *v.shape[2:]),
+            _cu_seqlens(cu_q, q.device), _cu_seqlens(cu_k, q.device), sq, sk, 0.0, False, False, scale=scale,
+            window_size_left=win[0], window_size_right=win[1],
+        )
+        self._varlen_aux = (seed, offset)
+        return out.view(q.shape), lse.t().reshape(b, sq, -1)
+
+    def _band_backward(self, dout, q, k, v, out, lse, scale, band):
+        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        win = _flash_window(sq, sk, band)
+        if win is None:
+            return _math().backward(dout, q, k, v, out, lse, False, scale, band)
+        cu_q, cu_k = tuple(range(0, b * sq + 1, sq)), tuple(range(0, b * sk + 1, sk))
+        seed, offset = self._varlen_aux
+        rows = lambda t, n: _last_contiguous(t.reshape(b * n, *t.shape[2:]))  # noqa: E731
+        dq, dk, dv = aten._flash_attention_backward(
+            rows(dout.to(q.dtype), sq), rows(q, sq), rows(k, sk), rows(v, sk), rows(out.to(q.dtype), sq),
+            lse.reshape(b * sq, -1).t().float().contiguous(), _cu_seqlens(cu_q, q.device),
+            _cu_seqlens(cu_k, q.device), sq, sk, 0.0, False, seed, offset, scale=scale,
+            window_size_left=win[0], window_size_right=win[1],
+        )
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, band=None):
+        if band is not None:
+            return self._band_backward(dout, q, k, v, out, lse, scale, band)
         cum_q, cum_k, seed, offset = self._dense_aux
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             bhsd(_last_contiguous(dout.to(q.dtype))), bhsd(q), bhsd(k), bhsd(v),
@@ -95,22 +148,23 @@ class CudnnKernel:
 
     name = "cudnn"
     varlen = True
+    native_window = True  # (banded calls go to flash's window)
 
     def __init__(self) -> None:
         self._aux = None  # (philox seed, philox offset, cum_seq_q, cum_seq_k) of the last forward
         self._flash = FlashKernel()
 
-    def forward(self, q, k, v, causal, scale):
-        if q.shape[1] == 1 or k.shape[1] == 1:
-            return self._flash.forward(q, k, v, causal, scale)
+    def forward(self, q, k, v, causal, scale, band=None):
+        if band is not None or q.shape[1] == 1 or k.shape[1] == 1:
+            return self._flash.forward(q, k, v, causal, scale, band)
         res = aten._scaled_dot_product_cudnn_attention(bhsd(q), bhsd(k), bhsd(v), None, True, 0.0, causal, False,
                                                        scale=scale)
         self._aux = (res[6], res[7], res[2], res[3])
         return bhsd(res[0]), bhsd(res[1].squeeze(-1))
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        if q.shape[1] == 1 or k.shape[1] == 1:
-            return self._flash.backward(dout, q, k, v, out, lse, causal, scale)
+    def backward(self, dout, q, k, v, out, lse, causal, scale, band=None):
+        if band is not None or q.shape[1] == 1 or k.shape[1] == 1:
+            return self._flash.backward(dout, q, k, v, out, lse, causal, scale, band)
         seed, offset, cum_q, cum_k = self._aux
         # cuDNN reads out in the layout its forward allocated (q's dimension order, dense) and grad_out with out's
         # very strides; anything else gives wrong gradients without an error (torch 2.11): copy only then.
@@ -157,7 +211,9 @@ class EfficientKernel:
     def __init__(self) -> None:
         self._aux = None  # (philox seed, philox offset) of the last forward
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, band=None):
+        if band is not None:
+            return _math().forward(q, k, v, False, scale, band)
         groups = q.shape[2] // k.shape[2]
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
             bhsd(q), bhsd(repeat_kv(k, groups)), bhsd(repeat_kv(v, groups)), None, True, 0.0, causal, scale=scale
@@ -165,7 +221,9 @@ class EfficientKernel:
         self._aux = (seed, offset)
         return bhsd(out), bhsd(lse[..., : q.shape[1]])
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, band=None):
+        if band is not None:
+            return _math().backward(dout, q, k, v, out, lse, False, scale, band)
         seed, offset = self._aux
         groups = q.shape[2] // k.shape[2]
         # The op's lse in the padded layout it produced; padded rows hold +inf (probability 0).

@@ -40,6 +40,7 @@ class HeadChunked:
         self.inner, self.chunks = inner, chunks
         self.name = f"{inner.name}/{chunks} head chunks"
         self.varlen = getattr(inner, "varlen", False)
+        self.native_window = getattr(inner, "native_window", False)
 
     def _parts(self, q: torch.Tensor, k: torch.Tensor, head_dim: int):
         return head_chunks(q.shape[head_dim], k.shape[head_dim], self.chunks)
@@ -81,11 +82,15 @@ class HeadChunked:
             del g
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
-    def forward(self, q, k, v, causal, scale):
-        return self._run_forward(self.inner.forward, q, k, v, 2, causal, scale)
+    def forward(self, q, k, v, causal, scale, band=None):
+        if band is None:  # a kernel object without the band keyword still runs unwindowed calls
+            return self._run_forward(self.inner.forward, q, k, v, 2, causal, scale)
+        return self._run_forward(self.inner.forward, q, k, v, 2, causal, scale, band)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        return self._run_backward(self.inner.backward, dout, q, k, v, out, lse, 2, causal, scale)
+    def backward(self, dout, q, k, v, out, lse, causal, scale, band=None):
+        if band is None:
+            return self._run_backward(self.inner.backward, dout, q, k, v, out, lse, 2, causal, scale)
+        return self._run_backward(self.inner.backward, dout, q, k, v, out, lse, 2, causal, scale, band)
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         return self._run_forward(self.inner.varlen_forward, q, k, v, 1, cu_q, cu_k, max_q, max_k, causal, scale)

@@ -10,7 +10,11 @@ import math
 
 import torch
 
-__all__ = ["acc_dtype", "bhsd", "repeat_kv", "fold_kv_grad", "default_scale"]
+__all__ = ["acc_dtype", "bhsd", "repeat_kv", "fold_kv_grad", "default_scale", "Band", "band_mask", "band_bias"]
+
+# A banded piece's mask in its own coordinates: q row a sees key c iff lo <= a - c <= hi (attention.pieces: what a
+# sliding window leaves of a rectangle). None = no band (the piece is fully visible or an exact causal diagonal).
+Band = tuple[int, int]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,3 +42,15 @@ def fold_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def band_mask(sq: int, sk: int, band: Band, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[sq, sk] bool: True where q row a sees key c (lo <= a - c <= hi)."""
+    d = torch.arange(sq, device=device)[:, None] - torch.arange(sk, device=device)[None, :]
+    return (d >= band[0]) & (d <= band[1])
+
+
+def band_bias(sq: int, sk: int, band: Band, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[sq, sk] additive mask in `dtype` (0 where visible, -inf elsewhere): what the CPU flash op takes."""
+    bias = torch.zeros((sq, sk), dtype=dtype, device=device)
+    return bias.masked_fill_(~band_mask(sq, sk, band, device), float("-inf"))

@@ -16,6 +16,10 @@ cu_q[i]:cu_q[i+1] of q against rows cu_k[i]:cu_k[i+1] of k/v (cu_* are Python tu
   argument plumbing is CI-tested on meta tensors against the CUDA ops' rules, the logic around their calls on
   float64 emulations of the ops (every SP mode), their numerics on a GPU (`make test-gpu`). Which one 'auto'
   picks (torch's own rules per release, for training or not): attention.kernel_choice.
+A banded call (a sliding window's partly visible rectangle, attention.pieces) passes `band=(lo, hi)`: q row a
+sees key c iff lo <= a - c <= hi, with `causal` False. "cpu" takes it as an additive mask, "math" as a boolean one,
+"flash" as FlashAttention's window (cuda_kernels). A kernel object without the `band` keyword is refused for
+windowed attention (attention.calls).
 `VarlenByLoop` gives any kernel a varlen form by looping over the sequences (CPU tests of the varlen
 call paths; the same results as the pieces one by one).
 """
@@ -27,10 +31,9 @@ from typing import Protocol
 import torch
 
 from .kernel_choice import resolve_kernel_name
-from .kernel_utils import acc_dtype, default_scale
+from .kernel_utils import Band, acc_dtype, band_bias, default_scale
 from .kernel_utils import bhsd as _bhsd
-from .kernel_utils import fold_kv_grad as _fold_kv_grad
-from .kernel_utils import repeat_kv as _repeat_kv
+from .math_kernel import MathKernel
 
 __all__ = [
     "AttentionKernel",
@@ -50,7 +53,7 @@ class AttentionKernel(Protocol):
     varlen: bool
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, band: Band | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
@@ -63,6 +66,7 @@ class AttentionKernel(Protocol):
         lse: torch.Tensor,
         causal: bool,
         scale: float,
+        band: Band | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
@@ -72,13 +76,13 @@ class CpuFlashKernel:
     name = "cpu"
     varlen = False
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, band=None):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, attn_mask=None, scale=scale
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, attn_mask=_cpu_mask(q, k, band), scale=scale
         )
         return _bhsd(out), _bhsd(lse)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, band=None):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhsd(dout.to(q.dtype)),
             _bhsd(q),
@@ -88,58 +92,15 @@ class CpuFlashKernel:
             _bhsd(lse.to(acc_dtype(q.dtype))),
             0.0,
             causal,
-            attn_mask=None,
+            attn_mask=_cpu_mask(q, k, band),
             scale=scale,
         )
         return _bhsd(dq), _bhsd(dk), _bhsd(dv)
 
 
-class MathKernel:
-    """Plain math in the accumulation dtype: S = QK^T*scale, P = exp(S - lse). Any device."""
-
-    name = "math"
-    varlen = False
-
-    def _scores(self, q, k, causal, scale):
-        a = acc_dtype(q.dtype)
-        groups = q.shape[2] // k.shape[2]
-        qh = _bhsd(q).to(a)
-        kh = _bhsd(_repeat_kv(k, groups)).to(a)
-        s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-        if causal:
-            sq, sk = s.shape[-2], s.shape[-1]
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril()
-            s = s.masked_fill(~mask, float("-inf"))
-        return s, groups
-
-    def forward(self, q, k, v, causal, scale):
-        s, groups = self._scores(q, k, causal, scale)
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse.unsqueeze(-1))
-        vh = _bhsd(_repeat_kv(v, groups)).to(s.dtype)
-        out = torch.matmul(p, vh)
-        return _bhsd(out).to(q.dtype), _bhsd(lse)
-
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        s, groups = self._scores(q, k, causal, scale)
-        a = s.dtype
-        p = torch.exp(s - _bhsd(lse).to(a).unsqueeze(-1))
-        do = _bhsd(dout).to(a)
-        vh = _bhsd(_repeat_kv(v, groups)).to(a)
-        kh = _bhsd(_repeat_kv(k, groups)).to(a)
-        dv = torch.matmul(p.transpose(-1, -2), do)
-        dp = torch.matmul(do, vh.transpose(-1, -2))
-        delta = (do * _bhsd(out).to(a)).sum(-1, keepdim=True)
-        ds = p * (dp - delta) * scale
-        dq = torch.matmul(ds, kh)
-        dk = torch.matmul(ds.transpose(-1, -2), _bhsd(q).to(a))
-        return (
-            _bhsd(dq).to(q.dtype),
-            _fold_kv_grad(_bhsd(dk), groups).to(k.dtype),
-            _fold_kv_grad(_bhsd(dv), groups).to(v.dtype),
-        )
-
-
+def _cpu_mask(q: torch.Tensor, k: torch.Tensor, band: Band | None) -> torch.Tensor | None:
+    """The CPU op's additive mask for a banded call (it takes a mask in q's dtype, not a bool one)."""
+    return None if band is None else band_bias(q.shape[1], k.shape[1], band, q.dtype, q.device)
 
 
 class VarlenByLoop:
@@ -153,11 +114,13 @@ class VarlenByLoop:
         self.inner = inner
         self.name = f"{inner.name}+varlen_loop"
 
-    def forward(self, q, k, v, causal, scale):
-        return self.inner.forward(q, k, v, causal, scale)
+    def forward(self, q, k, v, causal, scale, band=None):
+        extra = () if band is None else (band,)  # an inner kernel without `band` still runs unwindowed calls
+        return self.inner.forward(q, k, v, causal, scale, *extra)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        return self.inner.backward(dout, q, k, v, out, lse, causal, scale)
+    def backward(self, dout, q, k, v, out, lse, causal, scale, band=None):
+        extra = () if band is None else (band,)
+        return self.inner.backward(dout, q, k, v, out, lse, causal, scale, *extra)
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         outs, lses = [], []
@@ -187,12 +150,12 @@ class CudaWorkspaceOnCpu(CpuFlashKernel):
 
     name = "cpu_cuda_workspace"
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, band=None):
         b, s, hq, d = q.shape
         ws = [q.new_empty((b, s, hq, d), dtype=torch.float32), q.new_empty((b, hq, s), dtype=torch.float32)]
         if k.shape[2] < hq:
             ws += [q.new_empty((b, k.shape[1], hq, d)), q.new_empty((b, k.shape[1], hq, d))]
-        grads = super().backward(dout, q, k, v, out, lse, causal, scale)
+        grads = super().backward(dout, q, k, v, out, lse, causal, scale, band)
         del ws  # freed when the call returns, as the CUDA kernels' workspace
         return grads
 

@@ -11,6 +11,15 @@ call (cu_seqlens). A kernel without that form gets one call per piece. Examples:
 documents in a world of 1 (or on a Ulysses rank) is 64 causal pieces and ONE varlen call; a zigzag ring
 step is at most one causal and one non-causal call, whatever the documents.
 
+A sliding window of w tokens (q sees k iff 0 <= q - k <= w - 1, transformers' convention) is one more mask
+shape: each rectangle above is cut to what is in reach. A rectangle wholly out of reach gives no piece (so a ring
+step whose KV block no query can see computes nothing); one wholly in reach stays a fully visible rectangle or
+a causal diagonal; the rest is cut into q tiles of `tile` rows, each with only the keys its rows can reach, and
+becomes a *banded* piece (`band`: q row a sees key c iff lo <= a - c <= hi, in the piece's own coordinates)
+unless the tile is wholly in reach. Work then grows as S x (w + tile), not S^2; rows that see no key are cut
+off, so no kernel call ever has a fully-masked row. `tile=None` keeps each rectangle whole (a kernel with a
+native window, FlashAttention, skips the out-of-reach blocks itself).
+
 Everything here is pure Python on integers (cached: the same plans recur in every layer), tested on CPU.
 """
 
@@ -22,7 +31,7 @@ from functools import lru_cache
 
 from ..layout import Segment
 
-__all__ = ["Piece", "KernelCall", "plan_pieces", "plan_calls", "piece_flops", "single_call"]
+__all__ = ["Piece", "KernelCall", "plan_pieces", "plan_calls", "piece_flops", "visible_pairs", "single_call"]
 
 
 @dataclass(frozen=True)
@@ -32,14 +41,20 @@ class Piece:
     k0: int  # local kv offsets [k0, k1) within the KV block
     k1: int
     causal: bool
+    band: tuple[int, int] | None = None  # (lo, hi): q row a sees key c iff lo <= a - c <= hi (causal is False)
 
 
 @dataclass(frozen=True)
 class KernelCall:
-    """One kernel launch: its pieces (one causal flag, disjoint q ranges sorted by q0), one sequence each."""
+    """One kernel launch: its pieces (one causal flag, disjoint q ranges sorted by q0), one sequence each. A banded
+    piece is always a call of its own."""
 
     causal: bool
     pieces: tuple[Piece, ...]
+
+    @property
+    def band(self) -> tuple[int, int] | None:
+        return self.pieces[0].band if len(self.pieces) == 1 else None
 
     @property
     def q_ranges(self) -> tuple[tuple[int, int], ...]:
@@ -103,13 +118,15 @@ def _doc_id(pos: int, bounds) -> int:
 
 
 def plan_pieces(
-    q_segs: list[Segment], kv_segs: list[Segment], causal: bool, bounds: list[int] | None = None
+    q_segs: list[Segment], kv_segs: list[Segment], causal: bool, bounds: list[int] | None = None,
+    window: int | None = None, tile: int | None = None,
 ) -> list[Piece]:
     """Pieces of work between a Q block and a KV block (both given as global segments).
 
-    `bounds` are the inner document boundaries (cu_seqlens without its first and last entry).
+    `bounds` are the inner document boundaries (cu_seqlens without its first and last entry). `window`: a causal
+    sliding window of that many tokens (None: none); `tile`: the q rows of a banded piece (None: untiled).
     """
-    return list(_plan_pieces(_key(q_segs), _key(kv_segs), causal, _key(bounds)))
+    return list(_plan_pieces(_key(q_segs), _key(kv_segs), causal, _key(bounds), window, tile))
 
 
 def _key(x) -> tuple | None:
@@ -117,7 +134,8 @@ def _key(x) -> tuple | None:
 
 
 @lru_cache(maxsize=4096)
-def _plan_pieces(q_segs, kv_segs, causal: bool, bounds) -> tuple[Piece, ...]:
+def _plan_pieces(q_segs, kv_segs, causal: bool, bounds, window: int | None = None,
+                 tile: int | None = None) -> tuple[Piece, ...]:
     pieces: list[Piece] = []
     for gq, nq, oq in _with_offsets(q_segs):
         for qa, qb in _doc_ranges(gq, gq + nq, bounds):
@@ -129,8 +147,32 @@ def _plan_pieces(q_segs, kv_segs, causal: bool, bounds) -> tuple[Piece, ...]:
                     p = _classify(qa, qb, da, db, causal)
                     if p is None:
                         continue
-                    pieces.append(Piece(qa - gq + oq, qb - gq + oq, da - gk + ok, db - gk + ok, p))
+                    for a0, a1, c0, c1, flag, band in _in_reach(qa, qb, da, db, p, window, tile):
+                        pieces.append(Piece(a0 - gq + oq, a1 - gq + oq, c0 - gk + ok, c1 - gk + ok, flag, band))
     return tuple(_merge_pieces(pieces))
+
+
+def _in_reach(qa: int, qb: int, ka: int, kb: int, diag: bool, window: int | None, tile: int | None):
+    """What a sliding window leaves of the rectangle [qa, qb) x [ka, kb) (global; a causal diagonal when `diag`,
+    else every k <= every q): (q0, q1, k0, k1, causal, band) in global coordinates."""
+    if window is None:
+        yield qa, qb, ka, kb, diag, None
+        return
+    w = window
+    step = (qb - qa) if tile is None else tile
+    for x0 in range(qa, qb, step):
+        x1 = min(qb, x0 + step)
+        k0, k1 = max(ka, x0 - w + 1), min(kb, x1)  # the keys some row of [x0, x1) can see
+        r0, r1 = max(x0, k0), min(x1, k1 + w - 1)  # the rows that see at least one of them
+        if k0 >= k1 or r0 >= r1:
+            continue
+        if diag and (r0, r1) == (k0, k1) and r1 - 1 - k0 <= w - 1:
+            yield r0, r1, k0, k1, True, None  # a causal diagonal wholly inside the window
+        elif r0 - (k1 - 1) >= 0 and (r1 - 1) - k0 <= w - 1:
+            yield r0, r1, k0, k1, False, None  # every row sees every key
+        else:
+            off = r0 - k0  # global q - k = a - c + off
+            yield r0, r1, k0, k1, False, (-off, w - 1 - off)
 
 
 def _classify(qa: int, qb: int, ka: int, kb: int, causal: bool) -> bool | None:
@@ -154,7 +196,8 @@ def _merge_pieces(pieces: list[Piece]) -> list[Piece]:
         out: list[Piece] = []
         for p in items:
             last = out[-1] if out else None
-            if last is not None and not last.causal and not p.causal and same(last, p) and touch(last, p):
+            plain = last is not None and not last.causal and not p.causal and last.band is None and p.band is None
+            if plain and same(last, p) and touch(last, p):
                 out[-1] = join(last, p)
             else:
                 out.append(p)
@@ -175,23 +218,24 @@ def _merge_pieces(pieces: list[Piece]) -> list[Piece]:
 
 
 def plan_calls(
-    q_segs: list[Segment], kv_segs: list[Segment], causal: bool, bounds: list[int] | None, varlen: bool
+    q_segs: list[Segment], kv_segs: list[Segment], causal: bool, bounds: list[int] | None, varlen: bool,
+    window: int | None = None, tile: int | None = None,
 ) -> tuple[KernelCall, ...]:
     """The kernel calls for a (Q block, KV block) pair: one per piece without `varlen`; with it, the pieces
     grouped by causal flag into as few calls as keep every call's q rows disjoint (greedy by q0: a q row in
-    two pieces of one flag, which zigzag can give, goes to a second call)."""
-    return _plan_calls(_key(q_segs), _key(kv_segs), causal, _key(bounds), varlen)
+    two pieces of one flag, which zigzag can give, goes to a second call). Banded pieces: one call each."""
+    return _plan_calls(_key(q_segs), _key(kv_segs), causal, _key(bounds), varlen, window, tile)
 
 
 @lru_cache(maxsize=4096)
-def _plan_calls(q_segs, kv_segs, causal, bounds, varlen: bool) -> tuple[KernelCall, ...]:
-    pieces = _plan_pieces(q_segs, kv_segs, causal, bounds)
+def _plan_calls(q_segs, kv_segs, causal, bounds, varlen: bool, window, tile) -> tuple[KernelCall, ...]:
+    pieces = _plan_pieces(q_segs, kv_segs, causal, bounds, window, tile)
     if not varlen:
         return tuple(KernelCall(p.causal, (p,)) for p in pieces)
-    calls: list[KernelCall] = []
+    calls: list[KernelCall] = [KernelCall(False, (p,)) for p in pieces if p.band is not None]
     for flag in (True, False):
         groups: list[list[Piece]] = []
-        for p in sorted((p for p in pieces if p.causal == flag), key=lambda p: (p.q0, p.k0)):
+        for p in sorted((p for p in pieces if p.causal == flag and p.band is None), key=lambda p: (p.q0, p.k0)):
             g = next((g for g in groups if g[-1].q1 <= p.q0), None)
             if g is None:
                 groups.append([p])
@@ -207,12 +251,15 @@ def single_call(calls: tuple[KernelCall, ...], n_q: int, n_k: int) -> KernelCall
 
 
 def piece_flops(pieces: list[Piece], batch: int, heads: int, head_dim: int) -> float:
-    """Forward matmul FLOPs of a list of pieces (causal pieces count half)."""
-    total = 0.0
-    for p in pieces:
-        area = (p.q1 - p.q0) * (p.k1 - p.k0)
-        if p.causal:
-            n = p.q1 - p.q0
-            area = n * (n + 1) / 2
-        total += 4.0 * batch * heads * head_dim * area
-    return total
+    """Forward matmul FLOPs of a list of pieces: the (q, k) pairs each piece's mask lets through (causal pieces
+    count half; banded ones their band)."""
+    return sum(4.0 * batch * heads * head_dim * visible_pairs(p) for p in pieces)
+
+
+def visible_pairs(p: Piece) -> int:
+    """How many (q row, key) pairs of the piece its mask lets through."""
+    nq, nk = p.q1 - p.q0, p.k1 - p.k0
+    if p.band is not None:
+        lo, hi = p.band  # row a sees keys max(0, a - hi) .. min(nk - 1, a - lo)
+        return sum(max(0, min(nk - 1, a - lo) - max(0, a - hi) + 1) for a in range(nq))
+    return nq * (nq + 1) // 2 if p.causal else nq * nk

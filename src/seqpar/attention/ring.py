@@ -8,6 +8,9 @@ inputs). Backward reruns the ring and calls the kernel backward per call with th
 accumulates locally. dK/dV are reduced in R-1 hops (the reduce-scatter bound): each rank keeps its own
 block's gradient, and the partial sum of block j starts at ring rank j+1, follows the KV ring and ends at j,
 where the own part is added. A world of 1 never comes here (attention.local: no merge, no fp32 copy).
+A sliding window is part of the plan (pieces.plan_calls): a step whose KV block no local query can reach has no
+call and computes nothing (its block still passes through). Attention sinks start each row's accumulator at
+(0, sink) instead of empty (attention.sinks); the backward adds this rank's rows' part of their gradient.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import torch
 
 from ..comm import CommStats, RingComm
 from ..layout import Segment
-from .calls import call_backward, call_forward, put_rows, varlen_ok
+from .calls import call_backward, call_forward, put_rows, varlen_ok, window_tile
 from .kernels import AttentionKernel, acc_dtype
 from .merge import merge_
 from .pieces import KernelCall, Piece, piece_flops, plan_calls, plan_pieces
+from .sinks import sink_grad
 
 __all__ = ["Piece", "plan_pieces", "piece_flops", "block_forward", "block_backward", "ring_attention"]
 
@@ -39,31 +43,37 @@ def _remove_range(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, stats, all_segs, ring_rank, bounds, causal, scale, kernel, device):
+    def forward(ctx, q, k, v, sinks, group, stats, all_segs, ring_rank, bounds, causal, scale, kernel, device,
+                window):
         ring = RingComm(group, stats, "ring_fwd", device=device)
         r, n = ring_rank, ring.size
         a = acc_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=a, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=a, device=q.device)
         untouched = [(0, q.shape[1])]  # local q rows no piece has written yet
+        if sinks is not None:  # every row starts at (0, sink): each block merges into it
+            lse.copy_(sinks.to(a).expand(lse.shape))
+            untouched = []
+        tile = window_tile(kernel, window)
         kk, vv = k, v
         for step in range(n):
             if step < n - 1:
                 ring.start([kk, vv])  # next block's transfer overlaps this block's compute
             j = (r - step) % n
-            calls = plan_calls(all_segs[r], all_segs[j], causal, bounds, varlen_ok(kernel, q.shape[0]))
+            calls = plan_calls(all_segs[r], all_segs[j], causal, bounds, varlen_ok(kernel, q.shape[0]), window, tile)
             untouched = block_forward(kernel, calls, q, kk, vv, scale, out, lse, untouched)
             if step < n - 1:
                 kk, vv = ring.wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, stats, all_segs, ring_rank, bounds, causal, scale, kernel, device)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (group, stats, all_segs, ring_rank, bounds, causal, scale, kernel, device, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, stats, all_segs, r, bounds, causal, scale, kernel, device = ctx.args
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        group, stats, all_segs, r, bounds, causal, scale, kernel, device, window = ctx.args
+        tile = window_tile(kernel, window)
         kv_ring = RingComm(group, stats, "ring_bwd", tag=0, device=device)
         dkv_ring = RingComm(group, stats, "ring_bwd", tag=1, device=device)
         n = kv_ring.size
@@ -76,7 +86,7 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:
                 kv_ring.start([kk, vv])
             j = (r - step) % n
-            calls = plan_calls(all_segs[r], all_segs[j], causal, bounds, varlen_ok(kernel, q.shape[0]))
+            calls = plan_calls(all_segs[r], all_segs[j], causal, bounds, varlen_ok(kernel, q.shape[0]), window, tile)
             dkv = block_backward(kernel, calls, dout, q, kk, vv, out, lse, scale, dq)
             if step == 0:
                 dkv_own = dkv  # own block: stays here, its partial sum comes home last
@@ -91,8 +101,11 @@ class _RingAttention(torch.autograd.Function):
         if n > 1:
             _add_received(dkv_own, dkv_ring)  # own block's sum over ring ranks r+1 .. r-1 (all others)
         dk, dv = dkv_own[0], dkv_own[1]
-        none = (None,) * 9
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none)
+        ds = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            ds = sink_grad(dout, out, lse, sinks).to(sinks.dtype)
+        none = (None,) * 10
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds, *none)
 
 
 def block_forward(kernel: AttentionKernel, calls: tuple[KernelCall, ...], q: torch.Tensor, kk: torch.Tensor,
@@ -151,7 +164,11 @@ def ring_attention(
     bounds: list[int] | None = None,
     stats: CommStats | None = None,
     device: torch.device | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of local q against the KV of every ring rank. all_segs[j] = ring rank j's segments.
-    `device`: the mesh's communication device (seqpar.comm's device rule)."""
-    return _RingAttention.apply(q, k, v, group, stats, all_segs, ring_rank, bounds, causal, scale, kernel, device)
+    `device`: the mesh's communication device (seqpar.comm's device rule). `window`: a causal sliding window of
+    that many tokens; `sinks` [Hq]: each local head's sink logit (differentiable), or None."""
+    return _RingAttention.apply(q, k, v, sinks, group, stats, all_segs, ring_rank, bounds, causal, scale, kernel,
+                                device, window)

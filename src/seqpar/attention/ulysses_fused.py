@@ -21,6 +21,8 @@ separate all-to-alls, all posted at once (async): chunk c's kernel runs while ch
 flight, and chunk c's output travels while chunk c+1 computes. On gloo the collectives run on gloo's
 own threads; on NCCL on its communication stream (work.wait() orders the compute stream after it).
 Every chunk is an exact slice of the heads, so the result is the same for any `chunks`.
+Attention sinks (one logit per original q head) follow the heads: each rank merges the sinks of the heads it
+holds into its kernel's result and returns their gradient (attention.sinks).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from .. import comm
 from .kernels import AttentionKernel
 from .local import local_backward, local_forward
+from .sinks import heads_grad_to_sinks, sink_grad, sinks_for_heads
 from .ulysses import HeadPlan, RankHeads, rank_heads
 
 __all__ = ["from_rank_heads", "fused_ulysses_attention", "to_rank_heads"]
@@ -230,7 +233,7 @@ class _FusedUlysses(torch.autograd.Function):
     keeps them. The original (unpadded) q, k, v go in and out: no padded copies exist."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, stats, device, causal, scale, kernel, calls, chunks, ranks):
+    def forward(ctx, q, k, v, sinks, group, stats, device, causal, scale, kernel, calls, chunks, ranks):
         p, me = comm.group_size(group), comm.group_rank(group)
         b, s, _, d = q.shape
         plans = [[r.chunk(c, chunks) for r in ranks] for c in range(chunks)]
@@ -245,7 +248,9 @@ class _FusedUlysses(torch.autograd.Function):
             x = _even_recv(recv, p, b, s, d)
             sends[c] = recv = work = None  # free the exchange buffers before the kernel runs (peak memory)
             if nq:
-                oh, lse = local_forward(kernel, x[:, :, :nq], x[:, :, nq : nq + nk], x[:, :, nq + nk :], calls, scale)
+                sk = None if sinks is None else sinks_for_heads(sinks, pl[me].q)
+                oh, lse = local_forward(kernel, x[:, :, :nq], x[:, :, nq : nq + nk], x[:, :, nq + nk :], calls, scale,
+                                        sk)
                 oh = oh.to(q.dtype)
             else:  # nothing for this rank in this chunk (dummy groups left out): it still takes part in the exchange
                 oh, lse = x[:, :, :0], x.new_empty(b, p * s, 0)
@@ -260,7 +265,7 @@ class _FusedUlysses(torch.autograd.Function):
             for r, blk in zip(pl, _blocks(recv, sizes, b, s, d)):
                 _scatter(out, blk, r.q, add=False)
             backs[c] = recv = work = None
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved, sinks)
         ctx.args = (group, stats, device, scale, kernel, calls, plans, k.shape)
         return out
 
@@ -268,7 +273,8 @@ class _FusedUlysses(torch.autograd.Function):
     def backward(ctx, dout):
         group, stats, device, scale, kernel, calls, plans, kv_shape = ctx.args
         p, me = comm.group_size(group), comm.group_rank(group)
-        saved = list(ctx.saved_tensors)
+        *saved, sinks = ctx.saved_tensors
+        dsinks = None if sinks is None or not ctx.needs_input_grad[3] else torch.zeros_like(sinks)
         dout = dout.to(saved[1].dtype)
         b, s, _, d = dout.shape
         # autograd frees this node's saved tensors after this call unless it keeps the graph: then they are free
@@ -282,7 +288,12 @@ class _FusedUlysses(torch.autograd.Function):
             douts[c] = work = None
             x, oh, lse = saved[3 * c : 3 * c + 3]
             saved[3 * c : 3 * c + 3] = (None,) * 3
-            send = _head_grads(kernel, calls, scale, _even_recv(recv, p, b, s, d), x, oh, lse, pl[me], p, free)
+            dh = _even_recv(recv, p, b, s, d)
+            if dsinks is not None and pl[me].q:
+                g = sink_grad(dh, oh, lse, sinks_for_heads(sinks, pl[me].q))
+                dsinks += heads_grad_to_sinks(g, pl[me].q, sinks.shape[0]).to(sinks.dtype)
+            send = _head_grads(kernel, calls, scale, dh, x, oh, lse, pl[me], p, free)
+            dh = None
             recv = None
             if free:  # the output, lse and (when the send buffer is a copy) x are read: gone before the exchange
                 _release(x, oh, lse, keep=send)
@@ -300,7 +311,7 @@ class _FusedUlysses(torch.autograd.Function):
                 dq, dk, dv, replicated = _grad_buffers(dout, dout.shape, kv_shape, [r for pl in plans for r in pl])
             _scatter_qkv(dq, dk, dv, _blocks(recv, sizes, b, s, d), pl, replicated)
             recv = work = None
-        return dq, dk, dv, *(None,) * 9
+        return dq, dk, dv, dsinks, *(None,) * 9
 
 
 def _keeps_graph() -> bool:
@@ -351,10 +362,13 @@ def fused_ulysses_attention(
     stats: comm.CommStats | None = None,
     device: torch.device | None = None,
     chunks: int = 1,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure Ulysses on the ORIGINAL q [B, s, Hq, D], k/v [B, s, Hkv, D] -> out [B, s, Hq, D], heads placed by
     `plan` (ulysses.head_plan) as `rank_heads(plan)` says: no padded copies, dummies sent only where needed.
 
     `calls`: the local kernel calls from `local.local_calls` (no q row in two of them). `chunks`: split
-    each rank's kv heads (with their q groups) into that many near-equal parts, exchanged separately."""
-    return _FusedUlysses.apply(q, k, v, group, stats, device, causal, scale, kernel, calls, chunks, rank_heads(plan))
+    each rank's kv heads (with their q groups) into that many near-equal parts, exchanged separately. `sinks`
+    [Hq]: each original q head's sink logit (differentiable), or None."""
+    return _FusedUlysses.apply(q, k, v, sinks, group, stats, device, causal, scale, kernel, calls, chunks,
+                               rank_heads(plan))

@@ -28,7 +28,7 @@ from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 from ..unwrap import BATCH_INPUTS_HOOK
 from ..unwrap import base_model as _base_model
-from .attention_fn import make_attention_fn, make_linear_forward
+from .attention_fn import NOPE_TEMPERATURE, make_attention_fn, make_linear_forward
 from .forward_plan import ForwardPlan, SPState, make_backbone_hook
 from .linear_attention import check_linear_attention, find_linear_attention
 from .mamba2 import check_mamba2, find_mamba2
@@ -68,9 +68,6 @@ def check_config(cfg: Any) -> None:
             "set config.attn_logit_softcapping = None (changes the model) or do not use SP"
         )
     # attention_dropout > 0 is refused per forward, in train mode only (HF passes dropout=0 in eval).
-    sinks = getattr(cfg, "use_sinks", None)
-    if sinks:
-        raise SeqParError("attention sinks are not supported by seqpar")
     if getattr(cfg, "output_router_logits", False):
         # HF adds the load-balancing loss only with labels= (refused under SP), and per shard it would differ.
         raise SeqParError(
@@ -141,14 +138,14 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     this rank's shard of the logits (in the order of `seqpar.shard`). Works in train and eval mode
     and with PEFT wrappers (apply before or after get_peft_model). Only this model is affected: it
     gets its own config copy pointing at an attention function registered under a unique name.
-    Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, attention
-    sinks, nested/encoder-decoder configs, MoE router aux losses (output_router_logits), any sequence
-    mixing outside softmax attention (linear attention, Mamba/SSM, convolutions, recurrences, chunked
-    attention: see seqpar.hf.mixers) except the Gated DeltaNet layers of Qwen3-Next / Qwen3.5 and the Mamba2
-    mixers of Nemotron-H / Granite 4 / Bamba, which run in every mode (ring / USP by state passing:
-    seqpar.hf.linear_attention, seqpar.hf.mamba2; the Ulysses degree must split their heads)
-    (here); attention dropout in train mode, non-causal attention, sliding windows shorter than
-    the sequence (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
+    Sliding windows, attention sinks, MLA's v head dim and Llama 4's NoPE temperature and chunked attention run
+    exactly (docs/attention.md, "Attention variants").
+    Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, nested/encoder-decoder
+    configs, MoE router aux losses (output_router_logits), any sequence mixing outside softmax attention (linear
+    attention, Mamba/SSM, convolutions, recurrences: see seqpar.hf.mixers) except the Gated DeltaNet layers of
+    Qwen3-Next / Qwen3.5 and the Mamba2 mixers of Nemotron-H / Granite 4 / Bamba, which run in every mode (ring /
+    USP by state passing: seqpar.hf.linear_attention, seqpar.hf.mamba2; the Ulysses degree must split their
+    heads) (here); attention dropout in train mode, non-causal attention (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
     the kernel each model's first attention call resolves to is printed once per process, on rank 0.
     head_chunks: seqpar.attention's head_chunks= (the kernels run per group of heads; attention.heads).
     The recurrent layers' states travel the ring as the mesh's `state_passing` says (seqpar.init_mesh).
@@ -172,6 +169,7 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     for layer in linear:  # an instance attribute shadows the class's forward; removed again on remove
         layer.forward = types.MethodType(make_linear_forward(state_ref), layer)
     state.restore["linear"] = [weakref.ref(m) for m in linear]
+    state.restore["nope"] = _take_nope_temperature(base)
 
     backbone = vlm_language_model(base) if vlm else _backbone(base)
     state.handles.append(backbone.register_forward_pre_hook(make_backbone_hook(state_ref), with_kwargs=True))
@@ -182,6 +180,27 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     # Unregister the name when the model is garbage-collected (state lives as long as the model).
     state.finalizer = weakref.finalize(base, _unregister, name)
     return model
+
+
+def _take_nope_temperature(base: torch.nn.Module) -> list:
+    """Llama 4's NoPE layers scale queries by a temperature of the token's index, which transformers takes from
+    arange(local length): under SP every shard would restart at 0. The layer's own scaling is switched off (an
+    instance attribute) and seqpar's attention applies it from the global indices (attention_fn)."""
+    taken = []
+    for m in base.modules():
+        if getattr(m, "attn_temperature_tuning", False) and hasattr(m, "use_rope") and not m.use_rope:
+            setattr(m, NOPE_TEMPERATURE, (float(m.floor_scale), float(m.attn_scale)))
+            taken.append((weakref.ref(m), m.attn_temperature_tuning))
+            m.attn_temperature_tuning = False
+    return taken
+
+
+def _give_back_nope_temperature(taken: list) -> None:
+    for ref, value in taken:
+        m = ref()
+        if m is not None:
+            m.attn_temperature_tuning = value
+            m.__dict__.pop(NOPE_TEMPERATURE, None)
 
 
 def check_mesh(model: torch.nn.Module, mesh: SequenceParallelMesh) -> None:
@@ -223,6 +242,7 @@ def remove_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
         m = ref()
         if m is not None:
             m.config = state.restore["config"]
+    _give_back_nope_temperature(state.restore.get("nope", []))
     for ref in state.restore.get("linear", []):
         m = ref()
         if m is not None:

@@ -15,6 +15,7 @@ import torch
 from ..attention import attention as sp_attention
 from ..attention.kernel_choice import describe_choice
 from ..errors import SeqParError
+from ..layout import local_positions
 from ..mesh import SequenceParallelMesh
 from .forward_plan import PLAN_KWARG, ForwardPlan, SPState
 from .linear_attention import sp_gated_delta_forward
@@ -22,8 +23,9 @@ from .mamba2 import MAMBA2_CLASSES, sp_mamba2_forward
 
 __all__ = ["make_attention_fn", "make_linear_forward", "check_attention_call"]
 
-# kwargs that change attention semantics in ways seqpar does not implement
-_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks"}
+# The kwargs transformers' attention functions receive a layer's sink logits in (gpt-oss: s_aux).
+_SINK_KWARGS = ("s_aux", "sinks")
+NOPE_TEMPERATURE = "_seqpar_nope_temperature"  # (floor_scale, attn_scale) of a Llama 4 NoPE layer (hf.attention)
 
 
 def _live_state(state_ref: weakref.ReferenceType, what: str) -> SPState:
@@ -63,17 +65,53 @@ def check_attention_call(module: torch.nn.Module, query: torch.Tensor, attention
             f"attention logit softcapping (softcap={softcap}) is not supported under SP: "
             "set config.attn_logit_softcapping = None"
         )
-    if sliding_window is not None and full_len > int(sliding_window):
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
+        raise SeqParError(f"{type(module).__name__}: sliding_window={sliding_window!r} must be a positive int")
+    sinks = layer_sinks(module, kwargs)
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         raise SeqParError(
-            f"{type(module).__name__} layer uses a sliding window of {sliding_window} tokens but the sequence "
-            f"has {full_len}: seqpar implements full causal attention only; keep sequences <= "
-            f"{sliding_window} tokens or raise config.sliding_window"
+            f"{type(module).__name__}: attention sinks of shape {tuple(sinks.shape)}; seqpar reads one logit per q "
+            f"head, shape [{query.shape[1]}]"
         )
-    for k, what in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(k) is not None:
-            raise SeqParError(f"{what} are not supported under SP")
-    if getattr(module, "sinks", None) is not None:
-        raise SeqParError("attention sinks are not supported under SP")
+
+
+def layer_sinks(module: torch.nn.Module, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """A layer's attention-sink logits: what transformers passes (s_aux), else the module's `sinks` parameter."""
+    for name in _SINK_KWARGS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    sinks = getattr(module, "sinks", None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
+
+
+def _window(sliding_window: int | None, full_len: int) -> int | None:
+    """The window seqpar runs: none where it covers the whole sequence (the same result, no banded pieces)."""
+    return None if sliding_window is None or int(sliding_window) >= full_len else int(sliding_window)
+
+
+def _chunk_size(module: torch.nn.Module) -> int | None:
+    """Llama 4's chunked attention: the chunk of a layer whose config.layer_types says 'chunked_attention'."""
+    cfg = getattr(module, "config", None)
+    types, idx = getattr(cfg, "layer_types", None), getattr(module, "layer_idx", None)
+    if not isinstance(types, (list, tuple)) or idx is None or types[idx] != "chunked_attention":
+        return None
+    return int(cfg.attention_chunk_size)
+
+
+def _nope_temperature(module: torch.nn.Module, q: torch.Tensor, mesh: SequenceParallelMesh,
+                      plan: ForwardPlan) -> torch.Tensor:
+    """Llama 4's NoPE-layer query temperature from each token's GLOBAL position: its index in its document (the
+    row index for an unpacked row, as transformers computes it unsharded; a packed document as if run alone).
+    transformers takes it from arange(local length), so every shard would restart at 0. Its own ops otherwise."""
+    floor_scale, attn_scale = getattr(module, NOPE_TEMPERATURE)
+    idx = local_positions(plan.full_len, mesh).to(q.device)
+    rows = []
+    for bnd in plan.row_bounds:
+        starts = torch.tensor([0, *bnd], device=q.device)
+        rows.append(idx - starts[torch.searchsorted(starts[1:], idx, right=True)])
+    pos = torch.stack(rows).float()
+    scales = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (q * scales[:, :, None, None]).to(q.dtype)
 
 
 def make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
@@ -110,8 +148,13 @@ def make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
             # stays in the autocast dtype; SDPA casts all three to that dtype, and so do we.
             dt = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        if hasattr(module, NOPE_TEMPERATURE):
+            q = _nope_temperature(module, q, state.mesh, plan)
         _announce_kernel(q, state.kernel)
-        return _planned_attention(q, k, v, plan, state.mesh, scaling, state.kernel, state.head_chunks), None
+        variant = {"window": _window(sliding_window, plan.full_len), "sinks": layer_sinks(module, kwargs)}
+        chunk = _chunk_size(module)
+        return _planned_attention(q, k, v, plan, state.mesh, scaling, state.kernel, state.head_chunks, chunk,
+                                  variant), None
 
     return seqpar_attention_forward
 
@@ -132,25 +175,35 @@ def _announce_kernel(q: torch.Tensor, kernel: str) -> None:
 
 def _planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ForwardPlan,
                        mesh: SequenceParallelMesh, scaling: float | None, kernel: str = "auto",
-                       head_chunks: int = 1) -> torch.Tensor:
-    """seqpar attention over the plan's rows: one call for the rows without documents, one per packed row."""
-    attention = partial(sp_attention, kernel=kernel, head_chunks=head_chunks)
-    if not plan.packed:
-        return attention(q, k, v, mesh, causal=True, softmax_scale=scaling)
-    plain = [i for i, bnd in enumerate(plan.row_bounds) if not bnd]
-    pieces: dict[int, torch.Tensor] = {}
-    if plain:
-        idx = torch.tensor(plain, device=q.device)
-        o = attention(q[idx], k[idx], v[idx], mesh, causal=True, softmax_scale=scaling)
-        for j, i in enumerate(plain):
-            pieces[i] = o[j : j + 1]
+                       head_chunks: int = 1, chunk: int | None = None,
+                       variant: dict[str, Any] | None = None) -> torch.Tensor:
+    """seqpar attention over the plan's rows: one call per distinct set of boundaries (the rows without documents
+    together), a layer's attention chunks (Llama 4) added to every row's document boundaries."""
+    attention = partial(sp_attention, kernel=kernel, head_chunks=head_chunks, causal=True, softmax_scale=scaling,
+                        **(variant or {}))
+    rows: dict[tuple[int, ...], list[int]] = {}
     for i, bnd in enumerate(plan.row_bounds):
-        if bnd:
-            cu = [0, *bnd, plan.full_len]
-            pieces[i] = attention(
-                q[i : i + 1], k[i : i + 1], v[i : i + 1], mesh, causal=True, softmax_scale=scaling, cu_seqlens=cu,
-            )
+        rows.setdefault(_with_chunks(bnd, plan.full_len, chunk), []).append(i)
+    if len(rows) == 1:
+        ((bnd, _),) = rows.items()
+        return attention(q, k, v, mesh, cu_seqlens=[0, *bnd, plan.full_len] if bnd else None)
+    pieces: dict[int, torch.Tensor] = {}
+    for bnd, idx in rows.items():
+        sel = torch.tensor(idx, device=q.device)
+        o = attention(q[sel], k[sel], v[sel], mesh, cu_seqlens=[0, *bnd, plan.full_len] if bnd else None)
+        for j, i in enumerate(idx):
+            pieces[i] = o[j : j + 1]
     return torch.cat([pieces[i] for i in range(q.shape[0])], dim=0)
+
+
+def _with_chunks(bounds: tuple[int, ...], full_len: int, chunk: int | None) -> tuple[int, ...]:
+    """A row's document boundaries plus its attention chunks', counted from each document's start (a packed
+    document is chunked as if run alone; an unpacked row as transformers chunks it)."""
+    if chunk is None:
+        return tuple(bounds)
+    starts = [0, *bounds]
+    ends = [*bounds, full_len]
+    return tuple(sorted({*bounds, *(c for a, b in zip(starts, ends) for c in range(a + chunk, b, chunk))}))
 
 
 def make_linear_forward(state_ref: weakref.ReferenceType) -> Any:

@@ -2,18 +2,18 @@
 
 seqpar shards the sequence and makes only the attention function see the whole of it. Anything
 else that looks along the sequence (linear attention / Gated DeltaNet, Mamba / SSM scans, causal
-convolutions, recurrences such as RWKV, xLSTM or RG-LRU, chunked local attention) would run on the
+convolutions, recurrences such as RWKV, xLSTM or RG-LRU) would run on the
 local shard alone and silently give wrong results. Three independent signals, any one suffices:
 - structure: `nn.Conv1d` with a kernel longer than 1 (a convolution along the sequence), `nn.RNNBase`;
 - class names of the known families (GatedDeltaNet, Mamba, SSM, Mixer, Recurrent, RWKV, xLSTM,
   LinearAttention, LightningAttention, ShortConv, ...);
 - the config: `layer_types` entries that are not softmax attention ("linear_attention", "mamba",
-  "conv", "hybrid", "chunked_attention", ...), `layers_block_type`, `attention_chunk_size`.
+  "conv", "hybrid", ...), `layers_block_type`, an `attention_chunk_size` without `layer_types`.
 The Gated DeltaNet layers of Qwen3-Next / Qwen3.5 and the Mamba2 mixers of Nemotron-H / Granite 4 / Bamba are
 the exception: seqpar.hf.linear_attention and seqpar.hf.mamba2 run them (Ulysses, ring, USP), and
 apply_sequence_parallel passes them here as `supported`.
-Sliding-window attention is softmax attention with a window: it is checked per forward instead
-(refused only when the window is shorter than the sequence).
+Sliding-window and chunked attention (Llama 4's 'chunked_attention' layers) are softmax attention with another
+mask: seqpar's attention runs them (attention.pieces).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ __all__ = ["ATTENTION_LAYER_TYPES", "find_sequence_mixers", "check_softmax_atten
 
 # layer_types values that are plain softmax attention (full or sliding window), or per-token blocks that mix
 # nothing along the sequence (Nemotron-H lists its MLP / MoE blocks as layers).
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global", "local", "mlp",
-                                   "moe"})
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "global",
+                                   "local", "mlp", "moe"})
 _MIXER_NAMES = re.compile(
     r"GatedDeltaNet|DeltaNet|Mamba|SSM|Ssm|Mixer|Recurrent|Rglru|RWKV|Rwkv|xLSTM|mLSTM|sLSTM|LinearAttention|"
     r"LinearAttn|LightningAttention|ShortConv|Hyena|Retention"
@@ -70,8 +70,9 @@ def _config_reasons(cfg: Any, allowed_types: frozenset[str] = frozenset()) -> li
             if other:
                 reasons.append(f"config.{attr} has non-softmax-attention layers {other}")
     chunk = getattr(cfg, "attention_chunk_size", None)
-    if chunk is not None:
-        reasons.append(f"config.attention_chunk_size={chunk} (chunked local attention)")
+    if chunk is not None and not isinstance(getattr(cfg, "layer_types", None), (list, tuple)):
+        # seqpar finds a chunked layer through config.layer_types ('chunked_attention', as Llama 4 lists them)
+        reasons.append(f"config.attention_chunk_size={chunk} without config.layer_types (chunked local attention)")
     return reasons
 
 
