@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SeqParError
-from ..layout import required_multiple
+from ..layout import required_multiple, round_up_length
 from .memory import Layout
 from .model import ModelFacts
 
@@ -57,13 +57,14 @@ def refuse_too_long(ctx: Context, seq_len: int) -> None:
                           f"use --seq-len <= {ctx.limit}, or {fix}")
 
 
-def split_multiple(lay: Layout) -> int:
-    """A mesh splits lengths that are multiples of this (zigzag ring: 2 x ring x ulysses)."""
-    return required_multiple(lay.ring, lay.ulysses, "zigzag")
+def split_multiple(lay: Layout, layout: str = "zigzag") -> int:
+    """A mesh splits lengths that are multiples of this (zigzag ring: 2 x ring x ulysses; contiguous ring or no
+    ring: ring x ulysses). layout: the run's sequence_parallel.layout (seqpar train's default: zigzag)."""
+    return required_multiple(lay.ring, lay.ulysses, layout)
 
 
-def padded(seq_len: int, lay: Layout) -> int:
+def padded(seq_len: int, lay: Layout, layout: str = "zigzag") -> int:
     """The length seqpar runs a row of `seq_len` tokens at on this mesh: the collator pads it to the split's
-    multiple (seqpar.layout.padded_length), and `dataset.max_length` must be that multiple."""
-    k = split_multiple(lay)
-    return -(-seq_len // k) * k
+    multiple (seqpar.layout.round_up_length, the one rounding rule), and `dataset.max_length` must be that
+    multiple."""
+    return round_up_length(seq_len, lay.ring, lay.ulysses, layout)
