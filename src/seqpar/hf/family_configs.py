@@ -23,20 +23,28 @@ WINDOW = 16  # sliding windows / attention chunks: shorter than every document o
 _TINY = {
     "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 256,
-    "rotary_dim": 8, "n_inner": 64, "ffn_dim": 64, "intermediate_size_mlp": 64, "ffn_hidden_size": 64,
+    "rotary_dim": 8, "n_inner": 64, "dff": 64, "dim_ff": 64, "decoder_ffn_dim": 64, "d_inner": 64,
+    "dense_intermediate_size": 64, "output_embedding_size": 64, "ffn_dim": 64, "intermediate_size_mlp": 64,
+    "ffn_hidden_size": 64,
     # MoE: 4 experts, top-2, one shared; one dense layer first where the family has them (both kinds run)
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2, "n_shared_experts": 1,
     "num_shared_experts": 1, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-    "expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "n_group": 1, "topk_group": 1,
+    "expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "shared_intermediate_size": 32,
+    "shared_experts_intermediate_size": 32, "zero_expert_num": 2, "n_group": 1, "topk_group": 1,
     "first_k_dense_replace": 1, "num_dense_layers": 1,
     # MLA (DeepSeek-V2/V3): compressed q / kv, a v head dim unlike the qk one
-    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12,
+    "kv_lora_rank": 16, "q_lora_rank": 24, "o_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+    "v_head_dim": 12,
+    # sparse attention indexers (DeepSeek-V3.2 and kin): keep the top 8 keys per query, fewer than the sequence has
+    "index_topk": 8, "index_head_dim": 16, "index_n_heads": 2,
+    # Llama 4's attention temperature on NoPE layers grows every floor_scale positions: 8, so it varies here
+    "floor_scale": 8,
     # Mamba / Mamba2 mixers: 8 heads of 16 (= 2 x hidden), state 8, SSD chunks of 16
     "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_d_ssm": 128,
     "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_chunk_size": 16,
     # windows / chunks shorter than the sequence
-    "sliding_window": WINDOW, "attention_chunk_size": WINDOW,
+    "sliding_window": WINDOW, "attention_chunk_size": WINDOW, "keep_window_size": WINDOW,
     "initializer_range": 0.1,  # wider than HF's 0.02: attention far from uniform, so a wrong mask shows
     "use_cache": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
@@ -81,10 +89,6 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # DBRX keeps its attention and MoE settings in sub-configs
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}},
-    # DeepSeek sparse attention: an indexer that keeps the top 8 keys per query (fewer than the sequence has)
-    "deepseek_v32": {"index_topk": 8, "index_head_dim": 16, "index_n_heads": 2},
-    "glm_moe_dsa": {"index_topk": 8, "index_head_dim": 16, "index_n_heads": 2},
-    "axk2": {"index_topk": 8, "index_head_dim": 16, "index_n_heads": 2},
 }
 
 
