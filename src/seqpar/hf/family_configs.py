@@ -1,12 +1,12 @@
 """The causal-LM families of the installed transformers and a tiny config of each, for the family sweep
 (seqpar.hf.family_sweep).
 
-The list is computed, not typed: every entry of transformers' causal-LM auto mapping, each either kept (a
-decoder-only causal LM whose config builds on its own) or excluded with the reason. The tiny config is derived
-from the config class's defaults by one rule table (2 layers, hidden 64, 4 q / 2 kv heads of 16, vocab 128,
-MoE shrunk to 4 experts top-2, every dropout 0, sliding windows and attention chunks of 16 tokens: shorter than
-the sweep's sequences, so the variants are exercised); the few families that need more have an override below,
-each saying why.
+The list is computed, not typed: every entry of transformers' causal-LM auto mapping, each either swept or
+excluded with the reason (the decoder half of an encoder-decoder, a composite / multimodal model, a model class
+another entry already sweeps). The tiny config is derived from the config class's defaults by one rule table
+(2 layers, or one of each layer kind the defaults list; hidden 64, 4 q / 2 kv heads of 16, vocab 128, MoE shrunk
+to 4 experts top-2, every dropout 0, sliding windows and attention chunks of 16 tokens: shorter than the sweep's
+documents, so the variants are exercised); the families that need more have an override below, each saying why.
 """
 
 from __future__ import annotations
