@@ -19,7 +19,7 @@ import torch
 from seqpar.errors import SeqParError
 from seqpar.hf.family_configs import WINDOW, families, tiny_family_config
 from seqpar.hf.family_sweep import BATCHES, MODES, _classify, build, sweep
-from seqpar.hf.family_table import BEGIN, END, read_docs, render
+from seqpar.hf.family_table import read_docs, render
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANTED = ["llama", "qwen2_moe", "gpt2"]  # exact families (dense, MoE, learned positions) to plant errors in
@@ -143,11 +143,10 @@ def test_docs_table_is_the_sweeps(results, tmp_path):
     """docs/hf.md's generated table holds the sweep's families and statuses, and the same reasons except for FAILs
     (their error sizes may move in the last digit); regenerate it with tools/family_sweep.py --write-docs."""
     committed = read_docs(ROOT / "docs" / "hf.md")
-    fresh_md = tmp_path / "fresh.md"
-    fresh_md.write_text(f"x\n{BEGIN}\n{END}\n")
     import transformers
 
-    fresh_md.write_text(render(results, transformers.__version__))
+    fresh_md = tmp_path / "fresh.md"
+    fresh_md.write_text(render(results, transformers.__version__))  # the section, markers included
     fresh = read_docs(fresh_md)
     hint = "run `python tools/family_sweep.py --write-docs docs/hf.md`"
     assert {(r[0], r[2]) for r in committed} == {(r[0], r[2]) for r in fresh}, hint

@@ -227,35 +227,41 @@ def _classify(ft: Any, per_rank: list[dict[str, Any]]) -> FamilyResult:
     return FamilyResult(ft.model_type, ft.model_class, "exact", "", errors)
 
 
-def _train_mode_is_random(model: torch.nn.Module) -> bool:
-    """Whether two identical train-mode runs differ (e.g. sampled MoE routing): no exact reference then."""
-    a, b = reference(model, "packed"), reference(model, "packed")
-    return any(not torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+def _references(model: torch.nn.Module) -> dict[str, Reference] | None:
+    """The references of every batch, or None when a second run of the first batch differs (a random forward,
+    e.g. sampled MoE routing in train mode: no exact reference then)."""
+    refs = {kind: reference(model, kind) for kind in BATCHES}
+    kind = next(iter(BATCHES))
+    again = reference(model, kind)
+    same = all(torch.equal(x, y) for x, y in zip(refs[kind].logits, again.logits))
+    return refs if same else None
 
 
-def _prepare(ft: Any, prelaunch: Callable[[Any], None]) -> tuple[torch.nn.Module | None, FamilyResult | None, str]:
-    """The family's tiny model (train mode, or eval mode when train mode is random), or its final result."""
+def _prepare(ft: Any, prelaunch: Callable[[Any], None]) -> tuple[torch.nn.Module, dict, str] | FamilyResult:
+    """(the family's tiny model, its references, a note), train mode or, where train mode is random, eval mode;
+    or the family's final result."""
     try:
         model = build(ft.model_type)
     except Exception as e:  # noqa: BLE001 - any failure to build is the family's reason
-        return None, FamilyResult(ft.model_type, ft.model_class, "not buildable",
-                                  f"{type(e).__name__}: {_first_line(str(e))}"), ""
+        return FamilyResult(ft.model_type, ft.model_class, "not buildable", f"{type(e).__name__}: "
+                            f"{_first_line(str(e))}")
     try:  # what is checked before any rank starts, from the config alone
         prelaunch(model.config)
     except SeqParError as e:
         res = _classify(ft, [{m: ("refused", str(e)) for m in MODES}])
         res.detail = res.detail.replace("both modes: ", "before launch: ")
-        return None, res, ""
+        return res
     try:
-        if not _train_mode_is_random(model):
-            return model, None, ""
-        model.eval()
-        if not _train_mode_is_random(model):
-            return model, None, "compared in eval mode (its train mode is random)"
+        refs = _references(model)
+        if refs is not None:
+            return model, refs, ""
+        refs = _references(model.eval())
+        if refs is not None:
+            return model, refs, "compared in eval mode (its train mode is random)"
         why = "its forward is random in eval mode too"
     except Exception as e:  # noqa: BLE001 - the unmodified model cannot run the sweep's batches
         why = f"the unsharded tiny model fails: {type(e).__name__}: {_first_line(str(e))}"
-    return None, FamilyResult(ft.model_type, ft.model_class, "not buildable", why), ""
+    return FamilyResult(ft.model_type, ft.model_class, "not buildable", why)
 
 
 def sweep_family(ft: Any, plant: Plant | None = None, timeout: float = 120.0,
@@ -266,10 +272,10 @@ def sweep_family(ft: Any, plant: Plant | None = None, timeout: float = 120.0,
 
     if ft.excluded:
         return FamilyResult(ft.model_type, ft.model_class, "excluded", ft.excluded)
-    model, done, note = _prepare(ft, prelaunch)
-    if done is not None:
-        return done
-    refs = {kind: reference(model, kind) for kind in BATCHES}
+    prepared = _prepare(ft, prelaunch)
+    if isinstance(prepared, FamilyResult):
+        return prepared
+    model, refs, note = prepared
     try:
         per_rank = run_threaded(_rank, 2, model, refs, plant, ft.model_type, timeout=timeout)
     except DistributedFailure as e:
