@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 import threading
 import types
 import weakref
@@ -43,11 +44,15 @@ _lock = threading.Lock()
 
 
 def _backbone(base: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack (LlamaModel, ...): the module that receives position_ids and kwargs."""
+    """The decoder stack (LlamaModel, ...): the module that receives position_ids and kwargs. Where the base model
+    only wraps the stack (OPT: OPTModel.decoder holds the layers, and OPTForCausalLM calls it directly), the stack."""
     inner = getattr(base, "base_model", None)
-    if isinstance(inner, torch.nn.Module) and inner is not base:
-        return inner
-    return base
+    inner = inner if isinstance(inner, torch.nn.Module) and inner is not base else base
+    if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+        for child in inner.children():
+            if isinstance(getattr(child, "layers", None), torch.nn.ModuleList):
+                return child
+    return inner
 
 
 def is_sequence_parallel(model: torch.nn.Module) -> bool:
@@ -77,6 +82,26 @@ def check_config(cfg: Any) -> None:
         )
 
 
+# Families whose attention builds a mask of its own from the hidden states: no AttentionInterface mask seqpar could
+# replace (model_type -> what it does).
+_OWN_MASK_FAMILIES = {"doge": "Doge's dynamic mask attention (a learned mask per key, built inside the layer)"}
+
+
+def check_attention_interface(base: torch.nn.Module, cfg: Any) -> None:
+    """SeqParError unless the model's attention goes through transformers' AttentionInterface (the one place seqpar
+    replaces): a model that computes attention itself would attend within each rank's shard, silently wrong."""
+    module = sys.modules.get(type(base).__module__)
+    if module is not None and not hasattr(module, "ALL_ATTENTION_FUNCTIONS"):
+        raise SeqParError(
+            f"{type(base).__name__} computes attention itself, not through transformers' AttentionInterface, so "
+            "seqpar cannot make it sequence-parallel (it would attend within each rank's shard): use a model whose "
+            "attention does, or train without SP"
+        )
+    what = _OWN_MASK_FAMILIES.get(getattr(cfg, "model_type", None))
+    if what is not None:
+        raise SeqParError(f"{what} is not supported by seqpar's exact attention: train this model without SP")
+
+
 def _refuse_labels_loss(*args: Any, **kwargs: Any) -> Any:
     raise SeqParError(
         "labels= was passed to a sequence-parallel model: HF would shift labels inside each shard and "
@@ -104,6 +129,7 @@ def _checked_config(base: torch.nn.Module, mesh: SequenceParallelMesh) -> tuple[
             "model.language_model with its own lm_head)"
         )
     check_config(cfg)
+    check_attention_interface(vlm_language_model(base) if vlm else base, cfg)
     linear = find_linear_attention(base)  # Gated DeltaNet (Qwen3-Next, Qwen3.5): run by seqpar (recurrent/)
     check_linear_attention(linear, mesh)
     mamba = find_mamba2(base)  # Mamba2 mixers (Nemotron-H, Granite 4, Bamba)

@@ -41,7 +41,7 @@ def refuse_non_causal(c: Any, name: str) -> None:
     """SeqParError unless the HF config `c` (model.name `name`) builds a causal LM seqpar's attention runs."""
     from transformers import AutoModelForCausalLM
 
-    from ...hf.attention import check_config
+    from ...hf.attention import check_attention_interface, check_config
     from ...hf.vision import check_vlm
 
     if is_vlm(c):  # vision-language: a supported Qwen VL, its text decoder checked like any causal LM
@@ -58,6 +58,7 @@ def refuse_non_causal(c: Any, name: str) -> None:
     if bad:
         raise SeqParError(f"model.name={name!r} has non-causal attention ({', '.join(bad)}: is_causal=False): "
                           f"seqpar supports causal LMs only (for BERT-like configs: is_decoder=True)")
+    check_attention_interface(model, c)  # attention computed outside transformers' AttentionInterface
 
 
 def _rope_dicts(c: Any) -> list[dict]:
