@@ -7,8 +7,9 @@ import json
 from typing import Any
 
 from ..errors import SeqParError
+from .spans import Span
 
-__all__ = ["add_plan_parser", "cmd_plan"]
+__all__ = ["add_plan_parser", "cmd_plan", "attention_lines"]
 
 GiB = 2**30
 
@@ -220,6 +221,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(_table(cands, args.top, args.max_seq_len))
     for n in notes:
         print(f"note: {n}")
+    if cands:
+        for line in attention_lines(m, req.workload, cands[rec if rec is not None else 0]):
+            print(line)
     if rec is None:
         print("\nnothing fits: add GPUs, use LoRA, --offload-optimizer/--offload-activations, or a shorter sequence")
         return 1
@@ -230,6 +234,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\n# seqpar train config (launch {cl.gpus} processes):\n"
           + train_yaml(trainable_name(args.model), best, req.workload, seq, ctx))
     return 0
+
+
+def attention_lines(m: Any, wl: Any, cand: Any) -> list[str]:
+    """How a model with windows, chunks, MLA or sinks is priced, at a candidate's length and mesh: layers per span,
+    each span's forward attention TFLOP per layer on the busiest rank and the ring steps that compute anything."""
+    from dataclasses import replace
+
+    from .spans import steps_with_work
+    from .time import attention_by_span
+
+    groups = m.attention_spans()
+    if set(groups) == {Span()} and m.mla is None and not m.sinks:
+        return []
+    lay, seq = cand.layout, cand.seq_len
+    out = []
+    if any(s.kind != "full" for s in groups):
+        counts = ", ".join(f"{n} {s.describe()}" for s, n in sorted(groups.items(), key=lambda g: -g[1]))
+        out.append(f"attention: {counts} layers; at {seq} tokens on ulysses {lay.ulysses} x ring {lay.ring} "
+                   "(busiest rank, forward, per layer):")
+        for s, (n, f) in attention_by_span(m, replace(wl, seq_len=seq), lay).items():
+            steps = (f", ring steps with work {steps_with_work(seq, lay.ring, 'zigzag', s)} of {lay.ring}"
+                     if lay.ring > 1 else "")
+            out.append(f"  {s.describe():>24}: {n:>3} layers x {f / 1e12:9.3f} TFLOP{steps}")
+        if lay.ring > 1:
+            out.append("  (a windowed layer skips the compute of ring steps out of reach; its K/V still travel the "
+                       "whole ring: priced as full attention's)")
+    if m.mla is not None:
+        out.append(f"attention: MLA, q/k head dim {m.head_dim}, v head dim {m.v_head} (padded to {m.head_dim} for the "
+                   f"kernels and exchanges), kv_lora_rank {m.mla.kv_lora_rank}, q_lora_rank {m.mla.q_lora_rank}")
+    if m.sinks:
+        out.append(f"attention: sinks, one logit per q head ({m.heads} per layer; no FLOPs or bytes worth pricing)")
+    return out
 
 
 def _plan_lengths(args: argparse.Namespace, m: Any, cl: Any, req: Any) -> int:
