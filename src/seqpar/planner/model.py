@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import SeqParError
 from ..textfiles import read_json
+from .mla import MlaFacts, mla_fields
 from .moe import MOE_TYPES, MoeFacts, moe_facts
 from .recurrent import RECURRENT_KINDS, RecurrentFacts, layer_kinds, recurrent_facts
 from .spans import Span, layer_spans, span_groups
@@ -30,17 +31,6 @@ NO_ROPE_TYPES = ("nemotron_h",)
 SINK_TYPES = ("gpt_oss",)
 # Architectures with a bias on the q/k/v projections.
 QKV_BIAS_TYPES = ("qwen2",)
-
-
-@dataclass(frozen=True)
-class MlaFacts:
-    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): q through a low-rank q_a / q_b pair (or one q_proj),
-    k and v from one kv_a projection to a latent of kv_lora_rank (+ the shared RoPE part of k) and kv_b to every
-    head's k_nope and v. ModelFacts.head_dim is the q/k head dim (qk_nope + qk_rope), v_head_dim v's."""
-
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    rope_dim: int  # qk_rope_head_dim: the part of k shared by all heads
 
 
 @dataclass(frozen=True)
@@ -298,13 +288,7 @@ def _attention_facts(hf: Any, layers: int) -> dict[str, Any]:
     window = next((s.size for s in spans if s.kind == "sliding"), None)
     out: dict[str, Any] = {"spans": spans if any(s.kind != "full" for s in spans) else (), "sliding_window": window,
                            "sinks": hf.model_type in SINK_TYPES or bool(getattr(hf, "use_sinks", False))}
-    rank = getattr(hf, "kv_lora_rank", None)
-    if rank:
-        rope, nope = int(hf.qk_rope_head_dim), int(hf.qk_nope_head_dim)
-        q_rank = getattr(hf, "q_lora_rank", None)
-        out.update(head_dim=nope + rope, v_head_dim=int(hf.v_head_dim or nope + rope),
-                   mla=MlaFacts(int(q_rank) if q_rank else None, int(rank), rope))
-    return out
+    return {**out, **mla_fields(hf)}
 
 
 def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
