@@ -191,6 +191,17 @@ def test_plan_prints_the_spans(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "attention: 52 sliding window 1024, 10 global layers; at 131072 tokens" in out, out
     assert "ring steps with work 2 of 2" in out and "K/V still travel the whole ring" in out, out
+    assert main([*argv, str(tmp_path / "gemma3.json"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    best = got["candidates"][got["recommended"]]
+    lay = Layout(best["ulysses_degree"], best["ring_degree"], best["dp_size"])
+    wl = Workload(best["seq_len"])
+    m = _facts(tmp_path, "gemma3", GEMMA3)
+    assert got["attention_spans"] == [
+        {"span": "sliding", "size": 1024, "layers": 52, "ring_steps_with_work": 2,
+         "fwd_flops_per_layer": attention_flops(m, wl, lay, Span("sliding", 1024))},
+        {"span": "full", "size": 0, "layers": 10, "ring_steps_with_work": 2,
+         "fwd_flops_per_layer": attention_flops(m, wl, lay, FULL)}]
     assert main([*argv, str(tmp_path / "gpt_oss.json")]) == 0
     out = capsys.readouterr().out
     assert "12 sliding window 128, 12 global layers" in out and "sinks, one logit per q head (64" in out, out

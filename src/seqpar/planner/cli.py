@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import SeqParError
 from .spans import Span
 
-__all__ = ["add_plan_parser", "cmd_plan", "attention_lines"]
+__all__ = ["add_plan_parser", "cmd_plan", "attention_lines", "span_pricing"]
 
 GiB = 2**30
 
@@ -213,7 +213,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      "USP 2 x 2; 2-layer rows with DPO, LoRA, FSDP: within 2%; docs/planner.md)")
     if args.json:
         print(json.dumps({"model": args.model, "gpus": cl.gpus, "usable_bytes_per_gpu": usable_bytes(cl),
-                          "notes": notes, "candidates": [c.as_json() for c in cands], "recommended": rec}, indent=1))
+                          "notes": notes, "candidates": [c.as_json() for c in cands], "recommended": rec,
+                          "attention_spans": span_pricing(m, req.workload, cands[rec or 0]) if cands else []},
+                         indent=1))
         return 0
     print(f"{args.model}: {m.num_params() / 1e9:.2f}B params, {m.layers} layers, hidden {m.hidden}, "
           f"{m.heads} q / {m.kv_heads} kv heads x {m.head_dim}, vocab {m.vocab}; {cl.gpus} x {cl.name} "
@@ -236,27 +238,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def attention_lines(m: Any, wl: Any, cand: Any) -> list[str]:
-    """How a model with windows, chunks, MLA or sinks is priced, at a candidate's length and mesh: layers per span,
-    each span's forward attention TFLOP per layer on the busiest rank and the ring steps that compute anything."""
+def span_pricing(m: Any, wl: Any, cand: Any) -> list[dict[str, Any]]:
+    """Per attention span at a candidate's length and mesh: its layers, one layer's forward attention FLOPs on the
+    busiest rank and the ring steps that compute anything (the rest are skipped; K/V still rotate the whole ring)."""
     from dataclasses import replace
 
     from .spans import steps_with_work
     from .time import attention_by_span
 
+    lay, seq = cand.layout, cand.seq_len
+    return [{"span": s.kind, "size": s.size, "layers": n, "fwd_flops_per_layer": f,
+             "ring_steps_with_work": steps_with_work(seq, lay.ring, "zigzag", s) if lay.ring > 1 else 1}
+            for s, (n, f) in attention_by_span(m, replace(wl, seq_len=seq), lay).items()]
+
+
+def attention_lines(m: Any, wl: Any, cand: Any) -> list[str]:
+    """How a model with windows, chunks, MLA or sinks is priced, at a candidate's length and mesh (span_pricing)."""
     groups = m.attention_spans()
     if set(groups) == {Span()} and m.mla is None and not m.sinks:
         return []
-    lay, seq = cand.layout, cand.seq_len
-    out = []
+    lay, out = cand.layout, []
     if any(s.kind != "full" for s in groups):
         counts = ", ".join(f"{n} {s.describe()}" for s, n in sorted(groups.items(), key=lambda g: -g[1]))
-        out.append(f"attention: {counts} layers; at {seq} tokens on ulysses {lay.ulysses} x ring {lay.ring} "
+        out.append(f"attention: {counts} layers; at {cand.seq_len} tokens on ulysses {lay.ulysses} x ring {lay.ring} "
                    "(busiest rank, forward, per layer):")
-        for s, (n, f) in attention_by_span(m, replace(wl, seq_len=seq), lay).items():
-            steps = (f", ring steps with work {steps_with_work(seq, lay.ring, 'zigzag', s)} of {lay.ring}"
-                     if lay.ring > 1 else "")
-            out.append(f"  {s.describe():>24}: {n:>3} layers x {f / 1e12:9.3f} TFLOP{steps}")
+        for p in span_pricing(m, wl, cand):
+            steps = f", ring steps with work {p['ring_steps_with_work']} of {lay.ring}" if lay.ring > 1 else ""
+            name = Span(p["span"], p["size"]).describe()
+            out.append(f"  {name:>24}: {p['layers']:>3} layers x {p['fwd_flops_per_layer'] / 1e12:9.3f} TFLOP{steps}")
         if lay.ring > 1:
             out.append("  (a windowed layer skips the compute of ring steps out of reach; its K/V still travel the "
                        "whole ring: priced as full attention's)")
