@@ -47,6 +47,7 @@ def refuse_non_causal(c: Any, name: str) -> None:
 
     if is_vlm(c):  # vision-language: a supported Qwen VL, its text decoder checked like any causal LM
         check_config(check_vlm(c))
+        refuse_bad_attention_spans(check_vlm(c), name)
         return
     check_config(c)
     refuse_bad_attention_spans(c, name)
@@ -56,7 +57,9 @@ def refuse_non_causal(c: Any, name: str) -> None:
     except ValueError as e:
         raise SeqParError(f"model.name={name!r} is not a causal LM ({str(e).splitlines()[0][:120]}): seqpar trains "
                           f"causal LMs (AutoModelForCausalLM) only") from None
-    refuse_bad_sinks(model, int(c.num_attention_heads), name)
+    heads = getattr(c, "num_attention_heads", None)
+    if isinstance(heads, int):
+        refuse_bad_sinks(model, heads, name)
     bad = sorted({type(m).__name__ for m in model.modules() if getattr(m, "is_causal", True) is False})
     if bad:
         raise SeqParError(f"model.name={name!r} has non-causal attention ({', '.join(bad)}: is_causal=False): "
