@@ -205,5 +205,12 @@ def test_plan_prints_the_spans(tmp_path, capsys):
     assert main([*argv, str(tmp_path / "gpt_oss.json")]) == 0
     out = capsys.readouterr().out
     assert "12 sliding window 128, 12 global layers" in out and "sinks, one logit per q head (64" in out, out
+    small = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512,
+             "sliding_window": 64, "max_position_embeddings": 4096}
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    assert main(["plan", "--gpus", "2", "--sample-rows", "64", "--lengths", "0.5:128-256,0.5:1024", "--model",
+                 str(tmp_path / "small.json")]) == 0
+    assert "note: --lengths prices every attention layer as full attention" in capsys.readouterr().out
     assert main(["plan", "--gpus", "8", "--seq-len", "4096", "--model", str(tmp_path / "mla.json")]) == 0
     assert "MLA, q/k head dim 48, v head dim 24" in capsys.readouterr().out

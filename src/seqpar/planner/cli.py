@@ -12,6 +12,8 @@ from .spans import Span
 __all__ = ["add_plan_parser", "cmd_plan", "attention_lines", "span_pricing"]
 
 GiB = 2**30
+LENGTHS_SPAN_NOTE = ("--lengths prices every attention layer as full attention, fixed and length-aware SP alike (the "
+                     "model's sliding windows / chunks are priced by the fixed-length plan only, --seq-len)")
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -285,6 +287,8 @@ def _plan_lengths(args: argparse.Namespace, m: Any, cl: Any, req: Any) -> int:
         raise SeqParError("--rows-per-step and --max-local-tokens must be >= 1")
     lengths = parse_lengths(args.lengths, rows=max(1, args.sample_rows))
     res = plan_mix(m, cl, req, lengths, args.max_local_tokens, args.rows_per_step)
+    if any(s.kind != "full" for s in m.attention_spans()):
+        res["notes"] = res.get("notes", []) + [LENGTHS_SPAN_NOTE]
     if args.json:
         print(json.dumps({"model": args.model, "gpus": cl.gpus, "gpu": cl.name, "lengths": args.lengths, **res},
                          indent=1))
@@ -302,6 +306,8 @@ def _plan_lengths(args: argparse.Namespace, m: Any, cl: Any, req: Any) -> int:
           + (f" (x{res['speedup_vs_fixed_packed']:.2f} vs packed)" if res["speedup_vs_fixed_packed"] else ""))
     print(f"  rows per degree: {res['sp_degrees']}; the memory model fits up to {res['memory_max_local_tokens']} "
           f"tokens per rank with {', '.join(k for k, v in res['dynamic_features'].items() if v) or 'no features'}")
+    for n in res.get("notes", []):
+        print(f"note: {n}")
     print(f"\n# seqpar train config (launch {cl.gpus} processes):\nsequence_parallel: {{size: dynamic, "
           f"max_local_tokens: {res['max_local_tokens']}}}")
     return 0
