@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from seqpar.attention.costs import flops_per_rank
+from seqpar.planner.collectives import step_collectives
 from seqpar.planner.layer import (
     activation_bytes_per_token,
     kept_attention_bytes,
@@ -105,11 +106,21 @@ def test_window_flops_closed_form_and_flat_past_the_window(tmp_path, ring):
             assert steps_with_work(128 * K, ring, "zigzag", local) == min(ring, 3)
 
 
+LLAMA4 = {"model_type": "llama4_text", "hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "vocab_size": 512, "num_local_experts": 1, "max_position_embeddings": 256 * K, "attention_chunk_size": 8192}
+
+
 def test_chunked_span_flops(tmp_path):
-    """Llama 4's chunked layers: causal inside each chunk, sum over chunks of c (c + 1) / 2 pairs."""
+    """Llama 4's chunked layers (layer_types derived from attention_chunk_size: three chunked, one global): causal
+    inside each chunk, sum over chunks of c (c + 1) / 2 pairs, on one rank and over a zigzag ring."""
+    m = _facts(tmp_path, "llama4", LLAMA4)
+    assert m.attention_spans() == {Span("chunked", 8192): 3, FULL: 1}
     c, s = 8192, 128 * K
-    assert span_pairs_per_rank(s, 1, "contiguous", Span("chunked", c)) == [s // c * c * (c + 1) // 2]
-    assert sum(span_pairs_per_rank(s, 4, "zigzag", Span("chunked", c))) == s // c * c * (c + 1) // 2
+    pairs = s // c * c * (c + 1) // 2
+    assert attention_flops(m, Workload(s), Layout(1, 1, 1), Span("chunked", c)) == 4 * 4 * 16 * pairs
+    assert span_pairs_per_rank(s, 1, "contiguous", Span("chunked", c)) == [pairs]
+    assert sum(span_pairs_per_rank(s, 4, "zigzag", Span("chunked", c))) == pairs
 
 
 def test_mixed_model_between_all_local_and_all_global(tmp_path):
@@ -124,6 +135,8 @@ def test_mixed_model_between_all_local_and_all_global(tmp_path):
     assert att["mixed"] == pytest.approx((52 * att["local"] + 10 * att["full"]) / 62, rel=1e-12)
     assert att["full"] / att["local"] > 50  # 128K / 1024 over two: the window's saving
     assert step_flops(mixed, wl, lay, f)[0] == step_flops(full, wl, lay, f)[0]  # the matmuls are the same
+    # the ring still rotates every K/V block: a windowed model's collectives are a global one's
+    assert step_collectives(mixed, wl, lay, f) == step_collectives(full, wl, lay, f)
 
 
 def test_window_memory_is_linear_in_the_length(tmp_path):
