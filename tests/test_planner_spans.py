@@ -82,6 +82,26 @@ def test_full_span_is_the_ring_piece_plan(ring):
     assert ring_rows_factor(ring) == {1: 1.0, 2: 2.5, 3: 3.5, 4: 4.5, 8: 8.5}[ring]
 
 
+@pytest.mark.parametrize("ring", [1, 2, 3, 4])
+def test_closed_form_is_the_rings_plan(ring):
+    """The closed form counts what seqpar's ring plans for a window (attention.pieces.plan_pieces with `window`) and
+    for chunks (run as document boundaries), pair for pair on every ring rank, and the ring steps with any piece."""
+    from seqpar.attention.pieces import plan_pieces
+    from seqpar.attention.pieces import visible_pairs as piece_pairs
+    from seqpar.layout import ring_segments
+    from seqpar.planner.spans import engine_args
+
+    seq = 1536 * ring
+    segs = [ring_segments(seq, ring, r, "zigzag") for r in range(ring)]
+    for span in (Span("sliding", 1), Span("sliding", 100), Span("sliding", 700), Span("sliding", 5000),
+                 Span("chunked", 256), Span("chunked", 1000), FULL):
+        bounds, window = engine_args(seq, span)
+        plans = [[plan_pieces(segs[me], segs[j], True, bounds, window) for j in range(ring)] for me in range(ring)]
+        assert span_pairs_per_rank(seq, ring, "zigzag", span) == [
+            sum(piece_pairs(p) for row in plans[me] for p in row) for me in range(ring)], span
+        assert steps_with_work(seq, ring, "zigzag", span) == max(sum(1 for row in rank if row) for rank in plans)
+
+
 @pytest.mark.parametrize("ring", [1, 2, 4, 8])
 def test_window_flops_closed_form_and_flat_past_the_window(tmp_path, ring):
     """Gemma 3 and gpt-oss shaped: a local layer's forward FLOPs on the busiest rank equal 4 d H_q x the closed form
@@ -151,13 +171,15 @@ def test_window_memory_is_linear_in_the_length(tmp_path):
         for feats in (Features(), Features(activation_checkpointing=True, keep_attention=True, fused_loss=True)):
             per_token = [activation_bytes_per_token(m, replace(wl, seq_len=s), lay.ulysses, feats, lay.ring)
                          for s in (64 * K, 128 * K)]
-            assert per_token[0] == per_token[1] > 0
+            # per token: the same at both lengths (keep_attention: a window's calls cover w rows of a neighbour's
+            # block, a smaller share of a longer block)
+            assert per_token[0] == per_token[1] > 0 if not feats.keep_attention else per_token[0] >= per_token[1] > 0
             lora = replace(wl, finetuning="lora")  # the activations' peak (not the optimizer's)
             peaks = [estimate_memory(m, replace(lora, seq_len=s), lay, feats) for s in (64 * K, 128 * K)]
             assert peaks[0].phase != "optimizer" and peaks[0].total < peaks[1].total <= 2 * peaks[0].total
     kept_local = kept_attention_bytes(m, 2, 1, 8, 128 * K)
     assert kept_local < kept_attention_bytes(full, 2, 1, 8, 128 * K)
-    assert kept_local == kept_attention_bytes(m, 2, 1, 8, 64 * K)  # the skipped steps do not grow with S
+    assert kept_local <= kept_attention_bytes(m, 2, 1, 8, 64 * K)  # the skipped steps do not grow with S
 
 
 MINICPM3 = {"model_type": "minicpm3", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,

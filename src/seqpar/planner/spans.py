@@ -5,9 +5,12 @@ Spans (transformers' masks, `masking_utils`): "full": key j is visible to query 
 also i - j < w (a query sees min(i + 1, w) keys; Gemma 2/3, Mistral, Qwen2's max_window_layers, Cohere2, gpt-oss);
 "chunked" chunk c (Llama 4's attention_chunk_size): also i // c == j // c (causal inside each chunk).
 
-The ring (seqpar.attention.ring) skips the compute of a (q block, kv block) pair with no visible pair and computes
-only the pairs in reach inside the others, so a windowed layer's work grows as S_local x w, not S_local x S. It still
-rotates every K/V block around the whole ring: its traffic is priced as a full-attention layer's (planner.collectives).
+The ring (seqpar.attention.ring, its plan seqpar.attention.pieces.plan_pieces with `window`, chunks as document
+boundaries) skips the compute of a (q block, kv block) pair with no visible pair and computes only the pairs in reach
+inside the others, so a windowed layer's work grows as S_local x w, not S_local x S. `visible_pairs` counts those
+pairs in closed form (O(1) per block pair: the planner evaluates many lengths; the piece plan's own count loops over
+rows), and tests check it equals the plan's count pair for pair. The ring still rotates every K/V block around the
+whole ring: its traffic is priced as a full-attention layer's (planner.collectives).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ..errors import SeqParError
 from ..layout import ring_segments
 
 __all__ = ["Span", "FULL", "layer_spans", "visible_pairs", "span_pairs_per_rank", "steps_with_work",
-           "span_rows_factor", "span_groups"]
+           "span_rows_factor", "span_groups", "engine_args"]
 
 
 @dataclass(frozen=True)
@@ -114,28 +117,23 @@ def steps_with_work(seq: int, ring: int, layout: str, span: Span = FULL) -> int:
     return max(sum(1 for p in row if p) for row in _pair_matrix(seq, ring, layout, span))
 
 
+def engine_args(seq: int, span: Span) -> tuple[list[int] | None, int | None]:
+    """(bounds, window) of seqpar.attention.pieces.plan_pieces for a span over one row of `seq` tokens: a window as
+    its `window`, chunks as document boundaries (what seqpar's attention runs Llama 4's chunked layers as)."""
+    if span.kind == "sliding":
+        return None, span.size
+    if span.kind == "chunked":
+        return list(range(span.size, seq, span.size)), None
+    return None, None
+
+
 @functools.lru_cache(maxsize=256)
 def span_rows_factor(seq: int, ring: int, span: Span) -> float:
-    """How many kernel calls a query row is in over one zigzag ring pass on the busiest rank, counting only the pieces
-    with visible pairs (a skipped step keeps no output): memory.keep_attention's kept outputs."""
+    """How many kernel calls a query row is in over one zigzag ring pass on the busiest rank: the rows of the pieces
+    seqpar's ring plans for this span (seqpar.attention.pieces: a window cuts each (q block, kv block) pair to what
+    is in reach, and a step out of reach has none), over the local rows. memory.keep_attention keeps their outputs."""
     segs = [ring_segments(seq, ring, r, "zigzag") for r in range(ring)]
-    local = seq / ring
-    best = 0.0
-    for me in range(ring):
-        rows = 0
-        for j in range(ring):
-            for p in plan_pieces(segs[me], segs[j], True):
-                q0, k0 = _global(segs[me], p.q0), _global(segs[j], p.k0)
-                if visible_pairs(q0, q0 + p.q1 - p.q0, k0, k0 + p.k1 - p.k0, span):
-                    rows += p.q1 - p.q0
-        best = max(best, rows / local)
-    return best
-
-
-def _global(segs: Any, offset: int) -> int:
-    """The global position of a local offset into a rank's segments (a piece lies inside one segment)."""
-    for start, n in segs:
-        if offset < n:
-            return start + offset
-        offset -= n
-    raise AssertionError("offset past the rank's segments")
+    bounds, window = engine_args(seq, span)
+    rows = [sum(p.q1 - p.q0 for j in range(ring) for p in plan_pieces(segs[me], segs[j], True, bounds, window))
+            for me in range(ring)]
+    return max(rows) / (seq / ring)
