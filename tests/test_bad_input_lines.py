@@ -207,8 +207,7 @@ def test_tiny_config_refuses_unknown_keys(arch, cls):
 
 
 def test_attention_spans_and_sinks_it_cannot_read(tmp_path, capsys):
-    """A sliding window that is not a positive whole number or is larger than the model's positions, a chunk size
-    below 1: one line from `seqpar check`, `seqpar train` (before any rank starts) and `seqpar plan`. Sinks that are
+    """A sliding window that is not a positive whole number, a chunk size below 1: one line from `seqpar check`, `seqpar train` (before any rank starts) and `seqpar plan`. Sinks that are
     not one logit per q head: refused by name (read from the attention modules)."""
     import torch
 
@@ -221,10 +220,10 @@ def test_attention_spans_and_sinks_it_cannot_read(tmp_path, capsys):
     zero = _config(tmp_path, **tiny_mistral(sliding_window=0))
     _one_line(capsys, ["check", str(zero)], "config.sliding_window=0 is not a positive whole number of tokens")
     _one_line(capsys, ["train", str(zero), "--nproc-per-node", "2"], "config.sliding_window=0")
+    # a window wider than the positions never masks a key (Phi-3-mini-128k's published config): accepted
     wide = _config(tmp_path, **tiny_mistral(sliding_window=8192))
-    _one_line(capsys, ["check", str(wide)], "config.sliding_window=8192 is larger than the model allows "
-              "(max_position_embeddings=4096)", "sliding_window <= 4096")
-    _one_line(capsys, ["train", str(wide), "--nproc-per-node", "2"], "sliding_window=8192 is larger")
+    capsys.readouterr()
+    assert main(["check", str(wide)]) == 0
     llama4 = {"model_type": "llama4_text", "hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
               "vocab_size": 512, "num_local_experts": 1, "max_position_embeddings": 4096}

@@ -72,19 +72,13 @@ def _whole(v: Any) -> bool:
 
 
 def refuse_bad_attention_spans(c: Any, name: str) -> None:
-    """A (text) config's sliding_window must be a positive whole number no larger than the positions the model takes
-    (position_limit: max_position_embeddings, or its RoPE extension), attention_chunk_size a positive whole number:
-    seqpar's attention reads both per layer (windows in reach, chunks)."""
+    """A (text) config's sliding_window and attention_chunk_size must be positive whole numbers: seqpar's attention
+    reads both per layer (windows in reach, chunks). A window wider than the positions the model takes (Phi-3-mini-128k
+    ships 262144 over 131072 positions) never masks a key: full attention, as the unsharded model computes."""
     window, chunk = getattr(c, "sliding_window", None), getattr(c, "attention_chunk_size", None)
     if window is not None and not _whole(window):
         raise SeqParError(f"model.name={name!r}: config.sliding_window={window!r} is not a positive whole number of "
                           "tokens: set model.kwargs.sliding_window to one (or null: full attention in every layer)")
-    if window is not None:
-        limit, why = position_limit(c)
-        if limit is not None and window > limit:
-            raise SeqParError(f"model.name={name!r}: config.sliding_window={window} is larger than the model allows "
-                              f"({why}): set model.kwargs.sliding_window <= {limit} (or null: full attention), or "
-                              "extend the positions (max_position_embeddings, rope_scaling)")
     if chunk is not None and not _whole(chunk):
         raise SeqParError(f"model.name={name!r}: config.attention_chunk_size={chunk!r} is not a positive whole number "
                           "of tokens: set model.kwargs.attention_chunk_size to one")
