@@ -207,8 +207,9 @@ def test_tiny_config_refuses_unknown_keys(arch, cls):
 
 
 def test_attention_spans_and_sinks_it_cannot_read(tmp_path, capsys):
-    """A sliding window that is not a positive whole number, a chunk size below 1: one line from `seqpar check`, `seqpar train` (before any rank starts) and `seqpar plan`. Sinks that are
-    not one logit per q head: refused by name (read from the attention modules)."""
+    """A sliding window that is not a positive whole number, a chunk size below 1: one line from `seqpar check`,
+    `seqpar train` (before any rank starts) and `seqpar plan`. Sinks that are not one logit per q head: refused by
+    name (read from the attention modules)."""
     import torch
 
     from seqpar.train.model.checks import refuse_bad_sinks
