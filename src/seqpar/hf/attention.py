@@ -48,10 +48,10 @@ def _backbone(base: torch.nn.Module) -> torch.nn.Module:
     only wraps the stack (OPT: OPTModel.decoder holds the layers, and OPTForCausalLM calls it directly), the stack."""
     inner = getattr(base, "base_model", None)
     inner = inner if isinstance(inner, torch.nn.Module) and inner is not base else base
-    if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
-        for child in inner.children():
-            if isinstance(getattr(child, "layers", None), torch.nn.ModuleList):
-                return child
+    decoder = getattr(inner, "decoder", None)  # (other stacks without `layers`, e.g. HRM's, take their own inputs)
+    if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList) and isinstance(
+            getattr(decoder, "layers", None), torch.nn.ModuleList):
+        return decoder
     return inner
 
 

@@ -57,7 +57,10 @@ def refuse_non_causal(c: Any, name: str) -> None:
     except ValueError as e:
         raise SeqParError(f"model.name={name!r} is not a causal LM ({str(e).splitlines()[0][:120]}): seqpar trains "
                           f"causal LMs (AutoModelForCausalLM) only") from None
-    heads = getattr(c, "num_attention_heads", None)
+    try:  # (a heterogeneous config, Gemma 4's, refuses a global read of a per-layer value: no single head count)
+        heads = getattr(c, "num_attention_heads", None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        heads = None
     if isinstance(heads, int):
         refuse_bad_sinks(model, heads, name)
     bad = sorted({type(m).__name__ for m in model.modules() if getattr(m, "is_causal", True) is False})
