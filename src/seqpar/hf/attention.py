@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 import sys
 import threading
 import types
@@ -87,11 +88,15 @@ def check_config(cfg: Any) -> None:
 _OWN_MASK_FAMILIES = {"doge": "Doge's dynamic mask attention (a learned mask per key, built inside the layer)"}
 
 
+_ATTENTION_NAME = re.compile(r"Attention|Attn")
+
+
 def check_attention_interface(base: torch.nn.Module, cfg: Any) -> None:
     """SeqParError unless the model's attention goes through transformers' AttentionInterface (the one place seqpar
     replaces): a model that computes attention itself would attend within each rank's shard, silently wrong."""
     module = sys.modules.get(type(base).__module__)
-    if module is not None and not hasattr(module, "ALL_ATTENTION_FUNCTIONS"):
+    attends = any(_ATTENTION_NAME.search(type(m).__name__) for m in base.modules())  # (Mamba: no attention at all)
+    if module is not None and not hasattr(module, "ALL_ATTENTION_FUNCTIONS") and attends:
         raise SeqParError(
             f"{type(base).__name__} computes attention itself, not through transformers' AttentionInterface, so "
             "seqpar cannot make it sequence-parallel (it would attend within each rank's shard): use a model whose "
@@ -129,7 +134,6 @@ def _checked_config(base: torch.nn.Module, mesh: SequenceParallelMesh) -> tuple[
             "model.language_model with its own lm_head)"
         )
     check_config(cfg)
-    check_attention_interface(vlm_language_model(base) if vlm else base, cfg)
     linear = find_linear_attention(base)  # Gated DeltaNet (Qwen3-Next, Qwen3.5): run by seqpar (recurrent/)
     check_linear_attention(linear, mesh)
     mamba = find_mamba2(base)  # Mamba2 mixers (Nemotron-H, Granite 4, Bamba)
@@ -138,6 +142,7 @@ def _checked_config(base: torch.nn.Module, mesh: SequenceParallelMesh) -> tuple[
     allowed = frozenset({"linear_attention"}) if linear else frozenset()
     decoder = vlm_language_model(base) if vlm else base  # a vision tower's patch convolution is no sequence mixer
     check_softmax_attention_only(decoder, cfg, tuple(linear), allowed)  # other linear attention, SSMs, convs, ...
+    check_attention_interface(decoder, cfg)  # (after: an attention-free family's mixers are the better reason)
     heads, kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     if heads % kv != 0:
         raise SeqParError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
