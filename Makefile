@@ -76,7 +76,7 @@ GPU_CHECK = $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_availab
 test-gpu:
 	@$(GPU_CHECK)
 	$(GPU_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider -o addopts="" --durations=10 \
-		tests/test_gpu_attention.py tests/test_gpu_sp.py
+		tests/test_gpu_attention.py tests/test_gpu_sp.py tests/test_gpu_kernel_choice.py
 
 bench-gpu:
 	@$(GPU_CHECK)

