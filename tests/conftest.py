@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import time
@@ -27,6 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("SEQPAR_START_METHOD", "forkserver")
 
 from seqpar.spawn import DEADLINE_ENV  # noqa: E402
+
+# tests/vllm_env needs vLLM, which lives in its own environment: `make test` runs that folder there (make vllm-env,
+# make test-vllm) after the main suite; the main environment, which has no vLLM, does not collect it.
+collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm_env"]
 
 ALLOWED_SKIP = re.compile(r"\bCUDA\b")
 MARGIN_S = 30.0  # for the test to kill its processes and report; at most a tenth of a short limit

@@ -200,16 +200,17 @@ def bad_input_world():
     k = torch.randn(1, 8, 2, 16)
     msgs = []
     cases = [
-        lambda: seqpar.attention(q, k, torch.randn(1, 8, 2, 8), mesh),
+        lambda: seqpar.attention(q, k, torch.randn(1, 8, 3, 8), mesh),  # v's heads differ (its head dim may: MLA)
         lambda: seqpar.attention(q, torch.randn(1, 8, 3, 16), torch.randn(1, 8, 3, 16), mesh),
         lambda: seqpar.attention(q[0], k[0], k[0], mesh),
         lambda: seqpar.attention(q, k, k, mesh, cu_seqlens=[0, 5, 15]),
-        lambda: seqpar.attention(*(t.expand(2, -1, -1, -1) for t in (q, k, k)), mesh, cu_seqlens=[0, 16]),
+        lambda: seqpar.attention(q, k, k, mesh, sinks=torch.zeros(3)),  # one sink per q head: 4
         lambda: seqpar.attention(q, k.double(), k, mesh),
         lambda: seqpar.shard(torch.randn(1, 7, 2), mesh, 1),
         lambda: seqpar.init_mesh(3),
         lambda: seqpar.init_mesh(2, ulysses_degree=2, ring_degree=2),
         lambda: seqpar.attention(q, k, k, mesh, overlap_chunks=2),  # 1 kv head per rank: cannot split in 2
+        lambda: seqpar.attention(q, k, k, mesh, window=0),
     ]
     for c in cases:
         try:

@@ -203,3 +203,50 @@ def test_bad_sinks_refused():
         seqpar.attention(q, q, q, mesh, sinks=torch.zeros(3))
     with pytest.raises(SeqParError, match="causal"):
         seqpar.attention(q, q, q, mesh, causal=False, window=4)
+
+
+class _Counting(CpuFlashKernel):
+    """The CPU kernel, counting the (q, k) rectangle area its forward calls compute."""
+
+    def __init__(self):
+        self.area = 0
+
+    def forward(self, q, k, v, causal, scale, band=None):
+        self.area += q.shape[1] * k.shape[1]
+        return super().forward(q, k, v, causal, scale, band)
+
+
+def _counted_ring(window):
+    mesh = seqpar.init_mesh(4, ulysses_degree=1, ring_degree=4)
+    kern = _Counting()
+    errs = run_variant(mesh, 2, 1, 1, 1024, d=8, window=window, kernel=kern)
+    return errs, kern.area
+
+
+def test_ring_run_computes_only_what_the_window_reaches():
+    """Ring 4 over S = 1024 (zigzag chunks of 128) with a 16-token window: exact, and each rank's forward kernel
+    calls cover at most 2.1 x (its queries x 16) pairs, against 1/4 of the causal S^2 / 2 without the window."""
+    res = run_threaded(_counted_ring, 4, 16, timeout=200)
+    full = run_threaded(_counted_ring, 4, None, timeout=200)
+    for (errs, area), (errs_full, area_full) in zip(res, full):
+        assert max(errs) < TOL and max(errs_full) < TOL
+        assert area <= 2.1 * 256 * 64 + 64 * 64  # 256 local queries, tiles of 64 rows reaching 64 + 15 keys
+        assert area_full >= 1024 * 1024 / 2 / 4 * 0.9
+
+
+def _chunked_kernels():
+    """Head chunks (every mode's kernel calls per group of heads) and Ulysses overlap chunks with a window, sinks and
+    Dv != D; the same boundaries in B = 2 rows (cu_seqlens with B > 1, as Llama 4's chunks use it)."""
+    res = []
+    for u, r in ((2, 1), (1, 2)):
+        mesh = seqpar.init_mesh(2, ulysses_degree=u, ring_degree=r)
+        res.append(((u, r, "head_chunks"), run_variant(mesh, 8, 4, 1, 48, dv=8, cu=[0, 20, 48], window=7, sinks=True,
+                                                       head_chunks=3)))
+        res.append(((u, r, "b2_cu"), run_variant(mesh, 4, 2, 2, 48, cu=[0, 12, 24, 36, 48], window=5, sinks=True)))
+    mesh = seqpar.init_mesh(2, ulysses_degree=2)
+    res.append(((2, 1, "overlap"), run_variant(mesh, 8, 4, 2, 48, window=9, sinks=True, overlap_chunks=2)))
+    return res
+
+
+def test_variants_with_head_and_overlap_chunks():
+    _check(run_threaded(_chunked_kernels, 2, timeout=200))

@@ -204,3 +204,38 @@ def test_tiny_config_refuses_unknown_keys(arch, cls):
     with pytest.raises(SeqParError, match=f"'linear_num_key_head' is not a setting of {cls}: did you mean"):
         tiny_config(arch, linear_num_key_head=2)
     assert tiny_config(arch, rope_theta=5e5) is not None
+
+
+def test_attention_spans_and_sinks_it_cannot_read(tmp_path, capsys):
+    """A sliding window that is not a positive whole number, a chunk size below 1: one line from `seqpar check`,
+    `seqpar train` (before any rank starts) and `seqpar plan`. Sinks that are not one logit per q head: refused by
+    name (read from the attention modules)."""
+    import torch
+
+    from seqpar.train.model.checks import refuse_bad_sinks
+
+    def tiny_mistral(**kw) -> dict:
+        return {"model": {"name": "tiny:mistral", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 1,
+                                                            "max_position_embeddings": 4096, **kw}}}
+
+    zero = _config(tmp_path, **tiny_mistral(sliding_window=0))
+    _one_line(capsys, ["check", str(zero)], "config.sliding_window=0 is not a positive whole number of tokens")
+    _one_line(capsys, ["train", str(zero), "--nproc-per-node", "2"], "config.sliding_window=0")
+    # a window wider than the positions never masks a key (Phi-3-mini-128k's published config): accepted
+    wide = _config(tmp_path, **tiny_mistral(sliding_window=8192))
+    capsys.readouterr()
+    assert main(["check", str(wide)]) == 0
+    llama4 = {"model_type": "llama4_text", "hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "vocab_size": 512, "num_local_experts": 1, "max_position_embeddings": 4096}
+    for chunk in (0, -8):
+        (tmp_path / "llama4.json").write_text(json.dumps({**llama4, "attention_chunk_size": chunk}))
+        _one_line(capsys, ["plan", "--model", str(tmp_path / "llama4.json"), "--seq-len", "1024"],
+                  f"config.attention_chunk_size={chunk} is not a positive whole number")
+    attn = torch.nn.Module()
+    attn.sinks = torch.nn.Parameter(torch.zeros(2, 4))
+    model = torch.nn.ModuleDict({"self_attn": attn})
+    with pytest.raises(SeqParError, match=r"self_attn.sinks has shape \[2, 4\].*\[num_attention_heads\] = \[4\]"):
+        refuse_bad_sinks(model, 4, "m")
+    attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    refuse_bad_sinks(model, 4, "m")  # one logit per q head: read as it is

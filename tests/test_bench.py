@@ -353,6 +353,8 @@ def test_dynamic_benchmark_quick(tmp_path):
     assert len({d for row in dyn["sp_degrees"] for d in row}) >= 2 and all(x > 0 for x in dyn["predicted_rank_s_max"])
     per = m["dynamic_over_fixed"]["per_round"]
     assert per[0] == pytest.approx(dyn["tokens_per_s"] / m["runs"]["fixed"][0]["tokens_per_s"])
+    cpu = m["dynamic_over_fixed_packed_cpu_time"]["per_round"]  # by CPU time too: the work, whatever the load
+    assert cpu[0] == pytest.approx(dyn["tokens_per_cpu_s"] / m["runs"]["fixed_packed"][0]["tokens_per_cpu_s"])
     for gpu in ("h100", "h200"):
         p = res["predicted"][gpu]
         assert p["tokens_per_s"]["dynamic"] > 0 and p["max_local_tokens"] <= p["memory_max_local_tokens"]

@@ -121,3 +121,49 @@ def test_auto_kernel_on_this_gpu():
         "flash" if cap >= (8, 0) else "efficient"
     assert get_kernel(torch.device("cuda"), "auto", torch.bfloat16, 128).name == want
     assert get_kernel(torch.device("cuda"), "auto", torch.float32, 128).name == "efficient"
+
+
+def _variant_reference(q, k, v, window, sinks):
+    """float64 causal attention with a sliding window and sinks as an extra logit column (gpt-oss's eager form)."""
+    g = q.shape[2] // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.repeat_interleave(g, 2).transpose(1, 2), v.repeat_interleave(g, 2).transpose(1, 2)
+    sc = (qh @ kh.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = q.shape[1]
+    i, j = torch.arange(s, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
+    sc = sc.masked_fill(~((j <= i) & (i - j < window)), float("-inf"))
+    col = sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, s, 1).to(sc.dtype)
+    return (torch.cat([sc, col], -1).softmax(-1)[..., :-1] @ vh).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_window_sinks_mla_on_every_kernel(dtype):
+    """A 96-token window over 1000 tokens, sinks and a v head dim of 64 beside q / k's 128 (flash: its window;
+    cuDNN: handed to flash; memory-efficient: math for the banded calls): out and q / k / v / sink gradients within
+    the same relative error as torch SDPA's on the plain causal case of these shapes (or the floor)."""
+    b, s, hq, hkv, d, dv, window = 1, 1000, 16, 4, 128, 64, 96
+    q, k, _, _ = _inputs(b, s, hq, hkv, d, dtype, 11)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    v = torch.randn(b, s, hkv, dv, device="cuda", generator=g).to(dtype)
+    sinks = torch.randn(hq, device="cuda", generator=g)
+    w = torch.randn(b, s, hq, dv, device="cuda", generator=g, dtype=torch.float64)
+
+    def run(fn, q_, k_, v_, s_):
+        ts = [t.detach().clone().requires_grad_() for t in (q_, k_, v_, s_)]
+        o = fn(*ts)
+        (o.to(w.dtype) * w).sum().backward()
+        return [o.detach()] + [t.grad for t in ts]
+
+    ref = run(lambda *t: _variant_reference(*t[:3], window, t[3]), q.double(), k.double(), v.double(), sinks.double())
+    mesh = seqpar.init_mesh(1)
+    cap = torch.cuda.get_device_capability()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
+    bad = []
+    for kernel in ("auto", "flash", "cudnn", "efficient"):
+        if kernel != "auto" and kernel_problem(kernel, "cuda", dtype, d, cap) is not None:
+            continue
+        fn = lambda q_, k_, v_, s_, kn=kernel: seqpar.attention(q_, k_, v_, mesh, kernel=kn, window=window,  # noqa: E731
+                                                                 sinks=s_)
+        got = [_rel(x, r) for x, r in zip(run(fn, q, k, v, sinks), ref)]
+        if max(got) > tol:
+            bad.append((kernel, got))
+    assert not bad, bad

@@ -179,6 +179,7 @@ def test_seqpar_train_grpo_fsdp2_matches_unsharded(tmp_path):
 
 def test_grpo_top_k_reaches_the_sampler(monkeypatch, tmp_path):
     """`grpo.top_k` (a key since the placeholder hint named it) goes to generate_for_group, as top_p does."""
+    import seqpar.train.grpo.engine as engine
     import seqpar.train.grpo.rollout as rollout
     from seqpar import init_mesh
     from seqpar.errors import SeqParError
@@ -192,7 +193,7 @@ def test_grpo_top_k_reaches_the_sampler(monkeypatch, tmp_path):
         seen.update(kw)
         raise SeqParError("sampled")
 
-    monkeypatch.setattr(rollout, "generate_for_group", fake)
+    monkeypatch.setattr(engine, "generate_for_group", fake)  # the transformers engine's sampler
     cfg = config_from_dict({"model": {"name": "tiny:llama"}, "dataset": {"path": "p.jsonl", "max_length": 512},
                             "stage": "grpo", "micro_batch_size": 4, "output_dir": str(tmp_path),
                             "grpo": {"reward_funcs": ["seqpar:length"], "top_k": 5, "top_p": 0.9}})

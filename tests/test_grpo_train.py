@@ -163,6 +163,7 @@ def _init_params(cfg_dict: dict):
 def test_grpo_dp2_sp2_matches_reference_and_logs_metrics(data, tmp_path):
     """Two steps: step 2 samples from the updated policy and has a non-zero KL to the frozen copy."""
     cfg = {**_cfg_dict(data, tmp_path / "run", {"size": 2, "ulysses_degree": 2}), "max_steps": 2}
+    cfg["grpo"] = {**cfg["grpo"], "log_rollouts": True}
     res = run_distributed(_train_world, 4, cfg, timeout=600)
     ref_losses, ref_params = _reference(cfg, dp=2)
     worst = _compare(res[0]["losses"], res[0]["state"], ref_losses, ref_params, cfg)
@@ -178,6 +179,12 @@ def test_grpo_dp2_sp2_matches_reference_and_logs_metrics(data, tmp_path):
     assert 1 <= row["completion_length_min"] <= row["completion_length"] <= row["completion_length_max"] <= 12
     assert abs(row["kl"]) <= 1e-6  # step 1: the reference is the policy
     assert rows[1]["kl"] > 1e-6  # step 2: the policy moved away from the frozen copy
+    # generate()'s log-probs of the sampled tokens vs the trainer's exact SP ones: the same up to rounding
+    assert all(0 <= r["rollout_logprob_diff_mean"] <= r["rollout_logprob_diff_max"] < 1e-4 for r in rows)
+    rollouts = [json.loads(ln) for ln in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rollouts] == [1] * 8 + [2] * 8  # both dp groups' 4 rows per step
+    assert all(len(r["logprobs"]) == len(r["completion_ids"]) >= 1 and max(r["logprobs"]) <= 0 for r in rollouts)
+    assert abs(sum(r["reward"] for r in rollouts[:8]) / 8 - row["reward"]) < 1e-9
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """The attention variants of issue-56 families through whole HF models: sliding windows shorter than the sequence
-(gpt-oss with sinks, Gemma 3, Mistral), MLA (DeepSeek-V3: v head dim != q/k head dim, MoE), Llama 4 text (NoPE
+(gpt-oss with sinks, Gemma 3, Mistral; Qwen2-MoE and PhiMoE, whose layers do not pass the window to the
+attention function), MLA (DeepSeek-V3: v head dim != q/k head dim, MoE), Llama 4 text (NoPE
 temperature from global positions, chunked attention). Each tiny model (fixed seed, fp32) under ring 2, Ulysses 2
 and USP 2 x 2 against the unmodified model on every document alone (seqpar.hf.equivalence.compare): loss, every
 real-token logit and every parameter gradient within 1e-5, padded rows (B = 2) and packed rows."""
@@ -28,6 +29,12 @@ def _configs() -> dict[str, tf.PretrainedConfig]:
         "gemma3": tf.Gemma3TextConfig(**COMMON, sliding_window=5,
                                       layer_types=["sliding_attention", "full_attention"]),
         "mistral": tf.MistralConfig(**COMMON, sliding_window=7),
+        # the window only on the module (Qwen2-MoE) or only in the model's mask (PhiMoE: every layer)
+        "qwen2_moe": tf.Qwen2MoeConfig(**COMMON, use_sliding_window=True, sliding_window=6,
+                                       layer_types=["sliding_attention", "full_attention"], num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=16),
+        "phimoe": tf.PhimoeConfig(**COMMON, sliding_window=5, num_local_experts=4, num_experts_per_tok=2),
         "deepseek_v3": tf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=16,
                                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=4,
                                            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
@@ -83,6 +90,6 @@ def test_variants_usp_2x2(models):
 def test_windows_and_chunks_are_shorter_than_the_rows():
     """The tiny configs really exercise the variants: windows and chunks shorter than the rows."""
     cfgs = _configs()
-    assert all(cfgs[n].sliding_window < 23 for n in ("gpt_oss", "gemma3", "mistral"))
+    assert all(cfgs[n].sliding_window < 23 for n in ("gpt_oss", "gemma3", "mistral", "qwen2_moe", "phimoe"))
     assert cfgs["llama4"].attention_chunk_size < 23 and "chunked_attention" in cfgs["llama4"].layer_types
     assert cfgs["deepseek_v3"].v_head_dim != cfgs["deepseek_v3"].qk_rope_head_dim + cfgs["deepseek_v3"].qk_nope_head_dim

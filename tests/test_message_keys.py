@@ -83,6 +83,9 @@ def test_every_key_named_in_the_code_exists():
 def test_every_key_named_in_the_docs_exists():
     bad = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        generated = False  # the family sweep's table quotes transformers' module paths (model.layers.0...)
         for i, line in enumerate(path.read_text().splitlines(), 1):
-            bad += [f"{path.name}:{i}: {k}" for k in _unknown(line)]
+            generated = (generated or "family-sweep:begin" in line) and "family-sweep:end" not in line
+            if not generated:
+                bad += [f"{path.name}:{i}: {k}" for k in _unknown(line)]
     assert not bad, "docs name config keys the schema lacks:\n" + "\n".join(bad)

@@ -143,14 +143,12 @@ def test_dp_rows_compared_per_token():
 
 
 def test_trainer_refusals_planned_as_refused(tmp_path):
-    # Sliding windows shorter than the sequence (seqpar's attention refuses them) and Gemma2's softcapped
-    # attention (the trainer's own config check) are not planned.
+    # A sliding window is no context limit any more (its layers are priced: tests/test_planner_spans.py); Gemma2's
+    # softcapped attention (the trainer's own config check) is not planned.
     m = load_model_facts("tiny:mistral", {"sliding_window": 1024})
     assert m.sliding_window == 1024 and m.max_positions == 4096
-    with pytest.raises(SeqParError, match="sliding window"):
-        plan(m, make_cluster(2, 2, gpu_mem="80GiB"), Request(Workload(2048)))
     cands, _ = plan(m, make_cluster(2, 2, gpu_mem="80GiB"), Request(Workload(0), max_seq_len=True))
-    assert max(c.max_seq_len for c in cands) == 1024 and all("sliding" in c.capped_by for c in cands)
+    assert max(c.max_seq_len for c in cands) == 4096 and all("max_position" in c.capped_by for c in cands)
     gemma = {"model_type": "gemma2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512}
     (tmp_path / "config.json").write_text(json.dumps(gemma))

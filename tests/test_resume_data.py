@@ -168,3 +168,28 @@ def test_fingerprint_sees_structure_and_values():
     row = PromptRow("hi", [1, 2], {"answer": "4"})
     assert fingerprint([row]) != fingerprint([PromptRow("hi", [1, 2], {"answer": "5"})])
     assert fingerprint([row]) == fingerprint([PromptRow("hi", [1, 2], {"answer": "4"})])
+
+
+def test_dataset_file_hashed_once_and_handed_to_the_ranks(tmp_path, monkeypatch):
+    """The launcher's checks hash the file and hand the result on (SEQPAR_DATA_SHA256); a rank (another process:
+    an empty memo) reads nothing; a second identity in one process reads nothing; a changed file is read again."""
+    import os
+    import time
+
+    from seqpar.train.dataset import identity as ident
+
+    data = tmp_path / "d.jsonl"
+    _write(data, ROWS)
+    reads = []
+    real = ident._hash_files
+    monkeypatch.setattr(ident, "_hash_files", lambda files: reads.append(files) or real(files))
+    monkeypatch.setattr(ident, "_KNOWN", {})
+    monkeypatch.delenv(ident.DATA_HASH_ENV, raising=False)
+    want = real(ident.dataset_files(str(data)))
+    ident.export_file_hash(str(data))  # the launcher
+    assert len(reads) == 1 and json.loads(os.environ[ident.DATA_HASH_ENV])["sha256"] == want
+    monkeypatch.setattr(ident, "_KNOWN", {})  # a rank: its own process
+    assert [ident.data_identity(str(data), []).files for _ in range(3)] == [want] * 3 and len(reads) == 1
+    _write(data, ROWS[:2])
+    os.utime(data, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert ident.file_hash(str(data)) != want and len(reads) == 2

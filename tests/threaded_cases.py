@@ -20,13 +20,14 @@ MODELS = {  # Llama-shaped (GQA) and Qwen3.5-shaped (Gated DeltaNet + attention,
 }
 
 
-def _train(out: str, model: str, sp: int, u: int, r: int, steps: int, precision: str, kernel: str,
+def _train(out: str, model: str | dict, sp: int, u: int, r: int, steps: int, precision: str, kernel: str,
            checkpoint_every: int) -> None:
     from seqpar.train.config.load import load_config
     from seqpar.train.run import train
 
     cfg = load_config(EXAMPLE, {
-        "model": MODELS[model], "sequence_parallel": {"size": sp, "ulysses_degree": u, "ring_degree": r},
+        "model": MODELS[model] if isinstance(model, str) else model,
+        "sequence_parallel": {"size": sp, "ulysses_degree": u, "ring_degree": r},
         "output_dir": out, "max_steps": steps, "optimizer": {"name": "sgd", "lr": 0.1}, "precision": precision,
         "attention_kernel": kernel, "checkpoint": {"every": checkpoint_every, "save_final": False},
         "export": {"final": False}, "progress": False,
@@ -35,9 +36,10 @@ def _train(out: str, model: str, sp: int, u: int, r: int, steps: int, precision:
     train(cfg)
 
 
-def train_rows(out: Path, model: str, u: int, r: int, *, steps: int = 3, precision: str = "fp32",
+def train_rows(out: Path, model: str | dict, u: int, r: int, *, steps: int = 3, precision: str = "fp32",
                kernel: str = "auto", device: str = "cpu", checkpoint_every: int = 2) -> list[dict]:
-    """The metrics rows of a `seqpar train` run at ulysses u x ring r, its ranks threads of this process."""
+    """The metrics rows of a `seqpar train` run at ulysses u x ring r, its ranks threads of this process (`model`: a
+    MODELS key or a config's `model` section)."""
     sp = u * r
     run_threaded(_train, sp, str(out), model, sp, u, r, steps, precision, kernel, checkpoint_every, device=device,
                  timeout=600)

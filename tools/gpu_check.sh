@@ -24,7 +24,7 @@ for p in ('triton', 'flash-linear-attention', 'tilelang', 'causal-conv1d'):
     except m.PackageNotFoundError: print(p, 'not installed')"; } 2>&1 | tee "$OUT/env.txt"
 echo "setup $(( $(date +%s) - T0 )) s"
 timeout "${TEST_S:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="" --durations=15 \
-    ${TESTS:-tests/test_gpu_attention.py tests/test_gpu_sp.py} > "$OUT/test_gpu.log" 2>&1
+    ${TESTS:-tests/test_gpu_attention.py tests/test_gpu_sp.py tests/test_gpu_kernel_choice.py} > "$OUT/test_gpu.log" 2>&1
 echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
 grep -E "passed|failed|error" "$OUT/test_gpu.log" | tail -3
 grep -E "^(FAILED|ERROR)" "$OUT/test_gpu.log" | head -20

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Segment",
     "required_multiple",
+    "round_up_length",
     "padded_length",
     "ring_segments",
     "rank_segments",
@@ -39,9 +40,15 @@ def required_multiple(ring_degree: int, ulysses_degree: int, layout: str = "zigz
     return ring_degree * ulysses_degree
 
 
-def padded_length(length: int, mesh: SequenceParallelMesh) -> int:
-    m = required_multiple(mesh.ring_degree, mesh.ulysses_degree, mesh.effective_layout)
+def round_up_length(length: int, ring_degree: int, ulysses_degree: int, layout: str = "zigzag") -> int:
+    """`length` rounded up to what a mesh of these degrees splits evenly (required_multiple; a ring of 1 has no
+    zigzag). The one rounding rule: the collators (padded_length), the planner and the dynamic-SP cost model."""
+    m = required_multiple(ring_degree, ulysses_degree, layout)
     return -(-length // m) * m
+
+
+def padded_length(length: int, mesh: SequenceParallelMesh) -> int:
+    return round_up_length(length, mesh.ring_degree, mesh.ulysses_degree, mesh.effective_layout)
 
 
 def ring_segments(seq_len: int, ring_degree: int, ring_rank: int, layout: str) -> list[Segment]:

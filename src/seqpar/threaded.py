@@ -7,6 +7,10 @@ the ring and the recurrent state passing use (isend / irecv / batch_isend_irecv)
 (group, source, destination, tag), matched first in first out as NCCL and gloo match them; the sender clones its
 tensor in its own thread, the receiver copies it in its own `wait()` (so each thread's op counts stay its own).
 
+What it gives: bitwise what gloo processes give where values move without being added (all-to-all, point-to-point,
+gathers: attention in every mode); a float sum over 3+ ranks (all_reduce, reduce_scatter) adds in torch.testing's
+order, not gloo's ring order, so it equals gloo's to rounding only. CPU time of a rank: `cpu_time()`.
+
 What it is for: SP > 1 equivalences that test nothing of processes or of gloo run here in a fraction of a
 spawn's time (no interpreter per rank), and on ONE GPU: NCCL refuses two ranks on one device, so this is the
 only way to run the SP > 1 CUDA kernels (Ulysses, ring, USP) on a single-GPU machine (`make test-gpu`,
@@ -40,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_threaded", "serial", "BACKEND", "COMM_RANGE"]
+__all__ = ["run_threaded", "serial", "cpu_time", "in_threaded_world", "BACKEND", "COMM_RANGE"]
 
 BACKEND = "seqpar_threads"
 _WORLD_LOCK = threading.Lock()  # one threaded world at a time
@@ -61,6 +65,18 @@ def serial() -> Iterator[None]:
     global RNG while a model is built): ranks that are threads take turns there, as processes never need to."""
     with _SERIAL:
         yield
+
+
+def in_threaded_world() -> bool:
+    """Whether this thread is a rank of a threaded world."""
+    return dist.is_initialized() and str(dist.get_backend()) == BACKEND
+
+
+def cpu_time() -> float:
+    """CPU seconds of this rank so far: the process's (gloo's transfer threads included) when the rank is a
+    process; its own thread's when ranks are threads of one process, whose process_time() holds every rank's (the
+    CPU of torch's intra-op worker threads is then not counted)."""
+    return time.thread_time() if in_threaded_world() else time.process_time()
 
 
 def _box(key: tuple) -> queue.SimpleQueue:

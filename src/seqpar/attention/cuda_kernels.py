@@ -35,6 +35,7 @@ from functools import lru_cache
 import torch
 
 from .kernel_utils import Band, bhsd, fold_kv_grad, repeat_kv
+from .math_kernel import MathKernel
 
 __all__ = ["FlashKernel", "CudnnKernel", "EfficientKernel", "CUDA_KERNELS"]
 
@@ -60,9 +61,7 @@ def _flash_window(sq: int, sk: int, band: Band) -> tuple[int, int] | None:
     return (left, right) if left >= 0 and right >= 0 else None
 
 
-def _math():
-    from .kernels import MathKernel  # lazily: kernels imports this module lazily too (no import cycle)
-
+def _math() -> MathKernel:
     return MathKernel()
 
 

@@ -6,7 +6,8 @@ Measured: one 4-rank world (1 thread per rank) trains, per round, the fixed run 
 the fixed run with `dataset.packing: true` (rows packed to max_length), and the dynamic run, one after the other
 (the configurations alternate under the same machine load), each `steps` steps of the same rows (the packed run
 takes its packs); the first step of each run is not timed. Per run: tokens / seconds over its timed steps; per
-configuration the median over rounds; the ratios are taken per round (same load) and their median reported.
+configuration the median over rounds; the ratios are taken per round (same load) and their median reported, by wall
+clock and by CPU time (tokens per CPU second of the busiest rank, `step_cpu_s`: the work, whatever the load).
 
 Predicted: `seqpar plan --lengths` (planner.lengths.plan_mix) for Llama-3.1-8B, SFT, full fine-tuning, bf16 on 8
 H100 and 8 H200, for the issue's mix: 90% of rows 256-4096 tokens, 9% 4096-32768, 1% 120000-131072 (log-uniform
@@ -88,7 +89,9 @@ def _measure(q: dict, rounds: int, steps: int, timeout: float, root: Path) -> di
         kind, rnd = key.split("/")
         rows = res[0][key][1:]  # the first step (warm-up) is not timed
         tok, sec = sum(r["tokens"] for r in rows), sum(r["step_s"] for r in rows)
-        run = {"round": int(rnd), "tokens_per_s": tok / sec, "step_s": [r["step_s"] for r in rows],
+        cpu = sum(r["step_cpu_s"] for r in rows)  # the busiest rank's process CPU s per step: the work, not the load
+        run = {"round": int(rnd), "tokens_per_s": tok / sec, "tokens_per_cpu_s": tok / cpu,
+               "step_s": [r["step_s"] for r in rows], "step_cpu_s": [r["step_cpu_s"] for r in rows],
                "tokens": [r["tokens"] for r in rows]}
         if kind == "dynamic":
             run.update({k: [r[k] for r in rows] for k in ("sp_degrees", "micro_steps", "rank_s_max", "rank_s_mean",
@@ -100,9 +103,12 @@ def _measure(q: dict, rounds: int, steps: int, timeout: float, root: Path) -> di
 def _ratios(runs: dict[str, list[dict]]) -> dict[str, Any]:
     by = {k: {r["round"]: r["tokens_per_s"] for r in v} for k, v in runs.items()}
     out: dict[str, Any] = {"median_tokens_per_s": {k: statistics.median(v.values()) for k, v in by.items()}}
+    cpu = {k: {r["round"]: r["tokens_per_cpu_s"] for r in v} for k, v in runs.items()}
     for base in ("fixed", "fixed_packed"):
         per = [by["dynamic"][r] / by[base][r] for r in sorted(by["dynamic"])]
         out[f"dynamic_over_{base}"] = {"per_round": per, "median": statistics.median(per)}
+        per = [cpu["dynamic"][r] / cpu[base][r] for r in sorted(cpu["dynamic"])]
+        out[f"dynamic_over_{base}_cpu_time"] = {"per_round": per, "median": statistics.median(per)}
     return out
 
 
@@ -158,6 +164,9 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
         r = m[f"dynamic_over_{base}"]
         lines.append(f"\ndynamic / {base}: median x{r['median']:.2f} (rounds: "
                      + ", ".join(f"{x:.2f}" for x in r["per_round"]) + ")")
+        if (c := m.get(f"dynamic_over_{base}_cpu_time")) is not None:
+            lines.append(f"dynamic / {base} by CPU time (tokens per busiest-rank CPU s): median x{c['median']:.2f} "
+                         "(rounds: " + ", ".join(f"{x:.2f}" for x in c["per_round"]) + ")")
     lines += ["", f"Predicted ({res['predicted']['model']}, {res['predicted']['mix']}):", "",
               "| cluster | fixed layout | fixed tok/s | fixed packed tok/s | dynamic tok/s | N | dynamic / fixed | "
               "dynamic / packed |", "|---|---|---:|---:|---:|---:|---:|---:|"]

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 from ..attention.costs import flops_per_rank
 from ..attention.ulysses import head_plan
-from ..layout import required_multiple
+from ..layout import round_up_length
 
-__all__ = ["Machine", "CommLine", "DegreeCost", "RowCost", "causal_flops", "padded"]
+__all__ = ["Machine", "CommLine", "DegreeCost", "RowCost", "causal_flops"]
 
 
 @dataclass(frozen=True)
@@ -98,12 +98,6 @@ def causal_flops(n: int, heads: int, head_dim: int) -> float:
     return 4.0 * heads * head_dim * n * (n + 1) / 2
 
 
-def padded(n: int, ring: int, ulysses: int, layout: str) -> int:
-    """n rounded up to what a mesh of these degrees splits (seqpar.layout.padded_length)."""
-    m = required_multiple(ring, ulysses, layout if ring > 1 else "contiguous")
-    return -(-n // m) * m
-
-
 @dataclass(frozen=True)
 class RowCost:
     """The cost model of a micro-batch (module docstring). `rank_seconds(rows, d)`: rows = the micro-batch's
@@ -129,7 +123,7 @@ class RowCost:
 
     def full_length(self, rows: Sequence[Sequence[int]], d: int) -> int:
         c = self.degree(d)
-        return padded(max(sum(r) for r in rows), c.ring, c.ulysses, self.layout)
+        return round_up_length(max(sum(r) for r in rows), c.ring, c.ulysses, self.layout)
 
     def local_tokens(self, rows: Sequence[Sequence[int]], d: int) -> int:
         return len(rows) * self.full_length(rows, d) // d

@@ -79,9 +79,12 @@ class StepPlan:
             out[s.degree] = out.get(s.degree, 0) + len(s.rows)
         return dict(sorted(out.items()))
 
-    def busy(self) -> list[float]:
-        """Predicted seconds each rank spends in its slots."""
+    def busy(self, idle_s: float = 0.0) -> list[float]:
+        """Predicted seconds each rank spends in its slots, plus idle_s for each micro-step it has none (FSDP2:
+        the dummy pass an idle rank runs to join the all-gathers)."""
         out = [0.0] * self.world
+        for r in range(self.world):
+            out[r] = idle_s * sum(s is None for s in self.of_rank(r))
         for s in self.slots:
             for i, r in enumerate(s.ranks):
                 out[r] += s.rank_s[i]
@@ -97,12 +100,14 @@ class StepPlan:
         return done
 
     def lockstep_s(self, idle_s: float = 0.0) -> float:
-        """Predicted time when every micro-step waits for its slowest slot (FSDP2's per-layer all-gathers over
-        the world); idle_s: an idle rank's dummy pass."""
-        worst = [idle_s] * self.micro_steps
+        """Predicted time when every micro-step waits for its slowest pass (FSDP2's per-layer all-gathers over
+        the world): its slowest slot, or idle_s (an idle rank's dummy pass) where a rank has no slot."""
+        worst = [0.0] * self.micro_steps
+        held = [0] * self.micro_steps
         for s in self.slots:
             worst[s.micro_step] = max(worst[s.micro_step], s.seconds)
-        return sum(worst)
+            held[s.micro_step] += s.degree
+        return sum(max(w, idle_s if n < self.world else 0.0) for w, n in zip(worst, held))
 
 
 class Scheduler:
@@ -151,7 +156,18 @@ class Scheduler:
         smallest degree that holds it, one where a row of degree > 1 may take a larger degree when that ends its
         slot sooner (a long row on few ranks would hold up the others); the one predicted faster is kept."""
         plans = [self._plan(rows, lockstep, raise_degrees=r) for r in (False, True)]
-        return min(plans, key=lambda p: p.lockstep_s() if lockstep else max(p.finish(), default=0.0))
+        return min(plans, key=lambda p: self.step_s(p, lockstep))
+
+    @property
+    def idle_s(self) -> float:
+        """Predicted seconds of an idle rank's dummy pass under FSDP2 (train/loop/dynamic.dummy_batch: one row of
+        2 tokens at degree 1; its host work and weight all-gathers are most of it)."""
+        return self.cost.rank_seconds([[2]], 1)[0]
+
+    def step_s(self, plan: StepPlan, lockstep: bool) -> float:
+        """The plan's predicted time: lockstep (FSDP2), the micro-steps' slowest passes, idle ranks' dummy passes
+        included; else the last rank's finish."""
+        return plan.lockstep_s(self.idle_s) if lockstep else max(plan.finish(), default=0.0)
 
     def _plan(self, rows: Sequence[Row], lockstep: bool, raise_degrees: bool) -> StepPlan:
         need = [(self.degree_of(r), r) for r in rows]

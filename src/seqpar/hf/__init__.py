@@ -13,6 +13,8 @@
                           trainer_args.py, trainer_stack.py (DDP / FSDP2 / DeepSpeed), trainer_eval.py
     generation.py         sampling for GRPO from an SP model; models.py, cache.py: tiny models, SmolLM2
     equivalence.py        a small SP-vs-no-SP check (tests, `seqpar verify`)
+    family_sweep.py       every causal-LM family of the installed transformers, tiny, exact under SP 2 or refused
+                          (family_configs.py: the list and the tiny configs; family_table.py: docs/hf.md's table)
 """
 
 from .attention import (
@@ -26,6 +28,8 @@ from .attention import (
 from .models import (
     ARCHS,
     HYBRID_ARCHS,
+    TINY_ARCHS,
+    VARIANT_ARCHS,
     VLM_ARCHS,
     load_smollm2,
     load_smollm2_tokenizer,
@@ -40,6 +44,8 @@ from .vision import sp_vlm_inputs
 __all__ = [
     "ARCHS",
     "HYBRID_ARCHS",
+    "TINY_ARCHS",
+    "VARIANT_ARCHS",
     "VLM_ARCHS",
     "ForwardPlan",
     "PrepareSpec",

@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import re
+import sys
 import threading
 import types
 import weakref
@@ -43,13 +45,17 @@ _lock = threading.Lock()
 
 
 def _backbone(base: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack (LlamaModel, ...): the module that receives position_ids and kwargs."""
+    """The decoder stack (LlamaModel, ...): the module that receives position_ids and kwargs. Where the base model
+    only wraps the stack (OPT: OPTModel.decoder holds the layers, and OPTForCausalLM calls it directly), the stack."""
     inner = getattr(base, "base_model", None)
-    if isinstance(inner, torch.nn.Module) and inner is not base:
-        if "position_ids" not in inspect.signature(inner.forward).parameters:  # Mamba, Falcon-Mamba: the causal
-            return base  # LM keeps position_ids (and cu_seqlens) to itself: the plan is made from its inputs
-        return inner
-    return base
+    inner = inner if isinstance(inner, torch.nn.Module) and inner is not base else base
+    if inner is not base and "position_ids" not in inspect.signature(inner.forward).parameters:  # Mamba, Falcon-Mamba:
+        return base  # the causal LM keeps position_ids (and cu_seqlens) to itself: the plan is made from its inputs
+    decoder = getattr(inner, "decoder", None)  # (other stacks without `layers`, e.g. HRM's, take their own inputs)
+    if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList) and isinstance(
+            getattr(decoder, "layers", None), torch.nn.ModuleList):
+        return decoder
+    return inner
 
 
 def is_sequence_parallel(model: torch.nn.Module) -> bool:
@@ -77,6 +83,30 @@ def check_config(cfg: Any) -> None:
             "(it is a product of whole-sequence means, which a shard cannot compute; seqpar's losses never add "
             "it): set config.output_router_logits = False"
         )
+
+
+# Families whose attention builds a mask of its own from the hidden states: no AttentionInterface mask seqpar could
+# replace (model_type -> what it does).
+_OWN_MASK_FAMILIES = {"doge": "Doge's dynamic mask attention (a learned mask per key, built inside the layer)"}
+
+
+_ATTENTION_NAME = re.compile(r"Attention|Attn")
+
+
+def check_attention_interface(base: torch.nn.Module, cfg: Any) -> None:
+    """SeqParError unless the model's attention goes through transformers' AttentionInterface (the one place seqpar
+    replaces): a model that computes attention itself would attend within each rank's shard, silently wrong."""
+    module = sys.modules.get(type(base).__module__)
+    attends = any(_ATTENTION_NAME.search(type(m).__name__) for m in base.modules())  # (Mamba: no attention at all)
+    if module is not None and not hasattr(module, "ALL_ATTENTION_FUNCTIONS") and attends:
+        raise SeqParError(
+            f"{type(base).__name__} computes attention itself, not through transformers' AttentionInterface, so "
+            "seqpar cannot make it sequence-parallel (it would attend within each rank's shard): use a model whose "
+            "attention does, or train without SP"
+        )
+    what = _OWN_MASK_FAMILIES.get(getattr(cfg, "model_type", None))
+    if what is not None:
+        raise SeqParError(f"{what} is not supported by seqpar's exact attention: train this model without SP")
 
 
 def _refuse_labels_loss(*args: Any, **kwargs: Any) -> Any:
@@ -110,6 +140,7 @@ def _checked_config(base: torch.nn.Module, mesh: SequenceParallelMesh) -> tuple[
     check_recurrent(linear, mesh)
     decoder = vlm_language_model(base) if vlm else base  # a vision tower's patch convolution is no sequence mixer
     check_softmax_attention_only(decoder, cfg, tuple(linear), allowed)  # other linear attention, SSMs, convs, ...
+    check_attention_interface(decoder, cfg)  # (after: an attention-free family's mixers are the better reason)
     heads = int(getattr(cfg, "num_attention_heads", None) or 1)  # 1: attention-free (Mamba, Falcon-Mamba)
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     if heads % kv != 0:
@@ -137,14 +168,15 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     this rank's shard of the logits (in the order of `seqpar.shard`). Works in train and eval mode
     and with PEFT wrappers (apply before or after get_peft_model). Only this model is affected: it
     gets its own config copy pointing at an attention function registered under a unique name.
-    Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, attention
-    sinks, nested/encoder-decoder configs, MoE router aux losses (output_router_logits), any sequence
-    mixing outside softmax attention (linear attention, Mamba/SSM, convolutions, recurrences, chunked
-    attention: see seqpar.hf.mixers) except the recurrent / conv mixers of seqpar.hf.recurrent_layers (Gated
-    DeltaNet, KDA, Mamba2, Mamba1, LFM2's short convs), which run in every mode (ring / USP by state passing;
-    the Ulysses degree must split their heads)
-    (here); attention dropout in train mode, non-causal attention, sliding windows shorter than
-    the sequence (per forward, on every rank alike). attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
+    Sliding windows, attention sinks, MLA's v head dim and Llama 4's NoPE temperature and chunked attention run
+    exactly (docs/attention.md, "Attention variants").
+    Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, nested/encoder-decoder
+    configs, MoE router aux losses (output_router_logits), any sequence mixing outside softmax attention (linear
+    attention, Mamba/SSM, convolutions, recurrences: see seqpar.hf.mixers) except the recurrent / conv mixers of
+    seqpar.hf.recurrent_layers (Gated DeltaNet, KDA, Mamba2, Mamba1, LFM2's short convs, lightning attention), which
+    run in every mode (ring / USP by state passing; the Ulysses degree must split their heads) (here); attention
+    dropout in train mode, non-causal attention (per forward, on every rank alike).
+    attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
     the kernel each model's first attention call resolves to is printed once per process, on rank 0.
     head_chunks: seqpar.attention's head_chunks= (the kernels run per group of heads; attention.heads).
     The recurrent layers' states travel the ring as the mesh's `state_passing` says (seqpar.init_mesh).

@@ -83,6 +83,25 @@ def layer_sinks(module: torch.nn.Module, kwargs: dict[str, Any]) -> torch.Tensor
     return sinks if isinstance(sinks, torch.Tensor) else None
 
 
+_UNSET: Any = object()  # transformers did not pass sliding_window= at all (not even None)
+
+
+def layer_window(module: torch.nn.Module, sliding_window: Any = _UNSET) -> int | None:
+    """A layer's sliding window as the unsharded model's mask applies it. Most layers pass it to the attention
+    function (sliding_window=, None for their full layers); some only keep it on the module (Qwen2-MoE) or
+    leave it to the model's mask, from config.layer_types ('sliding_attention') or, without layer_types, for
+    every layer from config.sliding_window (PhiMoE, Doge: their masks slide whenever it is set)."""
+    if sliding_window is not _UNSET:
+        return sliding_window
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    cfg = getattr(module, "config", None)
+    types, idx = getattr(cfg, "layer_types", None), getattr(module, "layer_idx", None)
+    if isinstance(types, (list, tuple)) and idx is not None:
+        return cfg.sliding_window if types[idx] == "sliding_attention" else None
+    return getattr(cfg, "sliding_window", None)
+
+
 def _window(sliding_window: int | None, full_len: int) -> int | None:
     """The window seqpar runs: none where it covers the whole sequence (the same result, no banded pieces)."""
     return None if sliding_window is None or int(sliding_window) >= full_len else int(sliding_window)
@@ -124,7 +143,7 @@ def make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
         attention_mask: torch.Tensor | None,
         dropout: float = 0.0,
         scaling: float | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | None = _UNSET,
         softcap: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
@@ -139,6 +158,7 @@ def make_attention_fn(state_ref: weakref.ReferenceType) -> Any:
                 "seqpar attention was called without a forward plan: call the model itself "
                 "(model(input_ids=..., position_ids=...)), not a layer on its own"
             )
+        sliding_window = layer_window(module, sliding_window)
         check_attention_call(module, query, attention_mask, plan, state.mesh, dropout, sliding_window, softcap,
                              kwargs)
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

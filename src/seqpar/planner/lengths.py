@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..dynamic.schedule import Row, Scheduler
 from ..errors import SeqParError
+from ..layout import round_up_length
 from .dynamic import degree_needed, max_local_tokens, row_cost, world_degrees
 from .gpus import Cluster
 from .memory import Features, Layout, Workload
@@ -153,7 +154,7 @@ def predict_mix(m: ModelFacts, cl: Cluster, wl: Workload, feats: Features, lengt
             packs = [[rc_fix.seconds([p], fixed.sp) for p in _packs(rows[g::fixed.dp], cap)] for g in range(fixed.dp)]
             packed_s += _fixed_step(packs, lock) + rc_fix.step_s
         plan = sched.plan([Row(i, x, seqs) for i, x in enumerate(rows)], lockstep=lock)
-        dyn_s += (plan.lockstep_s() if lock else max(plan.finish())) + rc_dyn.step_s
+        dyn_s += sched.step_s(plan, lock) + rc_dyn.step_s
         for d, k in plan.degrees.items():
             used[d] = used.get(d, 0) + k
     tokens = sum(seqs * x for rows in steps for x in rows)
@@ -209,10 +210,8 @@ def plan_mix(m: ModelFacts, cl: Cluster, req: Request, lengths: list[int], n: in
             "longest": max(lengths), "rows": len(lengths)}
 
 
-def max_local_need(length: int, degrees: dict[int, tuple[int, int]]) -> int:
+def max_local_need(length: int, degrees: dict[int, tuple[int, int]], layout: str = "zigzag") -> int:
     """Tokens per rank a row of `length` tokens needs at the largest degree (one sequence)."""
-    from ..dynamic.cost import padded
-
     top = max(degrees)
     u, r = degrees[top]
-    return padded(length, r, u, "zigzag") // top
+    return round_up_length(length, r, u, layout) // top

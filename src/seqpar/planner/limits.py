@@ -1,5 +1,5 @@
 """What lengths `seqpar train` accepts for a model and a mesh: the context limit (max_position_embeddings,
-unless the user extends it; the sliding window, which seqpar's attention refuses to exceed) and the
+unless the user extends it; a sliding window is no limit: its layers are priced by planner.spans) and the
 padding of a length to a mesh's split (the collator pads, `dataset.max_length` must be a multiple)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SeqParError
-from ..layout import required_multiple
+from ..layout import required_multiple, round_up_length
 from .memory import Layout
 from .model import ModelFacts
 
@@ -41,29 +41,25 @@ def context_limit(m: ModelFacts, max_position: int | None = None, rope_scaling: 
         pos, extended = int(pos * rope_scaling), True
     if max_position is not None:
         pos, why, extended = max_position, "--max-position", True
-    if m.sliding_window is not None and (pos is None or m.sliding_window < pos):
-        return Context(m.sliding_window, f"the model's sliding window ({m.sliding_window} tokens: seqpar's attention "
-                       "refuses longer sequences; raise config.sliding_window or use a model without one)",
-                       extended, pos if extended else None, rope_scaling)
     return Context(pos, why, extended, pos if extended else None, rope_scaling)
 
 
 def refuse_too_long(ctx: Context, seq_len: int) -> None:
     if ctx.limit is not None and seq_len > ctx.limit:
-        fix = ("raise config.sliding_window or use a model without one" if "sliding" in ctx.reason else
-               "extend the context as a long-context run does: --max-position N (a config.json with a larger "
+        fix = ("extend the context as a long-context run does: --max-position N (a config.json with a larger "
                "max_position_embeddings) or --rope-scaling FACTOR")
         raise SeqParError(f"--seq-len {seq_len} exceeds {ctx.limit}, {ctx.reason}: seqpar train refuses it; "
                           f"use --seq-len <= {ctx.limit}, or {fix}")
 
 
-def split_multiple(lay: Layout) -> int:
-    """A mesh splits lengths that are multiples of this (zigzag ring: 2 x ring x ulysses)."""
-    return required_multiple(lay.ring, lay.ulysses, "zigzag")
+def split_multiple(lay: Layout, layout: str = "zigzag") -> int:
+    """A mesh splits lengths that are multiples of this (zigzag ring: 2 x ring x ulysses; contiguous ring or no
+    ring: ring x ulysses). layout: the run's sequence_parallel.layout (seqpar train's default: zigzag)."""
+    return required_multiple(lay.ring, lay.ulysses, layout)
 
 
-def padded(seq_len: int, lay: Layout) -> int:
+def padded(seq_len: int, lay: Layout, layout: str = "zigzag") -> int:
     """The length seqpar runs a row of `seq_len` tokens at on this mesh: the collator pads it to the split's
-    multiple (seqpar.layout.padded_length), and `dataset.max_length` must be that multiple."""
-    k = split_multiple(lay)
-    return -(-seq_len // k) * k
+    multiple (seqpar.layout.round_up_length, the one rounding rule), and `dataset.max_length` must be that
+    multiple."""
+    return round_up_length(seq_len, lay.ring, lay.ulysses, layout)

@@ -14,8 +14,10 @@ from typing import Any
 
 from ..errors import SeqParError
 from ..textfiles import read_json
+from .mla import MlaFacts, mla_fields
 from .moe import MOE_TYPES, MoeFacts, moe_facts
 from .recurrent import RECURRENT_KINDS, RecurrentFacts, layer_kinds, recurrent_facts
+from .spans import Span, layer_spans, span_groups
 
 __all__ = ["ModelFacts", "load_model_facts", "bundled_models"]
 
@@ -25,6 +27,8 @@ QK_NORM_TYPES = ("qwen3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 GATED_ATTENTION_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Architectures whose attention has no rotary embedding (no cos / sin tensors): Nemotron-H's.
 NO_ROPE_TYPES = ("nemotron_h",)
+# Architectures whose attention layers hold learned sinks (one logit per q head; seqpar.train.model.checks).
+SINK_TYPES = ("gpt_oss",)
 # Architectures with a bias on the q/k/v projections.
 QKV_BIAS_TYPES = ("qwen2",)
 
@@ -51,6 +55,25 @@ class ModelFacts:
     mlp_index: tuple[int, ...] = ()  # block-per-mixer decoders (Nemotron-H): the blocks that hold only a dense MLP
     rope: bool = True  # attention applies RoPE (Nemotron-H's does not: no cos / sin tensors)
     moe: MoeFacts | None = None  # every layer's MLP is this mixture of experts (Qwen3-Next, Qwen3.5-MoE)
+    spans: tuple[Span, ...] = ()  # each layer's attention span (planner.spans; empty: every layer attends in full)
+    v_head_dim: int | None = None  # v's head dim where it differs from q / k's (MLA); None: head_dim
+    mla: MlaFacts | None = None  # multi-head latent attention's projections
+    sinks: bool = False  # gpt-oss: one learned sink logit per q head in every attention layer
+
+    @property
+    def v_head(self) -> int:
+        """v's (and the attention output's) head dim before any padding."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def o_dim(self) -> int:
+        """o_proj's input width: the attention output in sequence space (MLA: heads x v_head_dim)."""
+        return self.heads * self.v_head
+
+    def attention_spans(self) -> dict[Span, int]:
+        """Attention layers per span (planner.spans): e.g. {full: 10, sliding window 1024: 52}."""
+        attn = [i for i in range(self.layers) if self.block_kind(i) == "attention"]
+        return dict(span_groups(self.spans, attn))
 
     @property
     def blocks(self) -> bool:
@@ -84,13 +107,27 @@ class ModelFacts:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def _attention_tensors(self) -> list[int]:
+        """q k v o (MLA: its low-rank projections and their norms; gpt-oss: + one sink per q head)."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        sinks = [self.heads] if self.sinks else []
+        if self.mla is not None:
+            a = self.mla
+            qp = [h * a.q_lora_rank, a.q_lora_rank, a.q_lora_rank * q] if a.q_lora_rank else [h * q]
+            nope = self.head_dim - a.rope_dim
+            return [*qp, h * (a.kv_lora_rank + a.rope_dim), a.kv_lora_rank,
+                    a.kv_lora_rank * self.heads * (nope + self.v_head), self.o_dim * h, *sinks]
+        gq = 2 * q if self.gated_attention else q
+        return [h * gq, h * kv, h * kv, q * h, *sinks]
+
     def _layer_tensors(self) -> list[int]:
         h, q, kv = self.hidden, self.q_dim, self.kv_dim
-        gq = 2 * q if self.gated_attention else q
         if self.blocks:  # an attention block: q k v o and its norm
-            return [h * gq, h * kv, h * kv, q * h, h]
-        t = [h * gq, h * kv, h * kv, q * h, *self._mlp_tensors(), h, h]  # q k v o, the MLP, two norms
-        if self.qkv_bias:
+            return [*self._attention_tensors(), h]
+        t = [*self._attention_tensors(), *self._mlp_tensors(), h, h]  # q k v o, the MLP, two norms
+        if self.qkv_bias and self.mla is not None:  # MLA's bias: on q_a (or q_proj) and kv_a
+            t += [self.mla.q_lora_rank or q, self.mla.kv_lora_rank + self.mla.rope_dim]
+        elif self.qkv_bias:
             t += [q, kv, kv]
         if self.qk_norm:
             t += [self.head_dim, self.head_dim]
@@ -157,9 +194,7 @@ class ModelFacts:
     def trainable_tensors(self, lora_r: int | None = None, targets: tuple[str, ...] = ()) -> list[int]:
         """Element counts of the trained tensors: every parameter (full fine-tuning), or each LoRA A and B."""
         if lora_r is not None:
-            h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-            shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                      "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+            shapes = self._lora_shapes()
             mlp = ("gate_proj", "up_proj", "down_proj")  # a recurrent layer has these, not q / k / v / o
             attn = ("q_proj", "k_proj", "v_proj", "o_proj") if self.blocks else tuple(shapes)
             rec = () if self.blocks else mlp  # a block decoder's recurrent blocks have no MLP
@@ -169,6 +204,22 @@ class ModelFacts:
                                              for n in shapes[t]])
         head = [self.lm_head_params()] if not self.tied else []
         return [self.embed_params()] + self.decoder_tensors() + [self.hidden] + head
+
+    def _lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of every Linear a LoRA target names (MLA: its own projections, by their names)."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (self.o_dim, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        if self.mla is None:
+            return shapes
+        a = self.mla
+        del shapes["k_proj"], shapes["v_proj"]
+        shapes.update(kv_a_proj_with_mqa=(h, a.kv_lora_rank + a.rope_dim),
+                      kv_b_proj=(a.kv_lora_rank, self.heads * (self.head_dim - a.rope_dim + self.v_head)))
+        if a.q_lora_rank:
+            del shapes["q_proj"]
+            shapes.update(q_a_proj=(h, a.q_lora_rank), q_b_proj=(a.q_lora_rank, q))
+        return shapes
 
 
 def bundled_models() -> list[str]:
@@ -183,7 +234,7 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
     if "vision_config" in c:
         what.append("a vision tower (vision_config)")
     text = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
-    known = ("full_attention", "attention", "linear_attention", "mamba", "mlp", "moe")  # recurrent: .recurrent
+    known = ("full_attention", "attention", "chunked_attention", "linear_attention", "mamba", "mlp", "moe")
     types = layer_kinds(text)
     if any(t not in known and "sliding" not in str(t) for t in types):
         what.append(f"layer types it does not model ({sorted({str(t) for t in types if t not in known})})")
@@ -212,10 +263,10 @@ def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
         )
 
 
-def _trainer_view(name: str, c: dict[str, Any]) -> int | None:
+def _trainer_view(name: str, c: dict[str, Any]) -> Any:
     """What `seqpar train` refuses from the config alone, by the trainer's own check (softcapped attention,
-    non-causal attention, encoder-decoders ...), raised here; returns the sliding window its attention
-    would refuse sequences longer than (seqpar.hf.attention, per forward), None without one."""
+    non-causal attention, encoder-decoders, a window or chunk it cannot read ...), raised here; returns the
+    transformers config (its derived layer_types, MLA dims)."""
     from transformers import AutoConfig
 
     from ..train.model.checks import refuse_non_causal
@@ -227,34 +278,41 @@ def _trainer_view(name: str, c: dict[str, Any]) -> int | None:
         raise SeqParError(f"model {name!r}: transformers cannot build its config ({str(e)[:100]}), so seqpar train "
                           "could not load it either: give a config.json of a causal LM transformers knows") from None
     refuse_non_causal(hf, name)
-    window = getattr(hf, "sliding_window", None)
-    types = getattr(hf, "layer_types", None)
-    if window is None or (types is not None and "sliding_attention" not in types):
-        return None  # e.g. Qwen2.5 with use_sliding_window: false: every layer attends in full
-    return int(window)
+    return hf
+
+
+def _attention_facts(hf: Any, layers: int) -> dict[str, Any]:
+    """ModelFacts' attention fields from the transformers config: spans, the sliding window if a layer slides, MLA's
+    dims (head_dim: q / k's, qk_nope + qk_rope), sinks (gpt-oss)."""
+    spans = layer_spans(hf, layers)
+    window = next((s.size for s in spans if s.kind == "sliding"), None)
+    out: dict[str, Any] = {"spans": spans if any(s.kind != "full" for s in spans) else (), "sliding_window": window,
+                           "sinks": hf.model_type in SINK_TYPES or bool(getattr(hf, "use_sinks", False))}
+    return {**out, **mla_fields(hf)}
 
 
 def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
     _refuse_unmodelled(name, c)
     c = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
-    window = _trainer_view(name, c)
+    hf = _trainer_view(name, c)
     kinds = layer_kinds(c)
     rec = recurrent_facts(name, c, kinds) if "hidden_size" in c else None
     try:
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         kv = int(c.get("num_key_value_heads") or heads)
+        layers = _layer_count(c, kinds)
+        attn = {"head_dim": int(c.get("head_dim") or hidden // heads), **_attention_facts(hf, layers)}
         facts = ModelFacts(
             name=name, model_type=str(c.get("model_type", "llama")), hidden=hidden,
-            layers=_layer_count(c, kinds), heads=heads, kv_heads=kv,
-            head_dim=int(c.get("head_dim") or hidden // heads),
+            layers=layers, heads=heads, kv_heads=kv,
             intermediate=int(c.get("shared_intermediate_size") or c["intermediate_size"]),  # Granite 4: its dense MLP
             vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
             max_positions=c.get("max_position_embeddings"),
             qk_norm=c.get("model_type") in QK_NORM_TYPES, gated_attention=c.get("model_type") in GATED_ATTENTION_TYPES,
-            qkv_bias=bool(c.get("attention_bias", c.get("model_type") in QKV_BIAS_TYPES)), sliding_window=window,
+            qkv_bias=bool(c.get("attention_bias", c.get("model_type") in QKV_BIAS_TYPES)),
             recurrent=rec, linear_index=tuple(i for i, t in enumerate(kinds) if t in RECURRENT_KINDS) if rec else (),
             mlp_index=tuple(i for i, t in enumerate(kinds) if t == "mlp"),
-            rope=c.get("model_type") not in NO_ROPE_TYPES, moe=moe_facts(name, c),
+            rope=c.get("model_type") not in NO_ROPE_TYPES, moe=moe_facts(name, c), **attn,
         )
     except KeyError as e:
         raise SeqParError(
@@ -277,12 +335,12 @@ def _layer_count(c: dict[str, Any], kinds: list[str]) -> int:
 
 
 def _tiny(name: str, kwargs: dict[str, Any] | None) -> ModelFacts:
-    from ..hf import ARCHS, HYBRID_ARCHS, VLM_ARCHS, tiny_config
+    from ..hf import ARCHS, HYBRID_ARCHS, TINY_ARCHS, VARIANT_ARCHS, tiny_config
 
     arch = name.split(":", 1)[1]
-    if arch not in ARCHS + HYBRID_ARCHS + VLM_ARCHS:  # VLMs: refused by _facts with how to plan one, as a saved config
+    if arch not in TINY_ARCHS:  # VLMs: refused by _facts with how to plan one, as a saved config
         raise SeqParError(f"model {name!r}: unknown tiny architecture {arch!r}: use "
-                          f"tiny:<{'|'.join(ARCHS + HYBRID_ARCHS)}>")
+                          f"tiny:<{'|'.join(ARCHS + VARIANT_ARCHS + HYBRID_ARCHS)}>")
     kw = dict(kwargs or {})
     kw.setdefault("vocab_size", 259)  # the byte tokenizer seqpar train gives tiny models
     c = tiny_config(arch, **kw).to_dict()

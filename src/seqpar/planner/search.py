@@ -277,7 +277,7 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
             cands += [_longest(m, cl, wl, lay, _chunked(f, m, lay, req), ctx) for f in feature_sets(req)]
         if any(c.capped_by for c in cands):
             notes.append(f"--max-seq-len capped at {ctx.limit}: {ctx.reason}" + (
-                "" if ctx.extended or "sliding" in ctx.reason else
+                "" if ctx.extended else
                 "; a context-extended config (--max-position N or --rope-scaling FACTOR) may fit more"))
     else:
         refuse_too_long(ctx, wl.seq_len)

@@ -7,8 +7,10 @@ Assumptions (stated in docs/planner.md; absolute GPU times are a model, the ORDE
 - linear layers per token: 2 FLOPs per weight per forward pass (the policy's, its recomputation under
   activation checkpointing, DPO's reference pass), 2 for the input gradient, 2 more for a trained
   weight's gradient (LoRA: frozen weights skip it); tiled MLP recomputes the MLP forward;
-- attention: the causal FLOPs of the ring's own piece plan (seqpar.attention.costs.flops_per_rank, the busiest
-  ring rank), forward x1 per forward pass, backward x2.5 (flash backward recomputes the scores);
+- attention: 4 d FLOPs (q k^T and p v) per visible (query, key) pair of the busiest ring rank under each layer's
+  span (planner.spans: causal, sliding window, chunk; for full attention the count of the ring's own piece plan,
+  seqpar.attention.costs.flops_per_rank), forward x1 per forward pass, backward x2.5 (flash backward recomputes
+  the scores); d the q / k head dim (MLA's v is padded to it for the kernel);
 - memory-bound work streams at `Cluster.mem_bw`: each layer's saved activations are written once per
   forward pass and read + their gradients written in backward (3 + recomputations), AdamW reads and
   writes 28 bytes per trained parameter (its shard under FSDP); the cross-entropy streams 16 bytes per
@@ -31,15 +33,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..attention.costs import flops_per_rank, ring_theory, ulysses_theory
+from ..attention.costs import ring_theory, ulysses_theory
 from .collectives import heads_per_rank, passes, sent_ulysses_heads, step_collectives
 from .gpus import Cluster
 from .memory import Features, Layout, Workload, layer_bytes_per_token
 from .model import ModelFacts
+from .spans import FULL, Span, span_pairs_per_rank
 
 __all__ = ["TimeEstimate", "estimate_time", "offload_s", "comm_bytes_per_layer", "attention_flops", "step_flops",
            "recurrent_flops", "DEFAULT_MFU", "attention_passes", "matmul_rate", "adamw_s", "ADAMW_BYTES_PER_PARAM",
-           "param_tensors", "BACKWARD_SHARE"]
+           "param_tensors", "BACKWARD_SHARE", "attention_by_span"]
 
 DEFAULT_MFU = 0.45
 BACKWARD_SHARE = 2 / 3  # of a step's compute: backward's 2 matmuls per forward one, which gradient sums can hide behind
@@ -59,12 +62,18 @@ class TimeEstimate:
         return self.compute_s + self.exposed_comm_s
 
 
-def attention_flops(m: ModelFacts, wl: Workload, lay: Layout) -> float:
-    """Forward causal attention FLOPs of the busiest rank for one layer (ring piece plan, zigzag)."""
+def attention_flops(m: ModelFacts, wl: Workload, lay: Layout, span: Span = FULL) -> float:
+    """Forward attention FLOPs of the busiest rank for one layer of this span (zigzag ring: the pairs each ring rank's
+    queries see of every rank's keys; the ring skips the steps a window leaves out of reach)."""
     hq, _ = heads_per_rank(m, lay.ulysses)
     layout = "zigzag" if lay.ring > 1 else "contiguous"
-    per_ring_rank = max(flops_per_rank(wl.seq_len, lay.ring, layout, hq, m.head_dim, wl.rows))
-    return per_ring_rank / lay.ulysses  # each ulysses rank holds 1/u of the (padded) heads
+    pairs = max(span_pairs_per_rank(wl.seq_len, lay.ring, layout, span))
+    return 4.0 * wl.rows * hq * m.head_dim * pairs / lay.ulysses  # each ulysses rank holds 1/u of the (padded) heads
+
+
+def attention_by_span(m: ModelFacts, wl: Workload, lay: Layout) -> dict[Span, tuple[int, float]]:
+    """Per span: (attention layers, forward FLOPs of one such layer on the busiest rank)."""
+    return {s: (n, attention_flops(m, wl, lay, s)) for s, n in m.attention_spans().items()}
 
 
 def recurrent_flops(m: ModelFacts, wl: Workload, lay: Layout) -> float:
@@ -100,7 +109,8 @@ def step_flops(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> tup
         linear += 2 * tokens * m.layers * (m.layer_params() - 2 * m.hidden)
     elif feats.tiled_mlp and not feats.activation_checkpointing:
         linear += 2 * tokens * mlp_w * m.layers  # the MLP tiles run again in backward
-    a_fwd = attention_flops(m, wl, lay) * m.attn_layers + recurrent_flops(m, wl, lay) * m.linear_layers
+    attn = sum(n * f for n, f in attention_by_span(m, wl, lay).values())
+    a_fwd = attn + recurrent_flops(m, wl, lay) * m.linear_layers
     return linear, a_fwd * attention_passes(wl, feats)
 
 

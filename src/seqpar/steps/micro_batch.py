@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from .. import comm
 from .. import loss as L
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
@@ -75,12 +77,31 @@ def _grpo_loss(
     nll, ent, labels = forward_token_stats(model, batch, spec.fused_loss, spec.loss_chunk_tokens,
                                            temperature=spec.temperature, entropy=True)
     old = batch.get("old_logps")
-    return L.grpo_loss(
+    share, met = L.grpo_loss(
         -nll, batch["advantages"], labels, den, old_logps=None if old is None else old.to(nll.device),
         ref_logps=None if spec.beta == 0 else ref.to(nll.device), beta=spec.beta, epsilon_low=spec.epsilon_low,
         epsilon_high=spec.epsilon_high, loss_type=spec.loss_type, mesh=mesh, entropy=ent,
         kl_ratio_correction=spec.kl_ratio_correction,
     )
+    if batch.get("rollout_logps") is not None:
+        met.update(_rollout_diff(-nll.detach(), batch["rollout_logps"].to(nll.device), labels, mesh))
+    return share, met
+
+
+def _rollout_diff(logps: torch.Tensor, rollout: torch.Tensor, labels: torch.Tensor,
+                  mesh: SequenceParallelMesh) -> dict[str, torch.Tensor]:
+    """|trainer log-prob - sampler log-prob| over the micro-batch's completion tokens (every rank): the max, and
+    the sum and count `train_step` turns into the step's mean (rollout_logprob_diff_mean)."""
+    mask = labels != L.IGNORE_INDEX
+    d = (logps.float() - rollout.float()).abs()[mask]
+    sums = torch.stack([d.sum(), mask.sum().to(d.dtype)]).double()
+    top = d.max().double().reshape(1) if d.numel() else torch.zeros(1, dtype=torch.float64)
+    for group, size in ((mesh.sp_group, mesh.sp_size), (mesh.dp_group, mesh.dp_size)):
+        if size > 1:
+            sums = comm.all_reduce_values(sums, group, mesh.comm_device)
+            top = comm.all_reduce_values(top, group, mesh.comm_device, op=dist.ReduceOp.MAX)
+    return {"rollout_logprob_diff_max": top[0], "rollout_logprob_diff_sum": sums[0],
+            "rollout_logprob_diff_count": sums[1]}
 
 
 def _dpo_reference(

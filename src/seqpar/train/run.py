@@ -27,6 +27,7 @@ from ..threaded import serial
 from .config import TrainConfig, dynamic_degrees, validate_for_launch, with_total_steps
 from .dataset.identity import DataIdentity, data_identity
 from .dataset.prepare import prepare_examples
+from .grpo.engine import check_rollout_engine, trim_rollouts
 from .grpo.rollout import GRPORollout, grpo_step_spec
 from .lifecycle.checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .lifecycle.export import export_trained
@@ -123,6 +124,7 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     cfg = with_total_steps(cfg, len(examples), dp, start=resume_start(cfg, len(examples)))
     layout = RunLayout.of(cfg, world, u, r, dp=dp, sp=sp)
     check_model(cfg, examples, info)
+    check_rollout_engine(cfg, info.config)
     data = data_identity(cfg.dataset.path, examples)
     if node == world:  # one node: every rank sees the folder; over nodes rank 0 checks it (take_lock)
         check_output_dir(cfg, layout, data)  # another run's checkpoint, or results a fresh start replaces
@@ -173,12 +175,17 @@ def _run(prep: _Prepared, world: int, rank: int, device: torch.device, emulate_d
     metrics_path = out / "metrics.jsonl"
     if rank == 0:
         trim_metrics(metrics_path, start_step)
+        trim_rollouts(out / "rollouts.jsonl", start_step)  # grpo.log_rollouts appends step by step
         if start_step == 0:
             (out / "config.json").write_text(cfg.model_dump_json(indent=2))
         (out / "mesh.txt").write_text(f"{mesh!r} world={world}\n")
     result = TrainResult(output_dir=str(out), resumed_from=start_step or None, metrics_path=str(metrics_path),
                          world_size=world, mesh=repr(mesh))
-    step = _steps(loop, result, metrics_path, start_step, prep)
+    try:
+        step = _steps(loop, result, metrics_path, start_step, prep)
+    finally:
+        if loop.rollout is not None:
+            loop.rollout.engine.close()  # a vLLM engine and its process groups (nothing for transformers)
     export_final(loop, prep.tok, result, step)
     finish(loop, result, metrics_path)
     return result

@@ -12,7 +12,7 @@ changes, under SP:
 - generation (TRL's transformers path, SP paused) is shared over the SP group: each rank samples a share
   of the prompts (whole groups of num_generations rows) under its own seed, the completion ids are
   all-gathered, and SP rank 0's RNG state goes to the group (TRL's later row shuffle agrees): every SP
-  rank scores and trains identical completions (seqpar.hf.generation.share_rollout). Image prompts
+  rank scores and trains identical completions (seqpar.hf.rollout_share.share_rollout). Image prompts
   (a Qwen VL model with its processor): each rank samples its share of the rows with their own images
   (seqpar.trl.grpo_media.media_rows); the completion rows keep their prompt's images (pixel_values /
   image_grid_thw / num_images of TRL's batch) and the loss runs on the full multimodal sequence
@@ -61,10 +61,10 @@ from ..hf.generation import (
     fsdp_synced,
     is_sharded,
     sequence_parallel_paused,
-    share_rollout,
 )
 from ..hf.prepare import frozen_reference
 from ..hf.rollout_media import vision_tower_joined
+from ..hf.rollout_share import share_rollout
 from ..hf.trainer import SequenceParallelTrainer
 from ..hf.trainer_args import pad_id
 from ..hf.trainer_stack import agree_gathers

@@ -3,7 +3,7 @@
 TRL hands `_generate_single_turn` the generation batch's rows with one multimodal field set for all of them
 (pixel_values / image_grid_thw concatenated over the rows' images, per-token fields per row); `media_rows` cuts
 out a contiguous share of rows with exactly their images (TRL's own split / unsplit by image grid), so every SP
-rank samples its share (seqpar.hf.generation.share_rollout) with the images its rows show.
+rank samples its share (seqpar.hf.rollout_share.share_rollout) with the images its rows show.
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...dynamic.cost import padded
 from ...errors import SeqParError
-from ...layout import required_multiple
+from ...layout import required_multiple, round_up_length
 from ...mesh import RecurrentHeads, auto_degrees, check_divides, divisors, resolve_degrees
 from .schema import SequenceParallelSpec, TrainConfig
 
@@ -50,7 +49,7 @@ def dynamic_degrees(cfg: TrainConfig, world: int, num_heads: int | None, num_kv_
     for d in divisors(world):
         u, r = auto_degrees(d, num_heads, num_kv_heads, recurrent=recurrent, node_size=node_size)
         out[d] = (u, r)
-        need = seqs * padded(length, r, u, sp.layout) // d
+        need = seqs * round_up_length(length, r, u, sp.layout) // d
         if need <= n:
             return out
     pair = " x 2 rows (a DPO pair)" if seqs == 2 else ""

@@ -15,9 +15,10 @@ from pydantic import Field, SerializerFunctionWrapHandler, field_validator, mode
 from ...mesh import check_divides
 from .base import StrictModel
 from .memory import FSDPSpec, MemorySpec
+from .rollout import RolloutSpec
 
 __all__ = ["TrainConfig", "ModelSpec", "DatasetSpec", "SequenceParallelSpec", "DPOSpec", "GRPOSpec", "FinetuningSpec",
-           "OptimizerSpec", "ScheduleSpec", "CheckpointSpec", "ExportSpec", "MemorySpec", "FSDPSpec"]
+           "OptimizerSpec", "ScheduleSpec", "CheckpointSpec", "ExportSpec", "MemorySpec", "FSDPSpec", "RolloutSpec"]
 
 
 _Strict = StrictModel
@@ -140,6 +141,8 @@ class GRPOSpec(_Strict):
     num_iterations: int = Field(default=1, ge=1)
     # k3 KL x the differentiable importance ratio (TRL's use_bias_correction_kl; same value on-policy)
     kl_ratio_correction: bool = False
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)  # the sampling engine (config/rollout.py)
+    log_rollouts: bool = False  # one row per completion in output_dir/rollouts.jsonl
 
     @field_validator("scale_rewards", mode="before")
     @classmethod

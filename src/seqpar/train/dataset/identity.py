@@ -5,12 +5,18 @@ A checkpoint's data position is a row count into the run's global row order, so 
 over the same examples. The examples' fingerprint decides (it also sees a tokenizer, chat template or tokenization
 setting that changed); the file hash and path only say *which* changed. Moving the data elsewhere with the same
 content keeps the identity.
+
+The file hash reads every byte of a dataset that may be many GB, so it is read once: the launcher's checks hash it
+and hand the result to the ranks in SEQPAR_DATA_SHA256 (with the files' paths, sizes and mtimes: a file changed
+since is hashed again), and within a process (ranks that are threads) it is kept. Ranks started without
+`seqpar train`'s launcher (torchrun directly) hash it once each.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +24,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["DataIdentity", "data_identity", "resolved_path", "fingerprint", "dataset_files"]
+__all__ = ["DataIdentity", "data_identity", "resolved_path", "fingerprint", "dataset_files", "file_hash",
+           "export_file_hash", "DATA_HASH_ENV"]
 
 _CHUNK = 1 << 20
-
+DATA_HASH_ENV = "SEQPAR_DATA_SHA256"
+_KNOWN: dict[str, str] = {}  # stat key -> sha256, this process's
 
 def resolved_path(path: str) -> str:
     """A dataset path as a resume compares it: absolute, symlinks resolved (relative: to the working directory)."""
@@ -36,14 +44,38 @@ def dataset_files(path: str) -> list[Path]:
     return [p] if p.is_file() else []
 
 
-def _file_hash(path: str) -> str:
+def _hash_files(files: list[Path]) -> str:
     h = hashlib.sha256()
-    for f in dataset_files(path):
+    for f in files:
         h.update(f"{f.stat().st_size}:".encode())  # length-prefixed: two files never read as one
         with open(f, "rb") as fh:
             while chunk := fh.read(_CHUNK):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def _stat_key(files: list[Path]) -> str:
+    """What says the files are the ones hashed before: their paths, sizes and modification times."""
+    return json.dumps([[os.path.realpath(f), (st := f.stat()).st_size, st.st_mtime_ns] for f in files])
+
+
+def file_hash(path: str) -> str:
+    """sha256 of the dataset's file bytes: handed on (DATA_HASH_ENV) or kept (this process) when the files are
+    unchanged, else read."""
+    files = dataset_files(path)
+    key = _stat_key(files)
+    if key not in _KNOWN:
+        try:
+            given = json.loads(os.environ.get(DATA_HASH_ENV, "{}"))
+        except ValueError:
+            given = {}
+        _KNOWN[key] = given["sha256"] if given.get("key") == key else _hash_files(files)
+    return _KNOWN[key]
+
+
+def export_file_hash(path: str) -> None:
+    """Hand the dataset's file hash to processes started from this one (the launcher's ranks)."""
+    os.environ[DATA_HASH_ENV] = json.dumps({"key": _stat_key(dataset_files(path)), "sha256": file_hash(path)})
 
 
 def _feed(h: Any, x: Any) -> None:
@@ -115,4 +147,4 @@ class DataIdentity:
 
 def data_identity(path: str, examples: list) -> DataIdentity:
     """The identity of `examples`, built from the dataset at `path`."""
-    return DataIdentity(len(examples), resolved_path(path), _file_hash(path), fingerprint(examples))
+    return DataIdentity(len(examples), resolved_path(path), file_hash(path), fingerprint(examples))

@@ -17,6 +17,7 @@ generate() and with every completion row into the loss), each micro-batch carryi
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,12 +26,14 @@ import torch.distributed as dist
 from ... import comm
 from ...data import SequenceParallelCollator
 from ...errors import SeqParError
-from ...hf.generation import generate_for_group, group_source_rank
+from ...hf.generation import group_source_rank
+from ...layout import shard
 from ...mesh import SequenceParallelMesh
 from ...steps import StepSpec
 from ..config import TrainConfig
 from ..dataset.prompts import PromptRow
 from ..dataset.tokenize import IGNORE
+from .engine import RolloutEngine, write_rollouts
 from .rewards import group_advantages, reward_health, score
 
 __all__ = ["GRPORollout", "grpo_step_spec"]
@@ -65,6 +68,9 @@ class GRPORollout:
                  collator: SequenceParallelCollator) -> None:
         self.cfg, self.mesh, self.tok, self.prompts, self.collator = cfg, mesh, tok, prompts, collator
         self.g = cfg.grpo
+        self.engine = RolloutEngine(cfg, mesh, tok)
+        self.logprobs: list[list[float]] = []  # the last rollout's: the engine's log-prob of each sampled token
+        self.rollouts_path = Path(cfg.output_dir) / "rollouts.jsonl" if self.g.log_rollouts else None
 
     def _score(self, rows: list[PromptRow], completions: list[list[int]]) -> Any:
         """(per_func [n, F], total [n]) or the SeqParError, computed on the group's first rank."""
@@ -97,11 +103,9 @@ class GRPORollout:
         m = self.mesh
         index = [m.dp_rank + m.dp_size * j for j in range(len(rows))]
         try:
-            completions = generate_for_group(
-                model, self.mesh, [r.prompt_ids for r in rows], num_generations=g.num_generations,
-                max_new_tokens=g.max_completion_length, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                seed=self.cfg.seed, step=step, eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
-                prompt_index=index, media=[r.media for r in rows] if any(r.media for r in rows) else None)
+            completions, self.logprobs = self.engine.generate(
+                model, [r.prompt_ids for r in rows], step, index,
+                [r.media for r in rows] if any(r.media for r in rows) else None)
         except SeqParError as e:
             err = e
         if err is None:
@@ -112,7 +116,14 @@ class GRPORollout:
             err = scored if isinstance(scored, Exception) else None
         self._agree(err)
         per_func, total = scored
-        return completions, group_advantages(total, g.num_generations, g.scale_rewards), (per_func, total)
+        advantages = group_advantages(total, g.num_generations, g.scale_rewards)
+        if self.rollouts_path is not None:
+            n_gen = g.num_generations
+            write_rollouts(self.rollouts_path, m, [
+                {"step": step + 1, "prompt_ids": list(rows[j // n_gen].prompt_ids), "completion_ids": c,
+                 "logprobs": lp, "reward": float(total[j]), "advantage": float(advantages[j])}
+                for j, (c, lp) in enumerate(zip(completions, self.logprobs))])
+        return completions, advantages, (per_func, total)
 
     def full_rows(self, rows: list[PromptRow], completions: list[list[int]]) -> list[dict[str, Any]]:
         """The training rows: prompt + completion, completion supervised (and the prompt's media)."""
@@ -123,16 +134,31 @@ class GRPORollout:
             full.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c, **rows[j // n_gen].media})
         return full
 
-    def micro_batches(self, rows: list[PromptRow], completions: list[list[int]],
-                      advantages: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        """SP micro-batches of micro_batch_size rows each: prompt + completion, completion supervised."""
+    def micro_batches(self, rows: list[PromptRow], completions: list[list[int]], advantages: torch.Tensor,
+                      logprobs: list[list[float]] | None = None) -> list[dict[str, torch.Tensor]]:
+        """SP micro-batches of micro_batch_size rows each: prompt + completion, completion supervised; with the
+        sampler's `logprobs`, "rollout_logps" for the mismatch metrics."""
         mbs = self.cfg.micro_batch_size
         full = self.full_rows(rows, completions)
         out = []
         for s in range(0, len(full), mbs):
-            b = self.collator(full[s:s + mbs])
+            part = full[s:s + mbs]
+            b = self.collator(part)
+            if logprobs is not None:
+                width = b["shift_labels"].shape[1] * self.mesh.sp_size  # the full (padded) length
+                full_lp = self._rollout_logps(width, rows, logprobs, range(s, s + len(part)))
+                b["rollout_logps"] = shard(full_lp, self.mesh, dim=1)
             b["advantages"] = advantages[s:s + mbs].to(torch.float32)
             out.append(b)
+        return out
+
+    def _rollout_logps(self, width: int, rows: list[PromptRow], logprobs: list[list[float]],
+                       idx: range) -> torch.Tensor:
+        """[B, width]: at each completion token's target position (shift_labels), the engine's log-prob of it."""
+        out = torch.zeros(len(idx), width, dtype=torch.float32)
+        for i, j in enumerate(idx):
+            p, lp = len(rows[j // self.g.num_generations].prompt_ids), logprobs[j]
+            out[i, p - 1:p - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
         return out
 
     def metrics(self, completions: list[list[int]], scored: Any) -> dict[str, float]:
@@ -168,7 +194,7 @@ class GRPORollout:
         rows = [self.prompts[i] for i in stream.take(self.cfg.micro_batch_size * self.cfg.grad_accum
                                                      // self.g.num_generations)]
         completions, advantages, scored = self.rollout(model, rows, step)
-        return self.micro_batches(rows, completions, advantages), self.metrics(completions, scored)
+        return self.micro_batches(rows, completions, advantages, self.logprobs), self.metrics(completions, scored)
 
     def step_rows(self, model: torch.nn.Module, stream: Any, step: int) -> tuple[list[dict], torch.Tensor, dict]:
         """Length-aware SP (train/loop/dynamic_step.py): the step's prompts rolled out as the fixed run at this

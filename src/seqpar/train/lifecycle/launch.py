@@ -46,8 +46,9 @@ def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
     node_size: processes per node (None: one node); output_dir: also the resume / overwrite rules; other_worlds:
     the world sizes an elastic run may restart at (config x world size checked for each)."""
     from ..config import rows_sp_size, with_total_steps
-    from ..dataset.identity import data_identity
+    from ..dataset.identity import data_identity, export_file_hash
     from ..dataset.prepare import prepare_examples
+    from ..grpo.engine import check_rollout_engine
     from ..model.checks import check_model, refuse_unsupported_model
     from ..model.load import load_tokenizer, model_info
     from .resume import check_output_dir, resume_start
@@ -65,6 +66,7 @@ def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
             raise SeqParError(f"this elastic run may restart at world size {w} after losing nodes, and there: {e}") \
                 from None
     refuse_unsupported_model(cfg, info)  # before the tokenizer: "not a causal LM" is the message that helps
+    check_rollout_engine(cfg, info.config)  # grpo.rollout.engine: vllm: installed, the architecture, head_dim
     tok = load_tokenizer(cfg)
     examples, stats = prepare_examples(cfg, tok, info=info)
     evals = prepare_examples(cfg, tok, cfg.eval_dataset, info)[0] if cfg.eval_dataset is not None else []
@@ -74,6 +76,7 @@ def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
     cfg = with_total_steps(cfg, n, world // sp, start=resume_start(cfg, n))
     if output_dir:
         plan = check_output_dir(cfg, RunLayout.of(cfg, world, u, r, sp=sp), data_identity(cfg.dataset.path, examples))
+    export_file_hash(cfg.dataset.path)  # read once here (per node), not again by each rank
     return {**stats, "examples": n, "resume": plan, "max_steps": cfg.max_steps}
 
 

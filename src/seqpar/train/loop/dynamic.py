@@ -4,15 +4,19 @@ fed from the live model, one collator per degree, and an idle rank's one-token b
 loop/dynamic_step.py.
 
 The cost model's inputs here come from the model being trained (its linear weights, heads, layers, vocabulary)
-and the device: a CPU is costed with this repository's measured 2-core machine (seqpar.planner.calibrate,
-4 gloo ranks, loaded), an accelerator with the planner's H100 numbers. The activations' memory streaming,
+and the device it trains on, timed at the start (`device_machine`, seqpar.dynamic.device; every rank takes the
+slowest rank's numbers): on an accelerator its matmul rate in the run's precision and its attention kernel's rate
+at 256 / 1024 / 4096 tokens (links and latencies stay the planner's H100 numbers, the loss's per-logit cost H100's
+HBM); on a CPU its matmul rate, which scales the shape this repository's 2-core machine measured
+(seqpar.planner.calibrate, 4 gloo ranks: attention by length, host cost per layer; the gloo collectives as
+measured there). The activations' memory streaming,
 which the planner's memory model prices, is left out of the trainer's per-token term (it scales with tokens
 like the matmuls, so the balance barely moves); `seqpar plan --lengths` prices it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,13 +25,15 @@ from ...attention.costs import attention_comm
 from ...attention.ulysses import head_plan, sent_heads
 from ...data import SequenceParallelCollator, SequenceParallelDPOCollator, VisionCollator, VisionDPOCollator
 from ...dynamic.cost import CommLine, DegreeCost, Machine, RowCost
+from ...dynamic.device import agree, attention_rates, matmul_flops
 from ...dynamic.meshes import DegreeMeshes
 from ...dynamic.schedule import Row, Scheduler
 from ...hf.attention import check_mesh
 from ..config import TrainConfig
 from ..model.load import ModelInfo
 
-__all__ = ["DynamicRun", "build_dynamic", "trainer_row_cost", "CPU_MACHINE", "example_rows", "dummy_batch"]
+__all__ = ["DynamicRun", "build_dynamic", "trainer_row_cost", "device_machine", "CPU_MACHINE", "example_rows",
+           "dummy_batch"]
 
 # seqpar.planner.calibrate.measure_cluster(4) on this repository's 2-core machine (4 gloo ranks, load ~6 from
 # other sessions): fp32 matmuls 16 GFLOP/s, the causal CPU kernel 3.2-11 GFLOP/s from 256 to 4096 tokens.
@@ -38,8 +44,7 @@ CPU_MACHINE = Machine(
               ("all_gather", 1.8e-3, 0.44), ("reduce_scatter", 6e-3, 0.29)))
 CPU_MATMUL_FLOPS = 16e9
 CPU_LOSS_ELEM_S = 2.7e-8  # cross-entropy seconds per logit (forward + backward)
-# The planner's H100 preset (planner.gpus): dense bf16 / fp32 peak x its 45% MFU; 16 bytes per logit at HBM speed.
-GPU_MATMUL_FLOPS = {"bf16": 989e12 * 0.45, "fp32": 67e12 * 0.45}
+# The planner's H100 preset (planner.gpus): 16 bytes per logit at HBM speed.
 GPU_LOSS_ELEM_S = 16 / 3350e9
 
 
@@ -87,9 +92,26 @@ def _comm(cfg: TrainConfig, info: ModelInfo, u: int, r: int, fwds: int, layers: 
     return out
 
 
+def device_machine(cfg: TrainConfig, device: torch.device, head_dim: int, group: Any = None,
+                   comm_device: torch.device | None = None) -> tuple[Machine, float]:
+    """(machine, matmul FLOP/s) of the device this run trains on, timed now and agreed over `group` (the module
+    docstring)."""
+    cpu = device.type == "cpu"
+    dtype = torch.float32 if cpu or cfg.precision == "fp32" else torch.bfloat16
+    mm = matmul_flops(device, dtype)
+    attn = () if cpu else attention_rates(device, dtype, head_dim)
+    vals = agree([mm, *(r for _, r in attn)], group, comm_device or device)
+    if cpu:  # this machine's speed, the measured machine's shape
+        k = vals[0] / CPU_MATMUL_FLOPS
+        return replace(CPU_MACHINE, host_layer_s=CPU_MACHINE.host_layer_s / k,
+                       attn_by_len=tuple((n, r * k) for n, r in CPU_MACHINE.attn_by_len)), vals[0]
+    return Machine(attn_by_len=tuple((n, r) for (n, _), r in zip(attn, vals[1:]))), vals[0]
+
+
 def trainer_row_cost(cfg: TrainConfig, model: torch.nn.Module, info: ModelInfo, degrees: dict[int, tuple[int, int]],
-                     world: int, device: torch.device) -> RowCost:
-    """The cost model of this run's micro-batches (module docstring: the inputs the live model gives)."""
+                     world: int, device: torch.device, machine: tuple[Machine, float] | None = None) -> RowCost:
+    """The cost model of this run's micro-batches (module docstring: the inputs the live model gives); machine:
+    device_machine's (default: timed here, on this rank alone)."""
     text = getattr(info.config, "text_config", None) or info.config
     nh, nkv = info.heads
     layers = int(getattr(text, "num_hidden_layers", 1) or 1)
@@ -98,8 +120,7 @@ def trainer_row_cost(cfg: TrainConfig, model: torch.nn.Module, info: ModelInfo, 
     attn_layers = layers - sum(str(t) in ("linear_attention", "mamba") for t in rec)
     vocab = int(getattr(text, "vocab_size", 0) or 0)
     cpu = device.type == "cpu"
-    machine = CPU_MACHINE if cpu else Machine()
-    rate = CPU_MATMUL_FLOPS if cpu else GPU_MATMUL_FLOPS["fp32" if cfg.precision == "fp32" else "bf16"]
+    machine, rate = machine or device_machine(cfg, device, head_dim)
     fwd_bwd, fwd_only = _passes(cfg)
     weights, trained = _linear_weights(model)
     per_token = 2 * (weights * (fwd_bwd + fwd_only) + weights + trained) / rate
@@ -136,7 +157,12 @@ def build_dynamic(cfg: TrainConfig, meshes: DegreeMeshes, model: torch.nn.Module
     """The scheduler, collators and meshes of a size: dynamic run (the model already prepared and wrapped)."""
     for d in meshes.degrees:
         check_mesh(model, meshes.view(d))
-    cost = trainer_row_cost(cfg, model, info, degrees, meshes.world, device)
+    text = getattr(info.config, "text_config", None) or info.config
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // info.heads[0])
+    world_mesh = meshes.world_mesh
+    machine = device_machine(cfg, device, head_dim, world_mesh.dp_group if meshes.world > 1 else None,
+                             world_mesh.comm_device)
+    cost = trainer_row_cost(cfg, model, info, degrees, meshes.world, device, machine)
     sched = Scheduler(cost, meshes.world, cfg.sequence_parallel.max_local_tokens, sorted(degrees),
                       packed=cfg.stage == "sft")
     collators = {d: _collator(cfg, meshes.view(d), tok.pad_token_id, info.vlm) for d in meshes.degrees}

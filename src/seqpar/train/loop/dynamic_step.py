@@ -25,6 +25,7 @@ from ...dynamic.schedule import Row, Slot, StepPlan
 from ...errors import SeqParError
 from ...hf.attention import use_mesh
 from ...steps import count_items, micro_batch_loss
+from ...threaded import cpu_time
 from ..config import rows_per_step
 from .dynamic import dummy_batch, example_rows
 from .grads import maybe_dump_grads
@@ -121,11 +122,13 @@ def _run_slots(loop: Loop, mine: list, batches: list, num_items: torch.Tensor) -
         if loop.cfg.fsdp:
             loop.model.set_requires_gradient_sync(k == len(mine) - 1)
         if slot is None:
-            if dyn.lockstep:  # FSDP2: every forward all-gathers over the world
+            if dyn.lockstep:  # FSDP2: every forward all-gathers over the world (timed: the plan costs it, idle_s)
                 _on_mesh(loop, dyn.meshes.view(1))
+                t0 = time.perf_counter()
                 share, _ = micro_batch_loss(loop.model, dummy_batch(dyn, loop.collator.pad_token_id), num_items,
                                             dyn.meshes.view(1), loop.spec, loop.reference)
                 (share * 0.0).backward()
+                busy += time.perf_counter() - t0
             continue
         view = dyn.meshes.view(slot.degree)
         _on_mesh(loop, view)
@@ -145,7 +148,7 @@ def _run_slots(loop: Loop, mine: list, batches: list, num_items: torch.Tensor) -
 def dynamic_train_step(loop: Loop, step: int, rows: StepRows) -> dict[str, Any]:
     """One optimizer step of length-aware SP; returns its metrics row (train_step's, plus the plan's)."""
     dyn = loop.dynamic
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), cpu_time()
     plan = dyn.scheduler.plan(rows.rows, lockstep=dyn.lockstep)
     _agree(plan, loop)
     mine = plan.of_rank(loop.rank)
@@ -160,19 +163,19 @@ def dynamic_train_step(loop: Loop, step: int, rows: StepRows) -> dict[str, Any]:
     if unknown:
         raise SeqParError(f"length-aware SP does not know how to sum the micro-batch metrics {unknown}")
     tot = [float(lead), busy, weight, *(sums.get(n, 0.0) for n in names)]
-    top = [peak_memory_mb(loop.device), time.process_time() - c0, busy]
+    top = [peak_memory_mb(loop.device), cpu_time() - c0, busy]
     if loop.world > 1:
         tot = comm.all_reduce_values(tot, dist.group.WORLD, loop.mesh.comm_device).tolist()
         top = comm.all_reduce_values(top, dist.group.WORLD, loop.mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
     dt = time.perf_counter() - t0
-    predicted = plan.busy()
+    predicted = plan.busy(dyn.scheduler.idle_s if dyn.lockstep else 0.0)
     row = {"step": step + 1, "loss": loss_val, "lr": loop.scheduler.get_last_lr()[0], "grad_norm": gnorm,
            "tokens": int(tot[0]), "supervised": int(num_items.reshape(-1)[-1]), "tokens_per_s": tot[0] / dt,
            "step_s": dt, "step_cpu_s": float(top[1]), "peak_mem_mb": float(top[0]), "nonfinite": int(not finite),
            "sp_degrees": {str(d): n for d, n in plan.degrees.items()}, "micro_steps": plan.micro_steps,
            "rank_s_max": float(top[2]), "rank_s_mean": tot[1] / loop.world,
            "predicted_rank_s_max": max(predicted), "predicted_rank_s_mean": sum(predicted) / loop.world,
-           "predicted_step_s": plan.lockstep_s() if dyn.lockstep else max(plan.finish())}
+           "predicted_step_s": dyn.scheduler.step_s(plan, dyn.lockstep)}
     row.update({n: tot[3 + i] / max(tot[2], 1e-30) for i, n in enumerate(names)})
     return {**row, **(rows.metrics or {})}
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ... import comm
 from ... import loss as L
 from ...steps import count_items, micro_batch_loss
+from ...threaded import cpu_time
 from .grads import maybe_dump_grads
 from .state import Loop
 
@@ -40,7 +41,7 @@ def train_step(loop: Loop, step: int, prepared: tuple[list, dict] | None = None)
     """One optimizer step (all micro-batches of every dp slot this process plays); returns its metrics row.
     prepared: (micro-batches, extra metrics) built beforehand (stage: grpo, see measured_step)."""
     cfg, mesh = loop.cfg, loop.mesh
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), cpu_time()
     micro, rollout_metrics = prepared if prepared is not None else (next_micro_batches(loop), {})
     # Global denominator first: all micro-batches of the step, then over dp (pitfalls 4 and 5).
     num_items = L.global_token_count(count_items(micro, cfg.stage), mesh)
@@ -60,7 +61,7 @@ def train_step(loop: Loop, step: int, prepared: tuple[list, dict] | None = None)
     finite = apply_update(loop, loss_val, float(gnorm))
     tokens = int(L.global_token_count(sum(int(b["num_input_tokens"]) for b in micro), mesh))
     # process CPU s of the step (every thread: gloo's transfers too, not waiting): the work, whatever the load
-    stats = [peak_memory_mb(loop.device), time.process_time() - c0]
+    stats = [peak_memory_mb(loop.device), cpu_time() - c0]
     if loop.world > 1:
         # Host-side numbers travel on the mesh's communication device (NCCL refuses CPU tensors).
         stats = comm.all_reduce_values(stats, dist.group.WORLD, mesh.comm_device, op=dist.ReduceOp.MAX).tolist()
@@ -91,12 +92,19 @@ def backward_micro_batches(loop: Loop, micro: list[dict[str, torch.Tensor]],
             (share * loop.factor).backward()
             share_sum += share.detach().float().cpu()
             for k, v in met.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) / len(micro)
+                metrics[k] = max(metrics.get(k, 0.0), float(v)) if k == _DIFF_MAX else \
+                    metrics.get(k, 0.0) + float(v) / len(micro)
     except BaseException:
         if loop.grad_sum is not None:  # a later step's first backwards must not post sums
             loop.grad_sum.disarm()
         raise
+    if "rollout_logprob_diff_sum" in metrics:  # the step's mean over every completion token (sums over count)
+        total, count = metrics.pop("rollout_logprob_diff_sum"), metrics.pop("rollout_logprob_diff_count")
+        metrics["rollout_logprob_diff_mean"] = total / max(count, 1e-30)
     return share_sum, metrics
+
+
+_DIFF_MAX = "rollout_logprob_diff_max"  # the step's max over micro-batches (not their mean)
 
 
 def apply_update(loop: Loop, loss: float, grad_norm: float) -> bool:

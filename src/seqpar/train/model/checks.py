@@ -14,7 +14,8 @@ from ...hf.vision import is_vlm
 from ..config import TrainConfig
 from .load import ModelInfo, model_info
 
-__all__ = ["check_model", "refuse_unsupported_model", "refuse_non_causal", "max_token_id", "position_limit"]
+__all__ = ["check_model", "refuse_unsupported_model", "refuse_non_causal", "max_token_id", "position_limit",
+           "refuse_bad_attention_spans", "refuse_bad_sinks"]
 
 # SmolLM2-135M-Instruct (bundled GGUF): read its config from the constants instead of the 100 MB file.
 SMOLLM2_LIMITS = {"vocab_size": 49152, "max_position_embeddings": 8192}
@@ -41,23 +42,60 @@ def refuse_non_causal(c: Any, name: str) -> None:
     """SeqParError unless the HF config `c` (model.name `name`) builds a causal LM seqpar's attention runs."""
     from transformers import AutoModelForCausalLM
 
-    from ...hf.attention import check_config
+    from ...hf.attention import check_attention_interface, check_config
     from ...hf.vision import check_vlm
 
     if is_vlm(c):  # vision-language: a supported Qwen VL, its text decoder checked like any causal LM
         check_config(check_vlm(c))
+        refuse_bad_attention_spans(check_vlm(c), name)
         return
     check_config(c)
+    refuse_bad_attention_spans(c, name)
     try:
         with torch.device("meta"):  # structure only: no memory, no weights
             model = AutoModelForCausalLM.from_config(c)
     except ValueError as e:
         raise SeqParError(f"model.name={name!r} is not a causal LM ({str(e).splitlines()[0][:120]}): seqpar trains "
                           f"causal LMs (AutoModelForCausalLM) only") from None
+    try:  # (a heterogeneous config, Gemma 4's, refuses a global read of a per-layer value: no single head count)
+        heads = getattr(c, "num_attention_heads", None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        heads = None
+    if isinstance(heads, int):
+        refuse_bad_sinks(model, heads, name)
     bad = sorted({type(m).__name__ for m in model.modules() if getattr(m, "is_causal", True) is False})
     if bad:
         raise SeqParError(f"model.name={name!r} has non-causal attention ({', '.join(bad)}: is_causal=False): "
                           f"seqpar supports causal LMs only (for BERT-like configs: is_decoder=True)")
+    check_attention_interface(model, c)  # attention computed outside transformers' AttentionInterface
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def refuse_bad_attention_spans(c: Any, name: str) -> None:
+    """A (text) config's sliding_window and attention_chunk_size must be positive whole numbers: seqpar's attention
+    reads both per layer (windows in reach, chunks). A window wider than the positions the model takes (Phi-3-mini-128k
+    ships 262144 over 131072 positions) never masks a key: full attention, as the unsharded model computes."""
+    window, chunk = getattr(c, "sliding_window", None), getattr(c, "attention_chunk_size", None)
+    if window is not None and not _whole(window):
+        raise SeqParError(f"model.name={name!r}: config.sliding_window={window!r} is not a positive whole number of "
+                          "tokens: set model.kwargs.sliding_window to one (or null: full attention in every layer)")
+    if chunk is not None and not _whole(chunk):
+        raise SeqParError(f"model.name={name!r}: config.attention_chunk_size={chunk!r} is not a positive whole number "
+                          "of tokens: set model.kwargs.attention_chunk_size to one")
+
+
+def refuse_bad_sinks(model: torch.nn.Module, heads: int, name: str) -> None:
+    """Attention sinks (gpt-oss: one learned logit per q head, `sinks` of the attention modules) in a shape seqpar's
+    attention can read: [num_attention_heads]."""
+    for path, module in model.named_modules():
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, torch.Tensor) and tuple(sinks.shape) != (heads,):
+            raise SeqParError(f"model.name={name!r}: {path or type(module).__name__}.sinks has shape "
+                              f"{list(sinks.shape)}, but seqpar's attention reads one sink logit per q head, "
+                              f"[num_attention_heads] = [{heads}]: give the model sinks of that shape")
 
 
 def _rope_dicts(c: Any) -> list[dict]:

@@ -24,12 +24,12 @@ __all__ = ["model_kind", "model_config", "ModelInfo", "model_info", "model_heads
 def model_kind(cfg: TrainConfig) -> str:
     name = cfg.model.name
     if name.startswith("tiny:"):
-        from ...hf import ARCHS, HYBRID_ARCHS, VLM_ARCHS
+        from ...hf import TINY_ARCHS
 
         arch = name.split(":", 1)[1]
-        if arch not in ARCHS + HYBRID_ARCHS + VLM_ARCHS:
+        if arch not in TINY_ARCHS:
             raise SeqParError(f"model.name={name!r}: unknown tiny architecture {arch!r}: use "
-                              f"tiny:<{'|'.join(ARCHS + HYBRID_ARCHS + VLM_ARCHS)}>")
+                              f"tiny:<{'|'.join(TINY_ARCHS)}>")
         return "tiny"
     if name.lower() in SMOLLM2_NAMES:
         return "smollm2"

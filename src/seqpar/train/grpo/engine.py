@@ -1,0 +1,101 @@
+"""`grpo.rollout`'s engines for the plain loop: which one samples, the vLLM engine's settings from the config,
+the checks before launch, and rollouts.jsonl (`grpo.log_rollouts`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import comm
+from ...errors import SeqParError
+from ...hf.generation import generate_for_group
+from ...mesh import SequenceParallelMesh
+from ..config import TrainConfig
+
+__all__ = ["check_rollout_engine", "RolloutEngine", "write_rollouts", "trim_rollouts"]
+
+
+def check_rollout_engine(cfg: TrainConfig, config: Any) -> None:
+    """Before launch: what engine: vllm cannot do with this config and model (one line, naming the fix)."""
+    g = cfg.grpo
+    if cfg.stage != "grpo" or g is None or g.rollout.engine != "vllm":
+        return
+    r = g.rollout
+    need = g.max_prompt_length + g.max_completion_length
+    if r.max_model_len is not None and r.max_model_len < need:
+        raise SeqParError(f"grpo.rollout.max_model_len={r.max_model_len} < grpo.max_prompt_length + "
+                          f"grpo.max_completion_length = {need}: raise it, or leave it unset (dataset.max_length)")
+    from ...hf.vllm_engine import check_vllm_model
+
+    check_vllm_model(config, on_cuda=torch.cuda.is_available())
+
+
+class RolloutEngine:
+    """Samples one rollout of an SP group with the configured engine: (completions, their log-probs)."""
+
+    def __init__(self, cfg: TrainConfig, mesh: SequenceParallelMesh, tok: Any) -> None:
+        self.cfg, self.mesh, self.tok, self.g = cfg, mesh, tok, cfg.grpo
+        self.vllm: Any = None
+
+    def _vllm_engine(self, model: torch.nn.Module) -> Any:
+        """The vLLM engine, started at the first rollout (every rank at once: vLLM's groups are collective)."""
+        if self.vllm is None:
+            from ...hf.vllm_engine import VLLMEngine
+            from ...unwrap import base_model
+
+            r = self.g.rollout
+            if r.sleep and not torch.cuda.is_available() and self.mesh.dp_rank == 0 and self.mesh.sp_rank == 0:
+                print("[seqpar] grpo.rollout.sleep: a no-op on CPU (the engine keeps its memory)", flush=True)
+            self.vllm = VLLMEngine(
+                base_model(model).config, max_model_len=r.max_model_len or self.cfg.dataset.max_length,
+                max_num_seqs=self.cfg.micro_batch_size * self.cfg.grad_accum, dtype=next(model.parameters()).dtype,
+                gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+                rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+        return self.vllm
+
+    def generate(self, model: torch.nn.Module, prompts: list[list[int]], step: int, index: list[int],
+                 media: list[dict] | None) -> tuple[list[list[int]], list[list[float]]]:
+        g = self.g
+        kw = dict(num_generations=g.num_generations, max_new_tokens=g.max_completion_length,
+                  temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=self.cfg.seed, step=step,
+                  eos_token_id=self.tok.eos_token_id, prompt_index=index)
+        if g.rollout.engine == "vllm":
+            from ...hf.vllm_rollout import vllm_generate_for_group
+
+            return vllm_generate_for_group(lambda: self._vllm_engine(model), model, self.mesh, prompts, **kw)
+        return generate_for_group(model, self.mesh, prompts, pad_token_id=self.tok.pad_token_id, media=media,
+                                  return_logprobs=True, **kw)
+
+    def close(self) -> None:
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
+
+
+def write_rollouts(path: Path, mesh: SequenceParallelMesh, rows: list[dict[str, Any]]) -> None:
+    """Append this step's rollout rows (each SP group's, gathered over dp) to `path` on global rank 0."""
+    if mesh.sp_rank != 0 and mesh.sp_size > 1:
+        rows = []  # the group's first rank speaks for it (every rank of a group holds the same rows)
+    parts = comm.all_gather_object(rows, mesh.dp_group) if mesh.dp_size > 1 else [rows]
+    if mesh.dp_rank == 0 and mesh.sp_rank == 0:
+        try:
+            with open(path, "a") as f:
+                for part in parts:
+                    for r in part:
+                        f.write(json.dumps(r) + "\n")
+        except OSError as e:
+            raise SeqParError(f"grpo.log_rollouts: cannot write {path}: {e}") from None
+
+
+def trim_rollouts(path: Path, start_step: int) -> None:
+    """rollouts.jsonl as the run starting at `start_step` continues it: a fresh start (0) removes it, a resume keeps
+    the rows of steps <= start_step (a run stopped after its last checkpoint wrote rows the resumed run redoes)."""
+    if start_step == 0 or not path.is_file():
+        path.unlink(missing_ok=True)
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start_step]
+    path.write_text("".join(line + "\n" for line in keep))
+

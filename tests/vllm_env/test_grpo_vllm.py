@@ -1,0 +1,221 @@
+"""`stage: grpo` with `grpo.rollout.engine: vllm` (seqpar.hf.vllm_engine): needs vLLM, so these run in the
+environment `make vllm-env` builds (`make test` runs them there after the main suite; elsewhere they skip).
+
+- SP 2 on 2 ranks (Ulysses) and SP 1 on 1 rank, same seed, fp32, beta > 0 (the frozen reference model), 2 steps:
+  the same completions (rollouts.jsonl) and per-step losses within 1e-5; each step's trainer-vs-engine log-prob
+  mismatch (rollout_logprob_diff_max) below 1e-4.
+- The engine's logged log-probs of step 2's completions equal an independent transformers recompute (plain model,
+  log_softmax(logits / T)) from the weights after step 1 (the checkpoint) within 1e-4, and differ from the initial
+  weights' (step 0) by more than 1e-3: a missed weight push fails the test.
+- dp 2 x SP 1 draws the SP 1 run's completions; then rank 1's engine fails at step 2 and both ranks stop with the
+  same one-line SeqParError.
+- Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel 2, a short max_model_len.
+- Slow: LoRA under FSDP2, SP 2 vs SP 1 (the merged adapters are what the engine samples); a resume after step 1
+  rebuilds the engine and repeats the uninterrupted run's step 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from seqpar.errors import SeqParError  # noqa: E402
+from seqpar.spawn import DistributedFailure, run_distributed  # noqa: E402
+
+TOL = 1e-5
+LP_TOL = 1e-4
+HERE = Path(__file__).parent
+PROMPTS = [{"prompt": "alpha beta", "answer": "a"}, {"prompt": "gamma", "answer": "m"},
+           {"prompt": "delta epsilon zeta", "answer": "z"}, {"prompt": "eta", "answer": "t"}]
+
+
+def _cfg(data: Path, out: Path, sp: int, **grpo) -> dict:
+    return {
+        "model": {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32}},
+        "dataset": {"path": str(data), "max_length": 48}, "stage": "grpo", "sequence_parallel": {"size": sp},
+        "micro_batch_size": 2, "grad_accum": 2, "max_steps": 2, "seed": 9, "output_dir": str(out),
+        "optimizer": {"name": "sgd", "lr": 0.5}, "checkpoint": {"every": 1}, "progress": False,
+        "export": {"final": False}, "memory": {"measure": False},
+        "grpo": {"reward_funcs": ["vllm_rewards:low_ids"], "num_generations": 2, "max_prompt_length": 24,
+                 "max_completion_length": 12, "temperature": 0.7, "beta": 0.04, "log_rollouts": True,
+                 "rollout": {"engine": "vllm"}, **grpo},
+    }
+
+
+def _train(cfg_dict: dict, fail_at: int | None = None) -> list[float]:
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.run import train
+
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))  # vllm_rewards
+    if fail_at is not None and int(os.environ["RANK"]) == 1:  # this rank's engine dies at rollout `fail_at`
+        from seqpar.hf import vllm_engine
+
+        real, calls = vllm_engine.VLLMEngine.generate, []
+
+        def dying(self, *a, **k):
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise RuntimeError("EngineDeadError: the engine core died")
+            return real(self, *a, **k)
+
+        vllm_engine.VLLMEngine.generate = dying
+    return train(config_from_dict(cfg_dict)).losses
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("grpo_vllm")
+    with open(d / "prompts.jsonl", "w") as f:
+        for r in PROMPTS:
+            f.write(json.dumps(r) + "\n")
+    return d / "prompts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("runs")
+    sp2 = run_distributed(_train, 2, _cfg(data, out / "sp2", 2), timeout=420)
+    sp1 = run_distributed(_train, 1, _cfg(data, out / "sp1", 1), timeout=420)
+    return {"out": out, "sp2": sp2[0], "sp1": sp1[0]}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def test_sp2_equals_sp1(runs):
+    a, b = _rows(runs["out"] / "sp2" / "rollouts.jsonl"), _rows(runs["out"] / "sp1" / "rollouts.jsonl")
+    assert len(a) == len(b) == 8  # 2 steps x 2 prompts x 2 generations
+    assert [(r["step"], r["prompt_ids"], r["completion_ids"]) for r in a] == \
+        [(r["step"], r["prompt_ids"], r["completion_ids"]) for r in b]
+    for x, y in zip(a, b):
+        assert abs(x["reward"] - y["reward"]) < TOL and abs(x["advantage"] - y["advantage"]) < TOL
+        assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) < LP_TOL
+    assert len(runs["sp2"]) == len(runs["sp1"]) == 2
+    assert max(abs(p - q) for p, q in zip(runs["sp2"], runs["sp1"])) < TOL, (runs["sp2"], runs["sp1"])
+    assert any(abs(r["advantage"]) > 0.1 for r in a)  # the steps learn (else step 2 would not test the push)
+    for run in ("sp1", "sp2"):
+        for m in _rows(runs["out"] / run / "metrics.jsonl"):
+            assert m["rollout_logprob_diff_max"] < LP_TOL and m["rollout_logprob_diff_mean"] <= m[
+                "rollout_logprob_diff_max"]
+
+
+def _recompute(cfg: dict, state: dict | None, rows: list[dict], temperature: float) -> float:
+    """Max |engine log-prob - plain transformers log_softmax(logits / T)| over `rows`' tokens, the model built as
+    seqpar builds it (seeded) and, given `state`, loaded with those weights."""
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.model.load import load_model
+
+    c = config_from_dict(cfg)
+    torch.manual_seed(c.seed)
+    model = load_model(c).float().eval()
+    if state is not None:
+        model.load_state_dict(state)
+    worst = 0.0
+    with torch.no_grad():
+        for r in rows:
+            p, c = r["prompt_ids"], r["completion_ids"]
+            logits = model(torch.tensor([p + c])).logits[0].float() / temperature
+            ref = torch.log_softmax(logits, -1)[len(p) - 1:len(p) - 1 + len(c)].gather(1, torch.tensor(c)[:, None])
+            worst = max(worst, float((ref[:, 0] - torch.tensor(r["logprobs"])).abs().max()))
+    return worst
+
+
+def test_logprobs_follow_the_weights(runs, data, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = runs["out"] / "sp2"
+    dcp_to_torch_save(out / "checkpoint-1", tmp_path / "ck1.pt")
+    after1 = torch.load(tmp_path / "ck1.pt", weights_only=False)["model"]
+    step2 = [r for r in _rows(out / "rollouts.jsonl") if r["step"] == 2]
+    step1 = [r for r in _rows(out / "rollouts.jsonl") if r["step"] == 1]
+    cfg = _cfg(data, out, 2)
+    assert _recompute(cfg, after1, step2, 0.7) < LP_TOL
+    assert _recompute(cfg, None, step1, 0.7) < LP_TOL  # step 1 sampled from the initial weights
+    stale = _recompute(cfg, None, step2, 0.7)
+    assert stale > 1e-3, stale  # step 2 under the initial weights differs: a missed push would show
+
+
+def test_dp2_then_a_dead_engine_stops_every_rank(runs, data, tmp_path):
+    """dp 2 x SP 1 (grad_accum 1: the SP 1 run's global batch): step 1 draws the SP 1 run's completions (the seeds
+    follow the prompts' positions in the global batch, not the dp rank); at step 2 rank 1's engine dies and both
+    ranks stop with the same line (agreed over dp), no hang."""
+    cfg = {**_cfg(data, tmp_path / "dead", 1), "grad_accum": 1}
+    cfg["checkpoint"] = {"every": 0}
+    with pytest.raises(DistributedFailure) as e:
+        run_distributed(_train, 2, cfg, fail_at=2, timeout=420)
+    msg = str(e.value)
+    want = "vLLM rollout failed on rank 1: RuntimeError: EngineDeadError: the engine core died"
+    assert msg.count(want) >= 2, msg[-3000:]  # both ranks raise it, at the same step (no hang)
+    got = _rows(tmp_path / "dead" / "rollouts.jsonl")
+    want_rows = [r for r in _rows(runs["out"] / "sp1" / "rollouts.jsonl") if r["step"] == 1]
+    assert [r["step"] for r in got] == [1] * 4  # step 2 never finished
+    assert [(r["prompt_ids"], r["completion_ids"]) for r in got] == \
+        [(r["prompt_ids"], r["completion_ids"]) for r in want_rows]
+
+
+@pytest.mark.slow
+def test_sp2_equals_sp1_lora_fsdp2(data, tmp_path):
+    """LoRA under FSDP2: the merged adapters pushed from sharded parameters; SP 2 on 2 ranks vs SP 1 on 1 rank."""
+    extra = {"finetuning": {"method": "lora", "r": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "down_proj"]},
+             "fsdp": True, "optimizer": {"name": "sgd", "lr": 2.0}}
+    sp2 = run_distributed(_train, 2, {**_cfg(data, tmp_path / "sp2", 2), **extra}, timeout=420)[0]
+    sp1 = run_distributed(_train, 1, {**_cfg(data, tmp_path / "sp1", 1), **extra}, timeout=420)[0]
+    a, b = _rows(tmp_path / "sp2" / "rollouts.jsonl"), _rows(tmp_path / "sp1" / "rollouts.jsonl")
+    assert [r["completion_ids"] for r in a] == [r["completion_ids"] for r in b]
+    assert max(abs(p - q) for p, q in zip(sp2, sp1)) < TOL, (sp2, sp1)
+    assert any(abs(r["advantage"]) > 0.1 for r in a)
+    for run in ("sp1", "sp2"):
+        for m in _rows(tmp_path / run / "metrics.jsonl"):
+            assert m["rollout_logprob_diff_max"] < LP_TOL  # the engine samples the merged, current policy
+    # the base weights never move under LoRA: step 2 under them (no adapter delta) is far from what was logged
+    stale = _recompute({**_cfg(data, tmp_path / "sp1", 1), **extra}, None, [r for r in a if r["step"] == 2], 0.7)
+    assert stale > 1e-3, stale
+
+
+@pytest.mark.slow
+def test_resume_rebuilds_the_engine(runs, data, tmp_path, monkeypatch):
+    """A run stopped after step 1's checkpoint and resumed: the new process builds its engine, pushes the restored
+    weights, and step 2 equals the uninterrupted SP 1 run's (completions, log-probs, loss)."""
+    from seqpar.train.lifecycle.process import FAULT_ENV
+
+    cfg = _cfg(data, tmp_path / "r", 1)
+    monkeypatch.setenv(FAULT_ENV, "1")  # the rank exits right after step 1 (and its checkpoint)
+    with pytest.raises(DistributedFailure):
+        run_distributed(_train, 1, cfg, timeout=420)
+    monkeypatch.delenv(FAULT_ENV)
+    losses = run_distributed(_train, 1, cfg, timeout=420)[0]
+    assert len(losses) == 1 and abs(losses[0] - runs["sp1"][1]) < TOL, (losses, runs["sp1"])
+    got, want = _rows(tmp_path / "r" / "rollouts.jsonl"), _rows(runs["out"] / "sp1" / "rollouts.jsonl")
+    assert [(r["step"], r["completion_ids"]) for r in got] == [(r["step"], r["completion_ids"]) for r in want]
+    assert max(abs(p - q) for x, y in zip(got, want) for p, q in zip(x["logprobs"], y["logprobs"])) < LP_TOL
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"model": {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8}}},
+     "head_dim=8 is not one vLLM's CPU attention runs"),
+    ({"grpo.rollout.mode": "server"}, "use mode: colocate"),
+    ({"grpo.rollout.tensor_parallel": 2}, "set tensor_parallel: 1"),
+    ({"grpo.rollout.max_model_len": 20}, "grpo.rollout.max_model_len=20"),
+])
+def test_refusals_before_launch(data, tmp_path, change, needle):
+    from seqpar.train.config import config_from_dict
+    from seqpar.train.lifecycle.launch import prelaunch_checks
+
+    cfg = _cfg(data, tmp_path / "r", 2)
+    for k, v in change.items():
+        if k.startswith("grpo.rollout."):
+            cfg["grpo"]["rollout"][k.rsplit(".", 1)[1]] = v
+        else:
+            cfg[k] = v
+    with pytest.raises((SeqParError, ValueError)) as e:
+        prelaunch_checks(config_from_dict(cfg), 2)
+    assert needle in str(e.value)
