@@ -22,11 +22,11 @@ import threading
 import pytest
 import torch
 import transformers as tf
+from hf_grid import assert_within, run_grid
 from recurrent_ref import patched_float64_kernels
 
 import seqpar
 from seqpar.hf import apply_sequence_parallel, tiny_model
-from seqpar.hf.equivalence import compare
 from seqpar.hf.recurrent_layers import find_recurrent, recurrent_forward
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.threaded import run_threaded
@@ -36,20 +36,11 @@ ROWS = [[{"input_ids": [(7 * i) % 150 + 3 for i in range(41)]}, {"input_ids": [5
 
 
 def _run(models, modes):
-    out = []
-    for u, r in modes:
-        mesh = seqpar.init_mesh(u * r, ulysses_degree=u, ring_degree=r)
-        for name, base in models.items():
-            for packing in (False, True):
-                errs = compare(lambda m=base: copy.deepcopy(m), ROWS, mesh, packing=packing)
-                out.append(((name, u, r, packing), errs))
-    return out
+    return run_grid(models, modes, ROWS)
 
 
 def _check(results):
-    bad = [(k, e) for rank in results for k, e in rank if max(e["loss"], e["grad"], e["logits"], e["count"]) > TOL]
-    assert not bad, bad
-    worst = {k: max(e[k] for rank in results for _, e in rank) for k in ("loss", "grad", "logits")}
+    worst = assert_within(results, TOL)
     print(f"worst errors: {worst}")  # pytest -s
 
 

@@ -7,14 +7,11 @@ real-token logit and every parameter gradient within 1e-5, padded rows (B = 2) a
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import transformers as tf
+from hf_grid import assert_within, run_grid
 
-import seqpar
-from seqpar.hf.equivalence import compare
 from seqpar.threaded import run_threaded
 
 TOL = 1e-5
@@ -58,19 +55,11 @@ ROWS = [[{"input_ids": list(range(3, 32))}, {"input_ids": [5, 9, 2, 7] * 5 + [11
 
 
 def _run(models, modes):
-    out = []
-    for u, r in modes:
-        mesh = seqpar.init_mesh(u * r, ulysses_degree=u, ring_degree=r)
-        for name, base in models.items():
-            for packing in (False, True):
-                errs = compare(lambda m=base: copy.deepcopy(m), ROWS, mesh, packing=packing)
-                out.append(((name, u, r, packing), errs))
-    return out
+    return run_grid(models, modes, ROWS)
 
 
 def _check(results):
-    bad = [(k, e) for rank in results for k, e in rank if max(e["loss"], e["grad"], e["logits"], e["count"]) > TOL]
-    assert not bad, bad
+    assert_within(results, TOL)
 
 
 @pytest.fixture(scope="module")

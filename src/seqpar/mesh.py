@@ -216,6 +216,16 @@ def check_divides(value: Any, size: int, message: str) -> None:
     raise SeqParError(message.replace("{ok}", ", ".join(str(d) for d in divisors(size))))
 
 
+def check_ulysses_divides(mesh: SequenceParallelMesh, n: int, owner: str, what: str) -> None:
+    """SeqParError unless the mesh's Ulysses degree divides `n` (a layer's heads or channels: each Ulysses rank must
+    own whole ones), naming the degrees that would."""
+    u = mesh.ulysses_degree
+    if n % u != 0:
+        raise SeqParError(
+            f"{owner} has {n} {what}, which the Ulysses degree {u} does not divide: use a ulysses_degree among "
+            f"{[d for d in divisors(n) if mesh.sp_size % d == 0]} (the rest as ring_degree)")
+
+
 def resolve_degrees(sp_size: int, ulysses_degree: int | None, ring_degree: int | None,
                     num_heads: int | None = None, num_kv_heads: int | None = None, *,
                     recurrent: RecurrentHeads | None = None, node_size: int | None = None) -> tuple[int, int]:

@@ -20,8 +20,7 @@ import sys
 import torch
 
 from ..attention.ulysses import heads_to_seq, seq_to_heads
-from ..errors import SeqParError
-from ..mesh import SequenceParallelMesh, divisors
+from ..mesh import SequenceParallelMesh, check_ulysses_divides
 from ..recurrent import delta_piece, ring_recurrence
 from .layer_kernels import layer_function
 from .linear_attention import head_space_plan
@@ -33,14 +32,8 @@ KDA_CLASSES = ("KimiLinearDeltaAttention",)
 
 def check_kda(layers: list[torch.nn.Module], mesh: SequenceParallelMesh) -> None:
     """Raise SeqParError (same on every rank: config and mesh only) if SP cannot run these layers."""
-    u = mesh.ulysses_degree
     for layer in layers:
-        h = int(layer.num_heads)
-        if h % u != 0:
-            raise SeqParError(
-                f"{type(layer).__name__} has {h} heads (linear_num_heads), which the Ulysses degree {u} does not "
-                f"divide: use a ulysses_degree among {[d for d in divisors(h) if mesh.sp_size % d == 0]} (the rest "
-                "as ring_degree)")
+        check_ulysses_divides(mesh, int(layer.num_heads), type(layer).__name__, "heads (linear_num_heads)")
 
 
 def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -16,8 +16,7 @@ import sys
 import torch
 
 from ..attention.ulysses import heads_to_seq, seq_to_heads
-from ..errors import SeqParError
-from ..mesh import SequenceParallelMesh, divisors
+from ..mesh import SequenceParallelMesh, check_ulysses_divides
 from ..recurrent import lightning_piece, ring_recurrence
 from .linear_attention import head_space_plan
 
@@ -28,13 +27,8 @@ LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
 
 def check_lightning(layers: list[torch.nn.Module], mesh: SequenceParallelMesh) -> None:
     """Raise SeqParError (same on every rank: config and mesh only) if SP cannot run these layers."""
-    u = mesh.ulysses_degree
     for layer in layers:
-        h = int(layer.num_attention_heads)
-        if h % u != 0:
-            raise SeqParError(
-                f"{type(layer).__name__} has {h} heads, which the Ulysses degree {u} does not divide: use a "
-                f"ulysses_degree among {[d for d in divisors(h) if mesh.sp_size % d == 0]} (the rest as ring_degree)")
+        check_ulysses_divides(mesh, int(layer.num_attention_heads), type(layer).__name__, "heads")
 
 
 def sp_lightning_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -27,7 +27,7 @@ import torch
 from .. import comm
 from ..attention.ulysses import heads_to_seq, seq_to_heads
 from ..errors import SeqParError
-from ..mesh import SequenceParallelMesh, divisors
+from ..mesh import SequenceParallelMesh, check_ulysses_divides
 from ..recurrent import SelectiveParams, ring_conv, ring_recurrence, selective_piece
 from .layer_kernels import layer_function
 from .linear_attention import head_space_plan
@@ -39,14 +39,8 @@ MAMBA1_CLASSES = ("JambaMambaMixer", "FalconMambaMixer", "MambaMixer")
 
 def check_mamba1(layers: list[torch.nn.Module], mesh: SequenceParallelMesh) -> None:
     """Raise SeqParError (same on every rank: config and mesh only) if SP cannot run these mixers."""
-    u = mesh.ulysses_degree
     for layer in layers:
-        d = int(layer.intermediate_size)
-        if d % u != 0:
-            raise SeqParError(
-                f"{type(layer).__name__} has {d} channels (intermediate_size), which the Ulysses degree {u} does "
-                f"not divide: use a ulysses_degree among {[v for v in divisors(d) if mesh.sp_size % v == 0]} "
-                "(the rest as ring_degree)")
+        check_ulysses_divides(mesh, int(layer.intermediate_size), type(layer).__name__, "channels (intermediate_size)")
         if getattr(layer.config, "_is_quantized", False):
             raise SeqParError(f"{type(layer).__name__}: quantized Mamba mixers are not supported under SP")
 

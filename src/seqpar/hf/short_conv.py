@@ -22,7 +22,7 @@ import torch
 
 from ..attention.ulysses import heads_to_seq, seq_to_heads
 from ..errors import SeqParError
-from ..mesh import SequenceParallelMesh, divisors
+from ..mesh import SequenceParallelMesh, check_ulysses_divides
 from ..recurrent import ring_conv
 from .layer_kernels import layer_function
 from .linear_attention import head_space_plan
@@ -34,17 +34,12 @@ SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 
 def check_short_conv(layers: list[torch.nn.Module], mesh: SequenceParallelMesh) -> None:
     """Raise SeqParError (same on every rank: config and mesh only) if SP cannot run these convs."""
-    u = mesh.ulysses_degree
     for layer in layers:
         ch = int(layer.conv.in_channels)
         if layer.conv.groups != ch or layer.conv.out_channels != ch:
             raise SeqParError(f"{type(layer).__name__}: its conv is not depthwise ({ch} channels in "
                               f"{layer.conv.groups} groups): not a short-conv layout seqpar knows")
-        if ch % u != 0:
-            raise SeqParError(
-                f"{type(layer).__name__} has {ch} conv channels (hidden_size), which the Ulysses degree {u} does "
-                f"not divide: use a ulysses_degree among {[d for d in divisors(ch) if mesh.sp_size % d == 0]} "
-                "(the rest as ring_degree)")
+        check_ulysses_divides(mesh, ch, type(layer).__name__, "conv channels (hidden_size)")
 
 
 def sp_short_conv_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
