@@ -20,7 +20,7 @@ from ..layout import unshard
 from ..mesh import SequenceParallelMesh
 from .attention import apply_sequence_parallel
 
-__all__ = ["compare"]
+__all__ = ["compare", "sp_sft_step"]
 
 
 def _doc_terms(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
@@ -57,6 +57,21 @@ def _grad_err(ref: torch.nn.Module, sp: torch.nn.Module) -> float:
     return err
 
 
+def sp_sft_step(sp: torch.nn.Module, batch: dict, mesh: SequenceParallelMesh) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor]:
+    """One SFT forward + backward of an SP model on a collator batch, gradients summed over dp x sp: (this rank's
+    loss share, the full logits [B, S, V] unsharded, the global supervised-token count)."""
+    kw = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    if "cu_seqlens" in batch:
+        kw["cu_seqlens"] = batch["cu_seqlens"]
+    logits = sp(**kw).logits
+    num = L.global_token_count(batch["num_supervised_tokens"], mesh)
+    share = L.sft_loss(logits, batch["shift_labels"], num)
+    share.backward()
+    L.sum_gradients(sp.parameters(), mesh)
+    return share, unshard(logits.detach(), mesh, 1), num
+
+
 def compare(
     model_fn: Callable[[], torch.nn.Module],
     rows_per_dp: Sequence[Sequence[dict]],
@@ -81,15 +96,7 @@ def compare(
     want, count, ref_logits = _reference(ref, rows_per_dp, mesh.dp_rank)
     want.backward()
     batch = SequenceParallelCollator(mesh, pad_token_id=pad_token_id, packing=packing)(rows_per_dp[mesh.dp_rank])
-    kw = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-    if "cu_seqlens" in batch:
-        kw["cu_seqlens"] = batch["cu_seqlens"]
-    logits = sp(**kw).logits
-    num = L.global_token_count(batch["num_supervised_tokens"], mesh)
-    share = L.sft_loss(logits, batch["shift_labels"], num)
-    share.backward()
-    L.sum_gradients(sp.parameters(), mesh)
-    full = unshard(logits.detach(), mesh, 1)
+    share, full, num = sp_sft_step(sp, batch, mesh)
     logit_err, off = 0.0, 0
     for i, lo in enumerate(ref_logits):
         got = full[0, off : off + lo.shape[0]] if packing else full[i, : lo.shape[0]]

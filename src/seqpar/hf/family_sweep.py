@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from .. import loss as L
 from ..data import SequenceParallelCollator
 from ..errors import SeqParError
-from ..layout import unshard
 from ..mesh import SequenceParallelMesh, init_mesh
 from ..threaded import run_threaded, serial
 from .attention import apply_sequence_parallel, check_config
+from .equivalence import sp_sft_step
 from .family_configs import families, tiny_family_config
 
 __all__ = ["FamilyResult", "sweep", "sweep_family", "BATCHES", "MODES", "ATOL", "RTOL", "STATUSES"]
@@ -127,14 +127,8 @@ def _sp_errors(model: torch.nn.Module, mesh: SequenceParallelMesh, kind: str, re
     packed = len(rows) == 1 and len(rows[0]) > 1  # documents of one row: position_ids restart at each
     examples = [{"input_ids": d} for d in rows[0]] if packed else [{"input_ids": r[0]} for r in rows]
     batch = SequenceParallelCollator(mesh, pad_token_id=0, packing=packed)(examples)
-    kw = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
     model.zero_grad(set_to_none=True)
-    logits = model(**kw).logits
-    num = L.global_token_count(batch["num_supervised_tokens"], mesh)
-    share = L.sft_loss(logits, batch["shift_labels"], num)
-    share.backward()
-    L.sum_gradients(model.parameters(), mesh)
-    full = unshard(logits.detach(), mesh, 1)
+    share, full, _ = sp_sft_step(model, batch, mesh)
     logit_err, doc = 0.0, 0
     for i, row in enumerate(rows):
         off = 0
