@@ -22,22 +22,11 @@ import torch.nn.functional as F
 
 def naive_gated_delta(query, key, value, g, beta, initial_state=None, output_final_state=False,
                       use_qk_l2norm_in_kernel=False, **kwargs):
+    """The gated delta rule (Gated DeltaNet): KDA with one decay per head (g [b, L, h]), q / k heads repeated to v's."""
     r = value.shape[2] // key.shape[2]
     q, k = query.repeat_interleave(r, 2), key.repeat_interleave(r, 2)
-    if use_qk_l2norm_in_kernel:
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    q = q * q.shape[-1] ** -0.5
-    b, n, h, dv = value.shape
-    s = torch.zeros(b, h, k.shape[-1], dv, dtype=value.dtype) if initial_state is None else initial_state.to(value)
-    outs = []
-    for t in range(n):
-        s = s * g[:, t].to(s.dtype).exp()[..., None, None]
-        read = (s * k[:, t, :, :, None]).sum(-2)
-        delta = (value[:, t] - read) * beta[:, t, :, None].to(s.dtype)
-        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
-        outs.append((s * q[:, t, :, :, None]).sum(-2))
-    return torch.stack(outs, 1), (s if output_final_state else None)
+    return naive_kda(q, k, value, g[..., None].expand(*g.shape, k.shape[-1]), beta, initial_state,
+                     output_final_state, use_qk_l2norm_in_kernel)
 
 
 def naive_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,

@@ -31,6 +31,7 @@ from seqpar import loss as L
 from seqpar.data import SequenceParallelCollator
 from seqpar.errors import SeqParError
 from seqpar.hf import apply_sequence_parallel, remove_sequence_parallel, tiny_model
+from seqpar.hf.equivalence import sp_sft_step
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.spawn import run_distributed
 
@@ -123,16 +124,8 @@ def _run(mesh, arch: str, kind: str, seed: int, dtype: torch.dtype) -> dict:
     want, ref_logits = _reference(ref, rows)
     want.backward()
     batch = SequenceParallelCollator(mesh, pad_token_id=0, packing=(kind == "packed"))(rows[mesh.dp_rank])
-    kw = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
-    if "cu_seqlens" in batch:
-        kw["cu_seqlens"] = batch["cu_seqlens"]
-    logits = sp(**kw).logits
-    num = L.global_token_count(batch["num_supervised_tokens"], mesh)
-    share = L.sft_loss(logits, batch["shift_labels"], num)
-    share.backward()
+    share, full, _ = sp_sft_step(sp, batch, mesh)
     got = L.global_loss(share, mesh)
-    L.sum_gradients(sp.parameters(), mesh)
-    full = seqpar.unshard(logits.detach(), mesh, 1)
     lerr, off = 0.0, 0
     for i, lo in enumerate(ref_logits[mesh.dp_rank]):
         if kind == "packed":
