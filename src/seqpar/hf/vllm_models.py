@@ -26,7 +26,8 @@ _QWEN35 = "vLLM 0.32's Qwen3.5 classes import its vision module, which needs tor
 CPU_HYBRIDS: dict[str, str | None] = {
     "falcon_h1": None,
     "qwen3_next": _GDN_BF16,
-    "olmo_hybrid": _GDN_BF16,
+    "olmo_hybrid": "not run here, but its linear layers are vLLM 0.32's Gated DeltaNet class, whose CPU kernel runs in "
+                   "bf16 only (found with Qwen3-Next), and the engine runs in the policy's dtype",
     "qwen3_5_text": _QWEN35, "qwen3_5_moe_text": _QWEN35, "qwen3_5": _QWEN35, "qwen3_5_moe": _QWEN35,
     "lfm2": "vLLM 0.32's LFM2 on CPU gave log-probs > 1 apart from transformers' for the same weights (tiny model, "
             "fp32, tied embeddings), and it always ties lm_head to the embeddings",
