@@ -138,7 +138,11 @@ class GRPOSpec(_Strict):
     epsilon_high: float | None = Field(default=None, gt=0)
     loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "grpo"
     scale_rewards: Literal["group", "none"] = "group"
+    # optimizer steps per rollout (TRL's num_iterations): steps 2..n reuse it, the PPO ratio against its old log-probs
     num_iterations: int = Field(default=1, ge=1)
+    # "tis": truncated importance sampling, each completion token's policy loss x min(exp(old - sampler), cap)
+    importance_correction: Literal["none", "tis"] = "none"
+    importance_cap: float = Field(default=3.0, gt=0)  # TRL's vllm_importance_sampling_clip_max
     # k3 KL x the differentiable importance ratio (TRL's use_bias_correction_kl; same value on-policy)
     kl_ratio_correction: bool = False
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)  # the sampling engine (config/rollout.py)
@@ -151,11 +155,6 @@ class GRPOSpec(_Strict):
 
     @model_validator(mode="after")
     def _checks(self) -> GRPOSpec:
-        if self.num_iterations != 1:
-            raise ValueError(
-                f"num_iterations={self.num_iterations}: only 1 is supported (one gradient step per generation, so "
-                "the old policy is the current one): set num_iterations: 1"
-            )
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} "
                              "reward_funcs: give one weight per function, or drop reward_weights")
@@ -397,3 +396,11 @@ def _check_grpo(cfg: TrainConfig) -> None:
         raise ValueError("eval_dataset is not supported with stage: grpo: remove it")
     if cfg.num_epochs is not None:
         raise ValueError("num_epochs is not supported with stage: grpo (steps are counted in prompts): set max_steps")
+    n = g.num_iterations
+    if n > 1 and cfg.checkpoint.every % n:
+        raise ValueError(f"checkpoint.every={cfg.checkpoint.every} must be a multiple of grpo.num_iterations={n}: a "
+                         "checkpoint holds no rollout, so it must fall where the next step starts a new one: set "
+                         f"checkpoint.every: {cfg.checkpoint.every // n * n or n}")
+    if g.importance_correction == "tis" and cfg.sequence_parallel.dynamic:
+        raise ValueError("grpo.importance_correction: tis is not supported with sequence_parallel: {size: dynamic} "
+                         "(its slots carry no sampler log-probs): use a fixed size, or importance_correction: none")
