@@ -5,8 +5,8 @@ num_iterations reference: plain PyTorch on the unsharded HF model. A rollout at 
 and seeds as the trainer: the data order and sampler are tests/test_grpo_train.py's), its old log-probs
 log_softmax(logits / T) of the sampled tokens computed by hand without gradient right after it; every step the
 "grpo" loss mean over rows of the per-row mean of -min(r A, clamp(r, 1 - eps, 1 + eps) A) + beta k3 with
-r = exp(logp - old), then SGD. Tolerance: losses and parameters within 1e-5 (fp32). The runs: SP 2 (Ulysses),
-length-aware SP (size: dynamic, one run of 2 ranks) and SP 1. A reference that takes old = the current log-probs
+r = exp(logp - old), then SGD. Tolerance: losses and parameters within 1e-5 (fp32). The runs: SP 2 (Ulysses; with
+importance_correction: tis, whose weights are 1 within 1e-4 with the transformers engine), length-aware SP (size: dynamic, one run of 2 ranks) and SP 1. A reference that takes old = the current log-probs
 (ratio 1 on step 2 as on step 1) differs from the trainer by far more, so the test sees the ratio.
 
 TIS reference: loss_t = -min(r A, clamp(r) A) x min(exp(old - sampler), cap) + beta k3, summed per row by hand
@@ -122,6 +122,7 @@ def _gaps(got: dict, ref_losses: list[float], ref_params: dict) -> tuple[float, 
 def test_num_iterations_2_sp2_dynamic_sp1_match_reference(data, tmp_path):
     """Four steps, two rollouts (steps 1 and 3 sample; 2 and 4 reuse them with the PPO ratio active)."""
     sp2 = _case(data, tmp_path / "sp2", {"size": 2, "ulysses_degree": 2})
+    sp2["grpo"]["importance_correction"] = "tis"  # engine transformers: the sampler is the policy, weights ~1
     dyn = _case(data, tmp_path / "dyn", {"size": "dynamic", "max_local_tokens": 16})
     got = run_distributed(_train_cases, 2, [sp2, dyn], timeout=600)[0]
     one = _train_world(_case(data, tmp_path / "sp1", {"size": 1}))
@@ -138,6 +139,7 @@ def test_num_iterations_2_sp2_dynamic_sp1_match_reference(data, tmp_path):
     assert [r["grpo_iteration"] for r in rows] == [1, 2, 1, 2]
     assert rows[1]["reward"] == rows[0]["reward"] and rows[3]["reward"] == rows[2]["reward"]  # the same rollout
     assert rows[0]["clip_ratio/region_mean"] == 0.0 and rows[1]["kl"] > 0
+    assert all(abs(r["importance_ratio/mean"] - 1) < 1e-4 and r["importance_ratio/capped"] == 0 for r in rows)
     dyn_rows = [json.loads(ln) for ln in (tmp_path / "dyn" / "metrics.jsonl").read_text().splitlines()]
     assert {d for r in dyn_rows for d in r["sp_degrees"]} == {"1", "2"}  # rows at both degrees
 

@@ -77,7 +77,7 @@ class GRPORollout:
     def reused(self, step: int, make: Any) -> tuple[Any, dict[str, float]]:
         """num_iterations: `make()` (a rollout: (batches or rows, metrics)) at steps 0, n, 2n, ...; the steps between
         reuse it (its batches keep their old log-probs: StepSpec.keep_old_logps). Returns it and the step's metrics
-        (the rollout's, with grpo_iteration: 1..n)."""
+        (the rollout's, with grpo_iteration: 1..n when n > 1)."""
         n = self.g.num_iterations
         if step % n == 0 or self.held is None:
             if step % n:  # a resume refuses such a checkpoint (lifecycle/resume.py): nothing else starts here
@@ -86,7 +86,7 @@ class GRPORollout:
                                   "num_iterations")
             self.held = (step, make())
         data, metrics = self.held[1]
-        return data, {**metrics, "grpo_iteration": step % n + 1}
+        return data, {**metrics, **({"grpo_iteration": step % n + 1} if n > 1 else {})}
 
     def _score(self, rows: list[PromptRow], completions: list[list[int]]) -> Any:
         """(per_func [n, F], total [n]) or the SeqParError, computed on the group's first rank."""
