@@ -6,8 +6,9 @@ and seeds as the trainer: the data order and sampler are tests/test_grpo_train.p
 log_softmax(logits / T) of the sampled tokens computed by hand without gradient right after it; every step the
 "grpo" loss mean over rows of the per-row mean of -min(r A, clamp(r, 1 - eps, 1 + eps) A) + beta k3 with
 r = exp(logp - old), then SGD. Tolerance: losses and parameters within 1e-5 (fp32). The runs: SP 2 (Ulysses; with
-importance_correction: tis, whose weights are 1 within 1e-4 with the transformers engine), length-aware SP (size: dynamic, one run of 2 ranks) and SP 1. A reference that takes old = the current log-probs
-(ratio 1 on step 2 as on step 1) differs from the trainer by far more, so the test sees the ratio.
+importance_correction: tis, whose weights are 1 within 1e-4 with the transformers engine), length-aware SP
+(size: dynamic under FSDP2, one run of 2 ranks, rows at degrees 1 and 2) and SP 1. A reference that takes old =
+the current log-probs (ratio 1 on step 2 as on step 1) differs from the trainer by far more, so the test sees the ratio.
 
 TIS reference: loss_t = -min(r A, clamp(r) A) x min(exp(old - sampler), cap) + beta k3, summed per row by hand
 over the full rows, with the sampler's log-probs perturbed so some weights hit the cap and some do not; compared
@@ -124,11 +125,12 @@ def test_num_iterations_2_sp2_dynamic_sp1_match_reference(data, tmp_path):
     sp2 = _case(data, tmp_path / "sp2", {"size": 2, "ulysses_degree": 2})
     sp2["grpo"]["importance_correction"] = "tis"  # engine transformers: the sampler is the policy, weights ~1
     dyn = _case(data, tmp_path / "dyn", {"size": "dynamic", "max_local_tokens": 16})
+    dyn["fsdp"] = True  # FSDP2: idle ranks' lockstep forwards, the kept slots' old log-probs from sharded weights
     got = run_distributed(_train_cases, 2, [sp2, dyn], timeout=600)[0]
     one = _train_world(_case(data, tmp_path / "sp1", {"size": 1}))
     ref_losses, ref_params, moved = _reference(sp2)
     assert moved > 1e-2, moved  # step 2's ratio is off 1 (the policy moved since the rollout)
-    for name, run in (("sp2", got[0]), ("dynamic", got[1]), ("sp1", one)):
+    for name, run in (("sp2", got[0]), ("dynamic fsdp", got[1]), ("sp1", one)):
         loss_gap, param_gap = _gaps(run, ref_losses, ref_params)
         print(f"num_iterations 2, {name} vs reference: max |loss diff| {loss_gap:.2e}, |param diff| {param_gap:.2e}")
         assert loss_gap <= TOL and param_gap <= TOL, (name, loss_gap, param_gap)
