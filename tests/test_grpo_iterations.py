@@ -9,6 +9,8 @@ r = exp(logp - old), then SGD. Tolerance: losses and parameters within 1e-5 (fp3
 importance_correction: tis, whose weights are 1 within 1e-4 with the transformers engine), length-aware SP
 (size: dynamic under FSDP2, one run of 2 ranks, rows at degrees 1 and 2) and SP 1. A reference that takes old =
 the current log-probs (ratio 1 on step 2 as on step 1) differs from the trainer by far more, so the test sees the ratio.
+An SP 1 run stopped at its step-2 checkpoint and resumed to step 4 matches the same reference (the data stream
+advances once per rollout).
 
 TIS reference: loss_t = -min(r A, clamp(r) A) x min(exp(old - sampler), cap) + beta k3, summed per row by hand
 over the full rows, with the sampler's log-probs perturbed so some weights hit the cap and some do not; compared
@@ -128,9 +130,15 @@ def test_num_iterations_2_sp2_dynamic_sp1_match_reference(data, tmp_path):
     dyn["fsdp"] = True  # FSDP2: idle ranks' lockstep forwards, the kept slots' old log-probs from sharded weights
     got = run_distributed(_train_cases, 2, [sp2, dyn], timeout=600)[0]
     one = _train_world(_case(data, tmp_path / "sp1", {"size": 1}))
+    # stopped after the first rollout's two steps (a checkpoint at a multiple of num_iterations), then resumed
+    res = {**_case(data, tmp_path / "res", {"size": 1}), "checkpoint": {"every": 2, "save_final": True}}
+    first = _train_world({**res, "max_steps": 2})
+    again = _train_world(res)
+    resumed = {"losses": first["losses"] + again["losses"], "state": again["state"]}
     ref_losses, ref_params, moved = _reference(sp2)
     assert moved > 1e-2, moved  # step 2's ratio is off 1 (the policy moved since the rollout)
-    for name, run in (("sp2", got[0]), ("dynamic fsdp", got[1]), ("sp1", one)):
+    assert len(again["losses"]) == 2
+    for name, run in (("sp2", got[0]), ("dynamic fsdp", got[1]), ("sp1", one), ("sp1 resumed at 2", resumed)):
         loss_gap, param_gap = _gaps(run, ref_losses, ref_params)
         print(f"num_iterations 2, {name} vs reference: max |loss diff| {loss_gap:.2e}, |param diff| {param_gap:.2e}")
         assert loss_gap <= TOL and param_gap <= TOL, (name, loss_gap, param_gap)
