@@ -408,8 +408,7 @@ def _verify(tmp_path, arch: str, sp, nproc: int, stage: str = "sft", fsdp: bool 
            "dataset": {"path": str(_verify_data(tmp_path, stage)), "max_length": 128, "packing": stage == "sft"},
            "sequence_parallel": sp, "max_steps": steps, "optimizer": {"lr": 1e-2},
            "output_dir": str(tmp_path / "run"), "progress": False, "fsdp": fsdp,
-           "memory": {"activation_checkpointing": ckpt,
-                      "fused_loss": arch != "falcon_h1"}}  # Falcon-H1's lm_head_multiplier: refused by the fused loss
+           "memory": {"activation_checkpointing": ckpt}}
     rep = run_verify(cfg, tmp_path, steps=steps, nproc=nproc, timeout=900)
     assert rep["passed"] and rep["max_abs_dloss"] <= 1e-5 and len(rep["steps"]) == steps, rep
     assert rep["grads_passed"] and rep["max_abs_dgrad_step1"] <= 1e-5, rep
