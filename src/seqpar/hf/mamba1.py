@@ -9,7 +9,8 @@ The mixer (transformers 5.24): in_proj -> [x | z] -> depthwise causal Conv1d ove
   degree must divide intermediate_size). The conv runs on that slice; x_proj is a sum over channels, so each rank
   applies its columns of x_proj.weight (and of a LoRA adapter's A) and a sum all-reduce over the Ulysses group
   gives every rank the whole [dt | B | C] (dt_rank + 2 n numbers per token); dt_proj, A_log, D, conv1d run with
-  the rank's rows (differentiable slices of the layer's parameters). A second all-to-all returns the scan output for out_proj.
+  the rank's rows (differentiable slices of the layer's parameters). A second all-to-all returns the scan output
+  for out_proj.
 - Ring / USP: the conv gets its halo (seqpar.recurrent.ring_conv), the scan its incoming state by state passing
   (recurrent.selective: one decay per channel and state entry, a "diagonal" transition).
 
