@@ -113,3 +113,18 @@ def test_default_lora_targets_on_models_without_attention(capsys):
     assert "MambaForCausalLM has no attention projections" in capsys.readouterr().out
     mine = load_config(EXAMPLE, {"finetuning": {"method": "lora", "targets": ["in_proj"]}})
     assert lora_targets(tiny_model("mamba"), mine) == ["in_proj"]
+
+
+def test_mamba1_x_proj_wrappers_it_cannot_split_are_refused():
+    """Under Ulysses a DoRA adapter on x_proj (its norm is not linear in the channels) is refused, naming the ring."""
+    from peft import LoraConfig, get_peft_model
+
+    from seqpar.errors import SeqParError
+    from seqpar.hf.mamba1 import _x_proj_share
+
+    model = get_peft_model(tiny_model("mamba"), LoraConfig(r=4, target_modules=["x_proj"], use_dora=True))
+    lin = find_recurrent(model.base_model.model)[0][0].x_proj
+    d, out = lin.base_layer.in_features, lin.base_layer.out_features
+    assert _x_proj_share(lin, torch.randn(1, 8, d), slice(0, d), 1).shape == (1, 8, out)  # U = 1: the module
+    with pytest.raises(SeqParError, match="not plain LoRA.*ring"):
+        _x_proj_share(lin, torch.randn(1, 8, d // 2), slice(0, d // 2), 2)
