@@ -69,21 +69,37 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
                                           delta_softplus=delta_softplus, return_last_state=return_last_state)
 
 
+def _delta_rule(kernel: str, name: str, q, k, v, g, beta, scale, initial_state, output_final_state,
+                use_qk_l2norm_in_kernel, cu_seqlens, per_key: bool):
+    """The argument rules flash-linear-attention's chunked delta rules share; the call recorded, then computed."""
+    b, t, hk, dk = q.shape
+    hv = v.shape[2]
+    assert k.shape == q.shape and v.shape[:2] == (b, t) and hv % hk == 0, (q.shape, k.shape, v.shape)
+    assert g.shape == ((b, t, hv, dk) if per_key else (b, t, hv)) and beta.shape == (b, t, hv), (g.shape, beta.shape)
+    assert cu_seqlens is None and (scale is None or abs(scale - dk ** -0.5) < 1e-12)
+    if initial_state is not None:
+        assert initial_state.shape == (b, hv, dk, v.shape[3]), initial_state.shape
+        assert initial_state.dtype in (torch.float32, torch.float64)
+    _record(kernel, shape=tuple(v.shape), initial_state=initial_state is not None,
+            output_final_state=bool(output_final_state), l2norm=bool(use_qk_l2norm_in_kernel))
+    return _TORCH[name](q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-    """flash-linear-attention: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state [B, H, K, V]
-    (fp32) -> (o [B, T, H, V], final state [B, H, K, V] fp32 or None)."""
-    assert q.dim() == 4 and k.shape == q.shape and g.shape == q.shape and v.shape[:3] == q.shape[:3]
-    assert beta.shape == q.shape[:3] and cu_seqlens is None
-    assert scale is None or abs(scale - q.shape[-1] ** -0.5) < 1e-12
-    if initial_state is not None:
-        assert initial_state.shape == (q.shape[0], q.shape[2], q.shape[3], v.shape[3]), initial_state.shape
-        assert initial_state.dtype in (torch.float32, torch.float64)
-    _record("chunk_kda", shape=tuple(v.shape), initial_state=initial_state is not None,
-            output_final_state=bool(output_final_state), l2norm=bool(use_qk_l2norm_in_kernel))
-    return _TORCH["chunk_kimi_delta_attention"](q, k, v, g, beta, initial_state=initial_state,
-                                                output_final_state=output_final_state,
-                                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    """flash-linear-attention's KDA: q, k, g [B, T, H, K] (g: a log-decay per key channel), v [B, T, H, V], beta
+    [B, T, H], initial_state [B, H, K, V] (fp32) -> (o [B, T, H, V], final state [B, H, K, V] or None)."""
+    return _delta_rule("chunk_kda", "chunk_kimi_delta_attention", q, k, v, g, beta, scale, initial_state,
+                       output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, per_key=True)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """flash-linear-attention's Gated DeltaNet: q, k [B, T, Hk, K], v [B, T, H, V] (H a multiple of Hk), g / beta
+    [B, T, H], initial_state [B, H, K, V] (fp32) -> (o [B, T, H, V], final state [B, H, K, V] or None)."""
+    return _delta_rule("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule", q, k, v, g, beta, scale,
+                       initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, per_key=False)
 
 
 # transformers' module function -> (the package transformers dispatches it to, the path in it, the fake)
@@ -91,6 +107,7 @@ FAKES = {
     "causal_conv1d_fn": ("causal_conv1d", "", causal_conv1d_fn),
     "mamba_selective_scan": ("mamba_ssm", "ops.selective_scan_interface", selective_scan_fn),
     "chunk_kimi_delta_attention": ("fla", "ops.kda", chunk_kda),
+    "torch_chunk_gated_delta_rule": ("fla", "ops.gated_delta_rule", chunk_gated_delta_rule),
 }
 
 
