@@ -7,8 +7,8 @@ tests/test_hf_hybrid.py::test_cli_verify_hybrids (slow suite).
 One fast family per recurrence kind: LFM2 (short conv: a halo), Falcon-H1 (the Mamba2 path; its lm_head_multiplier
 in the fused loss), Kimi-Linear (KDA, the gated delta rule), MiniMax (lightning attention), and Mamba (Mamba1
 selective scan) under LoRA + FSDP2 (its default targets: in_proj and x_proj, the latter split over the Ulysses
-channels); the other families and modes are slow. DPO (padded pairs): LFM2 (fast) and Mamba; LoRA (default
-targets) + FSDP2: one family per kind and Jamba.
+channels); the other families (LFM2-MoE and LFM3 too) and modes are slow. DPO (padded pairs): LFM2 (fast) and
+Mamba; LoRA (default targets) + FSDP2: one family per kind and Jamba.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from seqpar.threaded import run_threaded
 TOL = 1e-5
 # conv, Mamba2, KDA, lightning (the selective scan: Mamba's LoRA run below, its torch scan a loop over tokens)
 FAST = ("lfm2", "falcon_h1", "kimi_linear", "minimax")
-SLOW = ("mamba", "zamba2", "jamba", "falcon_mamba", "olmo_hybrid")
+SLOW = ("mamba", "zamba2", "jamba", "falcon_mamba", "olmo_hybrid", "lfm2_moe", "lfm3")
+KWARGS = {"lfm3": {"num_layers": 3, "sliding_window": 16}}  # conv, sliding (16 tokens), full attention
 DATA = EXAMPLE.parent / "data"
 SFT = {"grad_accum": 1, "dataset": {"path": str(DATA / "sft_small.jsonl"), "max_length": 128, "packing": True}}
 DPO = {"stage": "dpo", "micro_batch_size": 2, "grad_accum": 1, "dpo": {"beta": 0.5},
@@ -38,7 +39,7 @@ LORA_FSDP = {"grad_accum": 1, "finetuning": {"method": "lora"}, "fsdp": True,  #
 
 
 def _sp2_equals_sp1(tmp_path, arch: str, extra: dict) -> None:
-    model = {"name": f"tiny:{arch}", "kwargs": {}}
+    model = {"name": f"tiny:{arch}", "kwargs": KWARGS.get(arch, {})}
     want = train_rows(tmp_path / "sp1", model, 1, 1, steps=2, checkpoint_every=0, extra=extra)
     for u, r in ((1, 2), (2, 1)):
         got = train_rows(tmp_path / f"u{u}r{r}", model, u, r, steps=2, checkpoint_every=0, extra=extra)
