@@ -12,7 +12,7 @@ ring, with state passing.
     lightning.py  MiniMax's lightning-attention piece (a constant decay per head)
     diagonal.py   a diagonal linear recurrence h_t = a_t h_{t-1} + x_t (RecurrentGemma's RG-LRU)
 
-Model adapters (projections, head slices, norms) live in seqpar.hf (linear_attention.py, mamba2.py).
+Model adapters (projections, head slices, norms) live in seqpar.hf (linear_attention.py, mamba2.py, rglru.py, ...).
 """
 
 from .combine import KINDS, MODES, incoming_states
