@@ -236,7 +236,9 @@ class Spy:
 
 
 # arch: the module functions its mixer's forward calls (where transformers dispatches to causal-conv1d / mamba_ssm /
-# flash-linear-attention when installed); MiniMax's lightning attention calls none (its block algorithm is inline)
+# flash-linear-attention when installed); MiniMax's lightning attention calls none (its block algorithm is inline),
+# nor does RecurrentGemma (its scan is the layer's `_rnn_scan`, a torch loop: test_rg_lru_float64_packed swaps it for
+# a float64 loop, which the SP forward must call to pass)
 _M1 = ("causal_conv1d_fn", "mamba_selective_scan")
 KERNELS = {"lfm2": ("causal_conv1d_fn",), "falcon_h1": ("causal_conv1d_fn", "mamba2_chunk_scan"),
            "zamba2": ("causal_conv1d_fn", "mamba2_chunk_scan"), "jamba": _M1, "falcon_mamba": _M1, "mamba": _M1,
