@@ -198,6 +198,28 @@ def test_ring2_fast():
     _check(run_distributed(world_cases, 2, CASES_R2, timeout=300))
 
 
+def test_diagonal_piece_reset_inside():
+    """A reset (a_t = 0, log a_t = -inf) inside a piece that carries a state in: the correction stops there, and the
+    gradients stay finite (float64, against the loop from that state)."""
+    g = torch.Generator().manual_seed(3)
+    x, la = (torch.randn(2, 9, D1, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    s0 = torch.randn(2, D1, generator=g, dtype=torch.float64).requires_grad_()
+    reset = torch.zeros(2, 9, 1, dtype=torch.bool)
+    reset[0, 4] = True
+    a = -F.softplus(la)
+
+    def scan(v, lg):
+        return naive_rg_lru_scan(None, v, lg.exp(), reset)
+
+    res = diagonal_piece(scan, x, a.masked_fill(reset, float("-inf")), True)
+    got = res.out + res.correct(s0)
+    want, _ = naive_rg_lru_scan(None, x, a.exp(), reset, s0)
+    assert float((got - want).detach().abs().max()) < 1e-14
+    w = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad((y * w).sum(), (x, la, s0), retain_graph=True) for y in (got, want)]
+    assert all(float((p - q).abs().max()) < 1e-13 for p, q in zip(*grads)), grads
+
+
 CASES_NEW = [  # Mamba1's selective scan and the RG-LRU ("diagonal" transitions) and the conv alone, in threads
     ("zigzag", "selective", 2, 24, ((), ()), "chain"),
     ("zigzag", "selective", 2, 24, ((4, 13), (6, 19)), "scan"),

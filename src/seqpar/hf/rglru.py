@@ -81,7 +81,8 @@ def _rglru_piece(layer: torch.nn.Module, prm: dict[str, torch.Tensor], x: torch.
         return layer.rg_lru._rnn_scan(hidden_states=v, recurrent_gate=torch.exp(la), reset=reset,
                                       recurrent_states=None)
 
-    return diagonal_piece(scan, normalized, log_a, carries)
+    # a reset token passes nothing on: -inf (upstream's gate there is exp(log a) * ~reset = 0, its gradient 0)
+    return diagonal_piece(scan, normalized, log_a.masked_fill(reset, float("-inf")), carries)
 
 
 def sp_rglru_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,

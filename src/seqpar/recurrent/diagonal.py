@@ -5,7 +5,7 @@ Per channel c, with a decay a_t = exp(log_a_t) and an input x_t (both per token 
 So with c_t = sum_{tau <= t} log_a_tau (t counted from the piece's start):
     h_L = exp(c_L) h_0 + (h_L from h_0 = 0),     y_t(h_0) = y_t(0) + exp(c_t) h_0.
 M = exp(c_L), shaped as the state ("diagonal" transition). The scan itself is the model's own function, called from
-a zero state; a reset token (a document's first: a_t = 0) only ever starts a piece that does not carry a state in.
+a zero state. A reset token (a_t = 0: RecurrentGemma's position 0) has log_a_t = -inf: exp(c_t) = 0 from there on.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ __all__ = ["diagonal_piece"]
 
 def diagonal_piece(scan: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
                    log_a: torch.Tensor, carries: bool) -> PieceResult:
-    """x, log_a [b, L, C]; scan(x, log_a) -> (y [b, L, C], final state [b, C] in fp32 / fp64) from a zero state."""
+    """x, log_a [b, L, C] (-inf where a_t = 0); scan(x, log_a) -> (y [b, L, C], final state [b, C] in fp32 / fp64)
+    from a zero state."""
     y, final = scan(x, log_a)
     if not carries:
         return PieceResult(y, final)
