@@ -30,11 +30,11 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
 # The attention variants: sinks + sliding layers (gpt-oss), MLA (DeepSeek-V3), NoPE temperature + chunks (Llama 4).
 VARIANT_ARCHS = ("gpt_oss", "deepseek_v3", "llama4")
 # Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-hybrid), Mamba2 (Nemotron-H, Granite 4, Bamba, Falcon-H1,
-# Zamba2), Mamba1 (Jamba) or short convolutions (LFM2, LFM2-MoE, LFM3) + softmax attention; and the attention-free
-# Mamba1 models (Falcon-Mamba, Mamba).
+# Zamba2), Mamba1 (Jamba), short convolutions (LFM2, LFM2-MoE, LFM3), lightning attention (MiniMax) or the RG-LRU
+# (RecurrentGemma) + softmax attention; and the attention-free Mamba1 models (Falcon-Mamba, Mamba).
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1",
                 "zamba2", "jamba", "lfm2", "lfm2_moe", "lfm3", "falcon_mamba", "mamba", "olmo_hybrid",
-                "kimi_linear", "minimax")
+                "kimi_linear", "minimax", "recurrent_gemma")
 # Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -75,6 +75,7 @@ def _config_class(arch: str) -> Any:
         "olmo_hybrid": tf.OlmoHybridConfig,
         "kimi_linear": tf.KimiLinearConfig,
         "minimax": tf.MiniMaxConfig,
+        "recurrent_gemma": tf.RecurrentGemmaConfig,
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
