@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import SeqParError
-from .vllm_models import config_for_vllm, head_dim
+from .vllm_models import config_for_vllm, engine_options, head_dim
 
 __all__ = ["VLLMEngine"]
 
@@ -63,7 +63,7 @@ class VLLMEngine:
         self._dir = tempfile.TemporaryDirectory(prefix="seqpar_vllm_")
         config = config_for_vllm(config)
         config.save_pretrained(self._dir.name)  # the config alone: weights come by `push`
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = engine_options(config, torch.cuda.is_available())
         if torch.cuda.is_available():
             kw["gpu_memory_utilization"] = float(gpu_memory_utilization)
         else:  # vLLM reads the fraction as one of host memory: size the KV cache for the rollout instead
@@ -85,6 +85,8 @@ class VLLMEngine:
         """The policy's weights (HF checkpoint names, full tensors) into the engine, in place, one at a time."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named),
                                                           "is_checkpoint_format": True})
+        if not torch.cuda.is_available():
+            self.llm.collective_rpc(_repack_tied_lm_heads)
 
     def generate(self, rows: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
                  temperature: float, top_p: float, top_k: int,
@@ -129,6 +131,19 @@ class VLLMEngine:
         if self._own_world and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         self._dir.cleanup()
+
+
+def _repack_tied_lm_heads(worker: Any) -> None:
+    """vLLM's CPU backend computes logits with a packed copy of lm_head's weight, made when the weights load; the
+    reload repacks only layers that got weights, and a tied lm_head gets none (its weight is the embeddings'), so
+    its logits would stay those of the first weights: repack it after every push."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    modules = list(worker.model_runner.model.modules())
+    others = {id(p) for m in modules if not isinstance(m, ParallelLMHead) for p in m.parameters(recurse=False)}
+    for m in modules:
+        if isinstance(m, ParallelLMHead) and id(m.weight) in others:
+            m.quant_method.process_weights_after_loading(m)
 
 
 def _join_world(rank: int) -> bool:

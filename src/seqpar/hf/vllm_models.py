@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import SeqParError
 
-__all__ = ["architectures", "check_vllm_model", "config_for_vllm", "head_dim", "vllm_available"]
+__all__ = ["architectures", "check_vllm_model", "config_for_vllm", "engine_options", "head_dim", "vllm_available"]
 
 _UNTRIED = "not tried with vLLM 0.32's CPU engine here yet"
 _GDN_BF16 = "vLLM 0.32's CPU Gated DeltaNet kernel runs in bf16 only ('CPU GDN attention requires BF16'), and the " \
@@ -71,6 +71,18 @@ def config_for_vllm(config: Any) -> Any:
             if getattr(config, field, None) is None:
                 setattr(config, field, int(config.hidden_size))
     return config
+
+
+# vLLM's classes for these hand its rotary embedding q / k as (tokens, heads, head_dim); its CPU rotary kernel
+# rotates only (tokens, heads * head_dim) right (3-D: wrong even at position 0), its torch path both.
+_ROPE_3D = frozenset({"lfm2"})
+
+
+def engine_options(config: Any, on_cuda: bool) -> dict[str, Any]:
+    """Extra vLLM engine arguments this model needs: on CPU, the torch rotary embedding for _ROPE_3D."""
+    if not on_cuda and config.model_type in _ROPE_3D:
+        return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    return {}
 
 
 def _is_hybrid(c: Any) -> bool:
