@@ -21,6 +21,8 @@ _GDN_BF16 = "vLLM 0.32's CPU Gated DeltaNet kernel runs in bf16 only ('CPU GDN a
             "engine runs in the policy's dtype"
 _QWEN35 = "vLLM 0.32's Qwen3.5 classes import its vision module, which needs torchvision (the vLLM CPU " \
           "environment has none: its CUDA build does not import against the CPU torch)"
+_MAMBA1 = "vLLM 0.32's CPU build has no Mamba1 selective-scan kernel: its engine starts and takes the weights, then " \
+          "the first rollout fails ('torch.ops._C' has no attribute 'selective_scan_fwd')"
 # Hybrid families by model_type on vLLM 0.32's CPU engine: None = runs (the engine's log-probs after a push equal
 # transformers'), else why it is refused. A hybrid model_type missing here is refused as untried.
 CPU_HYBRIDS: dict[str, str | None] = {
@@ -29,12 +31,17 @@ CPU_HYBRIDS: dict[str, str | None] = {
     "olmo_hybrid": "not run here, but its linear layers are vLLM 0.32's Gated DeltaNet class, whose CPU kernel runs in "
                    "bf16 only (found with Qwen3-Next), and the engine runs in the policy's dtype",
     "qwen3_5_text": _QWEN35, "qwen3_5_moe_text": _QWEN35, "qwen3_5": _QWEN35, "qwen3_5_moe": _QWEN35,
-    "lfm2": "vLLM 0.32's LFM2 on CPU gave log-probs > 1 apart from transformers' for the same weights (tiny model, "
-            "fp32, tied embeddings), and it always ties lm_head to the embeddings",
+    "lfm2": None,
     "nemotron_h": "vLLM 0.32 does not start it on CPU: its MoE experts are not gated ('is_act_and_mul=False is "
                   "supported only for CUDA, XPU and ROCm')",
-    "granitemoehybrid": _UNTRIED, "zamba2": _UNTRIED, "jamba": _UNTRIED,
-    "mamba": _UNTRIED, "falcon_mamba": _UNTRIED, "kimi_linear": _UNTRIED,
+    "granitemoehybrid": _UNTRIED,
+    "kimi_linear": "vLLM 0.32 does not start it on CPU (\"AttributeError: '_lib_fn_wrapper' object has no attribute "
+                   "'get'\")",
+    "zamba2": "vLLM 0.32's Zamba2 on CPU is not exact here: after a push its log-probs were 5e-5, after a second 2e-4 "
+              "apart from transformers' for the same weights (tiny model, fp32, tied embeddings; the bar is 1e-4)",
+    "jamba": _MAMBA1, "mamba": _MAMBA1,
+    "falcon_mamba": "not run here, but it is vLLM 0.32's Mamba class, which failed at the first rollout with Mamba: "
+                    + _MAMBA1,
 }
 _ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local")
 
@@ -76,6 +83,8 @@ def config_for_vllm(config: Any) -> Any:
 # vLLM's classes for these hand its rotary embedding q / k as (tokens, heads, head_dim); its CPU rotary kernel
 # rotates only (tokens, heads * head_dim) right (3-D: wrong even at position 0), its torch path both.
 _ROPE_3D = frozenset({"lfm2"})
+# vLLM's classes for these tie lm_head to the embeddings whatever the config says.
+_ALWAYS_TIED = frozenset({"lfm2", "zamba2"})
 
 
 def engine_options(config: Any, on_cuda: bool) -> dict[str, Any]:
@@ -129,6 +138,11 @@ def check_vllm_model(config: Any, on_cuda: bool) -> None:
     if not archs or not any(a in known for a in archs):
         raise SeqParError(f"grpo.rollout.engine: vllm: vLLM has no architecture {archs or config.model_type!r}: use "
                           f"engine: transformers for this model")
+    if config.model_type in _ALWAYS_TIED and not getattr(config, "tie_word_embeddings", True):
+        raise SeqParError(f"grpo.rollout.engine: vllm: vLLM 0.32's {config.model_type!r} class always ties lm_head to "
+                          "the embeddings, and this model's tie_word_embeddings is False (its own lm_head would be "
+                          "dropped): use a tied model (a tiny model: model.kwargs.tie_word_embeddings: true), or "
+                          "engine: transformers")
     why = None if on_cuda else _cpu_refusal(config)
     if why:
         raise SeqParError(f"grpo.rollout.engine: vllm: {why}")
