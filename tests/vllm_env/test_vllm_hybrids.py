@@ -1,12 +1,15 @@
 """Hybrid models with the vLLM rollout engine on CPU (seqpar.hf.vllm_models.CPU_HYBRIDS); needs vLLM (the
 environment `make vllm-env` builds).
 
-- Falcon-H1 (Mamba2 beside attention in every layer, muP multipliers), the family vLLM 0.32's CPU engine runs: the
-  engine built from the config alone gets the tiny model's weights by name (seqpar.hf.weight_stream), samples, and
-  its log-probs equal a plain transformers recompute (log_softmax of the logits, fp32) within 1e-4; then the weights
-  move (a stand-in for a training step), are pushed again, and the second sample's log-probs equal the recompute
-  under the moved weights within 1e-4 and differ from the old weights' by more than 1e-3 (a push that missed the
-  Mamba2 or multiplier weights fails). Slow: the engine's start takes a minute or more on a busy 2-core machine.
+- Falcon-H1 (Mamba2 beside attention in every layer, muP multipliers) and LFM2 (short convs, then attention with
+  q / k norms; tied), the families vLLM 0.32's CPU engine runs: the engine built from the config alone gets the
+  tiny model's weights by name (seqpar.hf.weight_stream), samples, and its log-probs equal a plain transformers
+  recompute (log_softmax of the logits, fp32) within 1e-4; then the weights move (a stand-in for a training step),
+  are pushed again, and the second sample's log-probs equal the recompute under the moved weights within 1e-4 and
+  differ from the old weights' by more than 1e-3 (a push that missed the Mamba2, conv or multiplier weights fails).
+  Slow: each engine's start takes up to a minute on a busy 2-core machine. The same on a tied tiny Llama (not
+  slow): the tied lm_head must follow the pushes.
+- `seqpar train` GRPO with engine vllm on tied LFM2: SP 2 == SP 1 (slow).
 - Refused before launch, one line naming the fix: the hybrids it does not run (each with the reason found) and, on
   CPU, MoE experts whose width vLLM's CPU MoE pads (its in-place reload then fails on every push).
 """
@@ -97,6 +100,8 @@ def test_lfm2_engine_follows_the_pushed_weights():
     ("zamba2", {"tie_word_embeddings": False}, "always ties lm_head"),
     ("zamba2", {"tie_word_embeddings": True}, "not exact here"),
     ("mamba", {}, "selective-scan"),
+    ("granitemoehybrid", {"mamba_d_head": 16}, "KeyError"),
+    ("kimi_linear", {"moe_intermediate_size": 32}, "_lib_fn_wrapper"),
     ("jamba", {}, "selective-scan"),
     ("recurrent_gemma", {}, "has no architecture"),
     ("deepseek_v3", {"moe_intermediate_size": 24}, "not a multiple of 32"),

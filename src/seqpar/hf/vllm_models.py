@@ -34,7 +34,10 @@ CPU_HYBRIDS: dict[str, str | None] = {
     "lfm2": None,
     "nemotron_h": "vLLM 0.32 does not start it on CPU: its MoE experts are not gated ('is_act_and_mul=False is "
                   "supported only for CUDA, XPU and ROCm')",
-    "granitemoehybrid": _UNTRIED,
+    "granitemoehybrid": "vLLM 0.32's Granite 4 class loads the checkpoints' MoE names (block_sparse_moe.router.layer, "
+                        "input_linear, output_linear), not transformers 5's that the push streams (router, "
+                        "experts.gate_up_proj / down_proj): the first push failed (KeyError "
+                        "'layers.0.block_sparse_moe.router.weight')",
     "kimi_linear": "vLLM 0.32 does not start it on CPU (\"AttributeError: '_lib_fn_wrapper' object has no attribute "
                    "'get'\")",
     "zamba2": "vLLM 0.32's Zamba2 on CPU is not exact here: after a push its log-probs were 5e-5, after a second 2e-4 "
