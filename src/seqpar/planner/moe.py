@@ -25,16 +25,19 @@ class MoeFacts:
     experts: int
     top_k: int
     intermediate: int  # each routed expert's
-    shared_intermediate: int  # the shared expert's
+    shared_intermediate: int  # the shared expert's (0: none)
+    shared_gate: bool = True  # a sigmoid gate scales the shared expert (Qwen3-Next); Kimi-Linear's has none
 
     def tensors(self, h: int) -> list[int]:
         """One MoE MLP's parameters: experts' gate_up and down, the router, the shared expert and its gate."""
         n, i, s = self.experts, self.intermediate, self.shared_intermediate
-        return [n * 2 * i * h, n * h * i, n * h, h * s, h * s, s * h, h]
+        return [n * 2 * i * h, n * h * i, n * h] + ([h * s, h * s, s * h] if s else []) + ([h] if self.shared_gate
+                                                                                          else [])
 
     def active_params(self, h: int) -> int:
         """Weights one token multiplies by: its top-k experts, the router, the shared expert and its gate."""
-        return self.top_k * 3 * self.intermediate * h + self.experts * h + 3 * self.shared_intermediate * h + h
+        gate = h if self.shared_gate else 0
+        return self.top_k * 3 * self.intermediate * h + self.experts * h + 3 * self.shared_intermediate * h + gate
 
     def saved_bytes(self, e: int, h: int) -> int:
         """What the MoE block keeps for backward per token (its input, the norm's output, is counted by the norm).
