@@ -263,6 +263,9 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
         raise SeqParError(f"model {m.name!r} has mixture-of-experts MLPs: seqpar's tiled MLP / tiled layer refuse them "
                           "at apply time, and LoRA on their experts is not modelled: drop --tiled-mlp / --tiled-layer "
                           "/ --finetuning lora (full fine-tuning is planned)")
+    if m.family is not None and (req.tiled_mlp or wl.lora):
+        raise SeqParError(f"model {m.name!r} ({m.model_type}): the tiled MLP and LoRA are not modelled for its layers "
+                          "(planner.families): drop --tiled-mlp / --finetuning lora (full fine-tuning is planned)")
     if m.recurrent is not None and req.tiled_layer:
         raise SeqParError("--tiled-layer tiles standard decoder layers only, not a hybrid's recurrent layers (seqpar "
                           "refuses it at apply time too): drop it")
