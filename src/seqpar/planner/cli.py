@@ -198,6 +198,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.model is None:
         raise SeqParError("give --model (e.g. --model llama-3.1-8b, tiny:llama, or a config.json)")
     from .gpus import make_cluster
+    from .kind_lines import layer_kind_lines, layer_kind_rows
     from .limits import context_limit
     from .model import load_model_facts, trainable_name
     from .search import plan, train_yaml, usable_bytes, why
@@ -216,7 +217,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "gpus": cl.gpus, "usable_bytes_per_gpu": usable_bytes(cl),
                           "notes": notes, "candidates": [c.as_json() for c in cands], "recommended": rec,
-                          "attention_spans": span_pricing(m, req.workload, cands[rec or 0]) if cands else []},
+                          "attention_spans": span_pricing(m, req.workload, cands[rec or 0]) if cands else [],
+                          "layer_kinds": layer_kind_rows(m, req.workload, cands[rec or 0]) if cands else []},
                          indent=1))
         return 0
     print(f"{args.model}: {m.num_params() / 1e9:.2f}B params, {m.layers} layers, hidden {m.hidden}, "
@@ -226,7 +228,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for n in notes:
         print(f"note: {n}")
     if cands:
-        for line in attention_lines(m, req.workload, cands[rec if rec is not None else 0]):
+        best_or_first = cands[rec if rec is not None else 0]
+        for line in attention_lines(m, req.workload, best_or_first) + layer_kind_lines(m, req.workload, best_or_first):
             print(line)
     if rec is None:
         print("\nnothing fits: add GPUs, use LoRA, --offload-optimizer/--offload-activations, or a shorter sequence")

@@ -10,7 +10,7 @@ from typing import Any
 
 from .families import LayerShape
 
-__all__ = ["family_layer_bytes", "family_mlp_bytes", "family_mlp_kind", "kind_layers"]
+__all__ = ["family_layer_bytes", "family_mlp_bytes", "family_mlp_kind", "kind_layers", "layer_mlp_bytes"]
 
 
 def kind_layers(m: Any, kind: str) -> list[LayerShape]:
@@ -26,7 +26,7 @@ def family_mlp_kind(m: Any, kind: str) -> str:
     return max(("dense", "moe", "none"), key=mlps.count)
 
 
-def _mlp(m: Any, wl: Any, lay: LayerShape) -> int:
+def layer_mlp_bytes(m: Any, wl: Any, lay: LayerShape) -> int:
     e, fam = wl.elt, m.family
     if lay.mlp == "moe":
         return fam.moe.saved_bytes(e, m.hidden)
@@ -37,7 +37,7 @@ def _mlp(m: Any, wl: Any, lay: LayerShape) -> int:
 
 def family_mlp_bytes(m: Any, wl: Any, kind: str) -> int:
     layers = kind_layers(m, kind)
-    return sum(_mlp(m, wl, lay) for lay in layers) // len(layers)
+    return sum(layer_mlp_bytes(m, wl, lay) for lay in layers) // len(layers)
 
 
 def _norm(h: int, e: int) -> int:
@@ -48,7 +48,7 @@ def _norm(h: int, e: int) -> int:
 def _layer(m: Any, wl: Any, u: int, ring: int, lay: LayerShape, soft: int, rec: int) -> int:
     e, h = wl.elt, m.hidden
     norms = sum(1 for t in lay.tensors if t == h) if m.model_type != "zamba2" else 1
-    out = norms * _norm(h, e) + _mlp(m, wl, lay)
+    out = norms * _norm(h, e) + layer_mlp_bytes(m, wl, lay)
     if lay.recurrent:
         out += rec
     if lay.attention:
