@@ -97,7 +97,8 @@ def _measure(arch: str, ring: int, seq: int = 256, mode: str = "chain", **kw):
                                                               model.config.hidden_size, mode, timeout=240)
 
 
-NEW_KIND_CASES = [("lfm2", {}), ("mamba", {}), ("jamba", {}), ("kimi_linear", {}), ("minimax", {}),
+NEW_KIND_CASES = [("lfm2", {}), ("mamba", {}), ("falcon_mamba", {}), ("jamba", {}), ("kimi_linear", {}),
+                  ("minimax", {}),
                   ("kimi_linear", {"linear_head_dim": 16, "linear_num_heads": 2}),
                   ("minimax", {"block_size": 32, "head_dim": 16}),
                   ("mamba", {"state_size": 4, "expand": 1, "time_step_rank": 2}),
@@ -149,3 +150,69 @@ def test_plan_prints_each_layer_kind(arch, capsys):
     m = load_model_facts(f"tiny:{arch}")
     for label in m.family.kinds():
         assert f"layer kind {label}:" in out, (label, out)
+
+
+# Published-size shapes, written from the public config.json of each checkpoint as recalled here (not copied from
+# a file: a value may be off); each is checked against the parameter counts the model card advertises, which a
+# wrong layer formula or a wrong value would miss: (config, total params, active params or None, tolerance).
+PUBLISHED = {
+    "LFM2-1.2B": ({"model_type": "lfm2", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "intermediate_size": 12288, "block_auto_adjust_ff_dim": True,
+                   "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256, "conv_L_cache": 3, "conv_bias": False,
+                   "vocab_size": 65536, "max_position_embeddings": 128000, "tie_word_embeddings": True,
+                   "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]},
+                  1.17e9, None, 0.02),
+    "Falcon-H1-7B": ({"model_type": "falcon_h1", "hidden_size": 3072, "num_hidden_layers": 44,
+                      "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 12288,
+                      "mamba_d_ssm": 3072, "mamba_n_heads": 24, "mamba_d_head": 128, "mamba_d_state": 256,
+                      "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_chunk_size": 128, "vocab_size": 130049,
+                      "max_position_embeddings": 262144, "tie_word_embeddings": False}, 7.59e9, None, 0.02),
+    "Jamba-mini": ({"model_type": "jamba", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                    "num_key_value_heads": 8, "intermediate_size": 14336, "num_experts": 16, "num_experts_per_tok": 2,
+                    "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 8,
+                    "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+                    "mamba_dt_rank": 256, "vocab_size": 65536, "max_position_embeddings": 262144,
+                    "tie_word_embeddings": False, "output_router_logits": False}, 52e9, 12e9, 0.03),
+    "Falcon-Mamba-7B": ({"model_type": "falcon_mamba", "hidden_size": 4096, "num_hidden_layers": 64,
+                         "state_size": 16, "expand": 2, "conv_kernel": 4, "time_step_rank": 256, "vocab_size": 65024,
+                         "tie_word_embeddings": False}, 7.27e9, None, 0.02),
+    "Kimi-Linear-48B-A3B": ({"model_type": "kimi_linear", "hidden_size": 2304, "num_hidden_layers": 27,
+                             "num_attention_heads": 32, "num_key_value_heads": 32, "kv_lora_rank": 512,
+                             "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                             "v_head_dim": 128, "num_experts": 256, "num_experts_per_token": 8,
+                             "moe_intermediate_size": 1024, "num_shared_experts": 1, "intermediate_size": 9216,
+                             "linear_num_heads": 32, "linear_head_dim": 128, "linear_conv_kernel_dim": 4,
+                             "vocab_size": 163840, "tie_word_embeddings": False,
+                             "layer_types": ["full_attention" if i + 1 in (4, 8, 12, 16, 20, 24, 27)
+                                             else "linear_attention" for i in range(27)],
+                             "mlp_layer_types": ["dense"] + ["sparse"] * 26}, 48e9, 3e9, 0.25),
+    "MiniMax-Text-01": ({"model_type": "minimax", "hidden_size": 6144, "num_hidden_layers": 80,
+                         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                         "intermediate_size": 9216, "num_local_experts": 32, "num_experts_per_tok": 2,
+                         "block_size": 256, "vocab_size": 200064, "max_position_embeddings": 10240000,
+                         "tie_word_embeddings": False, "output_router_logits": False,
+                         "layer_types": ["full_attention" if i % 8 == 7 else "linear_attention" for i in range(80)]},
+                        456e9, 45.9e9, 0.06),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_shapes_count_their_advertised_params_and_plan(tmp_path, name, capsys):
+    """Total (and active, where advertised) parameters within the stated tolerance of the model card's (Kimi-Linear's
+    "48B-A3B" and MiniMax's 45.9B active are rounded / exclude embeddings: wider); a 64k-token plan on 64 H100s
+    (MiniMax-Text-01: 256 H200s; seqpar has no expert parallelism, so every rank gathers a whole 5.7B-parameter MoE
+    layer under FSDP) finds a fitting layout and prints each layer kind."""
+    from seqpar.cli import main
+
+    cfg, total, active, tol = PUBLISHED[name]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    m = load_model_facts(str(path))
+    assert m.num_params() == pytest.approx(total, rel=tol)
+    if active is not None:
+        embed = m.embed_params() + m.lm_head_params()
+        assert m.layers * m.active_layer_params() + embed == pytest.approx(active, rel=tol)
+    gpus = ["--gpus", "256", "--gpu", "h200"] if name == "MiniMax-Text-01" else ["--gpus", "64"]
+    assert main(["plan", "--model", str(path), *gpus, "--seq-len", "65536"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"layer kind {label}:" in out for label in m.family.kinds())

@@ -71,7 +71,8 @@ def add_plan_parser(sub: Any) -> None:
                    "4-layer rows with and without tiled_layer), chunks (attention head chunks), cuda (rows marked "
                    "cuda: CUDA's attention workspace held by the CPU kernel, planned with the CUDA terms), keep "
                    "(memory.keep_attention), hybrid (Qwen3.5 / Bamba / Granite 4 / Nemotron-H / Qwen3-Next rows, "
-                   "checked at 7%%)")
+                   "checked at 7%%), families (LFM2, Mamba, Falcon-Mamba, Jamba, MiniMax, Kimi-Linear, Falcon-H1, "
+                   "Zamba2, OLMo-hybrid rows, checked at 7%%)")
     v.add_argument("--validate-json", metavar="PATH", help="--validate: also write the rows (case fields, measured, "
                    "predicted) to this JSON file (docs/cpu_results/)")
     v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")
@@ -159,7 +160,7 @@ def _validate(args: argparse.Namespace) -> int:
     from . import validate as v
 
     extra = {"layer": v.TILED_GRID + v.UNTILED_GRID, "chunks": v.HEAD_CHUNK_GRID, "cuda": v.CUDA_GRID,
-             "keep": v.KEEP_GRID, "hybrid": v.HYBRID_GRID}
+             "keep": v.KEEP_GRID, "hybrid": v.HYBRID_GRID, "families": v.FAMILY_GRID}
     names = list(v.FEATURE_SETS) if args.features == "all" else args.features.split(",")
     bad = [n for n in names if n not in v.FEATURE_SETS and n not in extra]
     if bad:
@@ -167,7 +168,7 @@ def _validate(args: argparse.Namespace) -> int:
                           f"{','.join([*v.FEATURE_SETS, *extra])}")
     grid = v.with_features(v.GRID, [n for n in names if n in v.FEATURE_SETS])
     rows = v.run_validation(grid + [c for n in names if n in extra for c in extra[n]])
-    tol = v.HYBRID_TOLERANCE if names == ["hybrid"] else v.TOLERANCE
+    tol = v.HYBRID_TOLERANCE if names in (["hybrid"], ["families"]) else v.TOLERANCE
     print(v.format_rows(rows, tol))
     if args.validate_json:
         import json

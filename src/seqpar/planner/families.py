@@ -104,7 +104,8 @@ def _layer(label: str, tensors: list[int], mlp: list[int], moe: MoeFacts | None,
 
 def family_facts(model_type: str, hf: Any, rec: RecurrentFacts | None) -> FamilyFacts:
     """A family's layers from its transformers config object (`rec`: its recurrent mixer)."""
-    h, heads = int(hf.hidden_size), int(hf.num_attention_heads)
+    h = int(hf.hidden_size)
+    heads = int(_get(hf, "num_attention_heads", 1))  # (Mamba / Falcon-Mamba: no attention)
     kv = int(_get(hf, "num_key_value_heads", heads))
     d = int(_get(hf, "head_dim", h // heads))
     n = int(hf.num_hidden_layers)

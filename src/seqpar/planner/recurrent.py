@@ -47,7 +47,7 @@ class RecurrentFacts:
     chunk: int  # the recurrence's chunk (SSD: the config's; delta rule: 64)
     extra: int = 0  # mamba1: the dt rank (planner.recurrent_kinds)
     bias: bool = False  # short_conv: its projections' and conv's biases; mamba1: its conv's
-    norms: bool = False  # mamba1: Jamba's dt / B / C RMSNorm weights
+    norms: int = 0  # mamba1's dt / B / C RMSNorms: 0 none (Mamba), 1 weightless (Falcon-Mamba), 2 weighted (Jamba)
 
     @property
     def new(self) -> bool:

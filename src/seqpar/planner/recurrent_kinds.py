@@ -12,7 +12,7 @@ each layer kind's facts from a text config dict (planner.recurrent.RecurrentFact
 Field use (RecurrentFacts): heads / v_heads (mamba1: channels d; short_conv: hidden), k_dim (mamba1: n), v_dim,
 groups, conv_kernel (lightning: 1, no conv), chunk (kda: the delta rule's 64; lightning: its block; else 1),
 extra (mamba1: dt rank; lightning: unused), bias (short_conv: the projections' and conv's biases; mamba1: the
-conv's), norms (mamba1: Jamba's dt / B / C RMSNorm weights).
+conv's), norms (mamba1's dt / B / C RMSNorms: 1 weightless, Falcon-Mamba; 2 weighted, Jamba).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def new_kind_facts(model_type: str, c: dict[str, Any]) -> Any:
         if model_type == "jamba":
             d = _int(c, "mamba_expand", default=2) * h
             n, k, r = _int(c, "mamba_d_state", default=16), _int(c, "mamba_d_conv", default=4), c.get("mamba_dt_rank")
-            bias, norms = bool(c.get("mamba_conv_bias", True)), True
+            bias, norms = bool(c.get("mamba_conv_bias", True)), 2
         else:
             d = _int(c, "intermediate_size", default=_int(c, "expand", default=2) * h)
             n, k, r = _int(c, "state_size", default=16), _int(c, "conv_kernel", default=4), c.get("time_step_rank")
-            bias, norms = bool(c.get("use_conv_bias", True)), False
+            bias, norms = bool(c.get("use_conv_bias", True)), 1 if model_type == "falcon_mamba" else 0
         r = -(-h // 16) if r in (None, "auto") else int(r)
         return RecurrentFacts("mamba1", d, d, n, 1, 1, k, 1, extra=r, bias=bias, norms=norms)
     if model_type == "kimi_linear":
@@ -78,7 +78,7 @@ def mixer_tensors(f: Any, h: int) -> list[int]:
     if f.kind == "mamba1":  # in_proj, conv, x_proj, dt_proj (+ bias), A_log, D, out_proj (+ Jamba's norms)
         d, n, r = f.heads, f.k_dim, f.extra
         t = [h * 2 * d, d * f.conv_kernel, d * (r + 2 * n), r * d, d, d * n, d, d * h]
-        return t + ([d] if f.bias else []) + ([r, n, n] if f.norms else [])
+        return t + ([d] if f.bias else []) + ([r, n, n] if f.norms == 2 else [])
     if f.kind == "kda":  # q k v, conv, forget gate (f_a, f_b, dt_bias, A_log), b_proj, g_a, g_b, o_norm, o_proj
         hd, d = f.heads * f.k_dim, f.k_dim
         return [3 * h * hd, 3 * hd * f.conv_kernel, h * d, d * hd, hd, f.heads, h * f.heads, h * d, d * hd, d,

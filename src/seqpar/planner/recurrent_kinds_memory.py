@@ -69,27 +69,28 @@ def new_saved_bytes(f: RecurrentFacts, e: int, u: int, pieces: list[int], rows: 
 
 
 def new_backward_bytes(f: RecurrentFacts, e: int, pieces: list[int]) -> int:
-    """The mixer backward's peak over its saved tensors per local token: one piece's gradients of the largest
-    saved terms at a time (the scan's [d, n] states, KDA's [C, d] products, lightning's blocks), at least the
-    gradient of in_proj's output."""
+    """The mixer backward's peak over its saved tensors per local token, measured with MemTracker on one mixer's SP
+    backward (fp32, ring 1 and 2; the recurrence runs piece by piece, so the largest piece's share): the torch scan's
+    gradient buffers of its [d, n] per-step tensors (four per token in one piece; two in a continuing piece, whose
+    gradients reach the scan through the correction), KDA's gradients of its [C, dk] products (2.75 per head token),
+    and for the short conv and lightning attention a few e-sized [channels] gradients (2.25 h; 2.5 H d)."""
     share = max(pieces) / sum(pieces)
     h, d = f.heads, f.k_dim
     if f.kind == "short_conv":
-        return 3 * e * h
+        return math.ceil(9 * e * h / 4)
     if f.kind == "mamba1":
-        return math.ceil(max(share * 8 * h * d, 2 * e * h))
+        return math.ceil(share * 4 * h * d * (4 if len(pieces) == 1 else 2))
     if f.kind == "kda":
-        return math.ceil(share * 4 * h * 2 * f.chunk * d)
-    return math.ceil(share * 4 * h * 2 * f.chunk + 3 * e * h * d)
+        return math.ceil(share * 11 * h * f.chunk * d)
+    return math.ceil(5 * e * h * d / 2)
 
 
 def new_forward_temp(f: RecurrentFacts, pieces: list[int]) -> int:
-    """The mixer forward's peak over what it keeps, per local token (a checkpointed layer's recompute): the
-    temporaries freed inside one piece (mamba1: the discretised dt B x, one [d, n]; KDA: the decay mask's
-    difference, one [C, d]; none worth counting for the others)."""
-    share = max(pieces) / sum(pieces)
+    """The mixer forward's peak over what it keeps, per local token (a checkpointed layer's recompute), measured as
+    new_backward_bytes: mamba1's freed [d, n] temporaries (up to 1.5 fp32 per token, a continuing piece's
+    cumulative decay included), KDA's (up to 0.65 fp32 [C, dk] per head token); none for the others."""
     if f.kind == "mamba1":
-        return math.ceil(share * 4 * f.heads * f.k_dim)
+        return 6 * f.heads * f.k_dim
     if f.kind == "kda":
-        return math.ceil(share * 4 * f.heads * f.chunk * f.k_dim)
+        return math.ceil(2.6 * f.heads * f.chunk * f.k_dim)
     return 0
