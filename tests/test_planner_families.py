@@ -216,3 +216,30 @@ def test_published_shapes_count_their_advertised_params_and_plan(tmp_path, name,
     assert main(["plan", "--model", str(path), *gpus, "--seq-len", "65536"]) == 0
     out = capsys.readouterr().out
     assert all(f"layer kind {label}:" in out for label in m.family.kinds())
+
+
+# ----------------------------------------------------------------------------- whole models vs the meter
+def test_committed_family_readings_hold_for_this_planner():
+    """The committed family grid (docs/cpu_results, `seqpar plan --validate --features families --validate-json`):
+    one SP forward + backward step of each tiny family measured by MemTracker (seqpar train's step, SP 1 and ring 2);
+    it covers every row of FAMILY_GRID and this planner's prediction for each is within HYBRID_TOLERANCE."""
+    from pathlib import Path
+
+    from seqpar.planner.measure import Case
+    from seqpar.planner.validate import FAMILY_GRID, FAMILY_RESULTS, HYBRID_TOLERANCE, format_rows, predict_case
+
+    data = json.loads((Path(__file__).resolve().parent.parent / FAMILY_RESULTS).read_text())
+    rows = [{**r, "predicted": predict_case(Case(**r["fields"]))} for r in data["rows"]]
+    for r in rows:
+        r["rel_err"] = r["predicted"] / r["measured"] - 1.0
+    assert {r["case"] for r in rows} == {c.label() for c in FAMILY_GRID}
+    assert all(abs(r["rel_err"]) <= HYBRID_TOLERANCE for r in rows), format_rows(rows, HYBRID_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_family_grid_matches_memtracker():
+    """The whole family grid re-measured (`seqpar plan --validate --features families`)."""
+    from seqpar.planner.validate import FAMILY_GRID, HYBRID_TOLERANCE, format_rows, run_validation
+
+    rows = run_validation(FAMILY_GRID, timeout=900)
+    assert all(abs(r["rel_err"]) <= HYBRID_TOLERANCE for r in rows), format_rows(rows, HYBRID_TOLERANCE)

@@ -70,9 +70,8 @@ def add_plan_parser(sub: Any) -> None:
                    help="feature rows for --validate: none | all | ckpt,fused,tiled,offload,layer (layer: also the "
                    "4-layer rows with and without tiled_layer), chunks (attention head chunks), cuda (rows marked "
                    "cuda: CUDA's attention workspace held by the CPU kernel, planned with the CUDA terms), keep "
-                   "(memory.keep_attention), hybrid (Qwen3.5 / Bamba / Granite 4 / Nemotron-H / Qwen3-Next rows, "
-                   "checked at 7%%), families (LFM2, Mamba, Falcon-Mamba, Jamba, MiniMax, Kimi-Linear, Falcon-H1, "
-                   "Zamba2, OLMo-hybrid rows, checked at 7%%)")
+                   "(memory.keep_attention), hybrid (Qwen3.5 / Bamba / Granite 4 / Nemotron-H / Qwen3-Next), families "
+                   "(LFM2, Mamba, Falcon-Mamba, Jamba, MiniMax, Kimi-Linear, Falcon-H1, Zamba2, OLMo-hybrid; 7%%)")
     v.add_argument("--validate-json", metavar="PATH", help="--validate: also write the rows (case fields, measured, "
                    "predicted) to this JSON file (docs/cpu_results/)")
     v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")

@@ -286,7 +286,8 @@ def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
         from .family_model import family_model_facts
 
         layers = int(getattr(hf, "num_hidden_layers", 0) or 0)
-        return family_model_facts(name, c, hf, _attention_facts(hf, layers), c.get("model_type") in QK_NORM_TYPES)
+        return ModelFacts(**family_model_facts(name, c, hf, _attention_facts(hf, layers),
+                                               c.get("model_type") in QK_NORM_TYPES))
     kinds = layer_kinds(c)
     rec = recurrent_facts(name, c, kinds) if "hidden_size" in c else None
     try:

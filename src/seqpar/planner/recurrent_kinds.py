@@ -1,5 +1,5 @@
 """The recurrent / convolutional mixers of the hybrid families beyond Gated DeltaNet and Mamba2, for the planner:
-each layer kind's facts from a text config dict (planner.recurrent.RecurrentFacts with a new `kind`).
+the formulas of planner.recurrent.RecurrentFacts for each new `kind` (planner.family_model reads them from a config).
 
 - short_conv (LFM2, LFM2-MoE, LFM3: seqpar.hf.short_conv): in_proj to B | C | x, a depthwise causal conv of
   conv_L_cache taps over B * x (hidden channels), C * conv, out_proj. No state: the ring sends a halo only.
@@ -19,46 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["NEW_KINDS", "new_kind_facts"]
+__all__ = ["NEW_KINDS", "KDA_CHUNK", "conv_channels", "mixer_tensors", "flops_per_token", "ulysses_elems",
+           "state_elems"]
 
 NEW_KINDS = ("short_conv", "mamba1", "kda", "lightning")
 KDA_CHUNK = 64  # transformers' chunk_kimi_delta_attention torch path
-
-
-def _int(c: dict[str, Any], *names: str, default: int | None = None) -> int:
-    v = next((c[n] for n in names if c.get(n) is not None), default)
-    if v is None:
-        raise KeyError(names[0])
-    return int(v)
-
-
-def new_kind_facts(model_type: str, c: dict[str, Any]) -> Any:
-    """The recurrent facts of a family whose mixer is one of NEW_KINDS (None for the others)."""
-    from .recurrent import RecurrentFacts
-
-    h = int(c["hidden_size"])
-    if model_type in ("lfm2", "lfm2_moe", "lfm3"):
-        return RecurrentFacts("short_conv", h, h, 1, 1, 1, _int(c, "conv_L_cache", default=3), 1,
-                              bias=bool(c.get("conv_bias", False)))
-    if model_type in ("jamba", "falcon_mamba", "mamba"):
-        if model_type == "jamba":
-            d = _int(c, "mamba_expand", default=2) * h
-            n, k, r = _int(c, "mamba_d_state", default=16), _int(c, "mamba_d_conv", default=4), c.get("mamba_dt_rank")
-            bias, norms = bool(c.get("mamba_conv_bias", True)), 2
-        else:
-            d = _int(c, "intermediate_size", default=_int(c, "expand", default=2) * h)
-            n, k, r = _int(c, "state_size", default=16), _int(c, "conv_kernel", default=4), c.get("time_step_rank")
-            bias, norms = bool(c.get("use_conv_bias", True)), 1 if model_type == "falcon_mamba" else 0
-        r = -(-h // 16) if r in (None, "auto") else int(r)
-        return RecurrentFacts("mamba1", d, d, n, 1, 1, k, 1, extra=r, bias=bias, norms=norms)
-    if model_type == "kimi_linear":
-        heads, d = _int(c, "linear_num_heads"), _int(c, "linear_head_dim")
-        return RecurrentFacts("kda", heads, heads, d, d, 1, _int(c, "linear_conv_kernel_dim", default=4), KDA_CHUNK)
-    if model_type == "minimax":
-        heads = _int(c, "num_attention_heads")
-        d = _int(c, "head_dim", default=h // heads)
-        return RecurrentFacts("lightning", heads, heads, d, d, 1, 1, _int(c, "block_size", default=256))
-    return None
 
 
 def conv_channels(f: Any) -> int:
