@@ -46,6 +46,7 @@ def refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
             f"model {name!r} has {' and '.join(what)}: seqpar plan models dense decoders (Llama / Qwen2 / Qwen3 / "
             "Mistral-like, hybrids whose layers each hold softmax attention or Gated DeltaNet / Mamba2 plus a "
             "dense MLP: Qwen3.5, Granite 4, Bamba, and Nemotron-H's blocks of one mixer or one dense MLP; the "
-            f"MoE MLPs of {', '.join(MOE_TYPES)}); its memory and time would be wrong for this model. "
+            f"MoE MLPs of {', '.join(MOE_TYPES)}; the hybrid families {', '.join(FAMILY_TYPES)}); its memory and "
+            "time would be wrong for this model. "
             "Measure it instead (seqpar train with `memory:` features logs peak memory per step)"
         )
