@@ -138,6 +138,17 @@ def test_ring_traffic_matches_the_planner(arch, ring, mode):
     for channel in ("state_fwd", "state_bwd"):
         assert sum(s.get(channel, 0) for s in stats) == hops * state, (channel, stats)
     assert state > 0 or f.kind == "short_conv"
+    # the step's collectives (planner.collectives) for these layers: forward + backward, no checkpointing
+    from seqpar.planner.collectives import step_collectives
+    from seqpar.planner.workload import Features, Layout, Workload
+
+    wl = Workload(96, precision="fp32", state_passing=mode)
+    step = {c.what: c for c in step_collectives(m, wl, Layout(1, ring, 1), Features(activation_checkpointing=False))}
+    per_layer = 2 * m.linear_layers  # each recurrent layer's forward and backward
+    assert step.get("halo") is None if not halo else step["halo"].nbytes == per_layer * halo * (ring - 1)
+    if mode == "chain" and f.has_state:
+        assert step["state"].nbytes == m.linear_layers * sum(s.get("state_fwd", 0) + s.get("state_bwd", 0)
+                                                             for s in stats)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -145,7 +156,7 @@ def test_ring_traffic_matches_the_planner(arch, ring, mode):
 def test_plan_prints_each_layer_kind(arch, capsys):
     from seqpar.cli import main
 
-    assert main(["plan", "--model", f"tiny:{arch}", "--gpus", "8", "--seq-len", "8192"]) == 0
+    assert main(["plan", "--model", f"tiny:{arch}", "--gpus", "8", "--seq-len", "4096"]) == 0
     out = capsys.readouterr().out
     m = load_model_facts(f"tiny:{arch}")
     for label in m.family.kinds():
