@@ -6,8 +6,8 @@ of the short conv, Mamba1, KDA and lightning SP forwards (planner.recurrent_kind
 bytes after one mixer's SP forward, on a ring of 1 and 2 (threads, the busiest rank), at two shapes each, within 2%;
 the bytes the ring sends (seqpar.comm's CommStats: the conv halo's all-gather, the chain's state hops forward and
 backward, the scan's all-gather) and Ulysses 2's all-to-alls equal the planner's per layer and pass, for every
-recurrent kind; one training step of each tiny family (committed MemTracker readings, SP 1 and ring 2) within 7%; `seqpar plan`
-plans each family (tiny and published-size configs) and prints a line per layer kind.
+recurrent kind; one training step of each tiny family (committed MemTracker readings, SP 1 and ring 2) within 7%;
+`seqpar plan` plans each family (tiny and published-size configs) and prints a line per layer kind.
 """
 
 from __future__ import annotations
