@@ -121,13 +121,14 @@ def _ckpt(arch: str) -> dict[str, bool]:
 
 
 # The hybrid families of planner.families, one tiny model each (hf.models_hybrid's shapes, head dim 8): SP 1 without
-# memory features, and a ring of 2 with checkpointing + fused loss (Falcon-H1: without; state passing, the conv halo).
+# memory features, a ring of 2 with checkpointing + fused loss (Falcon-H1: without; state passing, the conv halo) and
+# Ulysses 2 without features.
 # Readings committed in docs/cpu_results/ (FAMILY_RESULTS, `seqpar plan --validate --features families
 # --validate-json PATH`).
 FAMILY_ARCHS = ("lfm2", "mamba", "falcon_mamba", "jamba", "minimax", "kimi_linear", "falcon_h1", "zamba2",
                 "olmo_hybrid")
 FAMILY_GRID: list[Case] = [Case(arch=a, head_dim=8, memory=mem, **mesh) for a in FAMILY_ARCHS
-                           for mem, mesh in ((NO_FEATURES, {}), (_ckpt(a), {"ring": 2}))]
+                           for mem, mesh in ((NO_FEATURES, {}), (_ckpt(a), {"ring": 2}), (NO_FEATURES, {"ulysses": 2}))]
 FAMILY_RESULTS = "docs/cpu_results/2026-11-29-planner-families.json"
 
 
