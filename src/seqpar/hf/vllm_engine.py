@@ -31,7 +31,7 @@ import torch
 
 from ..errors import SeqParError
 
-__all__ = ["VLLMEngine", "check_vllm_model", "vllm_available"]
+__all__ = ["VLLMEngine", "check_vllm_model", "check_process_ranks", "vllm_available"]
 
 # vLLM logs every engine's start on every rank (INFO, and WARNINGs about a tokenizer and chat template the engine
 # does not use, thread binding, LD_PRELOAD): errors only, unless VLLM_LOGGING_LEVEL says otherwise (read at import).
@@ -59,35 +59,44 @@ def architectures(config: Any) -> list[str]:
     return archs
 
 
-def check_vllm_model(config: Any, on_cuda: bool) -> None:
+def check_vllm_model(config: Any, on_cuda: bool, option: str = "grpo.rollout.engine: vllm",
+                     instead: str = "engine: transformers", tiny_hint: str = "model.kwargs.head_dim: 32") -> None:
     """Refuse (one line, before any rank starts) what the vLLM engine cannot run: no vLLM installed, an
-    architecture vLLM does not have, a vision-language model, a head_dim vLLM's CPU attention refuses."""
+    architecture vLLM does not have, a vision-language model, a head_dim vLLM's CPU attention refuses.
+    option / instead / tiny_hint: the trainer's names for the engine, the way back and a tiny model's head_dim."""
     if not vllm_available():
-        raise SeqParError("grpo.rollout.engine: vllm needs vLLM, which this environment lacks: build its "
-                          "environment with `make vllm-env` and run with .venv-vllm/bin/python (or use engine: "
-                          "transformers)")
+        raise SeqParError(f"{option} needs vLLM, which this environment lacks: build its environment with `make "
+                          f"vllm-env` and run with .venv-vllm/bin/python (or use {instead})")
     if config is None:
-        raise SeqParError("grpo.rollout.engine: vllm needs the model's HF config (model.name 'smollm2' is a GGUF "
-                          "file): use a local HF model directory or tiny:<arch>, or engine: transformers")
+        raise SeqParError(f"{option} needs the model's HF config (model.name 'smollm2' is a GGUF file): use a local "
+                          f"HF model directory or tiny:<arch>, or {instead}")
     if getattr(config, "vision_config", None) is not None:
-        raise SeqParError("grpo.rollout.engine: vllm does not take vision-language models yet: use engine: "
-                          "transformers")
+        raise SeqParError(f"{option} does not take vision-language models yet: use {instead}")
     from vllm.model_executor.models import ModelRegistry
 
     archs = architectures(config)
     known = set(ModelRegistry.get_supported_archs())
     if not archs or not any(a in known for a in archs):
-        raise SeqParError(f"grpo.rollout.engine: vllm: vLLM has no architecture {archs or config.model_type!r}: use "
-                          f"engine: transformers for this model")
+        raise SeqParError(f"{option}: vLLM has no architecture {archs or config.model_type!r}: use {instead} for "
+                          "this model")
     hd = _head_dim(config)
     if not on_cuda:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         ok = CPUAttentionBackend.get_supported_head_sizes()
         if hd not in ok:
-            raise SeqParError(f"grpo.rollout.engine: vllm: head_dim={hd} is not one vLLM's CPU attention runs "
+            raise SeqParError(f"{option}: head_dim={hd} is not one vLLM's CPU attention runs "
                               f"({', '.join(map(str, ok))}): use a model with one of those (a tiny model: "
-                              f"model.kwargs.head_dim: 32), or engine: transformers")
+                              f"{tiny_hint}), or {instead}")
+
+
+def check_process_ranks(option: str) -> None:
+    """vLLM keeps one engine's state per process: ranks that are threads (seqpar.threaded) cannot each hold one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "seqpar_threads":
+        raise SeqParError(f"{option}: the vLLM engine needs ranks that are processes (vLLM keeps its state per "
+                          "process), not threads (seqpar.threaded): launch with seqpar train / torchrun")
 
 
 def _quiet_rope_reload() -> None:
@@ -141,14 +150,16 @@ class VLLMEngine:
 
     def generate(self, rows: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
                  temperature: float, top_p: float, top_k: int,
-                 eos_token_id: int) -> tuple[list[list[int]], list[list[float]]]:
-        """(completions, log-probs): row i sampled with seed seeds[i], up to and including its first EOS."""
+                 eos_token_id: int | Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """(completions, log-probs): row i sampled with seed seeds[i], up to and including its first EOS (one id, or
+        several: TRL's eos_token_ids)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        stops = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
         params = [SamplingParams(n=1, seed=int(s) % (2**63 - 1), temperature=float(temperature), top_p=float(top_p),
                                  top_k=int(top_k), max_tokens=int(max_new_tokens), logprobs=0, ignore_eos=True,
-                                 stop_token_ids=[int(eos_token_id)], detokenize=False) for s in seeds]
+                                 stop_token_ids=stops, detokenize=False) for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(r)) for r in rows]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         ids, lps = [], []
@@ -194,9 +205,7 @@ def _join_world(rank: int) -> bool:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "0")
     if dist.is_initialized():
-        if dist.get_backend() == "seqpar_threads":  # seqpar.threaded: vLLM keeps one engine's state per process
-            raise SeqParError("the vLLM engine needs ranks that are processes (vLLM keeps its state per process), "
-                              "not threads (seqpar.threaded): launch with seqpar train / torchrun")
+        check_process_ranks("the vLLM engine")
         return False
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return True
