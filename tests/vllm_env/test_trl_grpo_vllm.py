@@ -10,7 +10,8 @@ beta 0.04 (a frozen reference: the initial weights), TRL's use_bias_correction_k
 - The drop-in at SP 1 vs `seqpar train` (stage grpo, grpo.rollout.engine vllm) on the same prompts in the same order
   (TRL's shuffle_dataset=False, seqpar's dataset.shuffle false): the same completions, per-step losses within 1e-5 and
   the same parameters within 1e-5 (the exported final model).
-- Refusals: a head_dim the CPU attention does not run; ranks that are threads (seqpar.threaded).
+- Refusals (one line, before any collective): a head_dim the CPU attention does not run; ranks that are threads
+  (seqpar.threaded). TRL's vLLM options refused or mapped: tests/test_trl_grpo.py (no vLLM needed).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ pytest.importorskip("trl")
 
 from seqpar.errors import SeqParError  # noqa: E402
 from seqpar.spawn import run_distributed  # noqa: E402
+from seqpar.threaded import run_threaded  # noqa: E402
 
 TOL = 1e-5
 LP_TOL = 1e-4
@@ -195,3 +197,23 @@ def test_refusals(tmp_path):
     msg = str(e.value)
     assert "use_vllm=True: head_dim=8 is not one vLLM's CPU attention runs" in msg and "use_vllm=False" in msg
     assert "\n" not in msg
+    _save_model(tmp_path / "m32")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m32", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m32")
+    said = run_threaded(_construct, 2, model, tok, str(tmp_path / "t"), timeout=120)
+    assert said[0] == said[1] and "use_vllm=True: the vLLM engine needs ranks that are processes" in said[0], said
+
+
+def _construct(model, tok, out: str) -> str:
+    """A drop-in with use_vllm built on a rank that is a thread: the one-line refusal (or 'no error')."""
+    import datasets
+
+    from seqpar.trl import SequenceParallelGRPOTrainer
+
+    try:
+        SequenceParallelGRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                                    args=_grpo_config(out), train_dataset=datasets.Dataset.from_list(PROMPTS),
+                                    processing_class=tok, sequence_parallel_size=2)
+    except SeqParError as e:
+        return str(e)
+    return "no error"
