@@ -101,3 +101,18 @@ def test_trim_rollouts(tmp_path):
     trim_rollouts(p, 0)  # a fresh start
     assert not p.exists()
 
+
+
+def test_trl_row_seeds_follow_the_row_position():
+    """The TRL drop-in's use_vllm seeds: row r of the step's generation batch is generation r % G of prompt r // G,
+    seeded as `seqpar train` seeds that prompt position (local_rows with the global prompt index): the same seeds at
+    any dp size (dp rank d holds rows d x n ... of the batch), different ones at the next step."""
+    from seqpar.hf.generation import local_rows
+    from seqpar.hf.vllm_rollout import trl_row_seeds
+
+    one = trl_row_seeds(8, 2, seed=9, step=3, dp_rank=0)
+    assert trl_row_seeds(4, 2, 9, 3, 0) + trl_row_seeds(4, 2, 9, 3, 1) == one
+    assert sum((trl_row_seeds(2, 2, 9, 3, d) for d in range(4)), []) == one
+    _, train_seeds = local_rows([[1]] * 4, range(4), 2, 9, 3, dp_rank=0, prompt_index=[0, 1, 2, 3])
+    assert train_seeds == one
+    assert len(set(one)) == 8 and set(one).isdisjoint(trl_row_seeds(8, 2, 9, 4, 0))

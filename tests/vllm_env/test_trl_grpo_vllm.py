@@ -10,6 +10,7 @@ beta 0.04 (a frozen reference: the initial weights), TRL's use_bias_correction_k
 - The drop-in at SP 1 vs `seqpar train` (stage grpo, grpo.rollout.engine vllm) on the same prompts in the same order
   (TRL's shuffle_dataset=False, seqpar's dataset.shuffle false): the same completions, per-step losses within 1e-5 and
   the same parameters within 1e-5 (the exported final model).
+- Slow: dp 2 x SP 1 draws the SP 1 run's completions and trains to its parameters.
 - Refusals (one line, before any collective): a head_dim the CPU attention does not run; ranks that are threads
   (seqpar.threaded). TRL's vLLM options refused or mapped: tests/test_trl_grpo.py (no vLLM needed).
 """
@@ -70,7 +71,7 @@ def _grpo_config(out: str, **extra):
     return GRPOConfig(**{**kw, **extra})
 
 
-def _dropin(model_dir: str, out: str, sp: int) -> dict:
+def _dropin(model_dir: str, out: str, sp: int, **extra) -> dict:
     """One drop-in run in this (spawned) world: its completions, logged losses and mismatches, final parameters."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,8 +94,9 @@ def _dropin(model_dir: str, out: str, sp: int) -> dict:
     grpo.vllm_completions = recorded
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = SequenceParallelGRPOTrainer(
-        model=model, reward_funcs=low_ids, args=_grpo_config(out), train_dataset=datasets.Dataset.from_list(PROMPTS),
-        processing_class=AutoTokenizer.from_pretrained(model_dir), sequence_parallel_size=sp)
+        model=model, reward_funcs=low_ids, args=_grpo_config(out, **extra),
+        train_dataset=datasets.Dataset.from_list(PROMPTS), processing_class=AutoTokenizer.from_pretrained(model_dir),
+        sequence_parallel_size=sp)
     trainer.train()
     logs = trainer.state.log_history
     return {"drawn": drawn, "losses": [h["loss"] for h in logs if "loss" in h],
@@ -178,6 +180,20 @@ def _export_dir(out: Path) -> Path:
     found = [p.parent for p in out.rglob("config.json") if any(p.parent.glob("*.safetensors"))]
     assert found, sorted(str(p) for p in out.rglob("*"))
     return found[0]
+
+
+@pytest.mark.slow
+def test_dropin_dp2_equals_sp1(runs, tmp_path):
+    """dp 2 x SP 1 (2 rows per rank: the SP 1 run's global batch): each dp rank samples its block of the step's rows
+    with those rows' seeds, so the two ranks' completions together are the SP 1 run's; losses and parameters too."""
+    d, b = runs["dir"], runs["sp1"]
+    res = run_distributed(_dropin, 2, str(d / "model"), str(tmp_path / "dp2"), 1, per_device_train_batch_size=2,
+                          timeout=420)
+    assert [r0 + r1 for r0, r1 in zip(res[0]["drawn"], res[1]["drawn"])] == b["drawn"]
+    assert max(abs(x - y) for x, y in zip(res[0]["losses"], b["losses"])) < TOL, (res[0]["losses"], b["losses"])
+    got = {k.replace("module.", ""): v for k, v in res[0]["params"].items()}  # DDP's prefix, if any
+    dparam = max(float((got[k] - v).abs().max()) for k, v in b["params"].items())
+    assert dparam < TOL, dparam
 
 
 def test_refusals(tmp_path):
