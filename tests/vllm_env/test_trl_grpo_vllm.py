@@ -10,7 +10,8 @@ beta 0.04 (a frozen reference: the initial weights), TRL's use_bias_correction_k
 - The drop-in at SP 1 vs `seqpar train` (stage grpo, grpo.rollout.engine vllm) on the same prompts in the same order
   (TRL's shuffle_dataset=False, seqpar's dataset.shuffle false): the same completions, per-step losses within 1e-5 and
   the same parameters within 1e-5 (the exported final model).
-- Slow: dp 2 x SP 1 draws the SP 1 run's completions and trains to its parameters.
+- Slow: dp 2 x SP 1 draws the SP 1 run's completions and trains to its parameters; LoRA SP 2 vs SP 1 (the
+  merged adapters are what the engine samples).
 - Refusals (one line, before any collective): a head_dim the CPU attention does not run; ranks that are threads
   (seqpar.threaded). TRL's vLLM options refused or mapped: tests/test_trl_grpo.py (no vLLM needed).
 """
@@ -71,7 +72,7 @@ def _grpo_config(out: str, **extra):
     return GRPOConfig(**{**kw, **extra})
 
 
-def _dropin(model_dir: str, out: str, sp: int, **extra) -> dict:
+def _dropin(model_dir: str, out: str, sp: int, lora: bool = False, **extra) -> dict:
     """One drop-in run in this (spawned) world: its completions, logged losses and mismatches, final parameters."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -96,12 +97,18 @@ def _dropin(model_dir: str, out: str, sp: int, **extra) -> dict:
     trainer = SequenceParallelGRPOTrainer(
         model=model, reward_funcs=low_ids, args=_grpo_config(out, **extra),
         train_dataset=datasets.Dataset.from_list(PROMPTS), processing_class=AutoTokenizer.from_pretrained(model_dir),
-        sequence_parallel_size=sp)
+        sequence_parallel_size=sp, peft_config=_lora() if lora else None)
     trainer.train()
     logs = trainer.state.log_history
     return {"drawn": drawn, "losses": [h["loss"] for h in logs if "loss" in h],
             "diff_max": [h["rollout_logprob_diff_max"] for h in logs if "rollout_logprob_diff_max" in h],
             "params": {k: v.detach().clone() for k, v in trainer.model.named_parameters()}}
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
 
 
 def _seqpar_train(cfg_dict: dict) -> list[float]:
@@ -194,6 +201,23 @@ def test_dropin_dp2_equals_sp1(runs, tmp_path):
     got = {k.replace("module.", ""): v for k, v in res[0]["params"].items()}  # DDP's prefix, if any
     dparam = max(float((got[k] - v).abs().max()) for k, v in b["params"].items())
     assert dparam < TOL, dparam
+
+
+@pytest.mark.slow
+def test_dropin_lora_sp2_equals_sp1(tmp_path):
+    """LoRA (peft_config=): the engine samples the merged adapters (the logged mismatch stays below 1e-4 at step 2,
+    after the adapters moved); SP 2 on 2 ranks vs SP 1: the same completions and parameters within 1e-5."""
+    _save_model(tmp_path / "model")
+    m = str(tmp_path / "model")
+    sp2 = run_distributed(_dropin, 2, m, str(tmp_path / "sp2"), 2, lora=True, learning_rate=2.0, timeout=420)[0]
+    sp1 = run_distributed(_dropin, 1, m, str(tmp_path / "sp1"), 1, lora=True, learning_rate=2.0, timeout=420)[0]
+    assert sp2["drawn"] == sp1["drawn"]
+    assert max(abs(x - y) for x, y in zip(sp2["losses"], sp1["losses"])) < TOL, (sp2["losses"], sp1["losses"])
+    assert max(float((sp2["params"][k] - v).abs().max()) for k, v in sp1["params"].items()) < TOL
+    lora_b = [v for k, v in sp1["params"].items() if "lora_B" in k]
+    assert lora_b and max(float(v.abs().max()) for v in lora_b) > 1e-3  # the adapters moved
+    for r in (sp1, sp2):
+        assert max(r["diff_max"]) < LP_TOL, r["diff_max"]
 
 
 def test_refusals(tmp_path):
