@@ -85,11 +85,13 @@ def _dropin(model_dir: str, out: str, sp: int, lora: bool = False, **extra) -> d
     from vllm_rewards import low_ids
 
     drawn: list = []
+    engine_lps: list = []
     real = grpo.vllm_completions
 
     def recorded(trainer, prompt_ids, num_generations):
         ids, lps = real(trainer, prompt_ids, num_generations)
         drawn.append([list(p) + [-1] + list(c) for p, c in zip(prompt_ids, ids)])
+        engine_lps.append(lps)
         return ids, lps
 
     grpo.vllm_completions = recorded
@@ -100,7 +102,7 @@ def _dropin(model_dir: str, out: str, sp: int, lora: bool = False, **extra) -> d
         sequence_parallel_size=sp, peft_config=_lora() if lora else None)
     trainer.train()
     logs = trainer.state.log_history
-    return {"drawn": drawn, "losses": [h["loss"] for h in logs if "loss" in h],
+    return {"drawn": drawn, "engine_lps": engine_lps, "losses": [h["loss"] for h in logs if "loss" in h],
             "diff_max": [h["rollout_logprob_diff_max"] for h in logs if "rollout_logprob_diff_max" in h],
             "params": {k: v.detach().clone() for k, v in trainer.model.named_parameters()}}
 
@@ -218,6 +220,26 @@ def test_dropin_lora_sp2_equals_sp1(tmp_path):
     assert lora_b and max(float(v.abs().max()) for v in lora_b) > 1e-3  # the adapters moved
     for r in (sp1, sp2):
         assert max(r["diff_max"]) < LP_TOL, r["diff_max"]
+    # step 2's completions under the base weights (no adapter delta) are far from what the engine logged: a push
+    # without the merged adapters would show in the mismatch above
+    stale = _base_logprob_gap(m, sp1["drawn"][1], sp1["engine_lps"][1], 0.7)
+    assert stale > 1e-3, stale
+
+
+def _base_logprob_gap(model_dir: str, rows: list, engine_lps: list, temperature: float) -> float:
+    """Max |engine log-prob - the saved (base) model's log_softmax(logits / T)| over the rows' completion tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for row, lps in zip(rows, engine_lps):
+            cut = row.index(-1)
+            p, c = row[:cut], row[cut + 1:]
+            logits = model(torch.tensor([p + c])).logits[0].float() / temperature
+            ref = torch.log_softmax(logits, -1)[len(p) - 1:len(p) - 1 + len(c)].gather(1, torch.tensor(c)[:, None])
+            worst = max(worst, float((ref[:, 0] - torch.tensor(lps)).abs().max()))
+    return worst
 
 
 def test_refusals(tmp_path):
