@@ -75,11 +75,11 @@ def test_fsdp2_full_tensors():
 
 def test_vllm_engine_needs_vllm(monkeypatch):
     from seqpar.errors import SeqParError
-    from seqpar.hf import vllm_engine
+    from seqpar.hf import vllm_models
     from seqpar.train.config import config_from_dict
     from seqpar.train.grpo.engine import check_rollout_engine
 
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)  # as in the main environment
+    monkeypatch.setattr(vllm_models, "vllm_available", lambda: False)  # as in the main environment
     cfg = config_from_dict({"model": {"name": "tiny:llama"}, "dataset": {"path": "x.jsonl", "max_length": 64},
                             "stage": "grpo", "output_dir": "o", "micro_batch_size": 2,
                             "grpo": {"reward_funcs": ["seqpar:length"], "num_generations": 2, "max_prompt_length": 16,

@@ -94,7 +94,8 @@ def refuse_vllm_model(name: str, args: Any, model: torch.nn.Module) -> None:
     a vision-language model, ranks that are threads): seqpar.hf.vllm_engine's checks, in the drop-in's words."""
     if not args.use_vllm:
         return
-    from ..hf.vllm_engine import check_process_ranks, check_vllm_model
+    from ..hf.vllm_engine import check_process_ranks
+    from ..hf.vllm_models import check_vllm_model
 
     option = f"{name}: use_vllm=True"
     check_process_ranks(option)

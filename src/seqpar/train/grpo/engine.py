@@ -28,7 +28,7 @@ def check_rollout_engine(cfg: TrainConfig, config: Any) -> None:
     if r.max_model_len is not None and r.max_model_len < need:
         raise SeqParError(f"grpo.rollout.max_model_len={r.max_model_len} < grpo.max_prompt_length + "
                           f"grpo.max_completion_length = {need}: raise it, or leave it unset (dataset.max_length)")
-    from ...hf.vllm_engine import check_vllm_model
+    from ...hf.vllm_models import check_vllm_model
 
     check_vllm_model(config, on_cuda=torch.cuda.is_available())
 
