@@ -236,8 +236,8 @@ def test_completions_identical_over_sp_group(tmp_path):
     ({"loss_type": "dapo"}, "loss_type='dapo'"),
     ({"num_iterations": 2}, "num_iterations=2"),
     ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
-    ({"use_vllm": True}, "vllm_importance_sampling_correction=True \\(TRL's default\\) is not supported with "
-     "use_vllm=True .*: set vllm_importance_sampling_correction=False"),
+    ({"use_vllm": True}, "vllm_importance_sampling_mode='sequence_mask' .*use vllm_importance_sampling_mode="
+     "'token_truncate'"),  # TRL's defaults: correction on, sequence-level masking
     ({"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_correction": False},
      "vllm_mode='server' .*use vllm_mode='colocate'"),
     ({"use_vllm": True, "vllm_tensor_parallel_size": 2, "vllm_importance_sampling_correction": False},

@@ -78,6 +78,7 @@ from .collators import grpo_rows
 from .grpo_media import has_pixels, media_rows, refuse_fetched_media, row_images
 from .grpo_vllm import (
     add_rollout_logps,
+    importance_cap,
     log_rollout_diff,
     refuse_vllm_args,
     refuse_vllm_model,
@@ -248,7 +249,8 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         return StepSpec("grpo", beta=a.beta, loss_type=a.loss_type, **self.sp_prepare.head_kwargs(),
                         epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
                         max_completion_length=a.max_completion_length, temperature=a.temperature,
-                        kl_ratio_correction=bool(getattr(a, "use_bias_correction_kl", False)))
+                        kl_ratio_correction=bool(getattr(a, "use_bias_correction_kl", False)),
+                        importance_cap=importance_cap(type(self).__name__, a))
 
     def _grpo_reference(self) -> ReferenceTokenLogps | None:
         """TRL's reference (None for beta 0), run under SP: its ref_model with seqpar attention, or the PEFT

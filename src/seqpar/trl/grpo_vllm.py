@@ -53,12 +53,6 @@ def refuse_vllm_args(name: str, args: Any) -> None:
         (args.min_p not in (None, 0.0), f"min_p={args.min_p}", only, "drop min_p"),
         (args.repetition_penalty != 1.0, f"repetition_penalty={args.repetition_penalty}", only,
          "use repetition_penalty=1.0"),
-        # TODO(importance_cap): once StepSpec has importance_cap, drop this check and pass importance_cap(args)
-        # to the StepSpec (SequenceParallelGRPOTrainer._make_spec); importance_cap validates TRL's options.
-        (args.vllm_importance_sampling_correction, "vllm_importance_sampling_correction=True (TRL's default)",
-         "seqpar's GRPO loss has no importance-sampling correction yet; the engine's mismatch with the trainer's "
-         "exact log-probs is logged as rollout_logprob_diff_max / _mean", "set vllm_importance_sampling_correction="
-         "False"),
         (args.vllm_max_model_length is not None and args.vllm_max_model_length <= args.max_completion_length,
          f"vllm_max_model_length={args.vllm_max_model_length}", "it must hold a prompt and max_completion_length="
          f"{args.max_completion_length} tokens", "raise it, or leave it None (the model's max_position_embeddings)"),
@@ -66,6 +60,7 @@ def refuse_vllm_args(name: str, args: Any) -> None:
     for bad, what, why, instead in checks:
         if bad:
             raise _refused(name, what, why, instead)
+    importance_cap(name, args)  # TRL's importance-sampling options: refused here, before any collective
 
 
 def importance_cap(name: str, args: Any) -> float | None:
