@@ -3,14 +3,17 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
 
 - SP 2 on 2 ranks (Ulysses) and SP 1 on 1 rank, same seed, fp32, beta > 0 (the frozen reference model), 2 steps:
   the same completions (rollouts.jsonl) and per-step losses within 1e-5; each step's trainer-vs-engine log-prob
-  mismatch (rollout_logprob_diff_max) below 1e-4.
+  mismatch (rollout_logprob_diff_max) below 1e-4; the KL to the reference 0 at step 1 and > 1e-4 at step 2, equal
+  within 1e-5 under both layouts (so the reference term is in the compared losses).
 - The engine's logged log-probs of step 2's completions equal an independent transformers recompute (plain model,
   log_softmax(logits / T)) from the weights after step 1 (the checkpoint) within 1e-4, and differ from the initial
   weights' (step 0) by more than 1e-3: a missed weight push fails the test.
+- num_iterations 2 with importance_correction tis: SP 2 == SP 1 (one rollout, both steps' losses within 1e-5).
 - dp 2 x SP 1 draws the SP 1 run's completions; then rank 1's engine fails at step 2 and both ranks stop with the
   same one-line SeqParError.
 - Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel 2, a short max_model_len.
-- Slow: LoRA under FSDP2, SP 2 vs SP 1 (the merged adapters are what the engine samples); a resume after step 1
+- Slow: LoRA under FSDP2 with beta > 0 (the reference: adapters off), SP 2 vs SP 1 (the merged adapters are what
+  the engine samples, the KL checked as above); a resume after step 1
   rebuilds the engine and repeats the uninterrupted run's step 2.
 """
 
@@ -106,6 +109,16 @@ def test_sp2_equals_sp1(runs):
         for m in _rows(runs["out"] / run / "metrics.jsonl"):
             assert m["rollout_logprob_diff_max"] < LP_TOL and m["rollout_logprob_diff_mean"] <= m[
                 "rollout_logprob_diff_max"]
+    _check_kl(runs["out"] / "sp2", runs["out"] / "sp1")
+
+
+def _check_kl(sp2: Path, sp1: Path) -> None:
+    """beta > 0: the KL to the reference model is 0 at step 1 (policy = reference) and positive at step 2 (the
+    reference term is in the loss, not skipped), the same under both layouts."""
+    a, b = _rows(sp2 / "metrics.jsonl"), _rows(sp1 / "metrics.jsonl")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+    assert abs(a[0]["kl"]) < TOL and abs(b[0]["kl"]) < TOL, (a[0]["kl"], b[0]["kl"])
+    assert a[1]["kl"] > 1e-4 and abs(a[1]["kl"] - b[1]["kl"]) < TOL, (a[1]["kl"], b[1]["kl"])
 
 
 def _recompute(cfg: dict, state: dict | None, rows: list[dict], temperature: float) -> float:
@@ -162,6 +175,31 @@ def test_dp2_then_a_dead_engine_stops_every_rank(runs, data, tmp_path):
         [(r["prompt_ids"], r["completion_ids"]) for r in want_rows]
 
 
+def test_num_iterations_2_and_tis_sp2_equals_sp1(data, tmp_path):
+    """num_iterations 2 (step 2 reuses step 1's rollout, the ratio against its old log-probs) with truncated
+    importance sampling: SP 2 on 2 ranks and SP 1 on 1 rank draw the same completions once and agree on both
+    steps' losses within 1e-5; the engine's log-probs equal the trainer's, so each weight is 1 within 1e-4."""
+    def cfg(name: str, sp: int) -> dict:
+        c = _cfg(data, tmp_path / name, sp, num_iterations=2, importance_correction="tis")
+        # lr 0.02: at 0.5 step 2's unclipped ratios of negative advantages make a loss ~4e3 (fp32 rounding 1e-2)
+        return {**c, "checkpoint": {"every": 2}, "optimizer": {"name": "sgd", "lr": 0.02}}
+
+    sp2 = run_distributed(_train, 2, cfg("sp2", 2), timeout=420)[0]
+    sp1 = run_distributed(_train, 1, cfg("sp1", 1), timeout=420)[0]
+    a, b = _rows(tmp_path / "sp2" / "rollouts.jsonl"), _rows(tmp_path / "sp1" / "rollouts.jsonl")
+    assert [r["step"] for r in a] == [1] * 4  # one rollout for the two steps
+    assert [r["completion_ids"] for r in a] == [r["completion_ids"] for r in b]
+    assert len(sp2) == 2 and max(abs(p - q) for p, q in zip(sp2, sp1)) < TOL, (sp2, sp1)
+    assert any(abs(r["advantage"]) > 0.1 for r in a)
+    for run in ("sp1", "sp2"):
+        m = _rows(tmp_path / run / "metrics.jsonl")
+        assert [r["grpo_iteration"] for r in m] == [1, 2] and m[0]["reward"] == m[1]["reward"]
+        for r in m:
+            assert abs(r["importance_ratio/mean"] - 1) < LP_TOL and r["importance_ratio/capped"] == 0
+            assert r["rollout_logprob_diff_max"] < LP_TOL  # step 2 too: the old log-probs vs the engine's
+        assert m[0]["clip_ratio/region_mean"] == 0 < m[1]["clip_ratio/region_mean"]  # step 2's ratio is off 1
+
+
 @pytest.mark.slow
 def test_sp2_equals_sp1_lora_fsdp2(data, tmp_path):
     """LoRA under FSDP2: the merged adapters pushed from sharded parameters; SP 2 on 2 ranks vs SP 1 on 1 rank."""
@@ -176,6 +214,7 @@ def test_sp2_equals_sp1_lora_fsdp2(data, tmp_path):
     for run in ("sp1", "sp2"):
         for m in _rows(tmp_path / run / "metrics.jsonl"):
             assert m["rollout_logprob_diff_max"] < LP_TOL  # the engine samples the merged, current policy
+    _check_kl(tmp_path / "sp2", tmp_path / "sp1")  # the reference: the base model, adapters off
     # the base weights never move under LoRA: step 2 under them (no adapter delta) is far from what was logged
     stale = _recompute({**_cfg(data, tmp_path / "sp1", 1), **extra}, None, [r for r in a if r["step"] == 2], 0.7)
     assert stale > 1e-3, stale

@@ -27,7 +27,7 @@ from ... import comm
 from ...data import SequenceParallelCollator
 from ...errors import SeqParError
 from ...hf.generation import group_source_rank
-from ...layout import shard
+from ...hf.vllm_rollout import placed_rollout_logps
 from ...mesh import SequenceParallelMesh
 from ...steps import StepSpec
 from ..config import TrainConfig
@@ -45,8 +45,9 @@ def grpo_step_spec(cfg: TrainConfig) -> StepSpec:
     return StepSpec(stage="grpo", beta=g.beta, loss_type=g.loss_type, fused_loss=cfg.memory.fused_loss,
                     loss_chunk_tokens=cfg.memory.loss_chunk_tokens, epsilon_low=g.epsilon,
                     epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
-                    kl_ratio_correction=g.kl_ratio_correction,
-                    temperature=g.temperature)
+                    kl_ratio_correction=g.kl_ratio_correction, temperature=g.temperature,
+                    importance_cap=g.importance_cap if g.importance_correction == "tis" else None,
+                    keep_old_logps=g.num_iterations > 1)
 
 
 def _texts(tok: Any, rows: list[PromptRow], completions: list[list[int]], g: int) -> tuple[list, list]:
@@ -71,6 +72,21 @@ class GRPORollout:
         self.engine = RolloutEngine(cfg, mesh, tok)
         self.logprobs: list[list[float]] = []  # the last rollout's: the engine's log-prob of each sampled token
         self.rollouts_path = Path(cfg.output_dir) / "rollouts.jsonl" if self.g.log_rollouts else None
+        self.held: tuple[int, Any] | None = None  # (the step it was sampled at, the rollout's batches / rows)
+
+    def reused(self, step: int, make: Any) -> tuple[Any, dict[str, float]]:
+        """num_iterations: `make()` (a rollout: (batches or rows, metrics)) at steps 0, n, 2n, ...; the steps between
+        reuse it (its batches keep their old log-probs: StepSpec.keep_old_logps). Returns it and the step's metrics
+        (the rollout's, with grpo_iteration: 1..n when n > 1)."""
+        n = self.g.num_iterations
+        if step % n == 0 or self.held is None:
+            if step % n:  # a resume refuses such a checkpoint (lifecycle/resume.py): nothing else starts here
+                raise SeqParError(f"step {step + 1} is pass {step % n + 1} of a rollout (grpo.num_iterations={n}) "
+                                  "that this process did not sample: resume from a checkpoint at a multiple of "
+                                  "num_iterations")
+            self.held = (step, make())
+        data, metrics = self.held[1]
+        return data, {**metrics, **({"grpo_iteration": step % n + 1} if n > 1 else {})}
 
     def _score(self, rows: list[PromptRow], completions: list[list[int]]) -> Any:
         """(per_func [n, F], total [n]) or the SeqParError, computed on the group's first rank."""
@@ -146,19 +162,10 @@ class GRPORollout:
             b = self.collator(part)
             if logprobs is not None:
                 width = b["shift_labels"].shape[1] * self.mesh.sp_size  # the full (padded) length
-                full_lp = self._rollout_logps(width, rows, logprobs, range(s, s + len(part)))
-                b["rollout_logps"] = shard(full_lp, self.mesh, dim=1)
+                lens = [len(rows[j // self.g.num_generations].prompt_ids) for j in range(s, s + len(part))]
+                b["rollout_logps"] = placed_rollout_logps(lens, logprobs[s:s + len(part)], width, self.mesh)
             b["advantages"] = advantages[s:s + mbs].to(torch.float32)
             out.append(b)
-        return out
-
-    def _rollout_logps(self, width: int, rows: list[PromptRow], logprobs: list[list[float]],
-                       idx: range) -> torch.Tensor:
-        """[B, width]: at each completion token's target position (shift_labels), the engine's log-prob of it."""
-        out = torch.zeros(len(idx), width, dtype=torch.float32)
-        for i, j in enumerate(idx):
-            p, lp = len(rows[j // self.g.num_generations].prompt_ids), logprobs[j]
-            out[i, p - 1:p - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
         return out
 
     def metrics(self, completions: list[list[int]], scored: Any) -> dict[str, float]:
@@ -190,7 +197,11 @@ class GRPORollout:
         return out
 
     def step_batches(self, model: torch.nn.Module, stream: Any, step: int) -> tuple[list, dict[str, float]]:
-        """One optimizer step: this dp rank's prompts from `stream`, rolled out, collated; plus metrics."""
+        """One optimizer step: this dp rank's prompts from `stream`, rolled out, collated; plus metrics. With
+        num_iterations n, steps k n + 1 .. k n + n - 1 reuse step k n's batches (`reused`)."""
+        return self.reused(step, lambda: self._step_batches(model, stream, step))
+
+    def _step_batches(self, model: torch.nn.Module, stream: Any, step: int) -> tuple[list, dict[str, float]]:
         rows = [self.prompts[i] for i in stream.take(self.cfg.micro_batch_size * self.cfg.grad_accum
                                                      // self.g.num_generations)]
         completions, advantages, scored = self.rollout(model, rows, step)
