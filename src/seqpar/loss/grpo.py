@@ -9,9 +9,9 @@ sampling, two-sided PPO clip):
     ratio_t = exp(logp_t - old_t)               (old = logp.detach() when not given: ratio 1, same gradient)
     loss_t  = -min(ratio_t * A, clamp(ratio_t, 1 - eps_low, 1 + eps_high) * A) * w_t + beta * k3_t
     k3_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
-    w_t     = min(exp(old_t - sampling_t), cap)  (importance_cap given; else 1): truncated importance sampling
-              (TIS) for a sampler whose log-probs differ from the trainer's, TRL's token_truncate
-              vllm_importance_sampling_correction: detached, on the policy term only (not the KL)
+    w_t     = the importance weight of a sampler whose log-probs differ from the trainer's (`importance` given;
+              else 1): TRL's vllm_importance_sampling_correction, its four modes (seqpar.loss.importance):
+              detached, on the policy term only (not the KL)
 
 Aggregation (`loss_type`):
     "grpo":    mean over the step's sequences of (sum of the sequence's loss_t / its completion-token count)
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
+from .importance import ImportanceSampling, importance_weight
 from .nll import IGNORE_INDEX, upcast
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPODenominators", "grpo_denominators", "grpo_local_counts", "grpo_loss"]
@@ -201,15 +202,16 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     kl_ratio_correction: bool = False,
     sampling_logps: torch.Tensor | None = None,
-    importance_cap: float | None = None,
+    importance: ImportanceSampling | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the step's GRPO loss, and detached metrics (formulas: module docstring).
 
     kl_ratio_correction: multiply the per-token k3 KL by the (differentiable) importance ratio, TRL's
     `use_bias_correction_kl` (its default since 1.x): the same value on-policy, a different gradient.
-    sampling_logps / importance_cap: the sampler's per-token log-probs [B, S_local] and TIS's cap (module
-    docstring; both or neither); metrics then add "importance_ratio/mean" (of w_t) and "importance_ratio/capped"
-    (the fraction of completion tokens whose weight hit the cap).
+    sampling_logps / importance: the sampler's per-token log-probs [B, S_local] and the importance-sampling mode
+    and bounds (module docstring; both or neither); metrics then add "importance_ratio/mean" (w_t's mean over
+    completion tokens) and "importance_ratio/capped" (the fraction of completion tokens whose ratio fell outside
+    the bounds: truncated or masked).
 
     logps / old_logps / ref_logps / entropy: this rank's per-token [B, S_local] (values where not
     supervised are ignored). advantages: [B], the same on every SP rank. Gradient flows through
@@ -224,7 +226,7 @@ def grpo_loss(
     lp = upcast(logps)
     mask = shift_labels.to(lp.device) != IGNORE_INDEX
     adv = torch.as_tensor(advantages).detach().to(lp)[:, None]
-    weight, capped = _tis_weight(lp, mask, old_logps, sampling_logps, importance_cap)
+    weight, capped = _importance(lp, mask, old_logps, sampling_logps, importance, mesh)
     per_tok, ratio, kl = _token_losses(lp, mask, adv, old_logps, ref_logps, beta, epsilon_low, eps_high,
                                        kl_ratio_correction, weight)
     r = ratio.detach()
@@ -247,23 +249,18 @@ def grpo_loss(
     return share, _metrics(rows, mesh, beta, entropy is not None)
 
 
-def _tis_weight(lp: torch.Tensor, mask: torch.Tensor, old_logps: torch.Tensor | None,
-                sampling_logps: torch.Tensor | None, cap: float | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(w_t [B, S_local] detached, 1 where not supervised; where it hit the cap) or (None, _) without TIS.
-    old_t as the ratio's (the trainer's log-probs at the rollout): per token, so each SP rank's own shard."""
-    if (sampling_logps is None) != (cap is None) or (cap is not None and cap <= 0):
-        raise SeqParError(f"truncated importance sampling needs both sampling_logps and importance_cap > 0, got "
-                          f"{'no ' if sampling_logps is None else ''}sampling_logps and importance_cap={cap}")
-    if cap is None:
+def _importance(lp: torch.Tensor, mask: torch.Tensor, old_logps: torch.Tensor | None,
+                sampling_logps: torch.Tensor | None, importance: ImportanceSampling | None,
+                mesh: SequenceParallelMesh | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(w_t [B, S_local] detached, where the ratio fell outside the bounds) or (None, _) without correction.
+    old_t as the ratio's (the trainer's log-probs at the rollout)."""
+    if (sampling_logps is None) != (importance is None):
+        raise SeqParError(f"importance sampling needs both sampling_logps and importance, got "
+                          f"{'no ' if sampling_logps is None else ''}sampling_logps and importance={importance}")
+    if importance is None:
         return None, mask
-    if tuple(sampling_logps.shape) != tuple(lp.shape):
-        raise SeqParError(f"sampling_logps must be [B, S_local] like logps {tuple(lp.shape)}, "
-                          f"got {tuple(sampling_logps.shape)}")
     old = lp.detach() if old_logps is None else old_logps.detach().to(lp)
-    d = torch.where(mask, old - sampling_logps.detach().to(lp), torch.zeros_like(lp))
-    d = torch.nan_to_num(d, nan=0.0)  # a token the sampler could not score: no correction (TRL)
-    w = torch.exp(d)
-    return torch.clamp(w, max=cap), mask & (w > cap)
+    return importance_weight(old, sampling_logps, mask, importance, mesh)
 
 
 def _token_losses(lp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, old_logps: torch.Tensor | None,

@@ -78,7 +78,7 @@ from .collators import grpo_rows
 from .grpo_media import has_pixels, media_rows, refuse_fetched_media, row_images
 from .grpo_vllm import (
     add_rollout_logps,
-    importance_cap,
+    importance_sampling,
     log_rollout_diff,
     refuse_vllm_args,
     refuse_vllm_model,
@@ -250,7 +250,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
                         epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
                         max_completion_length=a.max_completion_length, temperature=a.temperature,
                         kl_ratio_correction=bool(getattr(a, "use_bias_correction_kl", False)),
-                        importance_cap=importance_cap(type(self).__name__, a))
+                        importance=importance_sampling(type(self).__name__, a))
 
     def _grpo_reference(self) -> ReferenceTokenLogps | None:
         """TRL's reference (None for beta 0), run under SP: its ref_model with seqpar attention, or the PEFT

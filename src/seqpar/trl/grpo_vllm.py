@@ -11,9 +11,10 @@ the SP nor on the dp size, and equal `seqpar train`'s for the same prompts in th
 
 Mapped: vllm_mode "colocate"; vllm_gpu_memory_utilization; vllm_max_model_length (None: the model's
 max_position_embeddings, as vLLM infers it); vllm_enable_sleep_mode (as `grpo.rollout.sleep`: a no-op on CPU, said
-once); vllm_model_impl "vllm" / "auto"; temperature, top_p, top_k, max_completion_length; TRL's eos_token_ids. The
-engine's log-probs of the sampled tokens reach the loss batch ("rollout_logps"): the step's mismatch with the
-trainer's exact SP log-probs is logged as rollout_logprob_diff_max / _mean.
+once); vllm_model_impl "vllm" / "auto"; vllm_importance_sampling_correction with its four modes and clip_min /
+clip_max (seqpar.loss.importance, in seqpar's exact SP loss); temperature, top_p, top_k, max_completion_length;
+TRL's eos_token_ids. The engine's log-probs of the sampled tokens reach the loss batch ("rollout_logps"): the step's
+mismatch with the trainer's exact SP log-probs is logged as rollout_logprob_diff_max / _mean.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import torch
 
 from ..errors import SeqParError
 from ..hf.vllm_rollout import VLLMRollout, VLLMSettings, placed_rollout_logps, trl_row_seeds
+from ..loss.importance import IMPORTANCE_MODES, ImportanceSampling
 from ..unwrap import base_model
 
-__all__ = ["refuse_vllm_args", "refuse_vllm_model", "refuse_vllm_zero3", "importance_cap", "vllm_rollout",
+__all__ = ["refuse_vllm_args", "refuse_vllm_model", "refuse_vllm_zero3", "importance_sampling", "vllm_rollout",
            "vllm_completions", "add_rollout_logps", "log_rollout_diff"]
 
 
@@ -60,28 +62,28 @@ def refuse_vllm_args(name: str, args: Any) -> None:
     for bad, what, why, instead in checks:
         if bad:
             raise _refused(name, what, why, instead)
-    importance_cap(name, args)  # TRL's importance-sampling options: refused here, before any collective
+    importance_sampling(name, args)  # TRL's importance-sampling options: refused here, before any collective
 
 
-def importance_cap(name: str, args: Any) -> float | None:
-    """TRL's vLLM importance-sampling options as seqpar's truncated importance sampling cap (TIS: each token's ratio
-    pi_train / pi_engine clipped from above at the cap; None: off). seqpar's correction is token-level truncation:
-    vllm_importance_sampling_mode 'token_truncate', no lower bound, a positive vllm_importance_sampling_clip_max
-    (TRL's deprecated vllm_importance_sampling_cap is copied into it by GRPOConfig)."""
+def importance_sampling(name: str, args: Any) -> ImportanceSampling | None:
+    """TRL's vLLM importance-sampling options as seqpar's loss correction (seqpar.loss.importance; None: off):
+    vllm_importance_sampling_mode (all four), _clip_min, _clip_max (TRL's deprecated vllm_importance_sampling_cap
+    is copied into it by GRPOConfig)."""
     if not (args.use_vllm and args.vllm_importance_sampling_correction):
         return None
-    mode = args.vllm_importance_sampling_mode
-    if mode != "token_truncate":
-        raise _refused(name, f"vllm_importance_sampling_mode={mode!r}", "seqpar's correction is token-level "
-                       "truncated importance sampling (TIS)", "use vllm_importance_sampling_mode='token_truncate'")
-    if args.vllm_importance_sampling_clip_min is not None:
-        raise _refused(name, f"vllm_importance_sampling_clip_min={args.vllm_importance_sampling_clip_min}",
-                       "TIS truncates the ratio from above only", "leave vllm_importance_sampling_clip_min=None")
-    cap = args.vllm_importance_sampling_clip_max
-    if cap is None or not float(cap) > 0:
-        raise _refused(name, f"vllm_importance_sampling_clip_max={cap}", "TIS needs a positive cap",
-                       "set vllm_importance_sampling_clip_max (vllm_importance_sampling_cap) > 0, e.g. 3.0")
-    return float(cap)
+    mode, lo, hi = (args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
+                    args.vllm_importance_sampling_clip_max)
+    if mode not in IMPORTANCE_MODES:
+        raise _refused(name, f"vllm_importance_sampling_mode={mode!r}", "TRL knows no such mode",
+                       f"use one of {IMPORTANCE_MODES}")
+    if mode.endswith("truncate") and lo is None and hi is None:
+        raise _refused(name, f"vllm_importance_sampling_mode={mode!r} without bounds", "truncating needs a bound",
+                       "set vllm_importance_sampling_clip_max, e.g. 3.0")
+    try:
+        return ImportanceSampling.from_name(mode, lo, hi)
+    except SeqParError as e:
+        raise _refused(name, f"vllm_importance_sampling_clip_min={lo}, vllm_importance_sampling_clip_max={hi}",
+                       str(e), "use 0 <= clip_min <= clip_max, clip_max > 0") from None
 
 
 def refuse_vllm_model(name: str, args: Any, model: torch.nn.Module) -> None:

@@ -28,6 +28,7 @@ from ...data import SequenceParallelCollator
 from ...errors import SeqParError
 from ...hf.generation import group_source_rank
 from ...hf.vllm_rollout import placed_rollout_logps
+from ...loss import ImportanceSampling
 from ...mesh import SequenceParallelMesh
 from ...steps import StepSpec
 from ..config import TrainConfig
@@ -46,8 +47,15 @@ def grpo_step_spec(cfg: TrainConfig) -> StepSpec:
                     loss_chunk_tokens=cfg.memory.loss_chunk_tokens, epsilon_low=g.epsilon,
                     epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
                     kl_ratio_correction=g.kl_ratio_correction, temperature=g.temperature,
-                    importance_cap=g.importance_cap if g.importance_correction == "tis" else None,
+                    importance=_importance(g.importance_correction, g.importance_min, g.importance_cap),
                     keep_old_logps=g.num_iterations > 1)
+
+
+def _importance(mode: str, clip_min: float | None, clip_max: float | None) -> ImportanceSampling | None:
+    """grpo.importance_correction as seqpar.loss.importance's spec ("tis" = "token_truncate"; "none": None)."""
+    if mode == "none":
+        return None
+    return ImportanceSampling.from_name("token_truncate" if mode == "tis" else mode, clip_min, clip_max)
 
 
 def _texts(tok: Any, rows: list[PromptRow], completions: list[list[int]], g: int) -> tuple[list, list]:
