@@ -3,13 +3,16 @@ uses. Runs in the environment `make vllm-env` builds (with trl 1.16), like the r
 
 The same tiny Llama (head_dim 32, the CPU attention's smallest) and a word-level tokenizer are saved to a folder that
 both trainers load; 4 prompts, 2 generations each, 2 steps of plain SGD (lr 0.5, constant, no clipping), fp32,
-beta 0.04 (a frozen reference: the initial weights), TRL's use_bias_correction_kl off (seqpar train's default).
+beta 0.04 (a frozen reference: the initial weights), TRL's use_bias_correction_kl off (seqpar train's default),
+TRL's default vLLM importance sampling (correction on, sequence_mask, clip_max 3; seqpar train's
+grpo.importance_correction: sequence_mask): the sampler agrees with the trainer, so the ratios are ~1 and the
+correction's exactness is tests/test_grpo_iterations.py's.
 - The drop-in at SP 2 on 2 ranks vs SP 1 on 1 rank: the same completions (each row has its own seed), per-step
   losses within 1e-5, every parameter after the two SGD steps within 1e-5; the engine's log-probs of the sampled
   tokens within 1e-4 of the trainer's exact SP log-probs (rollout_logprob_diff_max, logged).
-- The drop-in at SP 1 vs `seqpar train` (stage grpo, grpo.rollout.engine vllm) on the same prompts in the same order
-  (TRL's shuffle_dataset=False, seqpar's dataset.shuffle false): the same completions, per-step losses within 1e-5 and
-  the same parameters within 1e-5 (the exported final model).
+- The drop-in at SP 1 vs `seqpar train` (stage grpo, grpo.rollout.engine vllm, importance_correction sequence_mask)
+  on the same prompts in the same order (TRL's shuffle_dataset=False, seqpar's dataset.shuffle false): the same
+  completions, per-step losses within 1e-5 and the same parameters within 1e-5 (the exported final model).
 - Slow: dp 2 x SP 1 draws the SP 1 run's completions and trains to its parameters; LoRA SP 2 vs SP 1 (the
   merged adapters are what the engine samples).
 - Refusals (one line, before any collective): a head_dim the CPU attention does not run; ranks that are threads
@@ -68,7 +71,7 @@ def _grpo_config(out: str, **extra):
               loss_type="grpo", logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=9,
               disable_tqdm=True, bf16=False, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
               max_grad_norm=0.0, gradient_checkpointing=False, shuffle_dataset=False, use_vllm=True,
-              vllm_mode="colocate", vllm_importance_sampling_correction=False, vllm_max_model_length=48)
+              vllm_mode="colocate", vllm_max_model_length=48)  # TRL's default importance sampling: sequence_mask
     return GRPOConfig(**{**kw, **extra})
 
 
@@ -104,6 +107,7 @@ def _dropin(model_dir: str, out: str, sp: int, lora: bool = False, **extra) -> d
     logs = trainer.state.log_history
     return {"drawn": drawn, "engine_lps": engine_lps, "losses": [h["loss"] for h in logs if "loss" in h],
             "diff_max": [h["rollout_logprob_diff_max"] for h in logs if "rollout_logprob_diff_max" in h],
+            "is_mean": [h["importance_ratio/mean"] for h in logs if "importance_ratio/mean" in h],
             "params": {k: v.detach().clone() for k, v in trainer.model.named_parameters()}}
 
 
@@ -131,7 +135,7 @@ def _train_cfg(model_dir: Path, data: Path, out: Path) -> dict:
         "progress": False, "export": {"final": True}, "memory": {"measure": False},
         "grpo": {"reward_funcs": ["vllm_rewards:low_ids"], "num_generations": 2, "max_prompt_length": 24,
                  "max_completion_length": 12, "temperature": 0.7, "beta": 0.04, "log_rollouts": True,
-                 "rollout": {"engine": "vllm", "max_model_len": 48}},
+                 "importance_correction": "sequence_mask", "rollout": {"engine": "vllm", "max_model_len": 48}},
     }
 
 
@@ -162,6 +166,8 @@ def test_dropin_sp2_equals_sp1(runs):
     assert moved > 1e-3, moved  # the steps did update the policy (else step 2 would not test the weight push)
     for r in (a, b):
         assert len(r["diff_max"]) == 2 and max(r["diff_max"]) < LP_TOL, r["diff_max"]
+        # TRL's default correction (sequence_mask, clip_max 3) is on: ratios ~1, none masked
+        assert len(r["is_mean"]) == 2 and max(abs(x - 1) for x in r["is_mean"]) < 1e-3, r["is_mean"]
 
 
 def _initial(runs) -> dict:

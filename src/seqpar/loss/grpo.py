@@ -164,7 +164,7 @@ def _reduce(t: torch.Tensor, group, mesh: SequenceParallelMesh | None, op=None) 
 def _metrics(rows: torch.Tensor, mesh: SequenceParallelMesh | None, beta: float,
              with_entropy: bool) -> dict[str, torch.Tensor]:
     """rows: per-row [count, kl, entropy, low, high, region(, weight, capped)] sums over the FULL row (already
-    SP-reduced; the last two with TIS)."""
+    SP-reduced; the last two with importance sampling)."""
     totals = _reduce(rows.sum(0), None if mesh is None else mesh.dp_group, mesh)
     mean = totals[1:] / totals[0].clamp(min=1.0)
     valid = rows[:, 0] > 0  # TRL's nanmin/nanmax skip rows without completion tokens
@@ -208,10 +208,9 @@ def grpo_loss(
 
     kl_ratio_correction: multiply the per-token k3 KL by the (differentiable) importance ratio, TRL's
     `use_bias_correction_kl` (its default since 1.x): the same value on-policy, a different gradient.
-    sampling_logps / importance: the sampler's per-token log-probs [B, S_local] and the importance-sampling mode
-    and bounds (module docstring; both or neither); metrics then add "importance_ratio/mean" (w_t's mean over
-    completion tokens) and "importance_ratio/capped" (the fraction of completion tokens whose ratio fell outside
-    the bounds: truncated or masked).
+    sampling_logps / importance: the sampler's per-token log-probs [B, S_local] and the importance-sampling spec
+    (both or neither); metrics then add "importance_ratio/mean" (w_t's mean over completion tokens) and
+    "importance_ratio/capped" (the fraction of completion tokens whose ratio fell outside the bounds).
 
     logps / old_logps / ref_logps / entropy: this rank's per-token [B, S_local] (values where not
     supervised are ignored). advantages: [B], the same on every SP rank. Gradient flows through
@@ -274,7 +273,7 @@ def _token_losses(lp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, old_l
     ratio = torch.exp(torch.where(mask, lp - old, zero))
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_tok = -torch.min(ratio * adv, clipped * adv)
-    if weight is not None:  # TIS: the policy term only, before the KL is added (TRL)
+    if weight is not None:  # importance sampling: the policy term only, before the KL is added (TRL)
         per_tok = per_tok * weight
     kl = zero
     if beta != 0:

@@ -219,6 +219,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
                           "pass a model without a 'ref' adapter")
         self._sp_den: L.GRPODenominators | None = None
         self._grpo_args = args  # _make_spec runs before the Trainer stores self.args
+        self._sp_importance = importance_sampling(name, args)  # before use_vllm is off for TRL's __init__ below
         use_vllm, args.use_vllm = args.use_vllm, False  # TRL builds no engine of its own: seqpar's samples
         try:
             SequenceParallelTrainer.__init__(
@@ -250,7 +251,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
                         epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
                         max_completion_length=a.max_completion_length, temperature=a.temperature,
                         kl_ratio_correction=bool(getattr(a, "use_bias_correction_kl", False)),
-                        importance=importance_sampling(type(self).__name__, a))
+                        importance=self._sp_importance)
 
     def _grpo_reference(self) -> ReferenceTokenLogps | None:
         """TRL's reference (None for beta 0), run under SP: its ref_model with seqpar attention, or the PEFT

@@ -164,6 +164,10 @@ class GRPOSpec(_Strict):
                 self.importance_min > self.importance_cap):
             raise ValueError(f"grpo.importance_min={self.importance_min} > grpo.importance_cap={self.importance_cap}: "
                              "the bounds are [importance_min, importance_cap]")
+        if self.importance_correction in ("tis", "token_truncate", "sequence_truncate") and (
+                self.importance_min is None and self.importance_cap is None):
+            raise ValueError(f"grpo.importance_correction: {self.importance_correction} truncates the ratio, so it "
+                             "needs a bound: set grpo.importance_cap (e.g. 3.0) or grpo.importance_min")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} "
                              "reward_funcs: give one weight per function, or drop reward_weights")
