@@ -321,22 +321,6 @@ def test_importance_sampling_from_trl_options(tmp_path, extra, want):
         assert (got if got is None else (got.level, got.mode, got.clip_min, got.clip_max)) == want
 
 
-def test_vllm_refuses_zero3_partitions():
-    """use_vllm with DeepSpeed ZeRO-3 (partitioned parameters carry ds_id): refused after set-up, before a rollout."""
-    from types import SimpleNamespace
-
-    from seqpar.errors import SeqParError
-    from seqpar.hf import tiny_model
-    from seqpar.trl.grpo_vllm import refuse_vllm_zero3
-
-    model = tiny_model("llama", 4, 2, num_layers=1, vocab_size=64, seed=0)
-    refuse_vllm_zero3("T", SimpleNamespace(use_vllm=True), model)  # full parameters: fine
-    next(model.parameters()).ds_id = 0
-    refuse_vllm_zero3("T", SimpleNamespace(use_vllm=False), model)
-    with pytest.raises(SeqParError, match="DeepSpeed ZeRO-3 is not supported with use_vllm=True"):
-        refuse_vllm_zero3("T", SimpleNamespace(use_vllm=True), model)
-
-
 def test_refuses_tools_and_eval(tmp_path):
     from trl import GRPOConfig
 

@@ -13,7 +13,8 @@ correction's exactness is tests/test_grpo_iterations.py's.
 - The drop-in at SP 1 vs `seqpar train` (stage grpo, grpo.rollout.engine vllm, importance_correction sequence_mask)
   on the same prompts in the same order (TRL's shuffle_dataset=False, seqpar's dataset.shuffle false): the same
   completions, per-step losses within 1e-5 and the same parameters within 1e-5 (the exported final model).
-- Slow: dp 2 x SP 1 draws the SP 1 run's completions and trains to its parameters; LoRA SP 2 vs SP 1 (the
+- Slow: DeepSpeed ZeRO-3 at SP 2 vs the plain SP 1 run (completions, losses, parameters; the partitions streamed
+  into the engine); dp 2 x SP 1 draws the SP 1 run's completions and trains to its parameters; LoRA SP 2 vs SP 1 (the
   merged adapters are what the engine samples).
 - Refusals (one line, before any collective): a head_dim the CPU attention does not run; ranks that are threads
   (seqpar.threaded). TRL's vLLM options refused or mapped: tests/test_trl_grpo.py (no vLLM needed).
@@ -106,9 +107,20 @@ def _dropin(model_dir: str, out: str, sp: int, lora: bool = False, **extra) -> d
     trainer.train()
     logs = trainer.state.log_history
     return {"drawn": drawn, "engine_lps": engine_lps, "losses": [h["loss"] for h in logs if "loss" in h],
+            "zero3": any(hasattr(p, "ds_id") for p in trainer.model.parameters()),
             "diff_max": [h["rollout_logprob_diff_max"] for h in logs if "rollout_logprob_diff_max" in h],
             "is_mean": [h["importance_ratio/mean"] for h in logs if "importance_ratio/mean" in h],
-            "params": {k: v.detach().clone() for k, v in trainer.model.named_parameters()}}
+            "params": _full_params(trainer.model)}
+
+
+def _full_params(model: torch.nn.Module) -> dict:
+    """Every parameter in full (gathered from ZeRO-3's partitions on every rank: a collective)."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def _lora():
@@ -209,6 +221,26 @@ def test_dropin_dp2_equals_sp1(runs, tmp_path):
     got = {k.replace("module.", ""): v for k, v in res[0]["params"].items()}  # DDP's prefix, if any
     dparam = max(float((got[k] - v).abs().max()) for k, v in b["params"].items())
     assert dparam < TOL, dparam
+
+
+@pytest.mark.slow
+def test_dropin_zero3_sp2_equals_sp1(tmp_path):
+    """DeepSpeed ZeRO-3 (every parameter partitioned; the push streams them one at a time, seqpar.hf.weight_stream)
+    at SP 2 on 2 ranks vs the plain SP 1 run: the same completions, losses and parameters within 1e-5, the engine's
+    log-probs within 1e-4 of the trainer's at both steps (a push that missed the partitions would be far off)."""
+    pytest.importorskip("deepspeed")
+    _save_model(tmp_path / "model")
+    b = run_distributed(_dropin, 1, str(tmp_path / "model"), str(tmp_path / "sp1"), 1, timeout=420)[0]
+    ds = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+          "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0}
+    res = run_distributed(_dropin, 2, str(tmp_path / "model"), str(tmp_path / "z3"), 2, deepspeed=ds, timeout=600)
+    a = res[0]
+    assert a["zero3"] and res[1]["drawn"] == a["drawn"]
+    assert a["drawn"] == b["drawn"]
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < TOL, (a["losses"], b["losses"])
+    dparam = max(float((a["params"][k] - v).abs().max()) for k, v in b["params"].items())
+    assert dparam < TOL, dparam
+    assert len(a["diff_max"]) == 2 and max(a["diff_max"]) < LP_TOL, a["diff_max"]
 
 
 @pytest.mark.slow

@@ -82,7 +82,6 @@ from .grpo_vllm import (
     log_rollout_diff,
     refuse_vllm_args,
     refuse_vllm_model,
-    refuse_vllm_zero3,
     vllm_completions,
     vllm_rollout,
 )
@@ -233,7 +232,6 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         refuse_moe_aux(self)
         vlm = is_vlm_model(self.model)  # image prompts: the full multimodal rows
         refuse_fetched_media(self, vlm)
-        refuse_vllm_zero3(name, args, self.model)
         # TRL sized the generation batch with the world size; under SP only dp ranks take prompts.
         per_step = self._train_batch_size * args.steps_per_generation * self.sp_mesh.dp_size
         if per_step % args.num_generations:

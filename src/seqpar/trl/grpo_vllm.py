@@ -3,11 +3,11 @@
 
 TRL's own engine (trl.generation.VLLMGeneration) is never built: TRL's __init__ runs with use_vllm off and the
 drop-in samples in `_generate_single_turn` with seqpar's engine instead. One engine per rank, in the process; before
-every rollout each rank pushes the policy's current weights (plain, DDP, FSDP2, LoRA merged); each SP rank samples a
-share of the generation batch's rows and the shares are all-gathered. Row r of the step's generation batch (all dp
-ranks' rows in order; TRL's sampler repeats each prompt num_generations times in a row) is generation r % G of prompt
-r // G and is sampled with seqpar's row seed for that position (`trl_row_seeds`): the completions depend neither on
-the SP nor on the dp size, and equal `seqpar train`'s for the same prompts in the same order.
+every rollout each rank pushes the policy's current weights (plain, DDP, FSDP2, ZeRO-3, LoRA merged); each SP rank
+samples a share of the generation batch's rows and the shares are all-gathered. Row r of the step's generation batch
+(all dp ranks' rows in order; TRL's sampler repeats each prompt num_generations times in a row) is generation r % G of
+prompt r // G and is sampled with seqpar's row seed for that position (`trl_row_seeds`): the completions depend
+neither on the SP nor on the dp size, and equal `seqpar train`'s for the same prompts in the same order.
 
 Mapped: vllm_mode "colocate"; vllm_gpu_memory_utilization; vllm_max_model_length (None: the model's
 max_position_embeddings, as vLLM infers it); vllm_enable_sleep_mode (as `grpo.rollout.sleep`: a no-op on CPU, said
@@ -28,7 +28,7 @@ from ..hf.vllm_rollout import VLLMRollout, VLLMSettings, placed_rollout_logps, t
 from ..loss.importance import IMPORTANCE_MODES, ImportanceSampling
 from ..unwrap import base_model
 
-__all__ = ["refuse_vllm_args", "refuse_vllm_model", "refuse_vllm_zero3", "importance_sampling", "vllm_rollout",
+__all__ = ["refuse_vllm_args", "refuse_vllm_model", "importance_sampling", "vllm_rollout",
            "vllm_completions", "add_rollout_logps", "log_rollout_diff"]
 
 
@@ -98,16 +98,6 @@ def refuse_vllm_model(name: str, args: Any, model: torch.nn.Module) -> None:
     check_process_ranks(option)
     check_vllm_model(base_model(model).config, on_cuda=torch.cuda.is_available(), option=option,
                      instead="use_vllm=False", tiny_hint="head_dim=32 in its config")
-
-
-def refuse_vllm_zero3(name: str, args: Any, model: torch.nn.Module) -> None:
-    """DeepSpeed ZeRO-3 partitions are not pushed yet (after the Trainer's set-up, before any rollout)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if args.use_vllm and any(hasattr(p, "ds_id") for p in model.parameters()) and not any(
-            isinstance(m, FSDPModule) for m in model.modules()):
-        raise _refused(name, "DeepSpeed ZeRO-3", "the weight push gathers FSDP2 parameters, not ZeRO-3 partitions",
-                       "use FSDP2 or ZeRO 1 / 2, or use_vllm=False")
 
 
 def vllm_rollout(args: Any, model: torch.nn.Module) -> VLLMRollout:
