@@ -280,6 +280,12 @@ def test_importance_sampling_loss_sp_matches_reference(sp, mode):
         assert gap <= 1e-9, gap
         assert abs(met["importance_ratio/mean"] - float(w.mean())) <= 1e-9
         assert abs(met["importance_ratio/capped"] - float(outside.double().mean())) <= 1e-9
+        assert abs(met["sampling/importance_sampling_ratio/min"] - float(w.min())) <= 1e-9
+        assert abs(met["sampling/importance_sampling_ratio/max"] - float(w.max())) <= 1e-9
+        # TRL's mean: over tokens (token modes), over completions (sequence modes: one w per completion)
+        trl_mean = w.mean() if mode.startswith("token") else torch.stack(
+            [x[0] for x in torch.split(w, [int(m.sum()) for m in labels != -100]) if len(x)]).mean()
+        assert abs(met["sampling/importance_sampling_ratio/mean"] - float(trl_mean)) <= 1e-9
     uncorrected, _ = _is_reference(labels, logps, old, ref, sampling, adv, mode, None, 1e30, beta, eps)
     assert abs(uncorrected - want) > 1e-3  # the bounds changed the loss: the test sees them
     other = {"token_truncate": "sequence_truncate", "sequence_truncate": "token_truncate",

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
-from .importance import ImportanceSampling, importance_weight
+from .importance import ImportanceSampling, importance_metrics, importance_weight
 from .nll import IGNORE_INDEX, upcast
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPODenominators", "grpo_denominators", "grpo_local_counts", "grpo_loss"]
@@ -206,19 +206,16 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the step's GRPO loss, and detached metrics (formulas: module docstring).
 
-    kl_ratio_correction: multiply the per-token k3 KL by the (differentiable) importance ratio, TRL's
-    `use_bias_correction_kl` (its default since 1.x): the same value on-policy, a different gradient.
+    kl_ratio_correction: k3 KL x the differentiable ratio, TRL's use_bias_correction_kl (same value on-policy).
     sampling_logps / importance: the sampler's per-token log-probs [B, S_local] and the importance-sampling spec
-    (both or neither); metrics then add "importance_ratio/mean" (w_t's mean over completion tokens) and
-    "importance_ratio/capped" (the fraction of completion tokens whose ratio fell outside the bounds).
-
+    (both or neither); metrics then add "importance_ratio/mean" (w_t's mean over completion tokens),
+    "importance_ratio/capped" (fraction of completion tokens outside the bounds) and TRL's
+    sampling/importance_sampling_ratio/min|mean|max (seqpar.loss.importance.importance_metrics).
     logps / old_logps / ref_logps / entropy: this rank's per-token [B, S_local] (values where not
-    supervised are ignored). advantages: [B], the same on every SP rank. Gradient flows through
-    logps only. Returns (share, metrics); metrics are GLOBAL over sp x dp for this micro-batch, with
-    TRL's names: "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-    "clip_ratio/low_min", "clip_ratio/high_max", "kl" (beta != 0), "entropy" (when given).
-    Collectives (no gradient, the same on every rank): per-row sums over sp, totals over dp.
-    """
+    supervised are ignored). advantages: [B], the same on every SP rank. Gradient through logps only.
+    Returns (share, metrics); metrics are GLOBAL over sp x dp for this micro-batch, with TRL's names:
+    clip_ratio/low_mean|high_mean|region_mean|low_min|high_max, "kl" (beta != 0), "entropy" (when given).
+    Collectives (no gradient, the same on every rank): per-row sums over sp, totals over dp."""
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     _check_loss_inputs(logps, advantages, shift_labels, denominators, old_logps, ref_logps, beta, epsilon_low,
                        eps_high, loss_type)
@@ -245,7 +242,10 @@ def grpo_loss(
         share = per_tok.sum() / denominators.num_tokens.to(lp).clamp(min=1.0)
     else:
         share = per_tok.sum() / (n_seq * denominators.max_completion_length)
-    return share, _metrics(rows, mesh, beta, entropy is not None)
+    met = _metrics(rows, mesh, beta, entropy is not None)
+    if weight is not None:
+        met.update(importance_metrics(weight.detach(), mask, rows[:, [0, 6]], importance.level, mesh))
+    return share, met
 
 
 def _importance(lp: torch.Tensor, mask: torch.Tensor, old_logps: torch.Tensor | None,

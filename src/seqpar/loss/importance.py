@@ -23,12 +23,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 
-__all__ = ["IMPORTANCE_MODES", "ImportanceSampling", "importance_weight"]
+__all__ = ["IMPORTANCE_MODES", "ImportanceSampling", "importance_metrics", "importance_weight"]
 
 # TRL's vllm_importance_sampling_mode values
 IMPORTANCE_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -89,3 +90,32 @@ def importance_weight(
     outside = mask & ((r < lo) | (r > hi))
     w = torch.clamp(r, lo, hi) if spec.mode == "truncate" else torch.where(outside, zero, r)
     return torch.where(mask, w, torch.ones_like(w)), outside
+
+
+def importance_metrics(w: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, level: str,
+                       mesh: SequenceParallelMesh | None) -> dict[str, torch.Tensor]:
+    """TRL's sampling/importance_sampling_ratio/min|mean|max of this micro-batch, over every rank: the token modes
+    over completion tokens, the sequence modes over rows with a completion token (one w per row; TRL also counts
+    a row whose completion is empty, at ratio 1). rows: [B, 2] per-row (completion tokens, sum of w), SP-reduced.
+    No completion token anywhere: 0, as TRL."""
+    inf = torch.tensor(float("inf"), dtype=w.dtype, device=w.device)
+    ext = torch.stack([torch.where(mask, w, inf).min() if w.numel() else inf,
+                       -(torch.where(mask, w, -inf).max() if w.numel() else -inf)])
+    valid = rows[:, 0] > 0
+    if level == "sequence":
+        sums = torch.stack([(rows[:, 1] / rows[:, 0].clamp(min=1.0))[valid].sum(), valid.sum().to(w.dtype)])
+    else:
+        sums = torch.stack([rows[:, 1].sum(), rows[:, 0].sum()])
+    if mesh is not None:
+        groups = ((mesh.sp_group, mesh.sp_size), (mesh.dp_group, mesh.dp_size))
+        for group, size in groups:  # the extremes over every shard; the sums over dp (rows are SP-reduced)
+            if size > 1:
+                ext = comm.all_reduce_(ext.clone().to(mesh.comm_device), group, dist.ReduceOp.MIN,
+                                       device=mesh.comm_device).to(w)
+        if mesh.dp_size > 1:
+            sums = comm.all_reduce_(sums.clone().to(mesh.comm_device), mesh.dp_group,
+                                    device=mesh.comm_device).to(w)
+    ext = torch.where(torch.isinf(ext), torch.zeros_like(ext), ext)
+    return {"sampling/importance_sampling_ratio/min": ext[0],
+            "sampling/importance_sampling_ratio/mean": sums[0] / sums[1].clamp(min=1.0),
+            "sampling/importance_sampling_ratio/max": -ext[1]}
