@@ -110,6 +110,8 @@ def _dropin(model_dir: str, out: str, sp: int, lora: bool = False, **extra) -> d
             "zero3": any(hasattr(p, "ds_id") for p in trainer.model.parameters()),
             "diff_max": [h["rollout_logprob_diff_max"] for h in logs if "rollout_logprob_diff_max" in h],
             "is_mean": [h["importance_ratio/mean"] for h in logs if "importance_ratio/mean" in h],
+            "is_min": [h["sampling/importance_sampling_ratio/min"] for h in logs
+                       if "sampling/importance_sampling_ratio/min" in h],
             "params": _full_params(trainer.model)}
 
 
@@ -180,6 +182,7 @@ def test_dropin_sp2_equals_sp1(runs):
         assert len(r["diff_max"]) == 2 and max(r["diff_max"]) < LP_TOL, r["diff_max"]
         # TRL's default correction (sequence_mask, clip_max 3) is on: ratios ~1, none masked
         assert len(r["is_mean"]) == 2 and max(abs(x - 1) for x in r["is_mean"]) < 1e-3, r["is_mean"]
+        assert len(r["is_min"]) == 2 and min(r["is_min"]) > 0.99, r["is_min"]  # TRL's metric name, logged
 
 
 def _initial(runs) -> dict:
