@@ -1,9 +1,10 @@
 """seqpar plan for the hybrid families of planner.families (LFM2 / LFM2-MoE / LFM3, Jamba, Falcon-Mamba, Mamba,
-Falcon-H1, Zamba2, OLMo-hybrid, Kimi-Linear, MiniMax).
+Falcon-H1, Zamba2, OLMo-hybrid, Kimi-Linear, MiniMax, RecurrentGemma).
 
 Checked: the parameter count equals the tiny HF model's (every family; Zamba2's shared block once); the saved bytes
-of the short conv, Mamba1, KDA and lightning SP forwards (planner.recurrent_kinds_memory) equal MemTracker's live
-bytes after one mixer's SP forward, on a ring of 1 and 2 (threads, the busiest rank), at two shapes each, within 2%;
+of the short conv, Mamba1, KDA, lightning and RG-LRU SP forwards (planner.recurrent_kinds_memory) equal MemTracker's
+live bytes after one mixer's SP forward, on a ring of 1 and 2 (threads, the busiest rank), at two shapes each, within
+2%;
 the bytes the ring sends (seqpar.comm's CommStats: the conv halo's all-gather, the chain's state hops forward and
 backward, the scan's all-gather) and Ulysses 2's all-to-alls equal the planner's per layer and pass, for every
 recurrent kind; one training step of each tiny family (committed MemTracker readings, SP 1 and ring 2) within 7%;
@@ -20,7 +21,8 @@ import torch
 
 from seqpar.planner.model import load_model_facts
 
-FAMILIES = ["lfm2", "olmo_hybrid", "minimax", "falcon_mamba", "mamba", "jamba", "falcon_h1", "zamba2", "kimi_linear"]
+FAMILIES = ["lfm2", "olmo_hybrid", "minimax", "falcon_mamba", "mamba", "jamba", "falcon_h1", "zamba2", "kimi_linear",
+            "recurrent_gemma"]
 SWEEP_ONLY = ["lfm2_moe", "lfm3"]  # tiny configs from the family sweep's rules (hf.family_configs)
 
 
@@ -49,6 +51,14 @@ def test_family_params_equal_the_model(tmp_path, arch):
 
 
 # ----------------------------------------------------------------------------- one mixer's SP forward, measured
+def _positions(layer, seq: int, mesh) -> dict:
+    """position_ids= for a layer whose SP forward takes them (RecurrentGemma's RG-LRU: one document)."""
+    import seqpar
+    from seqpar.hf.recurrent_layers import wants_positions
+
+    return {"position_ids": seqpar.shard(torch.arange(seq)[None], mesh, 1)} if wants_positions(layer) else {}
+
+
 def _mixer_rank(layer0, ring: int, seq: int, hidden: int, mode: str):
     """One rank: (MemTracker's bytes the mixer's SP forward leaves alive per local token, beside its output; the
     mesh's CommStats after forward + backward)."""
@@ -81,7 +91,7 @@ def _mixer_rank(layer0, ring: int, seq: int, hidden: int, mode: str):
     with mt:
         xr = x.clone().requires_grad_()
         before = sum(v["Total"] for v in mt.get_tracker_snapshot().values())
-        out = recurrent_forward(layer)(layer, xr, None, ((),), mesh)
+        out = recurrent_forward(layer)(layer, xr, None, ((),), mesh, **_positions(layer, seq, mesh))
         out = out[0] if isinstance(out, tuple) else out
         after = sum(v["Total"] for v in mt.get_tracker_snapshot().values())
         out.backward(torch.ones_like(out))
@@ -100,11 +110,12 @@ def _measure(arch: str, ring: int, seq: int = 256, mode: str = "chain", **kw):
 
 _SLOW = pytest.mark.slow  # the second shapes (the fast suite keeps one of each kind)
 NEW_KIND_CASES = [("lfm2", {}), ("mamba", {}), ("falcon_mamba", {}), ("jamba", {}), ("kimi_linear", {}),
-                  ("minimax", {}),
+                  ("minimax", {}), ("recurrent_gemma", {}),
                   pytest.param("kimi_linear", {"linear_head_dim": 16, "linear_num_heads": 2}, marks=_SLOW),
                   pytest.param("minimax", {"block_size": 32, "head_dim": 16}, marks=_SLOW),
                   pytest.param("mamba", {"state_size": 4, "expand": 1, "time_step_rank": 2}, marks=_SLOW),
-                  pytest.param("jamba", {"mamba_d_state": 16, "mamba_expand": 1}, marks=_SLOW)]
+                  pytest.param("jamba", {"mamba_d_state": 16, "mamba_expand": 1}, marks=_SLOW),
+                  pytest.param("recurrent_gemma", {"lru_width": 64, "conv1d_width": 3}, marks=_SLOW)]
 
 
 @pytest.mark.parametrize("arch,kw", NEW_KIND_CASES)
@@ -122,7 +133,8 @@ def test_new_mixers_saved_bytes_match_memtracker(arch, kw):
 @pytest.mark.parametrize("arch,ring,mode", [("lfm2", 2, "chain"), ("mamba", 2, "chain"), ("kimi_linear", 2, "chain"),
                                             ("minimax", 2, "chain"), ("falcon_h1", 2, "chain"),
                                             ("olmo_hybrid", 2, "chain"), ("jamba", 3, "chain"), ("zamba2", 2, "scan"),
-                                            ("minimax", 3, "scan")])
+                                            ("minimax", 3, "scan"), ("recurrent_gemma", 2, "chain"),
+                                            ("recurrent_gemma", 3, "scan")])
 def test_ring_traffic_matches_the_planner(arch, ring, mode):
     """One mixer's SP forward + backward on a ring (threads): the bytes each rank's CommStats counted equal the
     planner's per layer and pass (planner.collectives): the halo's all-gather (every rank: 2 segments x K-1 conv
@@ -160,13 +172,15 @@ def _ulysses_rank(layer0, seq: int, hidden: int):
     mesh = seqpar.init_mesh(2, ulysses_degree=2, ring_degree=1)
     layer = copy.deepcopy(layer0)
     x = seqpar.shard(torch.randn(1, seq, hidden, generator=torch.Generator().manual_seed(0)), mesh, 1)
-    out = recurrent_forward(layer)(layer, x.contiguous().requires_grad_(), None, ((),), mesh)
+    out = recurrent_forward(layer)(layer, x.contiguous().requires_grad_(), None, ((),), mesh,
+                                   **_positions(layer, seq, mesh))
     out = out[0] if isinstance(out, tuple) else out
     out.backward(torch.ones_like(out))
     return dict(mesh.stats.bytes)
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "mamba", "kimi_linear", "minimax", "falcon_h1", "olmo_hybrid"])
+@pytest.mark.parametrize("arch", ["lfm2", "mamba", "kimi_linear", "minimax", "falcon_h1", "olmo_hybrid",
+                                  "recurrent_gemma"])
 def test_ulysses_traffic_matches_the_planner(arch):
     """One mixer's SP forward + backward under Ulysses 2 (threads, 64 tokens, fp32): the all-to-all bytes each rank's
     CommStats counted (in: the mixer's channels / gates, out: its output; again in backward) equal the step's
