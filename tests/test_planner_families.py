@@ -253,6 +253,21 @@ PUBLISHED = {
                          "tie_word_embeddings": False, "output_router_logits": False,
                          "layer_types": ["full_attention" if i % 8 == 7 else "linear_attention" for i in range(80)]},
                         456e9, 45.9e9, 0.06),
+    # RecurrentGemma (google/recurrentgemma-2b / -9b config.json as recalled): RG-LRU, RG-LRU, local attention
+    # (window 2048, one kv head of 256) repeated; MLP intermediate_size / 2; tied embeddings. The 2B card's 2.7B total;
+    # the 9B's name is rounded (8.6B counted: wider).
+    "RecurrentGemma-2B": ({"model_type": "recurrent_gemma", "hidden_size": 2560, "lru_width": 2560,
+                           "num_hidden_layers": 26, "num_attention_heads": 10, "num_key_value_heads": 1,
+                           "intermediate_size": 15360, "attention_window_size": 2048, "conv1d_width": 4,
+                           "block_types": ["recurrent", "recurrent", "attention"], "logits_soft_cap": 30.0,
+                           "partial_rotary_factor": 0.5, "vocab_size": 256000, "tie_word_embeddings": True},
+                          2.7e9, None, 0.02),
+    "RecurrentGemma-9B": ({"model_type": "recurrent_gemma", "hidden_size": 4096, "lru_width": 4096,
+                           "num_hidden_layers": 38, "num_attention_heads": 16, "num_key_value_heads": 1,
+                           "intermediate_size": 24576, "attention_window_size": 2048, "conv1d_width": 4,
+                           "block_types": ["recurrent", "recurrent", "attention"], "logits_soft_cap": 30.0,
+                           "partial_rotary_factor": 0.5, "vocab_size": 256000, "tie_word_embeddings": True},
+                          9e9, None, 0.06),
 }
 
 
