@@ -340,3 +340,22 @@ def test_family_moe_blocks_match_memtracker(arch, path):
     total = {k: next(iter(v.values()))["Total"] for k, v in snaps.items()}
     saved = (total["Post-Forward"] - total["Pre-Forward"] - 4 * m.hidden * seq) / seq  # less the block's output
     assert m.family.moe.saved_bytes(4, m.hidden) == pytest.approx(saved, rel=0.005)
+
+
+def test_kind_lines_price_local_attention_at_its_window(tmp_path):
+    """RecurrentGemma-2B's attention layers slide a 2048-token window: at 131072 tokens their kind line's forward
+    FLOPs per token are the weights' and the window's (4 x 2048 x heads x head dim, less the first window's
+    shortfall), not full causal attention's (32x more)."""
+    from types import SimpleNamespace
+
+    from seqpar.planner.kind_lines import layer_kind_rows
+    from seqpar.planner.workload import Layout, Workload
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PUBLISHED["RecurrentGemma-2B"][0]))
+    m, seq = load_model_facts(str(path)), 131072
+    rows = {r["kind"]: r for r in layer_kind_rows(m, Workload(seq), SimpleNamespace(layout=Layout(1, 1, 1),
+                                                                                    seq_len=seq))}
+    shape = next(x for x in m.family.layers if x.attention)
+    window = 4 * m.q_dim * (2048 - 2048 * 2047 / 2 / seq)  # mean keys per query: 2048 but in the first window
+    assert rows["attention + dense"]["fwd_flops_per_token"] == pytest.approx(2 * shape.active + window, rel=1e-3)
