@@ -16,6 +16,12 @@ generation_config is not read (no extra penalties); stop at eos_token_id (kept, 
 Log-probs are vLLM's "processed_logprobs": log softmax(logits / temperature) of each sampled token (renormalised
 over the kept tokens when top_k / top_p cut).
 
+Sleep (`sleep=True`, CUDA only: `sleep_mode_available`): the engine is built with vLLM's sleep mode and, after each
+rollout, `sleep()` puts it to sleep at level 2 (weights and KV cache discarded, not offloaded: the weights are pushed
+again before the next rollout anyway). The next `push` wakes the weights' memory, writes the weights into it, then
+wakes the KV cache (after the push, so the push's transient tensors are gone first), as TRL's colocate mode does.
+The first rollout after a build finds the engine awake.
+
 vLLM is imported lazily: the main environment has no vLLM (`make vllm-env` builds one that does).
 """
 
@@ -31,7 +37,7 @@ import torch
 from ..errors import SeqParError
 from .vllm_models import config_for_vllm, head_dim
 
-__all__ = ["VLLMEngine", "check_process_ranks"]
+__all__ = ["VLLMEngine", "check_process_ranks", "sleep_mode_available"]
 
 # vLLM logs every engine's start on every rank (INFO, and WARNINGs about a tokenizer and chat template the engine
 # does not use, thread binding, LD_PRELOAD): errors only, unless VLLM_LOGGING_LEVEL says otherwise (read at import).
@@ -45,6 +51,14 @@ def check_process_ranks(option: str) -> None:
     if dist.is_initialized() and dist.get_backend() == "seqpar_threads":
         raise SeqParError(f"{option}: the vLLM engine needs ranks that are processes (vLLM keeps its state per "
                           "process), not threads (seqpar.threaded): launch with seqpar train / torchrun")
+
+
+def sleep_mode_available() -> bool:
+    """Whether the engine can sleep here: on CUDA (ROCm included) only. vLLM 0.32's CPU platform has no sleep mode:
+    Platform.is_sleep_mode_available is true for CUDA / ROCm / XPU only (ModelConfig refuses enable_sleep_mode on
+    CPU: "Sleep mode is not supported on current platform"), and its CPU worker's sleep / wake_up only log "sleep
+    mode is not supported on CPU, ignore it"."""
+    return torch.cuda.is_available()
 
 
 def _quiet_rope_reload() -> None:
@@ -62,7 +76,7 @@ class VLLMEngine:
     """One in-process vLLM engine for `config` (an HF PretrainedConfig): `push` weights, `generate` rows."""
 
     def __init__(self, config: Any, *, max_model_len: int, max_num_seqs: int, dtype: torch.dtype,
-                 gpu_memory_utilization: float, enforce_eager: bool, rank: int = 0) -> None:
+                 gpu_memory_utilization: float, enforce_eager: bool, rank: int = 0, sleep: bool = False) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process (external_launcher needs it)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the trainer's threads where they are
         self._own_world = _join_world(rank)
@@ -73,6 +87,10 @@ class VLLMEngine:
         config = config_for_vllm(config)
         config.save_pretrained(self._dir.name)  # the config alone: weights come by `push`
         kw: dict[str, Any] = {}
+        self.sleeps = bool(sleep) and sleep_mode_available()  # sleep after every rollout (module docstring)
+        self._asleep: set[str] = set()  # the memory tags now discarded ("weights", "kv_cache")
+        if self.sleeps:
+            kw["enable_sleep_mode"] = True
         if torch.cuda.is_available():
             kw["gpu_memory_utilization"] = float(gpu_memory_utilization)
         else:  # vLLM reads the fraction as one of host memory: size the KV cache for the rollout instead
@@ -91,15 +109,35 @@ class VLLMEngine:
             torch.set_num_threads(n_threads)  # and lowers the trainer's thread count "for serving"
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The policy's weights (HF checkpoint names, full tensors) into the engine, in place, one at a time."""
+        """The policy's weights (HF checkpoint names, full tensors) into the engine, in place, one at a time. A
+        sleeping engine wakes its weights' memory first (written while unmapped they would be lost) and its KV
+        cache after."""
+        if "weights" in self._asleep:
+            torch.cuda.empty_cache()  # the trainer's cached blocks back to the device, for the engine to map
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named),
                                                           "is_checkpoint_format": True})
+        if "kv_cache" in self._asleep:
+            awake = self.llm.wake_up(tags=["kv_cache"])
+            self._asleep.discard("kv_cache")
+            if awake is False:  # its scheduler stays paused: generate would wait forever
+                raise SeqParError("the vLLM engine did not wake fully after its weights and KV cache woke")
+
+    def sleep(self) -> None:
+        """After a rollout (sleep mode only, else nothing): level 2, the weights and KV cache discarded, so the
+        trainer's steps get the memory; the next `push` wakes the engine."""
+        if self.sleeps and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = {"weights", "kv_cache"}
 
     def generate(self, rows: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
                  temperature: float, top_p: float, top_k: int,
                  eos_token_id: int | Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
         """(completions, log-probs): row i sampled with seed seeds[i], up to and including its first EOS (one id, or
         several: TRL's eos_token_ids)."""
+        if self._asleep:  # a sleeping engine's scheduler is paused: its requests would wait forever
+            raise SeqParError(f"the vLLM engine sampled while asleep ({', '.join(sorted(self._asleep))}): push first")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

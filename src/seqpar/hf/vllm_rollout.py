@@ -6,8 +6,10 @@ collective) and samples with the same contract as seqpar.hf.generation.generate_
 share of the group's rows, each row seeded by its own seed (`row_seed`, the same seeds as the transformers engine),
 and the shares are all-gathered, so every rank of the group trains identical rows and a completion depends on its
 seed alone (not on the SP or dp size). Before sampling every rank pushes the policy's current weights into its engine
-(seqpar.hf.weight_stream: FSDP2's gathers are collective, so every rank pushes, in the same order). Any failure
-(start, push, sampling, a dead engine) reaches every rank of the group as the same SeqParError.
+(seqpar.hf.weight_stream: FSDP2's gathers are collective, so every rank pushes, in the same order). With `sleep`
+(CUDA) every rank's engine sleeps right after its rollout (so once per rollout, not per training step when
+num_iterations > 1) and wakes in the next rollout's push (seqpar.hf.vllm_engine). Any failure (start, push, wake,
+sampling, sleep, a dead engine) reaches every rank of the group as the same SeqParError.
 """
 
 from __future__ import annotations
@@ -49,15 +51,16 @@ class VLLMRollout:
 
     def _engine(self, model: torch.nn.Module, mesh: SequenceParallelMesh) -> Any:
         if self.engine is None:
-            from .vllm_engine import VLLMEngine
+            from .vllm_engine import VLLMEngine, sleep_mode_available
 
             s = self.settings
-            if s.sleep and not torch.cuda.is_available() and mesh.dp_rank == 0 and mesh.sp_rank == 0:
-                print(f"[seqpar] {s.sleep_option}: a no-op on CPU (the engine keeps its memory)", flush=True)
+            if s.sleep and not sleep_mode_available() and mesh.dp_rank == 0 and mesh.sp_rank == 0:
+                print(f"[seqpar] {s.sleep_option}: a no-op on CPU (vLLM's CPU platform has no sleep mode): the "
+                      "engine keeps its memory", flush=True)
             self.engine = VLLMEngine(
                 base_model(model).config, max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
                 dtype=next(model.parameters()).dtype, gpu_memory_utilization=s.gpu_memory_utilization,
-                enforce_eager=s.enforce_eager,
+                enforce_eager=s.enforce_eager, sleep=s.sleep,
                 rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         return self.engine
 
@@ -92,7 +95,8 @@ class VLLMRollout:
 def _push_sample_gather(engine: Callable[[], Any], model: torch.nn.Module, mesh: SequenceParallelMesh,
                         rows: list[list[int]], seeds: list[int],
                         sampling: dict[str, Any]) -> tuple[list[list[int]], list[list[float]]]:
-    """Every rank pushes the weights (FSDP2: collective), samples its rows, and the shares are all-gathered."""
+    """Every rank pushes the weights (FSDP2: collective; a sleeping engine wakes), samples its rows, puts its engine
+    to sleep (sleep mode: a rank without rows too), and the shares are all-gathered."""
     result: Any = []
     try:
         eng = engine()
@@ -101,6 +105,7 @@ def _push_sample_gather(engine: Callable[[], Any], model: torch.nn.Module, mesh:
         if rows:
             ids, lps = eng.generate(rows, seeds, **sampling)
             result = list(zip(ids, lps))
+        eng.sleep()  # the memory to the training steps until the next rollout (a no-op without sleep mode)
     except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
         first = (str(e).strip().splitlines() or [""])[0][:300]
         result = SeqParError(f"vLLM rollout failed on rank {group_source_rank(mesh) + mesh.sp_rank}: "
