@@ -135,7 +135,7 @@ def test_num_iterations_sleeps_once_per_rollout(fake_vllm, monkeypatch):
     model, r = _model(), _rollout(sleep=True)
     holder = SimpleNamespace(g=SimpleNamespace(num_iterations=2), held=None)
     for step in range(4):  # rollouts at steps 0 and 2; steps 1 and 3 reuse them
-        GRPORollout.reused(holder, step, lambda: (_sample(r, model, step), {}))
+        GRPORollout.reused(holder, step, lambda s=step: (_sample(r, model, s), {}))
     assert fake_vllm.logs == [[("build", True), *ONE, *NEXT]]
 
 
@@ -158,7 +158,7 @@ def test_trl_drop_in_option_reaches_the_engine(trl_then_fake_vllm, monkeypatch, 
     model = _model()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     r = vllm_rollout(args, model)
-    for step in range(2):
+    for _ in range(2):
         r.for_rows(model, MESH1, [[1, 3]] * 4, [1, 2, 3, 4], unit=2, **SAMPLING)
     assert trl_then_fake_vllm.logs == [[("build", True), *ONE, *NEXT]]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

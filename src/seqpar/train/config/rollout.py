@@ -19,7 +19,8 @@ class RolloutSpec(_Strict):
     tensor_parallel: 1 (one engine per rank; each samples its SP rank's share of the group's prompts).
     gpu_memory_utilization: the fraction of a GPU's memory the engine may take (on CPU the KV cache is sized for the
       rollout instead: vLLM reads this fraction as one of the host's memory).
-    sleep: free the engine's GPU memory while the policy trains (a no-op on CPU, said once).
+    sleep: CUDA: the engine sleeps (level 2: weights and KV cache freed) after each rollout while the policy trains,
+      and wakes for the next rollout's weight push (a no-op on CPU, said once: vLLM's CPU platform has no sleep mode).
     max_model_len: the longest prompt + completion the engine holds (None: dataset.max_length).
     enforce_eager: no compiled graphs (True: a fast start, what CPU tests want).
     """
