@@ -8,7 +8,8 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
 - The engine's logged log-probs of step 2's completions equal an independent transformers recompute (plain model,
   log_softmax(logits / T)) from the weights after step 1 (the checkpoint) within 1e-4, and differ from the initial
   weights' (step 0) by more than 1e-3: a missed weight push fails the test.
-- num_iterations 2 with importance_correction tis: SP 2 == SP 1 (one rollout, both steps' losses within 1e-5).
+- num_iterations 2 with importance_correction tis and rollout.sleep on (a no-op on CPU: vLLM's CPU platform has no
+  sleep mode, checked): SP 2 == SP 1 (one rollout, both steps' losses within 1e-5).
 - dp 2 x SP 1 draws the SP 1 run's completions; then rank 1's engine fails at step 2 and both ranks stop with the
   same one-line SeqParError.
 - Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel 2, a short max_model_len.
@@ -180,7 +181,8 @@ def test_num_iterations_2_and_tis_sp2_equals_sp1(data, tmp_path):
     importance sampling: SP 2 on 2 ranks and SP 1 on 1 rank draw the same completions once and agree on both
     steps' losses within 1e-5; the engine's log-probs equal the trainer's, so each weight is 1 within 1e-4."""
     def cfg(name: str, sp: int) -> dict:
-        c = _cfg(data, tmp_path / name, sp, num_iterations=2, importance_correction="tis")
+        c = _cfg(data, tmp_path / name, sp, num_iterations=2, importance_correction="tis",
+                 rollout={"engine": "vllm", "sleep": True})  # on CPU a no-op: the same run
         # lr 0.02: at 0.5 step 2's unclipped ratios of negative advantages make a loss ~4e3 (fp32 rounding 1e-2)
         return {**c, "checkpoint": {"every": 2}, "optimizer": {"name": "sgd", "lr": 0.02}}
 
@@ -198,6 +200,17 @@ def test_num_iterations_2_and_tis_sp2_equals_sp1(data, tmp_path):
             assert abs(r["importance_ratio/mean"] - 1) < LP_TOL and r["importance_ratio/capped"] == 0
             assert r["rollout_logprob_diff_max"] < LP_TOL  # step 2 too: the old log-probs vs the engine's
         assert m[0]["clip_ratio/region_mean"] == 0 < m[1]["clip_ratio/region_mean"]  # step 2's ratio is off 1
+
+
+def test_cpu_platform_has_no_sleep_mode():
+    """Why grpo.rollout.sleep is a no-op on CPU (seqpar.hf.vllm_engine.sleep_mode_available): vLLM's CPU platform
+    has no sleep mode, and the engine there is built without it."""
+    from vllm.platforms import current_platform
+
+    from seqpar.hf.vllm_engine import sleep_mode_available
+
+    assert current_platform.is_cpu() and not current_platform.is_sleep_mode_available()
+    assert not sleep_mode_available()
 
 
 @pytest.mark.slow
