@@ -3,13 +3,15 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
 
 - SP 2 on 2 ranks (Ulysses) and SP 1 on 1 rank, same seed, fp32, beta > 0 (the frozen reference model), 2 steps:
   the same completions (rollouts.jsonl) and per-step losses within 1e-5; each step's trainer-vs-engine log-prob
-  mismatch (rollout_logprob_diff_max) below 1e-4.
+  mismatch (rollout_logprob_diff_max) below 1e-4. SP 2 runs twice: one engine per SP group (tensor_parallel: sp,
+  the default: vLLM tensor parallel over the SP group) and one engine per rank (tensor_parallel: 1).
 - The engine's logged log-probs of step 2's completions equal an independent transformers recompute (plain model,
   log_softmax(logits / T)) from the weights after step 1 (the checkpoint) within 1e-4, and differ from the initial
   weights' (step 0) by more than 1e-3: a missed weight push fails the test.
 - dp 2 x SP 1 draws the SP 1 run's completions; then rank 1's engine fails at step 2 and both ranks stop with the
   same one-line SeqParError.
-- Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel 2, a short max_model_len.
+- Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel neither 1 nor the SP
+  size, heads vLLM cannot split over the SP group, a short max_model_len.
 - Slow: LoRA under FSDP2, SP 2 vs SP 1 (the merged adapters are what the engine samples); a resume after step 1
   rebuilds the engine and repeats the uninterrupted run's step 2.
 """
@@ -82,27 +84,32 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("runs")
-    sp2 = run_distributed(_train, 2, _cfg(data, out / "sp2", 2), timeout=420)
+    sp2 = run_distributed(_train, 2, _cfg(data, out / "sp2", 2), timeout=420)  # tensor_parallel: sp (default)
+    sp2tp1 = run_distributed(_train, 2, _cfg(data, out / "sp2tp1", 2, rollout={"engine": "vllm", "tensor_parallel": 1}),
+                             timeout=420)
     sp1 = run_distributed(_train, 1, _cfg(data, out / "sp1", 1), timeout=420)
-    return {"out": out, "sp2": sp2[0], "sp1": sp1[0]}
+    return {"out": out, "sp2": sp2[0], "sp2tp1": sp2tp1[0], "sp1": sp1[0]}
 
 
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
-def test_sp2_equals_sp1(runs):
-    a, b = _rows(runs["out"] / "sp2" / "rollouts.jsonl"), _rows(runs["out"] / "sp1" / "rollouts.jsonl")
+@pytest.mark.parametrize("sp2", ["sp2", "sp2tp1"])
+def test_sp2_equals_sp1(runs, sp2):
+    """SP 2 with one engine per SP group (tensor_parallel: sp, vLLM TP 2: each rank holds half of every layer) and
+    with one engine per rank (tensor_parallel: 1, each rank samples half of the prompts) vs SP 1 (one engine)."""
+    a, b = _rows(runs["out"] / sp2 / "rollouts.jsonl"), _rows(runs["out"] / "sp1" / "rollouts.jsonl")
     assert len(a) == len(b) == 8  # 2 steps x 2 prompts x 2 generations
     assert [(r["step"], r["prompt_ids"], r["completion_ids"]) for r in a] == \
         [(r["step"], r["prompt_ids"], r["completion_ids"]) for r in b]
     for x, y in zip(a, b):
         assert abs(x["reward"] - y["reward"]) < TOL and abs(x["advantage"] - y["advantage"]) < TOL
         assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) < LP_TOL
-    assert len(runs["sp2"]) == len(runs["sp1"]) == 2
-    assert max(abs(p - q) for p, q in zip(runs["sp2"], runs["sp1"])) < TOL, (runs["sp2"], runs["sp1"])
+    assert len(runs[sp2]) == len(runs["sp1"]) == 2
+    assert max(abs(p - q) for p, q in zip(runs[sp2], runs["sp1"])) < TOL, (runs[sp2], runs["sp1"])
     assert any(abs(r["advantage"]) > 0.1 for r in a)  # the steps learn (else step 2 would not test the push)
-    for run in ("sp1", "sp2"):
+    for run in ("sp1", sp2):
         for m in _rows(runs["out"] / run / "metrics.jsonl"):
             assert m["rollout_logprob_diff_max"] < LP_TOL and m["rollout_logprob_diff_mean"] <= m[
                 "rollout_logprob_diff_max"]
@@ -203,7 +210,9 @@ def test_resume_rebuilds_the_engine(runs, data, tmp_path, monkeypatch):
     ({"model": {"name": "tiny:llama", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8}}},
      "head_dim=8 is not one vLLM's CPU attention runs"),
     ({"grpo.rollout.mode": "server"}, "use mode: colocate"),
-    ({"grpo.rollout.tensor_parallel": 2}, "set tensor_parallel: 1"),
+    ({"grpo.rollout.tensor_parallel": 3}, "tensor_parallel=3 with sequence_parallel size 2"),
+    ({"model": {"name": "tiny:llama", "kwargs": {"num_heads": 3, "num_kv_heads": 1, "head_dim": 32}}},
+     "cannot split the model's num_attention_heads=3 over 2 ranks"),
     ({"grpo.rollout.max_model_len": 20}, "grpo.rollout.max_model_len=20"),
 ])
 def test_refusals_before_launch(data, tmp_path, change, needle):

@@ -1,9 +1,15 @@
 """A colocated vLLM engine for GRPO rollouts: built from the policy's config, fed its weights by name.
 
-One engine per training process (tensor_parallel 1), IN the process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's
+Each training process holds its engine IN the process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's
 "external_launcher" executor): no extra process to spawn, wait for or lose; an engine failure is an exception
 in the rank that drives it. vLLM joins the trainer's torch.distributed world (every rank builds its engine at
 the same point: the groups it creates are collective); without a world it gets a one-process one.
+tensor_parallel > 1: the engines of `tensor_parallel` consecutive ranks form one vLLM engine (its TP group), each
+holding its shard of the weights and KV cache; vLLM cuts the world into such groups in rank order (its
+"ExternalDP x DP x PP x PCP x TP" layout with DP = PP = PCP = 1), which are seqpar's SP groups when the TP size is
+the SP size (ranks dp-major, SP innermost): checked when the engine starts (`expect_group`). Every rank of the group
+calls `generate` with the same requests (vLLM's external launcher relies on the same scheduling everywhere) and
+gets the same outputs.
 
 The engine starts from the config alone (load_format "dummy": random weights) and gets the policy's weights
 before every rollout (`push`), streamed one tensor at a time through the worker's `reload_weights`
@@ -59,9 +65,10 @@ def architectures(config: Any) -> list[str]:
     return archs
 
 
-def check_vllm_model(config: Any, on_cuda: bool) -> None:
+def check_vllm_model(config: Any, on_cuda: bool, tensor_parallel: int = 1) -> None:
     """Refuse (one line, before any rank starts) what the vLLM engine cannot run: no vLLM installed, an
-    architecture vLLM does not have, a vision-language model, a head_dim vLLM's CPU attention refuses."""
+    architecture vLLM does not have, a vision-language model, a head_dim vLLM's CPU attention refuses, head or
+    MLP sizes vLLM cannot split over `tensor_parallel` ranks."""
     if not vllm_available():
         raise SeqParError("grpo.rollout.engine: vllm needs vLLM, which this environment lacks: build its "
                           "environment with `make vllm-env` and run with .venv-vllm/bin/python (or use engine: "
@@ -88,6 +95,27 @@ def check_vllm_model(config: Any, on_cuda: bool) -> None:
             raise SeqParError(f"grpo.rollout.engine: vllm: head_dim={hd} is not one vLLM's CPU attention runs "
                               f"({', '.join(map(str, ok))}): use a model with one of those (a tiny model: "
                               f"model.kwargs.head_dim: 32), or engine: transformers")
+    if tensor_parallel > 1:
+        check_tensor_parallel(config, tensor_parallel)
+
+
+def check_tensor_parallel(config: Any, tp: int) -> None:
+    """vLLM's tensor-parallel layers split the attention heads and the MLP's columns evenly over the TP ranks and
+    split (or, when fewer than the ranks, replicate) the KV heads: what does not divide is refused here, not by
+    an assertion inside every rank's engine."""
+    c = getattr(config, "text_config", None) or config
+    nh = int(c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or nh)
+    sizes = [("num_attention_heads", nh, nh % tp == 0),
+             ("num_key_value_heads", kv, kv % tp == 0 or tp % kv == 0)]
+    inter = getattr(c, "intermediate_size", None)
+    if isinstance(inter, int):
+        sizes.append(("intermediate_size", inter, inter % tp == 0))
+    for name, n, ok in sizes:
+        if not ok:
+            raise SeqParError(f"grpo.rollout.tensor_parallel={tp} (the SP group): vLLM cannot split the model's "
+                              f"{name}={n} over {tp} ranks: set grpo.rollout.tensor_parallel: 1 (one engine per "
+                              f"rank)")
 
 
 def _quiet_rope_reload() -> None:
@@ -105,7 +133,10 @@ class VLLMEngine:
     """One in-process vLLM engine for `config` (an HF PretrainedConfig): `push` weights, `generate` rows."""
 
     def __init__(self, config: Any, *, max_model_len: int, max_num_seqs: int, dtype: torch.dtype,
-                 gpu_memory_utilization: float, enforce_eager: bool, rank: int = 0) -> None:
+                 gpu_memory_utilization: float, enforce_eager: bool, rank: int = 0, tensor_parallel: int = 1,
+                 expect_group: Sequence[int] | None = None, timeout_s: float | None = None) -> None:
+        """tensor_parallel > 1: the ranks `expect_group` (global ranks) must be the engine's TP group (a SeqParError
+        otherwise); timeout_s: how long vLLM's collectives wait for a rank (default: vLLM's)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process (external_launcher needs it)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the trainer's threads where they are
         self._own_world = _join_world(rank)
@@ -121,18 +152,22 @@ class VLLMEngine:
             kw["gpu_memory_utilization"] = float(gpu_memory_utilization)
         else:  # vLLM reads the fraction as one of host memory: size the KV cache for the rollout instead
             kw["kv_cache_memory_bytes"] = _kv_bytes(config, max_model_len, max_num_seqs, dtype)
+        if timeout_s is not None:  # an engine that dies mid-collective stops its TP peers after this, not 30 min
+            kw["distributed_timeout_seconds"] = kw["cpu_distributed_timeout_seconds"] = max(1, int(timeout_s))
         saved_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
         try:
             self.llm = LLM(model=self._dir.name, load_format="dummy", skip_tokenizer_init=True,
                            dtype=dtype, max_model_len=int(max_model_len), max_num_seqs=int(max_num_seqs),
                            enforce_eager=bool(enforce_eager), distributed_executor_backend="external_launcher",
-                           tensor_parallel_size=1, seed=0, logprobs_mode="processed_logprobs",
+                           tensor_parallel_size=int(tensor_parallel), seed=0, logprobs_mode="processed_logprobs",
                            generation_config="vllm", enable_prefix_caching=False, **kw)
         except Exception as e:
             raise SeqParError(f"the vLLM engine did not start: {type(e).__name__}: {_first_line(e)}") from None
         finally:
             torch.set_num_threads = saved_threads  # vLLM's CPU worker replaces it for the whole process
             torch.set_num_threads(n_threads)  # and lowers the trainer's thread count "for serving"
+        if tensor_parallel > 1:
+            _check_group(expect_group)
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The policy's weights (HF checkpoint names, full tensors) into the engine, in place, one at a time."""
@@ -200,6 +235,16 @@ def _join_world(rank: int) -> bool:
         return False
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return True
+
+
+def _check_group(expect: Sequence[int] | None) -> None:
+    """The TP group vLLM formed is the one the caller samples with (its SP group)."""
+    from vllm.distributed import parallel_state as ps
+
+    got = list(ps.get_tp_group().ranks)
+    if expect is not None and got != list(expect):
+        raise SeqParError(f"the vLLM engine's tensor-parallel group is ranks {got}, not the SP group {list(expect)}: "
+                          "set grpo.rollout.tensor_parallel: 1")
 
 
 def _kv_bytes(config: Any, max_model_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:

@@ -1,20 +1,28 @@
-"""GRPO completions for an SP group from colocated vLLM engines (seqpar.hf.vllm_engine), one per rank.
+"""GRPO completions for an SP group from colocated vLLM engines (seqpar.hf.vllm_engine).
 
-The same contract as seqpar.hf.generation.generate_for_group: every SP rank samples its `prompt_share` of the
-group's prompts, each row seeded by `row_seed` (the same seeds as the transformers engine), and the shares are
-all-gathered, so every rank of the group trains identical rows and a completion depends on its seed alone (not on
-the SP or dp size). Before sampling every rank pushes the policy's current weights into its engine
-(seqpar.hf.weight_stream: FSDP2's gathers are collective, so every rank pushes, in the same order). Any failure
-(push, sampling, a dead engine) reaches every rank of the group as the same SeqParError.
+The same contract as seqpar.hf.generation.generate_for_group: each row seeded by `row_seed` (the same seeds as the
+transformers engine), every rank of the group ends with the group's rows, and a completion depends on its seed
+alone (not on the SP or dp size, nor on the engines' tensor-parallel size). Before sampling every rank pushes the
+policy's current full weights into its engine (seqpar.hf.weight_stream: FSDP2's gathers are collective, so every
+rank pushes, in the same order; with tensor_parallel > 1 vLLM's weight loaders keep each rank's shard of them).
+
+tensor_parallel 1: one engine per rank; every SP rank samples its `prompt_share` and the shares are all-gathered.
+tensor_parallel = SP size: one engine per SP group (its TP group); every rank submits all the group's rows, as
+vLLM's external launcher wants, and gets them all back; the ranks then compare a digest of what they got, so
+engines that drifted apart fail loudly instead of training different rows.
+Any failure (push, sampling, a dead engine) reaches every rank of the group as the same SeqParError (inside a TP
+collective: after vLLM's collective timeout, the run's timeout_minutes).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
 from .generation import gather_shares, group_source_rank, local_rows, prompt_share, sequence_parallel_paused
@@ -38,11 +46,16 @@ def vllm_generate_for_group(
     step: int,
     eos_token_id: int,
     prompt_index: Sequence[int] | None = None,
+    tensor_parallel: int = 1,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """(completions, the engine's log-probs of their tokens) for this SP group's prompts, prompt-major
     ([p0 g0, p0 g1, ..., p1 g0, ...]), identical on every rank of the group. engine(): this rank's engine
-    (seqpar.hf.vllm_engine.VLLMEngine), started on the first call: a failure to start is reported like any other."""
-    share = prompt_share(len(prompt_ids), mesh.sp_size, mesh.sp_rank)
+    (seqpar.hf.vllm_engine.VLLMEngine), started on the first call: a failure to start is reported like any other.
+    tensor_parallel: 1 or mesh.sp_size (the module docstring)."""
+    whole = tensor_parallel > 1
+    if whole and tensor_parallel != mesh.sp_size:
+        raise SeqParError(f"tensor_parallel={tensor_parallel} must be 1 or the SP size {mesh.sp_size}")
+    share = range(len(prompt_ids)) if whole else prompt_share(len(prompt_ids), mesh.sp_size, mesh.sp_rank)
     rows, seeds = local_rows(prompt_ids, share, num_generations, seed, step, mesh.dp_rank, prompt_index)
     result: Any = []
     try:
@@ -51,10 +64,27 @@ def vllm_generate_for_group(
             eng.push(named_full_weights(model))
         if rows:
             ids, lps = eng.generate(rows, seeds, max_new_tokens=max_new_tokens, temperature=temperature,
-                                       top_p=top_p, top_k=top_k, eos_token_id=eos_token_id)
+                                    top_p=top_p, top_k=top_k, eos_token_id=eos_token_id)
             result = list(zip(ids, lps))
     except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
         first = (str(e).strip().splitlines() or [""])[0][:300]
         result = SeqParError(f"vLLM rollout failed on rank {group_source_rank(mesh) + mesh.sp_rank}: "
                              f"{type(e).__name__}: {first}")
-    return gather_shares(result, mesh)
+    if not whole:
+        return gather_shares(result, mesh)
+    return _agreed(result, mesh)
+
+
+def _agreed(result: Any, mesh: SequenceParallelMesh) -> tuple[list[list[int]], list[list[float]]]:
+    """This rank's copy of the group's rows once every rank of the group holds the same (else the first error, or a
+    SeqParError naming the disagreement, on every rank)."""
+    mine = result if isinstance(result, Exception) else hashlib.sha256(repr(result).encode()).hexdigest()
+    parts = comm.all_gather_object(mine, group=mesh.sp_group)
+    for p in parts:
+        if isinstance(p, Exception):
+            raise SeqParError(str(p))
+    if len(set(parts)) > 1:
+        raise SeqParError(f"the vLLM engine's tensor-parallel ranks {group_source_rank(mesh)}.."
+                          f"{group_source_rank(mesh) + mesh.sp_size - 1} returned different completions: set "
+                          "grpo.rollout.tensor_parallel: 1")
+    return [c for c, _ in result], [lp for _, lp in result]
