@@ -12,8 +12,10 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
   same one-line SeqParError.
 - Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel neither 1 nor the SP
   size, heads vLLM cannot split over the SP group, a short max_model_len.
-- Slow: LoRA under FSDP2, SP 2 vs SP 1 (the merged adapters are what the engine samples); a resume after step 1
-  rebuilds the engine and repeats the uninterrupted run's step 2.
+- Slow: dp 2 x SP 2 with tensor_parallel: sp (vLLM's TP groups are the SP groups; the SP 1 run's completions); a
+  failed weight push on one rank of a TP group stops both ranks before sampling; LoRA under FSDP2, SP 2 (one engine
+  per SP group) vs SP 1 (the merged adapters are what the engine samples); a resume after step 1 rebuilds the
+  engine and repeats the uninterrupted run's step 2.
 """
 
 from __future__ import annotations
@@ -51,16 +53,15 @@ def _cfg(data: Path, out: Path, sp: int, **grpo) -> dict:
     }
 
 
-def _train(cfg_dict: dict, fail_at: int | None = None) -> list[float]:
+def _train(cfg_dict: dict, fail_at: int | None = None, fail_in: str = "generate") -> list[float]:
+    from seqpar.hf import vllm_engine
     from seqpar.train.config import config_from_dict
     from seqpar.train.run import train
 
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))  # vllm_rewards
     if fail_at is not None and int(os.environ["RANK"]) == 1:  # this rank's engine dies at rollout `fail_at`
-        from seqpar.hf import vllm_engine
-
-        real, calls = vllm_engine.VLLMEngine.generate, []
+        real, calls = getattr(vllm_engine.VLLMEngine, fail_in), []
 
         def dying(self, *a, **k):
             calls.append(1)
@@ -68,8 +69,22 @@ def _train(cfg_dict: dict, fail_at: int | None = None) -> list[float]:
                 raise RuntimeError("EngineDeadError: the engine core died")
             return real(self, *a, **k)
 
-        vllm_engine.VLLMEngine.generate = dying
+        setattr(vllm_engine.VLLMEngine, fail_in, dying)
+    start = vllm_engine.VLLMEngine.__init__
+
+    def recorded(self, *a, **k):  # the TP group each rank's engine formed: output_dir/engine_rank<R>.json
+        start(self, *a, **k)
+        from vllm.distributed import parallel_state as ps
+
+        Path(cfg_dict["output_dir"], f"engine_rank{os.environ['RANK']}.json").write_text(
+            json.dumps(ps.get_tp_group().ranks))
+
+    vllm_engine.VLLMEngine.__init__ = recorded
     return train(config_from_dict(cfg_dict)).losses
+
+
+def _tp_groups(out: Path, world: int) -> list[list[int]]:
+    return [json.loads((out / f"engine_rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +121,8 @@ def test_sp2_equals_sp1(runs, sp2):
     for x, y in zip(a, b):
         assert abs(x["reward"] - y["reward"]) < TOL and abs(x["advantage"] - y["advantage"]) < TOL
         assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) < LP_TOL
+    # one vLLM engine over the SP group (each rank holds half of it), or one per rank
+    assert _tp_groups(runs["out"] / sp2, 2) == ([[0, 1], [0, 1]] if sp2 == "sp2" else [[0], [1]])
     assert len(runs[sp2]) == len(runs["sp1"]) == 2
     assert max(abs(p - q) for p, q in zip(runs[sp2], runs["sp1"])) < TOL, (runs[sp2], runs["sp1"])
     assert any(abs(r["advantage"]) > 0.1 for r in a)  # the steps learn (else step 2 would not test the push)
@@ -167,6 +184,32 @@ def test_dp2_then_a_dead_engine_stops_every_rank(runs, data, tmp_path):
     assert [r["step"] for r in got] == [1] * 4  # step 2 never finished
     assert [(r["prompt_ids"], r["completion_ids"]) for r in got] == \
         [(r["prompt_ids"], r["completion_ids"]) for r in want_rows]
+
+
+@pytest.mark.slow
+def test_dp2_sp2_tensor_parallel(runs, data, tmp_path):
+    """dp 2 x SP 2 on 4 ranks, tensor_parallel: sp (grad_accum 1: the SP 1 run's global batch): vLLM's TP groups are
+    the SP groups [0, 1] and [2, 3], and step 1 draws the SP 1 run's completions."""
+    cfg = {**_cfg(data, tmp_path / "dp2", 2), "grad_accum": 1, "max_steps": 1}
+    run_distributed(_train, 4, cfg, timeout=600)
+    assert _tp_groups(tmp_path / "dp2", 4) == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    got = _rows(tmp_path / "dp2" / "rollouts.jsonl")
+    want = [r for r in _rows(runs["out"] / "sp1" / "rollouts.jsonl") if r["step"] == 1]
+    assert [(r["prompt_ids"], r["completion_ids"]) for r in got] == \
+        [(r["prompt_ids"], r["completion_ids"]) for r in want]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_failed_push_stops_the_group(data, tmp_path):
+    """SP 2, one engine over the group: rank 1's weight push fails at step 2; both ranks stop with its line before
+    either samples (sampling is collective over the TP group: a lone rank would wait in it)."""
+    cfg = {**_cfg(data, tmp_path / "dead", 2), "checkpoint": {"every": 0}}
+    with pytest.raises(DistributedFailure) as e:
+        run_distributed(_train, 2, cfg, fail_at=2, fail_in="push", timeout=420)
+    msg = str(e.value)
+    assert msg.count("vLLM rollout failed on rank 1: RuntimeError: EngineDeadError: the engine core died") >= 2, \
+        msg[-3000:]
+    assert [r["step"] for r in _rows(tmp_path / "dead" / "rollouts.jsonl")] == [1] * 4  # step 2 never sampled
 
 
 @pytest.mark.slow

@@ -27,10 +27,12 @@ vLLM is imported lazily: the main environment has no vLLM (`make vllm-env` build
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import glob
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -154,13 +156,15 @@ class VLLMEngine:
             kw["kv_cache_memory_bytes"] = _kv_bytes(config, max_model_len, max_num_seqs, dtype)
         if timeout_s is not None:  # an engine that dies mid-collective stops its TP peers after this, not 30 min
             kw["distributed_timeout_seconds"] = kw["cpu_distributed_timeout_seconds"] = max(1, int(timeout_s))
+        self._shm = None if torch.cuda.is_available() else _shm_ident()
         saved_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
         try:
-            self.llm = LLM(model=self._dir.name, load_format="dummy", skip_tokenizer_init=True,
-                           dtype=dtype, max_model_len=int(max_model_len), max_num_seqs=int(max_num_seqs),
-                           enforce_eager=bool(enforce_eager), distributed_executor_backend="external_launcher",
-                           tensor_parallel_size=int(tensor_parallel), seed=0, logprobs_mode="processed_logprobs",
-                           generation_config="vllm", enable_prefix_caching=False, **kw)
+            with _cpu_shm_named(self._shm):
+                self.llm = LLM(model=self._dir.name, load_format="dummy", skip_tokenizer_init=True,
+                               dtype=dtype, max_model_len=int(max_model_len), max_num_seqs=int(max_num_seqs),
+                               enforce_eager=bool(enforce_eager), distributed_executor_backend="external_launcher",
+                               tensor_parallel_size=int(tensor_parallel), seed=0, logprobs_mode="processed_logprobs",
+                               generation_config="vllm", enable_prefix_caching=False, **kw)
         except Exception as e:
             raise SeqParError(f"the vLLM engine did not start: {type(e).__name__}: {_first_line(e)}") from None
         finally:
@@ -216,6 +220,10 @@ class VLLMEngine:
                 setattr(ps, name, None)
         if self._own_world and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if self._shm:  # vLLM leaves its CPU shared-memory segments behind (4 MiB per TP rank)
+            for f in glob.glob(f"/dev/shm/{self._shm}-*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f)
         self._dir.cleanup()
 
 
@@ -235,6 +243,42 @@ def _join_world(rank: int) -> bool:
         return False
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return True
+
+
+def _shm_ident() -> str:
+    """A name for this run's vLLM CPU shared-memory segments, the same on every rank (rank 0's, broadcast)."""
+    import secrets
+
+    import torch.distributed as dist
+
+    token = [f"seqpar{secrets.token_hex(6)}" if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(token, src=0)
+    return str(token[0])
+
+
+@contextlib.contextmanager
+def _cpu_shm_named(ident: str | None) -> Iterator[None]:
+    """vLLM's CPU worker names the shared memory of its TP all-reduce after the distributed init method, which is
+    always "env://" under the external launcher: every run on a host would open the same segments and the second
+    fails ("create shm in SHMManager failed. errno: 17", File exists), as does any run after one whose processes
+    were killed. The worker's distributed set-up runs with VLLM_DIST_IDENT set to this run's name instead."""
+    if ident is None:
+        yield
+        return
+    import vllm.v1.worker.cpu_worker as cpu_worker
+
+    real = cpu_worker.init_worker_distributed_environment
+
+    def named(*a: Any, **k: Any) -> Any:
+        os.environ["VLLM_DIST_IDENT"] = ident  # read by vLLM's CPU SHM communicator for its segments' names
+        return real(*a, **k)
+
+    cpu_worker.init_worker_distributed_environment = named
+    try:
+        yield
+    finally:
+        cpu_worker.init_worker_distributed_environment = real
 
 
 def _check_group(expect: Sequence[int] | None) -> None:

@@ -8,10 +8,12 @@ rank pushes, in the same order; with tensor_parallel > 1 vLLM's weight loaders k
 
 tensor_parallel 1: one engine per rank; every SP rank samples its `prompt_share` and the shares are all-gathered.
 tensor_parallel = SP size: one engine per SP group (its TP group); every rank submits all the group's rows, as
-vLLM's external launcher wants, and gets them all back; the ranks then compare a digest of what they got, so
-engines that drifted apart fail loudly instead of training different rows.
-Any failure (push, sampling, a dead engine) reaches every rank of the group as the same SeqParError (inside a TP
-collective: after vLLM's collective timeout, the run's timeout_minutes).
+vLLM's external launcher wants, and gets them all back; the ranks agree that every engine started and took the
+weights before any of them samples (sampling is collective over the TP group), then compare a digest of what they
+got, so engines that drifted apart fail loudly instead of training different rows.
+Any failure (start, push, sampling, a dead engine) reaches every rank of the group as the same SeqParError; with
+tensor_parallel > 1 a failure inside one rank's sampling leaves its TP peers in vLLM's collectives until vLLM's
+collective timeout (the run's timeout_minutes), where they fail too: no hang.
 """
 
 from __future__ import annotations
@@ -58,26 +60,37 @@ def vllm_generate_for_group(
     share = range(len(prompt_ids)) if whole else prompt_share(len(prompt_ids), mesh.sp_size, mesh.sp_rank)
     rows, seeds = local_rows(prompt_ids, share, num_generations, seed, step, mesh.dp_rank, prompt_index)
     result: Any = []
+    eng = None
     try:
         eng = engine()
         with sequence_parallel_paused(model):  # names and shapes of the plain model (nothing SP is a weight)
             eng.push(named_full_weights(model))
-        if rows:
+    except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
+        result = _failure(e, mesh)
+    if whole:  # no rank enters the engine's TP collectives unless every rank of the group can
+        _agreed(result, mesh)
+    try:
+        if rows and not isinstance(result, Exception):
             ids, lps = eng.generate(rows, seeds, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_p=top_p, top_k=top_k, eos_token_id=eos_token_id)
             result = list(zip(ids, lps))
-    except Exception as e:  # travels to the group's other ranks, which would otherwise wait forever
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        result = SeqParError(f"vLLM rollout failed on rank {group_source_rank(mesh) + mesh.sp_rank}: "
-                             f"{type(e).__name__}: {first}")
+    except Exception as e:
+        result = _failure(e, mesh)
     if not whole:
         return gather_shares(result, mesh)
-    return _agreed(result, mesh)
+    _agreed(result, mesh)
+    return [c for c, _ in result], [lp for _, lp in result]
 
 
-def _agreed(result: Any, mesh: SequenceParallelMesh) -> tuple[list[list[int]], list[list[float]]]:
-    """This rank's copy of the group's rows once every rank of the group holds the same (else the first error, or a
-    SeqParError naming the disagreement, on every rank)."""
+def _failure(e: BaseException, mesh: SequenceParallelMesh) -> SeqParError:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return SeqParError(f"vLLM rollout failed on rank {group_source_rank(mesh) + mesh.sp_rank}: "
+                       f"{type(e).__name__}: {first}")
+
+
+def _agreed(result: Any, mesh: SequenceParallelMesh) -> None:
+    """Returns once every rank of the group holds the same `result` (else the first rank's error, or a SeqParError
+    naming the disagreement, is raised on every rank)."""
     mine = result if isinstance(result, Exception) else hashlib.sha256(repr(result).encode()).hexdigest()
     parts = comm.all_gather_object(mine, group=mesh.sp_group)
     for p in parts:
@@ -87,4 +100,3 @@ def _agreed(result: Any, mesh: SequenceParallelMesh) -> tuple[list[list[int]], l
         raise SeqParError(f"the vLLM engine's tensor-parallel ranks {group_source_rank(mesh)}.."
                           f"{group_source_rank(mesh) + mesh.sp_size - 1} returned different completions: set "
                           "grpo.rollout.tensor_parallel: 1")
-    return [c for c, _ in result], [lp for _, lp in result]
