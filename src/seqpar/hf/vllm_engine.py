@@ -251,10 +251,12 @@ def _shm_ident() -> str:
 
     import torch.distributed as dist
 
-    token = [f"seqpar{secrets.token_hex(6)}" if dist.get_rank() == 0 else None]
+    from .. import comm
+
+    token = f"seqpar{secrets.token_hex(6)}" if dist.get_rank() == 0 else None
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(token, src=0)
-    return str(token[0])
+        token = comm.broadcast_object(token, 0, torch.device("cpu"))
+    return str(token)
 
 
 @contextlib.contextmanager
