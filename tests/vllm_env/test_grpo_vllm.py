@@ -99,7 +99,17 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("runs")
-    sp2 = run_distributed(_train, 2, _cfg(data, out / "sp2", 2), timeout=420)  # tensor_parallel: sp (default)
+    # what a killed vLLM TP run leaves in /dev/shm: vLLM names its CPU all-reduce segments after "env://" alone, so
+    # they would block this run's engine (errno 17) if seqpar did not name each run's own
+    stale = [Path(f"/dev/shm/-tp:0-[0-1]-cpushm_{r}") for r in range(2)]
+    made = [p for p in stale if Path("/dev/shm").is_dir() and not p.exists()]
+    for p in made:
+        p.write_bytes(b"")
+    try:
+        sp2 = run_distributed(_train, 2, _cfg(data, out / "sp2", 2), timeout=420)  # tensor_parallel: sp (default)
+    finally:
+        for p in made:
+            p.unlink(missing_ok=True)
     sp2tp1 = run_distributed(_train, 2, _cfg(data, out / "sp2tp1", 2, rollout={"engine": "vllm", "tensor_parallel": 1}),
                              timeout=420)
     sp1 = run_distributed(_train, 1, _cfg(data, out / "sp1", 1), timeout=420)
