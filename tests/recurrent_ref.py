@@ -5,7 +5,8 @@
 - Mamba2 SSD: dt_t = clamp(softplus(dt_t + dt_bias)), h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,
   y_t = h_t C_t + D x_t;
 - Mamba1's selective scan (per channel and state entry; see naive_selective_scan);
-- Kimi Delta Attention (the gated delta rule with a decay per key channel; naive_kda).
+- Kimi Delta Attention (the gated delta rule with a decay per key channel; naive_kda);
+- RecurrentGemma's RG-LRU scan: h_t = a_t h_{t-1} + x_t, a_t = 0 at a reset token (naive_rg_lru_scan).
 They keep the dtype they are given (transformers' torch paths compute in fp32 even for fp64 inputs), and have the
 signatures of transformers' `torch_chunk_gated_delta_rule` / `mamba2_chunk_scan`, so a test can put them in the
 model's module for the unsharded reference AND the SP run (`patched_float64_kernels`).
@@ -92,12 +93,29 @@ def naive_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=
     return (y, s) if return_last_state else y
 
 
+def naive_rg_lru_scan(self, hidden_states, recurrent_gate, reset, recurrent_states=None, acc_dtype=None):
+    """RecurrentGemmaRglru._rnn_scan's signature (a method; transformers' loop accumulates in fp32): per channel
+    h_t = a_t h_{t-1} + x_t with a_t = 0 where reset, from `recurrent_states` (zeros if None), in the dtype of x.
+    Returns (h [b, L, C], h_L [b, C])."""
+    x = hidden_states
+    a = recurrent_gate.to(x.dtype) * ~reset
+    h = x.new_zeros(x.shape[0], x.shape[2]) if recurrent_states is None else recurrent_states.to(x.dtype)
+    ys = []
+    for t in range(x.shape[1]):
+        h = a[:, t] * h + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1), h
+
+
 @contextlib.contextmanager
 def patched_float64_kernels(*modules: str):
     """Swap the named transformers modeling modules' recurrence functions for the float64-faithful loops."""
     saved = []
     for name in modules:
         mod = sys.modules[name]
+        if hasattr(mod, "RecurrentGemmaRglru"):  # a method, not a module function
+            saved.append((mod.RecurrentGemmaRglru, "_rnn_scan", mod.RecurrentGemmaRglru._rnn_scan))
+            mod.RecurrentGemmaRglru._rnn_scan = naive_rg_lru_scan
         for attr, fn in (("torch_chunk_gated_delta_rule", naive_gated_delta), ("mamba2_chunk_scan", naive_ssd),
                          ("mamba_selective_scan", naive_selective_scan), ("chunk_kimi_delta_attention", naive_kda)):
             if hasattr(mod, attr):

@@ -269,20 +269,41 @@ def _nll_both_paths(model, mesh, labels_len=40):
     return abs(out[True][0] - out[False][0]), _max_grad_diff(out[True][1], out[False][1])
 
 
-@pytest.mark.parametrize("arch", ["cohere", "granite"])
+@pytest.mark.parametrize("arch", ["cohere", "granite", "falcon_h1", "minicpm3"])
 def test_scaled_logit_heads_match_full_path(arch, one_thread):
-    """Cohere (logits * logit_scale) and Granite (logits / logits_scaling): fused == full logits at SP=1."""
+    """Cohere (logits * logit_scale), Granite (logits / logits_scaling), Falcon-H1 (lm_head(h) * lm_head_multiplier,
+    muP) and MiniCPM3 (hidden states / logits_scaling BEFORE lm_head: nothing to do after it): fused == full logits
+    at SP=1."""
     import transformers as tf
 
-    cls, extra = {"cohere": (tf.CohereConfig, {"logit_scale": 0.5}),
-                  "granite": (tf.GraniteConfig, {"logits_scaling": 4.0})}[arch]
-    cfg = cls(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-              num_key_value_heads=2, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              tie_word_embeddings=False, **extra)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    if arch == "falcon_h1":
+        model = tiny_model("falcon_h1")  # lm_head_multiplier 0.9 (and every other muP multiplier != 1)
+        assert model.model.lm_head_multiplier == 0.9
+    else:
+        cls, extra = {"cohere": (tf.CohereConfig, {"logit_scale": 0.5}),
+                      "granite": (tf.GraniteConfig, {"logits_scaling": 4.0}),
+                      "minicpm3": (tf.MiniCPM3Config, {"dim_model_base": 8, "q_lora_rank": 16, "kv_lora_rank": 16,
+                                                       "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                                                       "v_head_dim": 8})}[arch]
+        cfg = cls(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False, **extra)
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     mesh = seqpar.init_mesh(1)
     apply_sequence_parallel(model, mesh)
+    dl, dg = _nll_both_paths(model, mesh)
+    assert dl <= PATH_TOL and dg <= PATH_GRAD_TOL, (dl, dg)
+
+
+def test_falcon_h1_multiplier_is_the_models(one_thread):
+    """The fused head multiplies by the model's lm_head_multiplier at each forward (upstream reads it from the model,
+    not the config): changed after the fused head was installed, it changes both paths' NLL alike."""
+    model = tiny_model("falcon_h1")
+    mesh = seqpar.init_mesh(1)
+    apply_sequence_parallel(model, mesh)
+    install_fused_head(model)
+    model.model.lm_head_multiplier = 2.5
     dl, dg = _nll_both_paths(model, mesh)
     assert dl <= PATH_TOL and dg <= PATH_GRAD_TOL, (dl, dg)
 

@@ -196,7 +196,10 @@ def _cfg(**over):
 
 @pytest.mark.parametrize("over, needle", [
     ({"grpo.num_generations": 3}, "must divide micro_batch_size x grad_accum = 4"),
-    ({"grpo.num_iterations": 2}, "set num_iterations: 1"),
+    ({"grpo.num_iterations": 2, "checkpoint": {"every": 3}}, "must be a multiple of grpo.num_iterations=2"),
+    ({"grpo.importance_correction": "tis", "sequence_parallel": {"size": "dynamic", "max_local_tokens": 64}},
+     "importance_correction: tis is not supported with sequence_parallel"),
+    ({"grpo.importance_cap": 0}, "importance_cap"),
     ({"grpo.reward_weights": [1.0, 2.0]}, "one weight per function"),
     ({"grpo.loss_type": "ppo"}, "grpo.loss_type"),
     ({"grpo.max_completion_length": 40}, "set dataset.max_length: 72"),

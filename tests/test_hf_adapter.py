@@ -170,14 +170,12 @@ _SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
               num_key_value_heads=2)
 _MAMBA2_MIX = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4)
 # (family, config class, model class, tiny config kwargs, what the refusal must name)
-# (Gated DeltaNet, KDA, Mamba2, Mamba1, lightning attention and LFM2's short convs are supported:
+# (Gated DeltaNet, KDA, Mamba2, Mamba1, lightning attention, the RG-LRU and LFM2's short convs are supported:
 # tests/test_hf_hybrid*.py; the models built from the configs of test_supported_recurrent_hybrids pass.)
 NON_ATTENTION_MODELS = [
     ("mamba2", "Mamba2Config", "Mamba2ForCausalLM",
      dict(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, num_heads=4, head_dim=16,
           n_groups=1), "Mamba2Mixer"),
-    ("recurrent_gemma", "RecurrentGemmaConfig", "RecurrentGemmaForCausalLM",
-     dict(_SMALL, lru_width=32, attention_window_size=16, conv1d_width=4), "RecurrentGemmaRecurrentBlock"),
     ("rwkv", "RwkvConfig", "RwkvForCausalLM",
      dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64),
      "RwkvForCausalLM: a Rwkv model"),
@@ -218,16 +216,18 @@ SUPPORTED_RECURRENT = [
     ("Lfm2Config", "Lfm2ForCausalLM", dict(_SMALL, layer_types=["conv", "full_attention"])),
     ("MiniMaxConfig", "MiniMaxForCausalLM", dict(_SMALL, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
                                                  layer_types=["linear_attention", "full_attention"])),
+    ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM",
+     dict(_SMALL, lru_width=32, attention_window_size=16, conv1d_width=4, num_hidden_layers=3)),
 ]
 
 
 @pytest.mark.parametrize("cfg_cls,model_cls,kw", SUPPORTED_RECURRENT,
                          ids=["bamba", "granite_moe_hybrid", "mamba", "jamba", "falcon_h1", "zamba2", "lfm2",
-                              "minimax"])
+                              "minimax", "recurrent_gemma"])
 def test_supported_recurrent_hybrids(cfg_cls, model_cls, kw):
-    """Bamba and Granite 4 (legacy "mamba" layer names included), Mamba, Jamba, Falcon-H1, Zamba2, LFM2, MiniMax:
-    their recurrent / conv mixers get seqpar's forward, and at SP=1 it gives the model's own logits (fp32, 1e-5); other
-    mixers stay refused (the list above)."""
+    """Bamba and Granite 4 (legacy "mamba" layer names included), Mamba, Jamba, Falcon-H1, Zamba2, LFM2, MiniMax,
+    RecurrentGemma: their recurrent / conv mixers get seqpar's forward, and at SP=1 it gives the model's own logits
+    (fp32, 1e-5); other mixers stay refused (the list above)."""
     import transformers
 
     torch.manual_seed(0)

@@ -284,7 +284,7 @@ def _mesh(ulysses: int, ring: int) -> SequenceParallelMesh:
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1",
                                   "zamba2", "jamba", "lfm2", "falcon_mamba", "mamba", "olmo_hybrid",
-                                  "kimi_linear", "minimax"])
+                                  "kimi_linear", "minimax", "recurrent_gemma"])
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 2), (1, 3)])
 def test_ring_and_usp_accepted(arch, ulysses, ring):
     """Ring and USP meshes are no longer refused for hybrids: every recurrent layer gets the SP forward."""
@@ -408,8 +408,7 @@ def _verify(tmp_path, arch: str, sp, nproc: int, stage: str = "sft", fsdp: bool 
            "dataset": {"path": str(_verify_data(tmp_path, stage)), "max_length": 128, "packing": stage == "sft"},
            "sequence_parallel": sp, "max_steps": steps, "optimizer": {"lr": 1e-2},
            "output_dir": str(tmp_path / "run"), "progress": False, "fsdp": fsdp,
-           "memory": {"activation_checkpointing": ckpt,
-                      "fused_loss": arch != "falcon_h1"}}  # Falcon-H1's lm_head_multiplier: refused by the fused loss
+           "memory": {"activation_checkpointing": ckpt}}
     rep = run_verify(cfg, tmp_path, steps=steps, nproc=nproc, timeout=900)
     assert rep["passed"] and rep["max_abs_dloss"] <= 1e-5 and len(rep["steps"]) == steps, rep
     assert rep["grads_passed"] and rep["max_abs_dgrad_step1"] <= 1e-5, rep
@@ -446,12 +445,15 @@ def test_cli_verify_hybrid_ring_checkpointing(tmp_path):
     ("kimi_linear", {"size": 4, "ulysses_degree": 2}, 4, "sft", False, False),
     ("minimax", {"size": 2, "ring_degree": 2, "state_passing": "scan"}, 2, "sft", True, True),
     ("minimax", 4, 4, "dpo", False, False),  # auto degrees: ulysses 2 x ring 2 (USP)
+    ("recurrent_gemma", {"size": 2, "ring_degree": 2}, 2, "dpo", True, True),
+    ("recurrent_gemma", 4, 4, "sft", False, False),  # auto degrees: ulysses 2 x ring 2 (USP)
 ], ids=["qwen3_next-auto", "qwen3_next-ring-scan-fsdp-ckpt", "qwen3_5-ring-dpo", "nemotron_h-ring-dpo-fsdp",
         "qwen3_5-usp-fsdp-ckpt", "granite-ring4-ckpt", "lfm2-ring-fsdp-ckpt", "lfm2-usp-dpo",
         "falcon_h1-ring-dpo-fsdp-ckpt", "falcon_h1-usp", "zamba2-ring-fsdp-ckpt", "zamba2-usp-dpo",
         "jamba-ring-scan-fsdp-ckpt", "jamba-usp-dpo", "falcon_mamba-ring-dpo-fsdp-ckpt", "mamba-usp",
         "olmo_hybrid-ring-fsdp-ckpt", "olmo_hybrid-usp-dpo", "kimi_linear-ring-dpo-fsdp-ckpt", "kimi_linear-usp",
-        "minimax-ring-scan-fsdp-ckpt", "minimax-usp-dpo"])
+        "minimax-ring-scan-fsdp-ckpt", "minimax-usp-dpo", "recurrent_gemma-ring-dpo-fsdp-ckpt",
+        "recurrent_gemma-usp"])
 def test_cli_verify_hybrids(tmp_path, arch, sp, nproc, stage, fsdp, ckpt):
     """`seqpar verify` (SFT and DPO) on the hybrids under Ulysses, ring and USP, with FSDP2 (the recurrent
     forwards slice the gathered conv1d / A_log / dt_bias / D parameters) and activation checkpointing. Zamba2: 2

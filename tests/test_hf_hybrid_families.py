@@ -9,6 +9,8 @@ and 23 tokens: boundaries inside shards; the recurrences' chunks are shorter tha
   attention block with LoRA adapters, used by two layers): the Mamba2 path;
 - Jamba (Mamba1 + attention, MoE), Falcon-Mamba and Mamba (Mamba1 only): the selective scan (recurrent.selective);
 - OLMo-hybrid (Gated DeltaNet), Kimi-Linear (KDA + MLA, MoE), MiniMax (lightning attention, blocks of 16, MoE);
+- RecurrentGemma (RG-LRU blocks: a conv of kernel 4 and a diagonal recurrence that resets where position_ids are 0;
+  local attention with a 16-token window and partial rotary);
 plus float64 runs (recurrences swapped for tests/recurrent_ref.py's loops) and spies on the kernel functions.
 The models are built once, in the main thread (fixed seed), and deep-copied in each rank's thread.
 """
@@ -26,6 +28,7 @@ from hf_grid import assert_within, run_grid
 from recurrent_ref import patched_float64_kernels
 
 import seqpar
+from seqpar.errors import SeqParError
 from seqpar.hf import apply_sequence_parallel, tiny_model
 from seqpar.hf.recurrent_layers import find_recurrent, recurrent_forward
 from seqpar.mesh import SequenceParallelMesh
@@ -67,6 +70,7 @@ def _families() -> dict:
         "olmo_hybrid": lambda: tiny_model("olmo_hybrid"),
         "kimi_linear": lambda: tiny_model("kimi_linear"),
         "minimax": lambda: tiny_model("minimax"),
+        "recurrent_gemma": lambda: tiny_model("recurrent_gemma"),
         "lfm2_moe": lambda: _built(tf.Lfm2MoeConfig(**SMALL, moe_intermediate_size=16, num_hidden_layers=2,
                                                     conv_bias=True, num_dense_layers=1, num_experts=4,
                                                     num_experts_per_tok=2, layer_types=["conv", "full_attention"])),
@@ -94,9 +98,12 @@ F64_TOL = 1e-9
 # fp32 flips, ~1e-8. The mixer alone in float64 is exact to 1e-15 (test_mixers_float64).
 # Kimi-Linear: 1e-6. Its gated output norm computes in fp32 (and casts its weight to fp32) even in a float64 model;
 # the mixer alone is exact to 1e-13 but for the fp32-cast parameters (test_mixers_float64).
+# RecurrentGemma: 1e-8. Its RMS norms compute in fp32 (x.float()) even in a float64 model: gradients ~2.6e-9 (logits
+# 2e-16); with the norms in float64 the whole model is exact to 1e-15, and the block alone to 1e-16
+# (test_rg_lru_float64_packed).
 F64_FAMILIES = {"lfm2": ({}, F64_TOL), "olmo_hybrid": ({}, F64_TOL), "kimi_linear": ({}, 1e-6),
                 "falcon_h1": ({}, F64_TOL), "zamba2": ({"num_layers": 4}, F64_TOL), "jamba": ({}, 1e-7),
-                "minimax": ({}, F64_TOL)}
+                "minimax": ({}, F64_TOL), "recurrent_gemma": ({}, 1e-8)}
 
 
 @pytest.mark.slow
@@ -157,6 +164,54 @@ def test_mixers_float64(monkeypatch, arch):
                 assert all(e < (2e-7 if n in FP32_CAST[arch] else 1e-12) for n, e in errs.items()), (u, r, errs)
 
 
+def _rg_world(model, u: int, r: int):
+    """RecurrentGemma's recurrent block in SP (float64, B = 2 rows of 40 tokens: row 0 packed, documents of 17 and
+    23 tokens whose position_ids restart; row 1 one document) vs upstream's block on every document alone: output
+    error and, per parameter, the gradient's max relative error (summed over the ranks)."""
+    mesh = seqpar.init_mesh(2, ulysses_degree=u, ring_degree=r)
+    layer = copy.deepcopy(find_recurrent(model)[0][0])
+    ref_layer = copy.deepcopy(layer)
+    x, w = (torch.randn(2, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(i),
+                        dtype=torch.float64) for i in (0, 1))
+    pos = torch.stack([torch.cat([torch.arange(17), torch.arange(23)]), torch.arange(40)])
+    docs = [((0, 17), (17, 40)), ((0, 40),)]
+    ref = torch.cat([torch.cat([ref_layer(x[i:i + 1, a:b], position_ids=pos[i:i + 1, a:b], attention_mask=None,
+                                          use_cache=False)[0] for a, b in docs[i]], dim=1) for i in range(2)])
+    (ref * w).sum().backward()
+    out, _ = recurrent_forward(layer)(layer, seqpar.shard(x, mesh, 1), None, ((17,), ()), mesh,
+                                      position_ids=seqpar.shard(pos, mesh, 1))
+    (out * seqpar.shard(w, mesh, 1)).sum().backward()
+    errs = {}
+    for (name, p), (_, q) in zip(ref_layer.named_parameters(), layer.named_parameters()):
+        g = q.grad.clone()
+        torch.distributed.all_reduce(g)
+        errs[name] = float((p.grad - g).abs().max() / p.grad.abs().max())
+    return float((seqpar.unshard(out.detach(), mesh, 1) - ref.detach()).abs().max()), errs
+
+
+def test_rg_lru_float64_packed():
+    """RecurrentGemma's block in float64 (its scan swapped for tests/recurrent_ref.py's loop) under Ulysses 2 and
+    ring 2, a packed row among the two: the reset at each document's position 0, the conv's and the state's restart
+    and the state passed between ring ranks: output to 1e-14, every gradient to 1e-13 relative (measured 1e-16,
+    6e-16)."""
+    model = tiny_model("recurrent_gemma", dtype=torch.float64)
+    with patched_float64_kernels(type(model).__module__):
+        for u, r in ((2, 1), (1, 2)):
+            for out_err, errs in run_threaded(_rg_world, 2, model, u, r, timeout=120):
+                assert out_err < 1e-14, (u, r, out_err)
+                assert all(e < 1e-13 for e in errs.values()), (u, r, errs)
+
+
+def test_rg_lru_ulysses_degree_refused():
+    """Ulysses must split the RG-LRU's gate blocks (one per head): 3 heads under Ulysses 2 are refused at apply time,
+    by name (the ring takes any head count)."""
+    model = tiny_model("recurrent_gemma", num_heads=3, num_kv_heads=1)
+    with pytest.raises(SeqParError, match="RG-LRU gate blocks"):
+        apply_sequence_parallel(model, SequenceParallelMesh(dp_size=1, ring_degree=1, ulysses_degree=2,
+                                                            layout="zigzag"))
+    apply_sequence_parallel(model, SequenceParallelMesh(dp_size=1, ring_degree=2, ulysses_degree=1, layout="zigzag"))
+
+
 @pytest.mark.parametrize("arch", sorted(_families()))
 def test_every_mixer_gets_the_sp_forward(models, arch):
     """The comparisons above would pass vacuously if a family's mixers kept their own forward: they do not."""
@@ -181,7 +236,9 @@ class Spy:
 
 
 # arch: the module functions its mixer's forward calls (where transformers dispatches to causal-conv1d / mamba_ssm /
-# flash-linear-attention when installed); MiniMax's lightning attention calls none (its block algorithm is inline)
+# flash-linear-attention when installed); MiniMax's lightning attention calls none (its block algorithm is inline),
+# nor does RecurrentGemma (its scan is the layer's `_rnn_scan`, a torch loop: test_rg_lru_float64_packed swaps it for
+# a float64 loop, which the SP forward must call to pass)
 _M1 = ("causal_conv1d_fn", "mamba_selective_scan")
 KERNELS = {"lfm2": ("causal_conv1d_fn",), "falcon_h1": ("causal_conv1d_fn", "mamba2_chunk_scan"),
            "zamba2": ("causal_conv1d_fn", "mamba2_chunk_scan"), "jamba": _M1, "falcon_mamba": _M1, "mamba": _M1,

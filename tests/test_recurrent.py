@@ -2,7 +2,8 @@
 
 The reference runs the whole sequence on one process, row by row and document by document, with a causal depthwise
 conv (F.conv1d, zero history at every document start) and the token-by-token float64 recurrences of
-tests/recurrent_ref.py (gated delta rule; Mamba2 SSD; Mamba1's selective scan), or the conv alone (ring_conv). The
+tests/recurrent_ref.py (gated delta rule; Mamba2 SSD; Mamba1's selective scan; the RG-LRU's diagonal recurrence), or
+the conv alone (ring_conv). The
 sharded run gives each ring rank its shard (seqpar.shard: zigzag or contiguous), runs
 seqpar.recurrent.ring_recurrence with the same per-piece recurrences and compares the unsharded output and the
 gradients of EVERY input (x, gates, step sizes: this rank's shard of the reference gradient; conv weight and SSD
@@ -18,13 +19,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from recurrent_ref import naive_gated_delta, naive_selective_scan, naive_ssd
+from recurrent_ref import naive_gated_delta, naive_rg_lru_scan, naive_selective_scan, naive_ssd
 
 import seqpar
 from seqpar.recurrent import (
     SelectiveParams,
     SSDParams,
     delta_piece,
+    diagonal_piece,
     ring_conv,
     ring_plan,
     ring_recurrence,
@@ -39,7 +41,7 @@ K = 4  # conv kernel
 HK, DK, HV, DV = 2, 3, 4, 5  # delta rule: k heads, k dim, v heads, v dim
 H, P, G, N = 4, 3, 2, 5  # SSD: heads, head dim, groups, state
 D1, N1 = 4, 3  # Mamba1 selective scan: channels, state entries
-TRANSITION = {"delta": "matrix", "ssd": "scalar", "selective": "diagonal"}
+TRANSITION = {"delta": "matrix", "ssd": "scalar", "selective": "diagonal", "rglru": "diagonal"}
 
 
 def _conv(w: torch.Tensor, bias: torch.Tensor):
@@ -58,6 +60,8 @@ def _inputs(kind: str, b: int, s: int, seed: int) -> dict[str, torch.Tensor]:
     if kind == "delta":
         c = 2 * HK * DK + HV * DV
         return {"x": r(b, s, c), "beta": r(b, s, HV), "a": r(b, s, HV), "w": r(c, K, scale=0.5), "bias": r(c)}
+    if kind == "rglru":  # h_t = a_t h_{t-1} + x_t per channel, log a_t = -softplus(.) (a in (0, 1))
+        return {"x": r(b, s, D1), "a": r(b, s, D1), "w": r(D1, K, scale=0.5), "bias": r(D1)}
     if kind in ("selective", "conv"):
         return {"x": r(b, s, D1), "dt": r(b, s, D1), "bm": r(b, s, N1), "cm": r(b, s, N1), "z": r(b, s, D1),
                 "w": r(D1, K, scale=0.5), "bias": r(D1), "a_log": r(D1, N1, scale=0.3), "dt_bias": r(D1, scale=0.3),
@@ -75,6 +79,12 @@ def _piece_fn(kind: str, t: dict[str, torch.Tensor]):
             beta, g = side
             return delta_piece(naive_gated_delta, q.reshape(b, n, HK, DK), k.reshape(b, n, HK, DK),
                                v.reshape(b, n, HV, DV), g, beta, carries)
+        return piece
+    if kind == "rglru":
+        def piece(y, side, carries):
+            def scan(v, la):  # from a zero state, no reset inside
+                return naive_rg_lru_scan(None, v, la.exp(), torch.zeros_like(v, dtype=torch.bool))
+            return diagonal_piece(scan, y, side[0], carries)
         return piece
     if kind == "selective":
         sel = SelectiveParams(a=-t["a_log"].exp(), d=t["d"], dt_bias=t["dt_bias"])
@@ -97,6 +107,8 @@ def _side(kind: str, t: dict[str, torch.Tensor], cut) -> tuple[torch.Tensor, ...
         return cut(t["beta"]).sigmoid(), -F.softplus(cut(t["a"])) * 0.7
     if kind == "selective":
         return cut(t["dt"]), cut(t["bm"]), cut(t["cm"]), cut(t["z"])
+    if kind == "rglru":
+        return (-F.softplus(cut(t["a"])),)
     return (cut(t["dt"]),)
 
 
@@ -186,10 +198,35 @@ def test_ring2_fast():
     _check(run_distributed(world_cases, 2, CASES_R2, timeout=300))
 
 
-CASES_NEW = [  # Mamba1's selective scan ("diagonal" transitions) and the conv alone, in threads
+def test_diagonal_piece_reset_inside():
+    """A reset (a_t = 0, log a_t = -inf) inside a piece that carries a state in: the correction stops there, and the
+    gradients stay finite (float64, against the loop from that state)."""
+    g = torch.Generator().manual_seed(3)
+    x, la = (torch.randn(2, 9, D1, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    s0 = torch.randn(2, D1, generator=g, dtype=torch.float64).requires_grad_()
+    reset = torch.zeros(2, 9, 1, dtype=torch.bool)
+    reset[0, 4] = True
+    a = -F.softplus(la)
+
+    def scan(v, lg):
+        return naive_rg_lru_scan(None, v, lg.exp(), reset)
+
+    res = diagonal_piece(scan, x, a.masked_fill(reset, float("-inf")), True)
+    got = res.out + res.correct(s0)
+    want, _ = naive_rg_lru_scan(None, x, a.exp(), reset, s0)
+    assert float((got - want).detach().abs().max()) < 1e-14
+    w = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad((y * w).sum(), (x, la, s0), retain_graph=True) for y in (got, want)]
+    assert all(float((p - q).abs().max()) < 1e-13 for p, q in zip(*grads)), grads
+
+
+CASES_NEW = [  # Mamba1's selective scan and the RG-LRU ("diagonal" transitions) and the conv alone, in threads
     ("zigzag", "selective", 2, 24, ((), ()), "chain"),
     ("zigzag", "selective", 2, 24, ((4, 13), (6, 19)), "scan"),
     ("contiguous", "selective", 1, 24, ((10,),), "chain"),
+    ("zigzag", "rglru", 2, 24, ((), ()), "chain"),
+    ("zigzag", "rglru", 2, 24, ((5, 12), (6, 19)), "scan"),
+    ("contiguous", "rglru", 1, 24, ((10,),), "chain"),
     ("zigzag", "conv", 2, 24, ((4, 13), ()), "chain"),
     ("contiguous", "conv", 1, 24, ((12,),), "chain"),
 ]

@@ -1,5 +1,7 @@
 """`seqpar train` on the attention variants' tiny models (gpt-oss: sinks + sliding layers; DeepSeek-V3: MLA;
-Llama 4 text: NoPE temperature + chunked attention), windows and chunks of 16 tokens on packed 256-token rows:
+Llama 4 text: NoPE temperature + chunked attention) and on RecurrentGemma's (RG-LRU blocks: conv halo and state passing,
+resets at each packed document's position 0; local attention with partial rotary), windows and chunks of 16 tokens on
+packed 256-token rows:
 SP 2 (ring, Ulysses) equals SP 1 step by step (loss and gradient norm within 1e-5 relative, SGD, fp32). Ranks are
 threads of this process (seqpar.threaded)."""
 
@@ -12,6 +14,7 @@ VARIANTS = {
     "gpt_oss": {"name": "tiny:gpt_oss", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "sliding_window": 16}},
     "deepseek_v3": {"name": "tiny:deepseek_v3", "kwargs": {"num_heads": 4, "num_kv_heads": 4, "head_dim": 16}},
     "llama4": {"name": "tiny:llama4", "kwargs": {"num_heads": 4, "num_kv_heads": 2, "sliding_window": 16}},
+    "recurrent_gemma": {"name": "tiny:recurrent_gemma"},  # (its window: attention_window_size 16, tiny_config's)
 }
 
 

@@ -223,6 +223,11 @@ HYBRIDS = [
      "max_length": 40},
     {"name": "dpo qwen3_next (Gated DeltaNet, MoE) ring 2", "stage": "dpo", "arch": "qwen3_next", "data": "pairs",
      "moe": True},
+    {"name": "sft lfm2 (short conv) ring 2, lora", "stage": "sft", "arch": "lfm2", "data": "prompt_completion",
+     "lora": True},
+    {"name": "sft falcon_h1 (Mamba2, muP) ring 2", "stage": "sft", "arch": "falcon_h1", "data": "text",
+     "max_length": 40},
+    {"name": "dpo jamba (Mamba1, MoE) ring 2", "stage": "dpo", "arch": "jamba", "data": "pairs", "moe": True},
 ]
 
 
@@ -237,7 +242,8 @@ def test_trl_sp4_matches_stock_trl(tmp_path):
 
 @pytest.mark.slow
 def test_trl_hybrids_ring_match_stock_trl(tmp_path):
-    """Gated DeltaNet and Mamba2 hybrids through the TRL drop-ins under a ring (state passing) vs stock TRL."""
+    """Gated DeltaNet, Mamba2 (Nemotron-H, Falcon-H1), short-conv (LFM2, with LoRA) and Mamba1 (Jamba) hybrids
+    through the TRL drop-ins under a ring (state passing) vs stock TRL."""
     _run_cases(HYBRIDS, 2, tmp_path)
 
 

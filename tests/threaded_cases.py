@@ -21,7 +21,7 @@ MODELS = {  # Llama-shaped (GQA) and Qwen3.5-shaped (Gated DeltaNet + attention,
 
 
 def _train(out: str, model: str | dict, sp: int, u: int, r: int, steps: int, precision: str, kernel: str,
-           checkpoint_every: int) -> None:
+           checkpoint_every: int, extra: dict | None = None) -> None:
     from seqpar.train.config.load import load_config
     from seqpar.train.run import train
 
@@ -32,17 +32,18 @@ def _train(out: str, model: str | dict, sp: int, u: int, r: int, steps: int, pre
         "attention_kernel": kernel, "checkpoint": {"every": checkpoint_every, "save_final": False},
         "export": {"final": False}, "progress": False,
         # the CPU meter's module hooks and CUDA's peak statistics are process-wide: off in a threaded world
-        "memory": {"measure": False}})
+        "memory": {"measure": False}, **(extra or {})})
     train(cfg)
 
 
 def train_rows(out: Path, model: str | dict, u: int, r: int, *, steps: int = 3, precision: str = "fp32",
-               kernel: str = "auto", device: str = "cpu", checkpoint_every: int = 2) -> list[dict]:
+               kernel: str = "auto", device: str = "cpu", checkpoint_every: int = 2,
+               extra: dict | None = None) -> list[dict]:
     """The metrics rows of a `seqpar train` run at ulysses u x ring r, its ranks threads of this process (`model`: a
-    MODELS key or a config's `model` section)."""
+    MODELS key or a config's `model` section; `extra`: more config sections, replacing the example's)."""
     sp = u * r
-    run_threaded(_train, sp, str(out), model, sp, u, r, steps, precision, kernel, checkpoint_every, device=device,
-                 timeout=600)
+    run_threaded(_train, sp, str(out), model, sp, u, r, steps, precision, kernel, checkpoint_every, extra,
+                 device=device, timeout=600)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -8,6 +8,7 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
 - The engine's logged log-probs of step 2's completions equal an independent transformers recompute (plain model,
   log_softmax(logits / T)) from the weights after step 1 (the checkpoint) within 1e-4, and differ from the initial
   weights' (step 0) by more than 1e-3: a missed weight push fails the test.
+- num_iterations 2 with importance_correction tis: SP 2 == SP 1 (one rollout, both steps' losses within 1e-5).
 - dp 2 x SP 1 draws the SP 1 run's completions; then rank 1's engine fails at step 2 and both ranks stop with the
   same one-line SeqParError.
 - Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel neither 1 nor the SP
@@ -194,6 +195,31 @@ def test_dp2_then_a_dead_engine_stops_every_rank(runs, data, tmp_path):
     assert [r["step"] for r in got] == [1] * 4  # step 2 never finished
     assert [(r["prompt_ids"], r["completion_ids"]) for r in got] == \
         [(r["prompt_ids"], r["completion_ids"]) for r in want_rows]
+
+
+def test_num_iterations_2_and_tis_sp2_equals_sp1(data, tmp_path):
+    """num_iterations 2 (step 2 reuses step 1's rollout, the ratio against its old log-probs) with truncated
+    importance sampling: SP 2 on 2 ranks and SP 1 on 1 rank draw the same completions once and agree on both
+    steps' losses within 1e-5; the engine's log-probs equal the trainer's, so each weight is 1 within 1e-4."""
+    def cfg(name: str, sp: int) -> dict:
+        c = _cfg(data, tmp_path / name, sp, num_iterations=2, importance_correction="tis")
+        # lr 0.02: at 0.5 step 2's unclipped ratios of negative advantages make a loss ~4e3 (fp32 rounding 1e-2)
+        return {**c, "checkpoint": {"every": 2}, "optimizer": {"name": "sgd", "lr": 0.02}}
+
+    sp2 = run_distributed(_train, 2, cfg("sp2", 2), timeout=420)[0]
+    sp1 = run_distributed(_train, 1, cfg("sp1", 1), timeout=420)[0]
+    a, b = _rows(tmp_path / "sp2" / "rollouts.jsonl"), _rows(tmp_path / "sp1" / "rollouts.jsonl")
+    assert [r["step"] for r in a] == [1] * 4  # one rollout for the two steps
+    assert [r["completion_ids"] for r in a] == [r["completion_ids"] for r in b]
+    assert len(sp2) == 2 and max(abs(p - q) for p, q in zip(sp2, sp1)) < TOL, (sp2, sp1)
+    assert any(abs(r["advantage"]) > 0.1 for r in a)
+    for run in ("sp1", "sp2"):
+        m = _rows(tmp_path / run / "metrics.jsonl")
+        assert [r["grpo_iteration"] for r in m] == [1, 2] and m[0]["reward"] == m[1]["reward"]
+        for r in m:
+            assert abs(r["importance_ratio/mean"] - 1) < LP_TOL and r["importance_ratio/capped"] == 0
+            assert r["rollout_logprob_diff_max"] < LP_TOL  # step 2 too: the old log-probs vs the engine's
+        assert m[0]["clip_ratio/region_mean"] == 0 < m[1]["clip_ratio/region_mean"]  # step 2's ratio is off 1
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@
     attention_fn.py       the attention functions the layers call, with their per-call refusals
     linear_attention.py   Gated DeltaNet (Qwen3-Next / Qwen3.5 / OLMo-hybrid) under Ulysses, ring, USP; mixers.py:
                           refused sequence mixers; recurrent_layers.py: the recurrent / conv mixers seqpar runs
-                          (mamba2.py, mamba1.py, kda.py, short_conv.py)
+                          (mamba2.py, mamba1.py, kda.py, lightning.py, rglru.py, short_conv.py)
     vision.py             Qwen2.5-VL / Qwen3-VL: vision tower local, text decoder under SP
     prepare.py            prepare_model / frozen_reference: the one model preparation of every trainer
     trainer.py            SequenceParallelTrainer / SequenceParallelDPOTrainer (Trainer drop-ins), with

@@ -173,9 +173,9 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, 
     Raises SeqParError for what seqpar cannot run exactly: softcapped attention logits, nested/encoder-decoder
     configs, MoE router aux losses (output_router_logits), any sequence mixing outside softmax attention (linear
     attention, Mamba/SSM, convolutions, recurrences: see seqpar.hf.mixers) except the recurrent / conv mixers of
-    seqpar.hf.recurrent_layers (Gated DeltaNet, KDA, Mamba2, Mamba1, LFM2's short convs, lightning attention), which
-    run in every mode (ring / USP by state passing; the Ulysses degree must split their heads) (here); attention
-    dropout in train mode, non-causal attention (per forward, on every rank alike).
+    seqpar.hf.recurrent_layers (Gated DeltaNet, KDA, Mamba2, Mamba1, LFM2's short convs, lightning attention,
+    RecurrentGemma's RG-LRU), which run in every mode (ring / USP by state passing; the Ulysses degree must split
+    their heads) (here); attention dropout in train mode, non-causal attention (per forward, on every rank alike).
     attention_kernel: seqpar.attention's kernel= (docs/gpu.md);
     the kernel each model's first attention call resolves to is printed once per process, on rank 0.
     head_chunks: seqpar.attention's head_chunks= (the kernels run per group of heads; attention.heads).

@@ -18,7 +18,7 @@ from ..errors import SeqParError
 from ..layout import local_positions
 from ..mesh import SequenceParallelMesh
 from .forward_plan import PLAN_KWARG, ForwardPlan, SPState
-from .recurrent_layers import recurrent_forward
+from .recurrent_layers import recurrent_forward, wants_positions
 
 __all__ = ["make_attention_fn", "make_linear_forward", "check_attention_call"]
 
@@ -246,6 +246,7 @@ def make_linear_forward(state_ref: weakref.ReferenceType) -> Any:
             )
         # cache_params (transformers >= 5.24: `cache`, in kwargs): never filled under SP (use_cache is forced off;
         # filled caches are refused by the plan).
-        return recurrent_forward(self)(self, hidden_states, attention_mask, plan.row_bounds, state.mesh)
+        extra = {"position_ids": kwargs.get("position_ids")} if wants_positions(self) else {}
+        return recurrent_forward(self)(self, hidden_states, attention_mask, plan.row_bounds, state.mesh, **extra)
 
     return forward

@@ -74,6 +74,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1, "expand": 2, "chunk_size": 16},
     "nemotron_h": {"n_groups": 2, "chunk_size": 16},  # (its B / C groups must divide its 8 Mamba2 heads)
+    # its blocks repeat (recurrent, recurrent, attention): 3 layers, so its local attention runs too
+    "recurrent_gemma": {"num_hidden_layers": 3},
     # no default layer_types: one short-convolution and one attention layer
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # RoPE parameters keyed by layer type, none by default

@@ -7,9 +7,10 @@ The mixer (transformers 5.24): in_proj -> [x | z] -> depthwise causal Conv1d ove
 
 - Ulysses: one all-to-all moves x and z to a slice of the channels over the ring rank's sequence (the Ulysses
   degree must divide intermediate_size). The conv runs on that slice; x_proj is a sum over channels, so each rank
-  applies its columns of x_proj.weight and a sum all-reduce over the Ulysses group gives every rank the whole
-  [dt | B | C] (dt_rank + 2 n numbers per token); dt_proj, A_log, D, conv1d run with the rank's rows (differentiable
-  slices of the layer's parameters). A second all-to-all returns the scan output for out_proj.
+  applies its columns of x_proj.weight (and of a LoRA adapter's A) and a sum all-reduce over the Ulysses group
+  gives every rank the whole [dt | B | C] (dt_rank + 2 n numbers per token); dt_proj, A_log, D, conv1d run with
+  the rank's rows (differentiable slices of the layer's parameters). A second all-to-all returns the scan output
+  for out_proj.
 - Ring / USP: the conv gets its halo (seqpar.recurrent.ring_conv), the scan its incoming state by state passing
   (recurrent.selective: one decay per channel and state entry, a "diagonal" transition).
 
@@ -63,6 +64,33 @@ def _norm(layer: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
     return norm(t) if norm is not None else t
 
 
+def _x_proj_share(lin: torch.nn.Module, x: torch.Tensor, cols: slice, u: int) -> torch.Tensor:
+    """x_proj on this rank's channels `cols` of x: its share of x_proj(full x) (the Ulysses sum gives the rest). At
+    U = 1 the module itself (any wrapper); at U > 1 a bias-free Linear's columns, or PEFT's LoRA Linear: base and
+    B A x are both linear in x's channels, so each takes the columns (upstream's torch path calls the module:
+    LoRA on x_proj trains)."""
+    if u == 1:
+        return lin(x)
+    base = getattr(lin, "base_layer", lin)
+    lora = base is not lin and hasattr(lin, "lora_A")
+    if not isinstance(base, torch.nn.Linear) or base.bias is not None or (base is not lin and not lora):
+        raise SeqParError(f"x_proj is {type(lin).__name__}: under Ulysses seqpar splits a bias-free Linear (or PEFT "
+                          "LoRA on one) over the channels; use a ring (ulysses_degree 1) or leave x_proj unwrapped")
+    out = x @ base.weight[:, cols].t()
+    if not lora or lin.disable_adapters or lin.merged:
+        return out
+    for name in lin.active_adapters:
+        if name not in lin.lora_A:
+            continue
+        a, b = lin.lora_A[name], lin.lora_B[name]
+        if name in getattr(lin, "lora_variant", {}) or b.bias is not None:
+            raise SeqParError(f"x_proj's adapter {name!r} is not plain LoRA (DoRA or another variant, or a LoRA bias): "
+                              "under Ulysses seqpar splits plain LoRA only; use a ring (ulysses_degree 1)")
+        h = lin.lora_dropout[name](x.to(a.weight.dtype)) @ a.weight[:, cols].t()
+        out = out + b(h) * lin.scaling[name]
+    return out.to(x.dtype)
+
+
 def sp_mamba1_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                       row_bounds: tuple[tuple[int, ...], ...], mesh: SequenceParallelMesh) -> torch.Tensor:
     """The mixer's forward on this rank's sequence shard [B, S/sp, H] (the mesh's layout) -> [B, S/sp, H]."""
@@ -85,7 +113,7 @@ def sp_mamba1_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, atten
     x = ring_conv(x, plan, mesh, conv, int(layer.conv_kernel_size))
     if mask is not None:
         x = (x * mask[..., None]).to(x.dtype)
-    proj = x @ layer.x_proj.weight[:, mine].t()  # this rank's channels' share of x_proj
+    proj = _x_proj_share(layer.x_proj, x, mine, u)
     if u > 1:
         proj = comm.all_reduce(proj, mesh.ulysses_group, mesh.stats, device=mesh.comm_device)
     n, r = layer.ssm_state_size, layer.time_step_rank

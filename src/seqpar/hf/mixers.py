@@ -9,8 +9,9 @@ local shard alone and silently give wrong results. Three independent signals, an
   LinearAttention, LightningAttention, ShortConv, ...);
 - the config: `layer_types` entries that are not softmax attention ("linear_attention", "mamba",
   "conv", "hybrid", ...), `layers_block_type`, an `attention_chunk_size` without `layer_types`.
-The layers of seqpar.hf.recurrent_layers (Gated DeltaNet, Mamba2, LFM2's short convs) are the exception: seqpar
-runs them (Ulysses, ring, USP), and apply_sequence_parallel passes them here as `supported`.
+The layers of seqpar.hf.recurrent_layers (Gated DeltaNet, KDA, Mamba2, Mamba1, lightning attention, the RG-LRU,
+LFM2's short convs) are the exception: seqpar runs them (Ulysses, ring, USP), and apply_sequence_parallel passes
+them here as `supported`.
 Sliding-window and chunked attention (Llama 4's 'chunked_attention' layers) are softmax attention with another
 mask: seqpar's attention runs them (attention.pieces).
 """
@@ -119,5 +120,6 @@ def check_softmax_attention_only(
             "give silently wrong results. Use a softmax-attention model (Llama, Qwen2/3, Mistral, Gemma2/3, "
             "Phi3, ...) or a supported hybrid (Qwen3-Next, Qwen3.5 text, OLMo-hybrid: Gated DeltaNet; Kimi-Linear: "
             "KDA; Nemotron-H, Granite 4 (GraniteMoeHybrid), Bamba, Falcon-H1, Zamba2: Mamba2; Jamba, Falcon-Mamba, "
-            "Mamba: Mamba1; MiniMax: lightning attention; LFM2: short convolutions), or train without SP"
+            "Mamba: Mamba1; MiniMax: lightning attention; RecurrentGemma: RG-LRU; LFM2: short convolutions), or "
+            "train without SP"
         )

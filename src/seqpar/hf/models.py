@@ -30,11 +30,11 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3")
 # The attention variants: sinks + sliding layers (gpt-oss), MLA (DeepSeek-V3), NoPE temperature + chunks (Llama 4).
 VARIANT_ARCHS = ("gpt_oss", "deepseek_v3", "llama4")
 # Hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-hybrid), Mamba2 (Nemotron-H, Granite 4, Bamba, Falcon-H1,
-# Zamba2), Mamba1 (Jamba) or short convolutions (LFM2) + softmax attention; and the attention-free Mamba1 models
-# (Falcon-Mamba, Mamba).
+# Zamba2), Mamba1 (Jamba), short convolutions (LFM2, LFM2-MoE, LFM3), lightning attention (MiniMax) or the RG-LRU
+# (RecurrentGemma) + softmax attention; and the attention-free Mamba1 models (Falcon-Mamba, Mamba).
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1",
-                "zamba2", "jamba", "lfm2", "falcon_mamba", "mamba", "olmo_hybrid", "kimi_linear",
-                "minimax")
+                "zamba2", "jamba", "lfm2", "lfm2_moe", "lfm3", "falcon_mamba", "mamba", "olmo_hybrid",
+                "kimi_linear", "minimax", "recurrent_gemma")
 # Vision-language models (seqpar.hf.vision): the vocabulary gets VLM_EXTRA_IDS more ids past `vocab_size` (so a
 # byte tokenizer never emits them): image = vocab_size, video + 1, vision start + 2, vision end + 3.
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -65,6 +65,8 @@ def _config_class(arch: str) -> Any:
         "granitemoehybrid": tf.GraniteMoeHybridConfig,
         "bamba": tf.BambaConfig,
         "lfm2": tf.Lfm2Config,
+        "lfm2_moe": tf.Lfm2MoeConfig,
+        "lfm3": tf.Lfm3Config,
         "falcon_h1": tf.FalconH1Config,
         "zamba2": tf.Zamba2Config,
         "jamba": tf.JambaConfig,
@@ -73,6 +75,7 @@ def _config_class(arch: str) -> Any:
         "olmo_hybrid": tf.OlmoHybridConfig,
         "kimi_linear": tf.KimiLinearConfig,
         "minimax": tf.MiniMaxConfig,
+        "recurrent_gemma": tf.RecurrentGemmaConfig,
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
@@ -153,7 +156,7 @@ def _check_overrides(arch: str, cls: Any, overrides: dict[str, Any]) -> None:
 
 def _arch_kwargs(arch: str, kw: dict[str, Any], sliding_window: int | None, head_dim: int, num_layers: int) -> None:
     """The per-architecture parts of a tiny config (sliding windows, softcapping off, hybrid layers), in place."""
-    if arch in ("mistral", "gemma2", "gemma3", "qwen2", "phi3", "gpt_oss"):
+    if arch in ("mistral", "gemma2", "gemma3", "qwen2", "phi3", "gpt_oss", "lfm3"):
         kw["sliding_window"] = sliding_window
     if arch in VARIANT_ARCHS:
         kw.update(_variant_kwargs(arch, kw, sliding_window, head_dim, num_layers))

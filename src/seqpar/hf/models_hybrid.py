@@ -61,9 +61,17 @@ def hybrid_kwargs(arch: str, num_layers: int) -> dict[str, Any]:
         return dict(layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(num_layers)],
                     block_size=16, num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
                     linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1)
+    if arch == "recurrent_gemma":  # RG-LRU blocks (conv kernel 4) then local attention (a window of 16 tokens)
+        return dict(block_types=["recurrent", "attention"], conv1d_width=4, attention_window_size=16)
     if arch == "lfm2":  # short convs of kernel 3 (with bias) first, then attention
         return dict(layer_types=["full_attention" if i % 2 else "conv" for i in range(num_layers)], conv_L_cache=3,
                     conv_bias=True, block_auto_adjust_ff_dim=False)
+    if arch == "lfm2_moe":  # LFM2's layers; a dense MLP in layer 0, then 4-expert top-2 MoEs
+        return dict(layer_types=["full_attention" if i % 2 else "conv" for i in range(num_layers)], conv_L_cache=3,
+                    conv_bias=True, num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    if arch == "lfm3":  # conv, sliding-window attention (tiny_config's sliding_window), full attention, repeated
+        kinds = ["conv", "sliding_attention", "full_attention"]
+        return dict(layer_types=[kinds[i % 3] for i in range(num_layers)])
     kw: dict[str, Any] = dict(
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=12,
         linear_conv_kernel_dim=4,

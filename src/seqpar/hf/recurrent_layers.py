@@ -2,7 +2,8 @@
 check them against a mesh (apply time) and run their forward under SP (hf.attention_fn.make_linear_forward).
 
 One row per layer kind; each forward has the upstream layer's math and the signature
-forward(layer, hidden_states, attention_mask, row_bounds, mesh) on this rank's sequence shard.
+forward(layer, hidden_states, attention_mask, row_bounds, mesh) on this rank's sequence shard (and position_ids=, the
+shard's global positions, for a kind with `positions`: the RG-LRU resets where they are 0).
 `layer_types`: the config layer_types / layers_block_type values a model with such layers lists for them
 (hf.mixers refuses any other non-attention value).
 """
@@ -20,9 +21,10 @@ from .lightning import LIGHTNING_CLASSES, check_lightning, sp_lightning_forward
 from .linear_attention import LINEAR_ATTENTION_CLASSES, check_linear_attention, sp_gated_delta_forward
 from .mamba1 import MAMBA1_CLASSES, check_mamba1, sp_mamba1_forward
 from .mamba2 import MAMBA2_CLASSES, check_mamba2, sp_mamba2_forward
+from .rglru import RGLRU_CLASSES, check_rglru, sp_rglru_forward
 from .short_conv import SHORT_CONV_CLASSES, check_short_conv, sp_short_conv_forward
 
-__all__ = ["RecurrentKind", "KINDS", "find_recurrent", "check_recurrent", "recurrent_forward"]
+__all__ = ["RecurrentKind", "KINDS", "find_recurrent", "check_recurrent", "recurrent_forward", "wants_positions"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class RecurrentKind:
     check: Callable[[list[torch.nn.Module], SequenceParallelMesh], None]
     forward: Callable[..., torch.Tensor]
     layer_types: frozenset[str]
+    positions: bool = False  # its forward takes position_ids= (the shard's global positions)
 
 
 KINDS = (
@@ -41,6 +44,7 @@ KINDS = (
     RecurrentKind(MAMBA1_CLASSES, check_mamba1, sp_mamba1_forward, frozenset({"linear_attention", "mamba"})),
     RecurrentKind(LIGHTNING_CLASSES, check_lightning, sp_lightning_forward, frozenset({"linear_attention"})),
     RecurrentKind(SHORT_CONV_CLASSES, check_short_conv, sp_short_conv_forward, frozenset({"conv"})),
+    RecurrentKind(RGLRU_CLASSES, check_rglru, sp_rglru_forward, frozenset({"linear_attention"}), positions=True),
 )
 
 
@@ -69,3 +73,9 @@ def recurrent_forward(layer: torch.nn.Module) -> Callable[..., torch.Tensor]:
     kind = _kind(layer)
     assert kind is not None, type(layer).__name__
     return kind.forward
+
+
+def wants_positions(layer: torch.nn.Module) -> bool:
+    """Whether the layer's SP forward takes position_ids=."""
+    kind = _kind(layer)
+    return kind is not None and kind.positions

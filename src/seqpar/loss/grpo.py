@@ -7,8 +7,11 @@ Per completion token t (mask = shift_labels != -100), as TRL's GRPOTrainer (toke
 sampling, two-sided PPO clip):
 
     ratio_t = exp(logp_t - old_t)               (old = logp.detach() when not given: ratio 1, same gradient)
-    loss_t  = -min(ratio_t * A, clamp(ratio_t, 1 - eps_low, 1 + eps_high) * A) + beta * k3_t
+    loss_t  = -min(ratio_t * A, clamp(ratio_t, 1 - eps_low, 1 + eps_high) * A) * w_t + beta * k3_t
     k3_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+    w_t     = min(exp(old_t - sampling_t), cap)  (importance_cap given; else 1): truncated importance sampling
+              (TIS) for a sampler whose log-probs differ from the trainer's, TRL's token_truncate
+              vllm_importance_sampling_correction: detached, on the policy term only (not the KL)
 
 Aggregation (`loss_type`):
     "grpo":    mean over the step's sequences of (sum of the sequence's loss_t / its completion-token count)
@@ -159,7 +162,8 @@ def _reduce(t: torch.Tensor, group, mesh: SequenceParallelMesh | None, op=None) 
 
 def _metrics(rows: torch.Tensor, mesh: SequenceParallelMesh | None, beta: float,
              with_entropy: bool) -> dict[str, torch.Tensor]:
-    """rows: per-row [count, kl, entropy, low, high, region] sums over the FULL row (already SP-reduced)."""
+    """rows: per-row [count, kl, entropy, low, high, region(, weight, capped)] sums over the FULL row (already
+    SP-reduced; the last two with TIS)."""
     totals = _reduce(rows.sum(0), None if mesh is None else mesh.dp_group, mesh)
     mean = totals[1:] / totals[0].clamp(min=1.0)
     valid = rows[:, 0] > 0  # TRL's nanmin/nanmax skip rows without completion tokens
@@ -176,6 +180,8 @@ def _metrics(rows: torch.Tensor, mesh: SequenceParallelMesh | None, beta: float,
         out["kl"] = mean[0]
     if with_entropy:
         out["entropy"] = mean[1]
+    if rows.shape[1] > 6:
+        out["importance_ratio/mean"], out["importance_ratio/capped"] = mean[5], mean[6]
     return out
 
 
@@ -194,11 +200,16 @@ def grpo_loss(
     mesh: SequenceParallelMesh | None = None,
     entropy: torch.Tensor | None = None,
     kl_ratio_correction: bool = False,
+    sampling_logps: torch.Tensor | None = None,
+    importance_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the step's GRPO loss, and detached metrics (formulas: module docstring).
 
     kl_ratio_correction: multiply the per-token k3 KL by the (differentiable) importance ratio, TRL's
     `use_bias_correction_kl` (its default since 1.x): the same value on-policy, a different gradient.
+    sampling_logps / importance_cap: the sampler's per-token log-probs [B, S_local] and TIS's cap (module
+    docstring; both or neither); metrics then add "importance_ratio/mean" (of w_t) and "importance_ratio/capped"
+    (the fraction of completion tokens whose weight hit the cap).
 
     logps / old_logps / ref_logps / entropy: this rank's per-token [B, S_local] (values where not
     supervised are ignored). advantages: [B], the same on every SP rank. Gradient flows through
@@ -213,15 +224,18 @@ def grpo_loss(
     lp = upcast(logps)
     mask = shift_labels.to(lp.device) != IGNORE_INDEX
     adv = torch.as_tensor(advantages).detach().to(lp)[:, None]
+    weight, capped = _tis_weight(lp, mask, old_logps, sampling_logps, importance_cap)
     per_tok, ratio, kl = _token_losses(lp, mask, adv, old_logps, ref_logps, beta, epsilon_low, eps_high,
-                                       kl_ratio_correction)
+                                       kl_ratio_correction, weight)
     r = ratio.detach()
     low = mask & (r < 1 - epsilon_low) & (adv < 0)
     high = mask & (r > 1 + eps_high) & (adv > 0)
     zero = torch.zeros_like(lp)
     ent = zero if entropy is None else torch.where(mask, entropy.detach().to(lp), zero)
-    stats = torch.stack([mask.to(lp.dtype), kl.detach() * mask, ent, low.to(lp.dtype), high.to(lp.dtype),
-                         (low | high).to(lp.dtype)], dim=-1).sum(1)  # [B, 6] local sums per row
+    cols = [mask.to(lp.dtype), kl.detach() * mask, ent, low.to(lp.dtype), high.to(lp.dtype), (low | high).to(lp.dtype)]
+    if weight is not None:
+        cols += [torch.where(mask, weight, zero), capped.to(lp.dtype)]
+    stats = torch.stack(cols, dim=-1).sum(1)  # [B, 6 (+2)] local sums per row
     rows = _reduce(stats.detach(), None if mesh is None else mesh.sp_group, mesh)  # full rows (no gradient)
     n_seq = denominators.num_sequences.to(lp).clamp(min=1.0)
     if loss_type == "grpo":
@@ -233,9 +247,29 @@ def grpo_loss(
     return share, _metrics(rows, mesh, beta, entropy is not None)
 
 
+def _tis_weight(lp: torch.Tensor, mask: torch.Tensor, old_logps: torch.Tensor | None,
+                sampling_logps: torch.Tensor | None, cap: float | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(w_t [B, S_local] detached, 1 where not supervised; where it hit the cap) or (None, _) without TIS.
+    old_t as the ratio's (the trainer's log-probs at the rollout): per token, so each SP rank's own shard."""
+    if (sampling_logps is None) != (cap is None) or (cap is not None and cap <= 0):
+        raise SeqParError(f"truncated importance sampling needs both sampling_logps and importance_cap > 0, got "
+                          f"{'no ' if sampling_logps is None else ''}sampling_logps and importance_cap={cap}")
+    if cap is None:
+        return None, mask
+    if tuple(sampling_logps.shape) != tuple(lp.shape):
+        raise SeqParError(f"sampling_logps must be [B, S_local] like logps {tuple(lp.shape)}, "
+                          f"got {tuple(sampling_logps.shape)}")
+    old = lp.detach() if old_logps is None else old_logps.detach().to(lp)
+    d = torch.where(mask, old - sampling_logps.detach().to(lp), torch.zeros_like(lp))
+    d = torch.nan_to_num(d, nan=0.0)  # a token the sampler could not score: no correction (TRL)
+    w = torch.exp(d)
+    return torch.clamp(w, max=cap), mask & (w > cap)
+
+
 def _token_losses(lp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, old_logps: torch.Tensor | None,
                   ref_logps: torch.Tensor | None, beta: float, eps_low: float, eps_high: float,
-                  kl_ratio_correction: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  kl_ratio_correction: bool,
+                  weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss_t, ratio_t, k3_t) per token [B, S_local] (module docstring), 0 where not supervised."""
     zero = torch.zeros_like(lp)
     old = lp.detach() if old_logps is None else old_logps.detach().to(lp)
@@ -243,6 +277,8 @@ def _token_losses(lp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, old_l
     ratio = torch.exp(torch.where(mask, lp - old, zero))
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_tok = -torch.min(ratio * adv, clipped * adv)
+    if weight is not None:  # TIS: the policy term only, before the KL is added (TRL)
+        per_tok = per_tok * weight
     kl = zero
     if beta != 0:
         d = torch.where(mask, ref_logps.detach().to(lp) - lp, zero)

@@ -131,9 +131,31 @@ def _div(factor: float, logits: torch.Tensor) -> torch.Tensor:
     return logits / factor
 
 
+def _mul_attr(owner: Any, name: str, logits: torch.Tensor) -> torch.Tensor:
+    return logits * getattr(owner, name)  # read at each forward, as the model's own forward does
+
+
 # config / model attributes of known post-lm_head logit transforms we cannot map to a formula here
 _UNKNOWN_SCALES = ("logits_scaling", "logit_scale", "lm_head_multiplier", "output_multiplier",
                    "output_multiplier_scale")
+# model types whose scale attribute divides the hidden states BEFORE lm_head (the fused head gets them scaled):
+# no logit transform (MiniCPM3: hidden_states / config.logits_scaling, then lm_head)
+_PRE_HEAD_SCALE = ("minicpm3",)
+
+
+def _scale(base: torch.nn.Module, cfg: Any, model_type: str) -> tuple[bool, Callable | None]:
+    """(whether this model type's post-lm_head scale is known, the scale as a function or None)."""
+    scaling = getattr(cfg, "logits_scaling", None)
+    if model_type.startswith("cohere") and isinstance(getattr(base, "logit_scale", None), int | float):
+        return True, functools.partial(_mul, float(base.logit_scale))  # Cohere: logits * logit_scale
+    if model_type.startswith("granite") and scaling is not None:
+        return True, functools.partial(_div, float(scaling))  # Granite: logits / logits_scaling
+    if model_type == "hyperclovax" and scaling is not None:
+        return True, functools.partial(_mul, float(scaling))  # HyperCLOVA X: lm_head(h) * logits_scaling
+    inner = getattr(base, "model", None)
+    if model_type == "falcon_h1" and hasattr(inner, "lm_head_multiplier"):  # muP: lm_head(h) * model.lm_head_multiplier
+        return True, functools.partial(_mul_attr, inner, "lm_head_multiplier")
+    return model_type in _PRE_HEAD_SCALE, None
 
 
 def _logits_transform(base: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -144,14 +166,10 @@ def _logits_transform(base: torch.nn.Module) -> Callable[[torch.Tensor], torch.T
     cap = getattr(cfg, "final_logit_softcapping", None)
     if cap is not None:
         found.append(functools.partial(_softcap, float(cap)))
-    scaling = getattr(cfg, "logits_scaling", None)
-    if model_type.startswith("cohere") and isinstance(getattr(base, "logit_scale", None), int | float):
-        found.append(functools.partial(_mul, float(base.logit_scale)))  # Cohere: logits * logit_scale
-    elif model_type.startswith("granite") and scaling is not None:
-        found.append(functools.partial(_div, float(scaling)))  # Granite: logits / logits_scaling
-    elif model_type == "hyperclovax" and scaling is not None:
-        found.append(functools.partial(_mul, float(scaling)))  # HyperCLOVA X: lm_head(h) * logits_scaling
-    else:
+    known, scale = _scale(base, cfg, model_type)
+    if scale is not None:
+        found.append(scale)
+    elif not known:
         unknown = [a for a in _UNKNOWN_SCALES if getattr(cfg, a, None) is not None or
                    isinstance(getattr(base, a, None), int | float)]
         if unknown:

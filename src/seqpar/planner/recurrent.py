@@ -104,7 +104,7 @@ INTERVAL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Hybrids SP runs (seqpar.hf.recurrent_layers) whose layers the planner's formulas do not model yet: their layers
 # are reported as this kind, which planner.model refuses by name rather than planning them as another model.
 UNMODELLED_TYPES = ("falcon_h1", "zamba2", "jamba", "falcon_mamba", "mamba", "lfm2", "lfm2_moe", "lfm3", "olmo_hybrid",
-                    "kimi_linear", "minimax")
+                    "kimi_linear", "minimax", "recurrent_gemma")
 
 
 def layer_kinds(c: dict[str, Any]) -> list[str]:

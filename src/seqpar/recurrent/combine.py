@@ -15,8 +15,8 @@ S_in(0) = 0, S_in(j) = M_{j-1} S_in(j-1) + b_{j-1} in GLOBAL chunk order. Two wa
 
 A chunk that contains a document start passes nothing through (M = 0): the state restarts there.
 Transitions come in three kinds: "matrix" (Gated DeltaNet: M [.., dk, dk] acting on S [.., dk, dv]), "scalar"
-(Mamba2 / SSD: one decay per head, M [..] scaling S [.., p, n]) and "diagonal" (Mamba1's selective scan: one
-decay per state entry, M shaped as S and multiplying it elementwise). States are fp32 (fp64 for fp64).
+(Mamba2 / SSD: one decay per head, M [..] scaling S [.., p, n]) and "diagonal" (Mamba1's selective scan, the RG-LRU:
+one decay per state entry, M shaped as S and multiplying it elementwise). States are fp32 (fp64 for fp64).
 """
 
 from __future__ import annotations

@@ -41,6 +41,12 @@ class StepSpec:
     max_completion_length: int | None = None
     temperature: float = 1.0
     kl_ratio_correction: bool = False  # GRPO: k3 KL x importance ratio (TRL's use_bias_correction_kl)
+    # GRPO truncated importance sampling: the cap of min(exp(old - sampler), cap) per completion token, read from
+    # batch["rollout_logps"] (the sampler's log-probs); None = off
+    importance_cap: float | None = None
+    # GRPO, one rollout over several steps: a batch without "old_logps" keeps this forward's detached log-probs as
+    # its "old_logps" (its first pass: the policy has not moved since it sampled), for the passes after it
+    keep_old_logps: bool = False
     # SFT / DPO: also return the sums TRL's logged metrics are made of (micro_batch_loss, "shard_sums" /
     # "batch_sums"); computed without gradient from the same forward (the fused head's chunks).
     metric_sums: bool = False
@@ -61,13 +67,18 @@ def _grpo_loss(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: Any, mesh: SequenceParallelMesh,
     spec: StepSpec, reference: Callable[[dict[str, torch.Tensor]], Any] | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """micro_batch_loss for stage "grpo": batch["advantages"] [B], optional "old_logps"/"ref_logps" [B, S_local]."""
+    """micro_batch_loss for stage "grpo": batch["advantages"] [B], optional "old_logps" / "ref_logps" /
+    "rollout_logps" (the sampler's; the mismatch metrics, and TIS with spec.importance_cap) [B, S_local]."""
     den = num_items if isinstance(num_items, L.GRPODenominators) else L.GRPODenominators.from_counts(
         num_items, spec.max_completion_length)
     if batch.get("advantages") is None:
         raise SeqParError("GRPO batches need 'advantages' (one float per row, the same on every SP rank)")
     if batch.get("cu_seqlens") is not None:
         raise SeqParError("GRPO needs one completion per row (one advantage per row): collate with packing=False")
+    sampling = batch.get("rollout_logps")
+    if spec.importance_cap is not None and sampling is None:
+        raise SeqParError("GRPO importance_cap (truncated importance sampling) needs the sampler's per-token "
+                          "log-probs as batch['rollout_logps'] [B, S_local]: give them, or turn the correction off")
     ref = batch.get("ref_logps")
     if spec.beta != 0 and ref is None:
         if reference is None:
@@ -77,14 +88,18 @@ def _grpo_loss(
     nll, ent, labels = forward_token_stats(model, batch, spec.fused_loss, spec.loss_chunk_tokens,
                                            temperature=spec.temperature, entropy=True)
     old = batch.get("old_logps")
+    if old is None and spec.keep_old_logps:
+        batch["old_logps"] = (-nll).detach()  # what a no-grad forward now would give: the same weights and path
     share, met = L.grpo_loss(
         -nll, batch["advantages"], labels, den, old_logps=None if old is None else old.to(nll.device),
         ref_logps=None if spec.beta == 0 else ref.to(nll.device), beta=spec.beta, epsilon_low=spec.epsilon_low,
         epsilon_high=spec.epsilon_high, loss_type=spec.loss_type, mesh=mesh, entropy=ent,
-        kl_ratio_correction=spec.kl_ratio_correction,
+        kl_ratio_correction=spec.kl_ratio_correction, importance_cap=spec.importance_cap,
+        sampling_logps=None if spec.importance_cap is None else sampling.to(nll.device),
     )
-    if batch.get("rollout_logps") is not None:
-        met.update(_rollout_diff(-nll.detach(), batch["rollout_logps"].to(nll.device), labels, mesh))
+    if sampling is not None:  # the sampler vs the trainer at the rollout (the old log-probs, as TRL's metric)
+        at_rollout = -nll.detach() if old is None else old.to(nll.device)
+        met.update(_rollout_diff(at_rollout, sampling.to(nll.device), labels, mesh))
     return share, met
 
 

@@ -14,6 +14,7 @@ from pydantic import Field, SerializerFunctionWrapHandler, field_validator, mode
 
 from ...mesh import check_divides
 from .base import StrictModel
+from .grpo_checks import check_grpo
 from .memory import FSDPSpec, MemorySpec
 from .rollout import RolloutSpec
 
@@ -138,7 +139,11 @@ class GRPOSpec(_Strict):
     epsilon_high: float | None = Field(default=None, gt=0)
     loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "grpo"
     scale_rewards: Literal["group", "none"] = "group"
+    # optimizer steps per rollout (TRL's num_iterations): steps 2..n reuse it, the PPO ratio against its old log-probs
     num_iterations: int = Field(default=1, ge=1)
+    # "tis": truncated importance sampling, each completion token's policy loss x min(exp(old - sampler), cap)
+    importance_correction: Literal["none", "tis"] = "none"
+    importance_cap: float = Field(default=3.0, gt=0)  # TRL's vllm_importance_sampling_clip_max
     # k3 KL x the differentiable importance ratio (TRL's use_bias_correction_kl; same value on-policy)
     kl_ratio_correction: bool = False
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)  # the sampling engine (config/rollout.py)
@@ -151,11 +156,6 @@ class GRPOSpec(_Strict):
 
     @model_validator(mode="after")
     def _checks(self) -> GRPOSpec:
-        if self.num_iterations != 1:
-            raise ValueError(
-                f"num_iterations={self.num_iterations}: only 1 is supported (one gradient step per generation, so "
-                "the old policy is the current one): set num_iterations: 1"
-            )
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} "
                              "reward_funcs: give one weight per function, or drop reward_weights")
@@ -346,7 +346,7 @@ class TrainConfig(_Strict):
                 "dataset.packing is not supported with stage: dpo (pairs are padded rows): set packing: false"
             )
         if self.stage == "grpo" or self.grpo is not None:
-            _check_grpo(self)
+            check_grpo(self)
         if self.grad_sync == "overlap" and self.precision == "bf16" and not self.fsdp.enabled:
             raise ValueError(
                 "grad_sync: overlap needs each gradient while backward runs, but precision: bf16 sums the fp32 "
@@ -370,30 +370,3 @@ def _check_dynamic(cfg: TrainConfig) -> None:
     if cfg.grad_sync == "overlap":
         raise ValueError("grad_sync: overlap posts the gradient sums during each rank's last backward, but with size: "
                          "dynamic ranks run different numbers of slots: set grad_sync: auto (sums after backward)")
-
-
-def _check_grpo(cfg: TrainConfig) -> None:
-    """stage: grpo rules that involve more than the grpo: section (docs/grpo.md, "Refusals")."""
-    g = cfg.grpo
-    if cfg.stage != "grpo":
-        raise ValueError(f"a grpo: section is only read with stage: grpo (stage is {cfg.stage!r}): remove it")
-    if g is None:
-        raise ValueError("stage: grpo needs a grpo: section with at least reward_funcs: [...] (docs/grpo.md)")
-    rows = cfg.micro_batch_size * cfg.grad_accum
-    if rows % g.num_generations and cfg.global_batch_size is None:  # else: checked once dp is known (checks.py)
-        raise ValueError(
-            f"grpo.num_generations={g.num_generations} must divide micro_batch_size x grad_accum = {rows} (the "
-            f"completion rows per dp rank and step; a prompt's completions never split over dp ranks): e.g. set "
-            f"grad_accum: {g.num_generations // math.gcd(g.num_generations, cfg.micro_batch_size)}"
-        )
-    if cfg.dataset.packing:
-        raise ValueError("dataset.packing is not supported with stage: grpo (one advantage per row): "
-                         "set dataset.packing: false")
-    need = g.max_prompt_length + g.max_completion_length
-    if cfg.dataset.max_length < need:
-        raise ValueError(f"dataset.max_length={cfg.dataset.max_length} < grpo.max_prompt_length + "
-                         f"grpo.max_completion_length = {need}: set dataset.max_length: {need} or more")
-    if cfg.eval_dataset is not None:
-        raise ValueError("eval_dataset is not supported with stage: grpo: remove it")
-    if cfg.num_epochs is not None:
-        raise ValueError("num_epochs is not supported with stage: grpo (steps are counted in prompts): set max_steps")

@@ -45,8 +45,9 @@ def grpo_step_spec(cfg: TrainConfig) -> StepSpec:
     return StepSpec(stage="grpo", beta=g.beta, loss_type=g.loss_type, fused_loss=cfg.memory.fused_loss,
                     loss_chunk_tokens=cfg.memory.loss_chunk_tokens, epsilon_low=g.epsilon,
                     epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
-                    kl_ratio_correction=g.kl_ratio_correction,
-                    temperature=g.temperature)
+                    kl_ratio_correction=g.kl_ratio_correction, temperature=g.temperature,
+                    importance_cap=g.importance_cap if g.importance_correction == "tis" else None,
+                    keep_old_logps=g.num_iterations > 1)
 
 
 def _texts(tok: Any, rows: list[PromptRow], completions: list[list[int]], g: int) -> tuple[list, list]:
@@ -71,6 +72,21 @@ class GRPORollout:
         self.engine = RolloutEngine(cfg, mesh, tok)
         self.logprobs: list[list[float]] = []  # the last rollout's: the engine's log-prob of each sampled token
         self.rollouts_path = Path(cfg.output_dir) / "rollouts.jsonl" if self.g.log_rollouts else None
+        self.held: tuple[int, Any] | None = None  # (the step it was sampled at, the rollout's batches / rows)
+
+    def reused(self, step: int, make: Any) -> tuple[Any, dict[str, float]]:
+        """num_iterations: `make()` (a rollout: (batches or rows, metrics)) at steps 0, n, 2n, ...; the steps between
+        reuse it (its batches keep their old log-probs: StepSpec.keep_old_logps). Returns it and the step's metrics
+        (the rollout's, with grpo_iteration: 1..n when n > 1)."""
+        n = self.g.num_iterations
+        if step % n == 0 or self.held is None:
+            if step % n:  # a resume refuses such a checkpoint (lifecycle/resume.py): nothing else starts here
+                raise SeqParError(f"step {step + 1} is pass {step % n + 1} of a rollout (grpo.num_iterations={n}) "
+                                  "that this process did not sample: resume from a checkpoint at a multiple of "
+                                  "num_iterations")
+            self.held = (step, make())
+        data, metrics = self.held[1]
+        return data, {**metrics, **({"grpo_iteration": step % n + 1} if n > 1 else {})}
 
     def _score(self, rows: list[PromptRow], completions: list[list[int]]) -> Any:
         """(per_func [n, F], total [n]) or the SeqParError, computed on the group's first rank."""
@@ -190,7 +206,11 @@ class GRPORollout:
         return out
 
     def step_batches(self, model: torch.nn.Module, stream: Any, step: int) -> tuple[list, dict[str, float]]:
-        """One optimizer step: this dp rank's prompts from `stream`, rolled out, collated; plus metrics."""
+        """One optimizer step: this dp rank's prompts from `stream`, rolled out, collated; plus metrics. With
+        num_iterations n, steps k n + 1 .. k n + n - 1 reuse step k n's batches (`reused`)."""
+        return self.reused(step, lambda: self._step_batches(model, stream, step))
+
+    def _step_batches(self, model: torch.nn.Module, stream: Any, step: int) -> tuple[list, dict[str, float]]:
         rows = [self.prompts[i] for i in stream.take(self.cfg.micro_batch_size * self.cfg.grad_accum
                                                      // self.g.num_generations)]
         completions, advantages, scored = self.rollout(model, rows, step)

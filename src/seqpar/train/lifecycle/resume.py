@@ -144,6 +144,7 @@ def find_resume(cfg: TrainConfig) -> tuple[Path, int] | None:
             f"cannot resume from {ckpt} (step {step}): the run that wrote it differs in\n  " + "\n  ".join(diffs)
             + f"\n{fresh}"
         )
+    _refuse_mid_rollout(cfg, ckpt, step)
     return ckpt, step
 
 
@@ -177,6 +178,18 @@ def plan_resume(cfg: TrainConfig, now: RunLayout, data: DataIdentity) -> ResumeP
     saved = RunLayout.from_meta(meta)
     rows = checkpoint_rows(ckpt, meta, data.rows)
     return ResumePlan(ckpt, step, rows, saved, tuple(notes + resume_lines(ckpt, saved, now, rows, data.rows)))
+
+
+def _refuse_mid_rollout(cfg: TrainConfig, ckpt: Path, step: int) -> None:
+    """GRPO with num_iterations n samples a rollout at steps 0, n, 2n, ... and trains n steps on it; a checkpoint
+    holds no rollout (its completions, old log-probs), so a run continues only from one at a multiple of n (the
+    final checkpoint of a max_steps that is not one may be exported, not continued)."""
+    n = cfg.grpo.num_iterations if cfg.stage == "grpo" and cfg.grpo is not None else 1
+    if step % n and step < (cfg.max_steps or 0):
+        raise SeqParError(f"cannot resume from {ckpt} (step {step}): it was written in the middle of a rollout's "
+                          f"grpo.num_iterations={n} steps, and a checkpoint does not hold the rollout (its completions "
+                          f"and old log-probs): resume from a checkpoint at a multiple of {n} (remove the later ones), "
+                          "or start fresh")
 
 
 def _data_changes(cfg: TrainConfig, meta: dict[str, Any], data: DataIdentity) -> tuple[list[str], list[str]]:

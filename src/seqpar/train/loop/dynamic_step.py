@@ -58,17 +58,23 @@ class StepRows:
     rows: list[Row]
     advantages: torch.Tensor | None = None
     metrics: dict | None = None
+    planned: tuple[StepPlan, list] | None = None  # GRPO num_iterations > 1: the first pass's plan and batches
+
+
+def _rollout_rows(loop: Loop, step: int) -> tuple[StepRows, dict]:
+    data, adv, metrics = loop.rollout.step_rows(loop.model, loop.streams[0], step)
+    cap = loop.cfg.dataset.max_length
+    return StepRows(data, [Row(j, min(len(r["input_ids"]), cap)) for j, r in enumerate(data)], adv), metrics
 
 
 def dynamic_rows(loop: Loop, step: int) -> StepRows:
     """The step's rows from the run's one stream (GRPO: rolled out first, outside the memory meter)."""
     cfg = loop.cfg
-    if loop.rollout is not None:
+    if loop.rollout is not None:  # num_iterations: the same StepRows for a rollout's passes (`planned` persists)
         t0 = time.perf_counter()
-        data, adv, metrics = loop.rollout.step_rows(loop.model, loop.streams[0], step)
-        metrics["rollout_s"] = time.perf_counter() - t0
-        cap = cfg.dataset.max_length
-        return StepRows(data, [Row(j, min(len(r["input_ids"]), cap)) for j, r in enumerate(data)], adv, metrics)
+        rows, metrics = loop.rollout.reused(step, lambda: _rollout_rows(loop, step))
+        rows.metrics = {**metrics, "rollout_s": time.perf_counter() - t0}
+        return rows
     idx = loop.streams[0].take(rows_per_step(cfg, loop.mesh.dp_size))
     return StepRows([loop.examples[i] for i in idx], example_rows(cfg, loop.examples, idx))
 
@@ -91,6 +97,19 @@ def _collate(loop: Loop, slot: Slot, rows: StepRows) -> dict[str, Any]:
     if rows.advantages is not None:
         batch["advantages"] = rows.advantages[[r.index for r in slot.rows]].to(torch.float32)
     return batch
+
+
+def _planned(loop: Loop, rows: StepRows) -> tuple[StepPlan, list]:
+    """The step's plan and this rank's slots collated; a GRPO rollout's later passes (num_iterations) reuse its
+    first pass's, whose batches hold the old log-probs (StepSpec.keep_old_logps)."""
+    if rows.planned is not None:
+        return rows.planned
+    plan = loop.dynamic.scheduler.plan(rows.rows, lockstep=loop.dynamic.lockstep)
+    _agree(plan, loop)
+    batches = [_collate(loop, s, rows) if s is not None else None for s in plan.of_rank(loop.rank)]
+    if loop.spec.keep_old_logps:
+        rows.planned = (plan, batches)
+    return plan, batches
 
 
 def _counts(loop: Loop, mine: list, batches: list) -> torch.Tensor:
@@ -149,10 +168,8 @@ def dynamic_train_step(loop: Loop, step: int, rows: StepRows) -> dict[str, Any]:
     """One optimizer step of length-aware SP; returns its metrics row (train_step's, plus the plan's)."""
     dyn = loop.dynamic
     t0, c0 = time.perf_counter(), cpu_time()
-    plan = dyn.scheduler.plan(rows.rows, lockstep=dyn.lockstep)
-    _agree(plan, loop)
+    plan, batches = _planned(loop, rows)
     mine = plan.of_rank(loop.rank)
-    batches = [_collate(loop, s, rows) if s is not None else None for s in mine]
     num_items = _counts(loop, mine, batches)
     share_sum, (sums, weight), busy = _run_slots(loop, mine, batches, num_items)
     _on_mesh(loop, loop.mesh)  # evals (and anything else between steps) run as the fixed run at the largest degree

@@ -14,6 +14,7 @@ from ...hf.prepare import PrepareSpec, frozen_reference, policy_copy, prepare_mo
 from ...hf.prepare import check_memory_features as check_model_memory
 from ...memory.sharding import shard_over_world
 from ...steps import ReferenceLogps, ReferenceTokenLogps
+from ...threaded import serial
 from ..config import TrainConfig
 from .load import apply_lora
 from .precision import MasterWeights
@@ -59,8 +60,9 @@ def build_model(cfg: TrainConfig, model: torch.nn.Module, mesh: Any, device: tor
 
 
 def _seeded_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
-    torch.manual_seed(cfg.seed)  # LoRA A init: identical on every rank and in the SP=1 reference
-    return apply_lora(model, cfg)
+    with serial():  # ranks that are threads (seqpar.threaded) share the global RNG: they take turns
+        torch.manual_seed(cfg.seed)  # LoRA A init: identical on every rank and in the SP=1 reference
+        return apply_lora(model, cfg)
 
 
 def _wrap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, world: int) -> MasterWeights | None:

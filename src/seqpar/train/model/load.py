@@ -18,7 +18,7 @@ from ..config import TrainConfig
 from .tokenizers import ByteTokenizer, HFTokenizer, load_chat_template
 
 __all__ = ["model_kind", "model_config", "ModelInfo", "model_info", "model_heads", "model_recurrent_heads",
-           "load_tokenizer", "load_model", "loaded_heads", "apply_lora", "tiny_kwargs"]
+           "load_tokenizer", "load_model", "loaded_heads", "apply_lora", "lora_targets", "tiny_kwargs"]
 
 
 def model_kind(cfg: TrainConfig) -> str:
@@ -210,11 +210,31 @@ def loaded_heads(model: torch.nn.Module) -> tuple[int, int]:
     return h, int(getattr(c, "num_key_value_heads", None) or h)
 
 
+# Mamba1's mixer projections: LoRA's targets on a model without attention (Mamba, Falcon-Mamba) left at the default
+MIXER_LORA_TARGETS = ("in_proj", "x_proj")  # (PEFT refuses out_proj and conv1d on Mamba; dt_proj is used by weight)
+
+
+def lora_targets(model: torch.nn.Module, cfg: TrainConfig) -> list[str] | str:
+    """cfg.finetuning.targets; at the default, on a model with none of attention's projections (Mamba,
+    Falcon-Mamba: no attention at all), its recurrent mixers' projections instead (a line says so)."""
+    targets = cfg.finetuning.targets
+    if targets != type(cfg.finetuning).model_fields["targets"].get_default(call_default_factory=True):
+        return targets
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    mixer = [t for t in MIXER_LORA_TARGETS if t in names]
+    if names & set(targets) or not mixer:
+        return targets  # (no match at all: PEFT's error names the targets)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"[seqpar] finetuning.targets: {type(model).__name__} has no attention projections "
+              f"({', '.join(targets)}, the default): LoRA on its mixers' {', '.join(mixer)} (set finetuning.targets "
+              f"to choose others)", flush=True)
+    return mixer
+
+
 def apply_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     """The PEFT LoRA wrapper of cfg.finetuning (seed it first: the adapter's A init is random)."""
     from peft import LoraConfig, get_peft_model
 
     f = cfg.finetuning
-    return get_peft_model(
-        model, LoraConfig(r=f.r, lora_alpha=f.alpha, lora_dropout=f.dropout, target_modules=f.targets, bias="none")
-    )
+    return get_peft_model(model, LoraConfig(r=f.r, lora_alpha=f.alpha, lora_dropout=f.dropout,
+                                            target_modules=lora_targets(model, cfg), bias="none"))
