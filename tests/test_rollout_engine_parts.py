@@ -75,11 +75,11 @@ def test_fsdp2_full_tensors():
 
 def test_vllm_engine_needs_vllm(monkeypatch):
     from seqpar.errors import SeqParError
-    from seqpar.hf import vllm_engine
+    from seqpar.hf import vllm_models
     from seqpar.train.config import config_from_dict
     from seqpar.train.grpo.engine import check_rollout_engine
 
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)  # as in the main environment
+    monkeypatch.setattr(vllm_models, "vllm_available", lambda: False)  # as in the main environment
     cfg = config_from_dict({"model": {"name": "tiny:llama"}, "dataset": {"path": "x.jsonl", "max_length": 64},
                             "stage": "grpo", "output_dir": "o", "micro_batch_size": 2,
                             "grpo": {"reward_funcs": ["seqpar:length"], "num_generations": 2, "max_prompt_length": 16,
@@ -134,3 +134,18 @@ def test_trim_rollouts(tmp_path):
     trim_rollouts(p, 0)  # a fresh start
     assert not p.exists()
 
+
+
+def test_trl_row_seeds_follow_the_row_position():
+    """The TRL drop-in's use_vllm seeds: row r of the step's generation batch is generation r % G of prompt r // G,
+    seeded as `seqpar train` seeds that prompt position (local_rows with the global prompt index): the same seeds at
+    any dp size (dp rank d holds rows d x n ... of the batch), different ones at the next step."""
+    from seqpar.hf.generation import local_rows
+    from seqpar.hf.vllm_rollout import trl_row_seeds
+
+    one = trl_row_seeds(8, 2, seed=9, step=3, dp_rank=0)
+    assert trl_row_seeds(4, 2, 9, 3, 0) + trl_row_seeds(4, 2, 9, 3, 1) == one
+    assert sum((trl_row_seeds(2, 2, 9, 3, d) for d in range(4)), []) == one
+    _, train_seeds = local_rows([[1]] * 4, range(4), 2, 9, 3, dp_rank=0, prompt_index=[0, 1, 2, 3])
+    assert train_seeds == one
+    assert len(set(one)) == 8 and set(one).isdisjoint(trl_row_seeds(8, 2, 9, 4, 0))

@@ -236,7 +236,25 @@ def test_completions_identical_over_sp_group(tmp_path):
     ({"loss_type": "dapo"}, "loss_type='dapo'"),
     ({"num_iterations": 2}, "num_iterations=2"),
     ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
-    ({"use_vllm": True}, "use_vllm"),
+    ({"use_vllm": True}, "vllm_importance_sampling_mode='sequence_mask' .*use vllm_importance_sampling_mode="
+     "'token_truncate'"),  # TRL's defaults: correction on, sequence-level masking
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_correction": False},
+     "vllm_mode='server' .*use vllm_mode='colocate'"),
+    ({"use_vllm": True, "vllm_tensor_parallel_size": 2, "vllm_importance_sampling_correction": False},
+     "vllm_tensor_parallel_size=2 .*set vllm_tensor_parallel_size=1"),
+    ({"use_vllm": True, "vllm_model_impl": "transformers", "vllm_importance_sampling_correction": False},
+     "vllm_model_impl='transformers'"),
+    ({"use_vllm": True, "generation_kwargs": {"seed": 1}, "vllm_importance_sampling_correction": False},
+     "generation_kwargs= .*drop generation_kwargs"),
+    ({"use_vllm": True, "min_p": 0.1, "vllm_importance_sampling_correction": False}, "min_p=0.1"),
+    ({"use_vllm": True, "repetition_penalty": 1.2, "vllm_importance_sampling_correction": False},
+     "repetition_penalty=1.2"),
+    ({"use_vllm": True, "vllm_structured_outputs_regex": "a+", "vllm_importance_sampling_correction": False},
+     "vllm_structured_outputs_regex="),
+    ({"use_vllm": True, "vllm_max_model_length": 8, "vllm_importance_sampling_correction": False},
+     "vllm_max_model_length=8 .*max_completion_length=8"),
+    # the main environment has no vLLM: the drop-in says where it is (tests/vllm_env runs use_vllm there)
+    ({"use_vllm": True, "vllm_importance_sampling_correction": False}, "use_vllm=True needs vLLM.*make vllm-env"),
     ({"use_liger_kernel": True}, "use_liger_kernel"),
     ({"steps_per_generation": 2}, "steps_per_generation"),
     ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
@@ -253,9 +271,53 @@ def test_refusals(tmp_path, extra, match):
                 use_cpu=True, max_completion_length=8)
     loss = extra.pop("loss_type", "grpo")
     args = GRPOConfig(**base, loss_type=loss, **extra)  # TRL 1.16 takes each (were one refused, this fails)
-    with pytest.raises(SeqParError, match=match):
+    with pytest.raises(SeqParError, match=match) as e:
         SequenceParallelGRPOTrainer(model=tiny_model("llama", 4, 2, vocab_size=64, seed=0), reward_funcs=reward_chars,
                                     args=args, train_dataset=_dataset(), sequence_parallel_size=1)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra, want", [
+    ({}, None),  # vllm_importance_sampling_correction off: no correction
+    ({"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate"}, 3.0),
+    ({"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
+      "vllm_importance_sampling_cap": 2.0}, 2.0),  # TRL's deprecated name, copied into clip_max by GRPOConfig
+    ({"vllm_importance_sampling_correction": True}, "vllm_importance_sampling_mode='sequence_mask'"),
+    ({"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
+      "vllm_importance_sampling_clip_min": 0.5}, "vllm_importance_sampling_clip_min=0.5"),
+    ({"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
+      "vllm_importance_sampling_clip_max": -1.0}, "vllm_importance_sampling_clip_max=-1.0"),
+])
+def test_importance_cap_from_trl_options(tmp_path, extra, want):
+    """TRL's vLLM importance-sampling options as seqpar's TIS cap (the loss takes it once StepSpec has it)."""
+    from trl import GRPOConfig
+
+    from seqpar.errors import SeqParError
+    from seqpar.trl.grpo_vllm import importance_cap
+
+    args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, loss_type="grpo", use_vllm=True,
+                      **{"vllm_importance_sampling_correction": False, **extra})
+    if isinstance(want, str):
+        with pytest.raises(SeqParError, match=want):
+            importance_cap("T", args)
+    else:
+        assert importance_cap("T", args) == want
+
+
+def test_vllm_refuses_zero3_partitions():
+    """use_vllm with DeepSpeed ZeRO-3 (partitioned parameters carry ds_id): refused after set-up, before a rollout."""
+    from types import SimpleNamespace
+
+    from seqpar.errors import SeqParError
+    from seqpar.hf import tiny_model
+    from seqpar.trl.grpo_vllm import refuse_vllm_zero3
+
+    model = tiny_model("llama", 4, 2, num_layers=1, vocab_size=64, seed=0)
+    refuse_vllm_zero3("T", SimpleNamespace(use_vllm=True), model)  # full parameters: fine
+    next(model.parameters()).ds_id = 0
+    refuse_vllm_zero3("T", SimpleNamespace(use_vllm=False), model)
+    with pytest.raises(SeqParError, match="DeepSpeed ZeRO-3 is not supported with use_vllm=True"):
+        refuse_vllm_zero3("T", SimpleNamespace(use_vllm=True), model)
 
 
 def test_refuses_tools_and_eval(tmp_path):

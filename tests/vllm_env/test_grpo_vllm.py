@@ -3,8 +3,10 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
 
 - SP 2 on 2 ranks (Ulysses) and SP 1 on 1 rank, same seed, fp32, beta > 0 (the frozen reference model), 2 steps:
   the same completions (rollouts.jsonl) and per-step losses within 1e-5; each step's trainer-vs-engine log-prob
-  mismatch (rollout_logprob_diff_max) below 1e-4. SP 2 runs twice: one engine per SP group (tensor_parallel: sp,
-  the default: vLLM tensor parallel over the SP group) and one engine per rank (tensor_parallel: 1).
+  mismatch (rollout_logprob_diff_max) below 1e-4; the KL to the reference 0 at step 1 and > 1e-4 at step 2, equal
+  within 1e-5 under both layouts (so the reference term is in the compared losses). SP 2 runs twice: one engine per
+  SP group (tensor_parallel: sp, the default: vLLM tensor parallel over the SP group) and one engine per rank
+  (tensor_parallel: 1).
 - The engine's logged log-probs of step 2's completions equal an independent transformers recompute (plain model,
   log_softmax(logits / T)) from the weights after step 1 (the checkpoint) within 1e-4, and differ from the initial
   weights' (step 0) by more than 1e-3: a missed weight push fails the test.
@@ -14,9 +16,9 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
 - Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel neither 1 nor the SP
   size, heads vLLM cannot split over the SP group, a short max_model_len.
 - Slow: dp 2 x SP 2 with tensor_parallel: sp (vLLM's TP groups are the SP groups; the SP 1 run's completions); a
-  failed weight push on one rank of a TP group stops both ranks before sampling; LoRA under FSDP2, SP 2 (one engine
-  per SP group) vs SP 1 (the merged adapters are what the engine samples); a resume after step 1 rebuilds the
-  engine and repeats the uninterrupted run's step 2.
+  failed weight push on one rank of a TP group stops both ranks before sampling; LoRA under FSDP2 with beta > 0 (the
+  reference: adapters off), SP 2 (one engine per SP group) vs SP 1 (the merged adapters are what the engine samples,
+  the KL checked as above); a resume after step 1 rebuilds the engine and repeats the uninterrupted run's step 2.
 """
 
 from __future__ import annotations
@@ -141,6 +143,16 @@ def test_sp2_equals_sp1(runs, sp2):
         for m in _rows(runs["out"] / run / "metrics.jsonl"):
             assert m["rollout_logprob_diff_max"] < LP_TOL and m["rollout_logprob_diff_mean"] <= m[
                 "rollout_logprob_diff_max"]
+    _check_kl(runs["out"] / "sp2", runs["out"] / "sp1")
+
+
+def _check_kl(sp2: Path, sp1: Path) -> None:
+    """beta > 0: the KL to the reference model is 0 at step 1 (policy = reference) and positive at step 2 (the
+    reference term is in the loss, not skipped), the same under both layouts."""
+    a, b = _rows(sp2 / "metrics.jsonl"), _rows(sp1 / "metrics.jsonl")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+    assert abs(a[0]["kl"]) < TOL and abs(b[0]["kl"]) < TOL, (a[0]["kl"], b[0]["kl"])
+    assert a[1]["kl"] > 1e-4 and abs(a[1]["kl"] - b[1]["kl"]) < TOL, (a[1]["kl"], b[1]["kl"])
 
 
 def _recompute(cfg: dict, state: dict | None, rows: list[dict], temperature: float) -> float:
@@ -265,6 +277,7 @@ def test_sp2_equals_sp1_lora_fsdp2(data, tmp_path):
     for run in ("sp1", "sp2"):
         for m in _rows(tmp_path / run / "metrics.jsonl"):
             assert m["rollout_logprob_diff_max"] < LP_TOL  # the engine samples the merged, current policy
+    _check_kl(tmp_path / "sp2", tmp_path / "sp1")  # the reference: the base model, adapters off
     # the base weights never move under LoRA: step 2 under them (no adapter delta) is far from what was logged
     stale = _recompute({**_cfg(data, tmp_path / "sp1", 1), **extra}, None, [r for r in a if r["step"] == 2], 0.7)
     assert stale > 1e-3, stale

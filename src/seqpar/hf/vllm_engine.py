@@ -28,7 +28,6 @@ vLLM is imported lazily: the main environment has no vLLM (`make vllm-env` build
 from __future__ import annotations
 
 import contextlib
-import copy
 import glob
 import os
 import tempfile
@@ -38,86 +37,22 @@ from typing import Any
 import torch
 
 from ..errors import SeqParError
+from .vllm_models import config_for_vllm, head_dim
 
-__all__ = ["VLLMEngine", "check_vllm_model", "vllm_available"]
+__all__ = ["VLLMEngine", "check_process_ranks"]
 
 # vLLM logs every engine's start on every rank (INFO, and WARNINGs about a tokenizer and chat template the engine
 # does not use, thread binding, LD_PRELOAD): errors only, unless VLLM_LOGGING_LEVEL says otherwise (read at import).
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def vllm_available() -> bool:
-    import importlib.util
+def check_process_ranks(option: str) -> None:
+    """vLLM keeps one engine's state per process: ranks that are threads (seqpar.threaded) cannot each hold one."""
+    import torch.distributed as dist
 
-    return importlib.util.find_spec("vllm") is not None
-
-
-def _head_dim(c: Any) -> int:
-    hd = getattr(c, "head_dim", None)
-    return int(hd) if hd else int(c.hidden_size) // int(c.num_attention_heads)
-
-
-def architectures(config: Any) -> list[str]:
-    """The config's architectures, or the causal-LM class transformers maps its model_type to (tiny configs)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    archs = list(getattr(config, "architectures", None) or [])
-    if not archs and MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type):
-        archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-    return archs
-
-
-def check_vllm_model(config: Any, on_cuda: bool, tensor_parallel: int = 1) -> None:
-    """Refuse (one line, before any rank starts) what the vLLM engine cannot run: no vLLM installed, an
-    architecture vLLM does not have, a vision-language model, a head_dim vLLM's CPU attention refuses, head or
-    MLP sizes vLLM cannot split over `tensor_parallel` ranks."""
-    if not vllm_available():
-        raise SeqParError("grpo.rollout.engine: vllm needs vLLM, which this environment lacks: build its "
-                          "environment with `make vllm-env` and run with .venv-vllm/bin/python (or use engine: "
-                          "transformers)")
-    if config is None:
-        raise SeqParError("grpo.rollout.engine: vllm needs the model's HF config (model.name 'smollm2' is a GGUF "
-                          "file): use a local HF model directory or tiny:<arch>, or engine: transformers")
-    if getattr(config, "vision_config", None) is not None:
-        raise SeqParError("grpo.rollout.engine: vllm does not take vision-language models yet: use engine: "
-                          "transformers")
-    from vllm.model_executor.models import ModelRegistry
-
-    archs = architectures(config)
-    known = set(ModelRegistry.get_supported_archs())
-    if not archs or not any(a in known for a in archs):
-        raise SeqParError(f"grpo.rollout.engine: vllm: vLLM has no architecture {archs or config.model_type!r}: use "
-                          f"engine: transformers for this model")
-    hd = _head_dim(config)
-    if not on_cuda:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        ok = CPUAttentionBackend.get_supported_head_sizes()
-        if hd not in ok:
-            raise SeqParError(f"grpo.rollout.engine: vllm: head_dim={hd} is not one vLLM's CPU attention runs "
-                              f"({', '.join(map(str, ok))}): use a model with one of those (a tiny model: "
-                              f"model.kwargs.head_dim: 32), or engine: transformers")
-    if tensor_parallel > 1:
-        check_tensor_parallel(config, tensor_parallel)
-
-
-def check_tensor_parallel(config: Any, tp: int) -> None:
-    """vLLM's tensor-parallel layers split the attention heads and the MLP's columns evenly over the TP ranks and
-    split (or, when fewer than the ranks, replicate) the KV heads: what does not divide is refused here, not by
-    an assertion inside every rank's engine."""
-    c = getattr(config, "text_config", None) or config
-    nh = int(c.num_attention_heads)
-    kv = int(getattr(c, "num_key_value_heads", None) or nh)
-    sizes = [("num_attention_heads", nh, nh % tp == 0),
-             ("num_key_value_heads", kv, kv % tp == 0 or tp % kv == 0)]
-    inter = getattr(c, "intermediate_size", None)
-    if isinstance(inter, int):
-        sizes.append(("intermediate_size", inter, inter % tp == 0))
-    for name, n, ok in sizes:
-        if not ok:
-            raise SeqParError(f"grpo.rollout.tensor_parallel={tp} (the SP group): vLLM cannot split the model's "
-                              f"{name}={n} over {tp} ranks: set grpo.rollout.tensor_parallel: 1 (one engine per "
-                              f"rank)")
+    if dist.is_initialized() and dist.get_backend() == "seqpar_threads":
+        raise SeqParError(f"{option}: the vLLM engine needs ranks that are processes (vLLM keeps its state per "
+                          "process), not threads (seqpar.threaded): launch with seqpar train / torchrun")
 
 
 def _quiet_rope_reload() -> None:
@@ -146,8 +81,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self._dir = tempfile.TemporaryDirectory(prefix="seqpar_vllm_")
-        config = copy.deepcopy(config)
-        config.architectures = architectures(config)
+        config = config_for_vllm(config)
         config.save_pretrained(self._dir.name)  # the config alone: weights come by `push`
         kw: dict[str, Any] = {}
         if torch.cuda.is_available():
@@ -180,14 +114,16 @@ class VLLMEngine:
 
     def generate(self, rows: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
                  temperature: float, top_p: float, top_k: int,
-                 eos_token_id: int) -> tuple[list[list[int]], list[list[float]]]:
-        """(completions, log-probs): row i sampled with seed seeds[i], up to and including its first EOS."""
+                 eos_token_id: int | Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """(completions, log-probs): row i sampled with seed seeds[i], up to and including its first EOS (one id, or
+        several: TRL's eos_token_ids)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        stops = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
         params = [SamplingParams(n=1, seed=int(s) % (2**63 - 1), temperature=float(temperature), top_p=float(top_p),
                                  top_k=int(top_k), max_tokens=int(max_new_tokens), logprobs=0, ignore_eos=True,
-                                 stop_token_ids=[int(eos_token_id)], detokenize=False) for s in seeds]
+                                 stop_token_ids=stops, detokenize=False) for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(r)) for r in rows]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         ids, lps = [], []
@@ -237,9 +173,7 @@ def _join_world(rank: int) -> bool:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "0")
     if dist.is_initialized():
-        if dist.get_backend() == "seqpar_threads":  # seqpar.threaded: vLLM keeps one engine's state per process
-            raise SeqParError("the vLLM engine needs ranks that are processes (vLLM keeps its state per process), "
-                              "not threads (seqpar.threaded): launch with seqpar train / torchrun")
+        check_process_ranks("the vLLM engine")
         return False
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return True
@@ -297,7 +231,7 @@ def _kv_bytes(config: Any, max_model_len: int, max_num_seqs: int, dtype: torch.d
     """KV cache bytes for `max_num_seqs` sequences of `max_model_len` tokens (x 2 headroom, at least 32 MiB)."""
     c = getattr(config, "text_config", None) or config
     kv = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
-    per_token = 2 * int(c.num_hidden_layers) * kv * _head_dim(c) * torch.tensor([], dtype=dtype).element_size()
+    per_token = 2 * int(c.num_hidden_layers) * kv * head_dim(c) * torch.tensor([], dtype=dtype).element_size()
     return max(32 << 20, 2 * per_token * int(max_model_len) * int(max_num_seqs))
 
 
