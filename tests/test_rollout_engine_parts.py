@@ -112,7 +112,7 @@ def test_tensor_parallel_needs_splittable_sizes(heads, kv, inter, tp, bad):
     from types import SimpleNamespace
 
     from seqpar.errors import SeqParError
-    from seqpar.hf.vllm_engine import check_tensor_parallel
+    from seqpar.hf.vllm_models import check_tensor_parallel
 
     c = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter)
     if bad is None:
