@@ -1,9 +1,15 @@
 """A colocated vLLM engine for GRPO rollouts: built from the policy's config, fed its weights by name.
 
-One engine per training process (tensor_parallel 1), IN the process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's
+Each training process holds its engine IN the process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's
 "external_launcher" executor): no extra process to spawn, wait for or lose; an engine failure is an exception
 in the rank that drives it. vLLM joins the trainer's torch.distributed world (every rank builds its engine at
 the same point: the groups it creates are collective); without a world it gets a one-process one.
+tensor_parallel > 1: the engines of `tensor_parallel` consecutive ranks form one vLLM engine (its TP group), each
+holding its shard of the weights and KV cache; vLLM cuts the world into such groups in rank order (its
+"ExternalDP x DP x PP x PCP x TP" layout with DP = PP = PCP = 1), which are seqpar's SP groups when the TP size is
+the SP size (ranks dp-major, SP innermost): checked when the engine starts (`expect_group`). Every rank of the group
+calls `generate` with the same requests (vLLM's external launcher relies on the same scheduling everywhere) and
+gets the same outputs.
 
 The engine starts from the config alone (load_format "dummy": random weights) and gets the policy's weights
 before every rollout (`push`), streamed one tensor at a time through the worker's `reload_weights`
@@ -27,9 +33,11 @@ vLLM is imported lazily: the main environment has no vLLM (`make vllm-env` build
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -76,7 +84,11 @@ class VLLMEngine:
     """One in-process vLLM engine for `config` (an HF PretrainedConfig): `push` weights, `generate` rows."""
 
     def __init__(self, config: Any, *, max_model_len: int, max_num_seqs: int, dtype: torch.dtype,
-                 gpu_memory_utilization: float, enforce_eager: bool, rank: int = 0, sleep: bool = False) -> None:
+                 gpu_memory_utilization: float, enforce_eager: bool, rank: int = 0, sleep: bool = False,
+                 tensor_parallel: int = 1, expect_group: Sequence[int] | None = None,
+                 timeout_s: float | None = None) -> None:
+        """tensor_parallel > 1: the ranks `expect_group` (global ranks) must be the engine's TP group (a SeqParError
+        otherwise); timeout_s: how long vLLM's collectives wait for a rank (default: vLLM's)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process (external_launcher needs it)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the trainer's threads where they are
         self._own_world = _join_world(rank)
@@ -95,18 +107,24 @@ class VLLMEngine:
             kw["gpu_memory_utilization"] = float(gpu_memory_utilization)
         else:  # vLLM reads the fraction as one of host memory: size the KV cache for the rollout instead
             kw["kv_cache_memory_bytes"] = _kv_bytes(config, max_model_len, max_num_seqs, dtype)
+        if timeout_s is not None:  # an engine that dies mid-collective stops its TP peers after this, not 30 min
+            kw["distributed_timeout_seconds"] = kw["cpu_distributed_timeout_seconds"] = max(1, int(timeout_s))
+        self._shm = None if torch.cuda.is_available() else _shm_ident()
         saved_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
         try:
-            self.llm = LLM(model=self._dir.name, load_format="dummy", skip_tokenizer_init=True,
-                           dtype=dtype, max_model_len=int(max_model_len), max_num_seqs=int(max_num_seqs),
-                           enforce_eager=bool(enforce_eager), distributed_executor_backend="external_launcher",
-                           tensor_parallel_size=1, seed=0, logprobs_mode="processed_logprobs",
-                           generation_config="vllm", enable_prefix_caching=False, **kw)
+            with _cpu_shm_named(self._shm):
+                self.llm = LLM(model=self._dir.name, load_format="dummy", skip_tokenizer_init=True,
+                               dtype=dtype, max_model_len=int(max_model_len), max_num_seqs=int(max_num_seqs),
+                               enforce_eager=bool(enforce_eager), distributed_executor_backend="external_launcher",
+                               tensor_parallel_size=int(tensor_parallel), seed=0, logprobs_mode="processed_logprobs",
+                               generation_config="vllm", enable_prefix_caching=False, **kw)
         except Exception as e:
             raise SeqParError(f"the vLLM engine did not start: {type(e).__name__}: {_first_line(e)}") from None
         finally:
             torch.set_num_threads = saved_threads  # vLLM's CPU worker replaces it for the whole process
             torch.set_num_threads(n_threads)  # and lowers the trainer's thread count "for serving"
+        if tensor_parallel > 1:
+            _check_group(expect_group)
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The policy's weights (HF checkpoint names, full tensors) into the engine, in place, one at a time. A
@@ -177,6 +195,10 @@ class VLLMEngine:
                 setattr(ps, name, None)
         if self._own_world and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if self._shm:  # vLLM leaves its CPU shared-memory segments behind (4 MiB per TP rank)
+            for f in glob.glob(f"/dev/shm/{self._shm}-*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f)
         self._dir.cleanup()
 
 
@@ -194,6 +216,54 @@ def _join_world(rank: int) -> bool:
         return False
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return True
+
+
+def _shm_ident() -> str:
+    """A name for this run's vLLM CPU shared-memory segments, the same on every rank (rank 0's, broadcast)."""
+    import secrets
+
+    import torch.distributed as dist
+
+    from .. import comm
+
+    token = f"seqpar{secrets.token_hex(6)}" if dist.get_rank() == 0 else None
+    if dist.get_world_size() > 1:
+        token = comm.broadcast_object(token, 0, torch.device("cpu"))
+    return str(token)
+
+
+@contextlib.contextmanager
+def _cpu_shm_named(ident: str | None) -> Iterator[None]:
+    """vLLM's CPU worker names the shared memory of its TP all-reduce after the distributed init method, which is
+    always "env://" under the external launcher: every run on a host would open the same segments and the second
+    fails ("create shm in SHMManager failed. errno: 17", File exists), as does any run after one whose processes
+    were killed. The worker's distributed set-up runs with VLLM_DIST_IDENT set to this run's name instead."""
+    if ident is None:
+        yield
+        return
+    import vllm.v1.worker.cpu_worker as cpu_worker
+
+    real = cpu_worker.init_worker_distributed_environment
+
+    def named(*a: Any, **k: Any) -> Any:
+        os.environ["VLLM_DIST_IDENT"] = ident  # read by vLLM's CPU SHM communicator for its segments' names
+        return real(*a, **k)
+
+    cpu_worker.init_worker_distributed_environment = named
+    try:
+        yield
+    finally:
+        cpu_worker.init_worker_distributed_environment = real
+
+
+def _check_group(expect: Sequence[int] | None) -> None:
+    """The TP group vLLM formed is the one the caller samples with (its SP group)."""
+    from vllm.distributed import parallel_state as ps
+
+    got = list(ps.get_tp_group().ranks)
+    if expect is not None and got != list(expect):
+        raise SeqParError(f"the vLLM engine's tensor-parallel group is ranks {got}, not the SP group {list(expect)}: "
+                          "set grpo.rollout.tensor_parallel: 1")
 
 
 def _kv_bytes(config: Any, max_model_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
