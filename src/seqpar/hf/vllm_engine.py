@@ -109,7 +109,8 @@ class VLLMEngine:
             kw["kv_cache_memory_bytes"] = _kv_bytes(config, max_model_len, max_num_seqs, dtype)
         if timeout_s is not None:  # an engine that dies mid-collective stops its TP peers after this, not 30 min
             kw["distributed_timeout_seconds"] = kw["cpu_distributed_timeout_seconds"] = max(1, int(timeout_s))
-        self._shm = None if torch.cuda.is_available() else _shm_ident()
+        # CPU TP all-reduce goes through shared memory named per run (_cpu_shm_named); one-rank TP groups use none
+        self._shm = None if torch.cuda.is_available() or tensor_parallel == 1 else _shm_ident()
         saved_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
         try:
             with _cpu_shm_named(self._shm):

@@ -77,7 +77,8 @@ class VLLMRollout:
                 enforce_eager=s.enforce_eager, sleep=s.sleep,
                 rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
                 tensor_parallel=s.tensor_parallel, timeout_s=s.timeout_s,
-                expect_group=range(group_source_rank(mesh), group_source_rank(mesh) + mesh.sp_size))
+                expect_group=range(group_source_rank(mesh), group_source_rank(mesh) + mesh.sp_size)
+                if s.tensor_parallel > 1 else None)
         return self.engine
 
     def for_prompts(self, model: torch.nn.Module, mesh: SequenceParallelMesh, prompt_ids: Sequence[Sequence[int]], *,
