@@ -141,14 +141,16 @@ class VLLMEngine:
 
     def generate(self, rows: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
                  temperature: float, top_p: float, top_k: int,
-                 eos_token_id: int) -> tuple[list[list[int]], list[list[float]]]:
-        """(completions, log-probs): row i sampled with seed seeds[i], up to and including its first EOS."""
+                 eos_token_id: int | None) -> tuple[list[list[int]], list[list[float]]]:
+        """(completions, log-probs): row i sampled with seed seeds[i], up to and including its first EOS
+        (eos_token_id None: no stop token, every row decodes max_new_tokens, as generate_for_group's)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        stop = [] if eos_token_id is None else [int(eos_token_id)]
         params = [SamplingParams(n=1, seed=int(s) % (2**63 - 1), temperature=float(temperature), top_p=float(top_p),
                                  top_k=int(top_k), max_tokens=int(max_new_tokens), logprobs=0, ignore_eos=True,
-                                 stop_token_ids=[int(eos_token_id)], detokenize=False) for s in seeds]
+                                 stop_token_ids=stop, detokenize=False) for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(r)) for r in rows]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         ids, lps = [], []

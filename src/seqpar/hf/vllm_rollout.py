@@ -36,7 +36,7 @@ def vllm_generate_for_group(
     top_k: int,
     seed: int,
     step: int,
-    eos_token_id: int,
+    eos_token_id: int | None,
     prompt_index: Sequence[int] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """(completions, the engine's log-probs of their tokens) for this SP group's prompts, prompt-major
