@@ -188,6 +188,7 @@ def _steps(out: Path, per_rank: list[dict], spec: dict[str, int]) -> list[dict]:
             "engine_s": max(r["generate_s"][i] - f for r, f in zip(per_rank, first)),
             "push_s": max((r["push_s"][i] for r in per_rank if r["push_s"]), default=0.0),
             "rollout_s": m["rollout_s"] - first[0], "train_s": m["step_s"], "engine_start_s": max(first),
+            "peak_rss_mb": m["peak_mem_mb"],  # the largest rank's, the process's whole life (engine included)
             "completion_tokens": sum(len(r["completion_ids"]) for r in rollouts if r["step"] == m["step"])})
         before = m["elapsed_s"]
     return steps
@@ -310,29 +311,31 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
 
 
 def plot_engines(res: dict[str, Any], path: str) -> None:
-    """Two panels per model: rollout tokens/s and GRPO steps/s, transformers vs vLLM, the ratio on top."""
+    """One column per model, rows rollout tokens/s and GRPO steps/s: transformers vs vLLM (linear scales, each
+    panel its own), the vLLM / transformers ratio over vLLM's bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = list(res["results"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in ((axes[0], "rollout_tokens_per_s", "rollout tokens / s (best step)"),
-                           (axes[1], "steps_per_s", "GRPO steps / s (best step)")):
-        for i, model in enumerate(models):
-            per = res["results"][model]
-            for off, e, color in ((-0.2, "transformers", "tab:gray"), (0.2, "vllm", "tab:blue")):
-                ax.bar(i + off, per[e][key], 0.4, color=color, label=e if i == 0 else None)
-            ax.text(i + 0.2, per["vllm"][key], f"{per['vllm_over_transformers'][key]:.2f}x", ha="center",
-                    va="bottom")
-        ax.set_xticks(range(len(models)), models)
-        ax.set_yscale("log")
-        ax.set_ylabel(label)
-        ax.legend()
+    fig, axes = plt.subplots(2, len(models), figsize=(4.5 * len(models), 7), squeeze=False)
+    rows = (("rollout_tokens_per_s", "rollout tokens / s"), ("steps_per_s", "GRPO steps / s"))
+    for j, model in enumerate(models):
+        per = res["results"][model]
+        for i, (key, label) in enumerate(rows):
+            ax = axes[i][j]
+            vals = [per[e][key] for e in ENGINES]
+            ax.bar(range(len(ENGINES)), vals, 0.6, color=["tab:gray", "tab:blue"])
+            ax.text(1, vals[1], f"{per['vllm_over_transformers'][key]:.2f}x", ha="center", va="bottom")
+            ax.set_xticks(range(len(ENGINES)), ENGINES)
+            ax.set_ylim(0, max(vals) * 1.15)
+            ax.set_ylabel(f"{label} (best step)")
+            ax.set_title(model)
     s = res["spec"]
-    fig.suptitle(f"GRPO rollouts, transformers generate() vs vLLM (CPU, SP={res['sp']}, {s['prompts']}x"
-                 f"{s['num_generations']} rows x {s['max_new_tokens']} tokens, load {res['loadavg_start'][0]:.1f})")
+    fig.suptitle(f"GRPO rollouts in seqpar train: transformers generate() vs vLLM\n(CPU, SP={res['sp']}, "
+                 f"{s['prompts']}x{s['num_generations']} rows x {s['max_new_tokens']} new tokens, "
+                 f"load {res['loadavg_start'][0]:.1f})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
