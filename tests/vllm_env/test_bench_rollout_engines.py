@@ -29,6 +29,7 @@ def test_quick_engines_benchmark(tmp_path):
     for r in res["runs"]:
         assert r["steps"] and all(st["completion_tokens"] == rows_tokens for st in r["steps"]), r
         assert all(st["step_wall_s"] > 0 and st["engine_s"] > 0 and st["train_s"] > 0 for st in r["steps"]), r
+        assert all(st["engine_cpu_s"] > 0 and st["train_cpu_s"] > 0 for st in r["steps"]), r
     per = res["results"]["tiny"]
     assert per["same_completion_tokens"]
     assert per["transformers"]["completion_tokens_per_step"] == per["vllm"]["completion_tokens_per_step"] == rows_tokens

@@ -76,6 +76,10 @@ WARMUP = ("each world (one per repeat) first runs both engines on the tiny model
           "VLLMEngine.__init__, inside the first rollout) is taken out of the first step's times")
 
 
+def _steps_of(model: str, steps: int) -> int:
+    return max(steps, TINY_STEPS) if model == "tiny" else steps
+
+
 def _config(model: str, engine: str, spec: dict[str, int], sp: int, steps: int, data: Path, out: Path) -> dict:
     rows = spec["prompts"] * spec["num_generations"]
     mbs = min(rows, 4)
@@ -92,16 +96,16 @@ def _config(model: str, engine: str, spec: dict[str, int], sp: int, steps: int, 
 
 
 @contextlib.contextmanager
-def _timed(cls: Any, name: str, into: list[float]) -> Iterator[None]:
-    """cls.name wrapped: each call's wall seconds appended to `into` (restored afterwards)."""
+def _timed(cls: Any, name: str, into: list[list[float]]) -> Iterator[None]:
+    """cls.name wrapped: each call's [wall, process CPU] seconds appended to `into` (restored afterwards)."""
     real = getattr(cls, name)
 
     def timed(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             return real(*a, **k)
         finally:
-            into.append(time.perf_counter() - t0)
+            into.append([time.perf_counter() - t0, time.process_time() - c0])
 
     setattr(cls, name, timed)
     try:
@@ -121,20 +125,21 @@ class _NoStop:
 
 
 @contextlib.contextmanager
-def _timed_rollouts(into: list[float]) -> Iterator[None]:
-    """RolloutEngine.generate without a stop token (the rest of the step keeps the tokenizer), each call's wall
-    seconds appended to `into`; restored afterwards."""
+def _timed_rollouts(into: list[list[float]]) -> Iterator[None]:
+    """RolloutEngine.generate without a stop token (the rest of the step keeps the tokenizer), each call's [wall,
+    process CPU] seconds appended to `into` (the in-process vLLM engine's threads are the process's); restored
+    afterwards."""
     from ..train.grpo.engine import RolloutEngine
 
     real = RolloutEngine.generate
 
     def generate(self: Any, *a: Any, **k: Any) -> Any:
         tok, self.tok = self.tok, _NoStop(self.tok)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             return real(self, *a, **k)
         finally:
-            into.append(time.perf_counter() - t0)
+            into.append([time.perf_counter() - t0, time.process_time() - c0])
             self.tok = tok
 
     RolloutEngine.generate = generate  # type: ignore[method-assign]
@@ -179,15 +184,18 @@ def _steps(out: Path, per_rank: list[dict], spec: dict[str, int]) -> list[dict]:
     if set(lengths) != {spec["max_new_tokens"]}:
         raise RuntimeError(f"completions of {sorted(set(lengths))} tokens: every row must decode "
                            f"{spec['max_new_tokens']} (was a stop token sampled?)")
-    start = [(r["start_s"] or [0.0])[0] for r in per_rank]
+    start = [(r["start_s"] or [[0.0, 0.0]])[0] for r in per_rank]  # [wall, CPU] per rank
     steps, before = [], 0.0
     for i, m in enumerate(metrics):
-        first = [s if i == 0 else 0.0 for s in start]
+        first = [s if i == 0 else [0.0, 0.0] for s in start]
+        gen = [[g - f for g, f in zip(r["generate_s"][i], f0)] for r, f0 in zip(per_rank, first)]
+        push = [r["push_s"][i] if r["push_s"] else [0.0, 0.0] for r in per_rank]
         steps.append({
-            "step": m["step"], "step_wall_s": m["elapsed_s"] - before - first[0],
-            "engine_s": max(r["generate_s"][i] - f for r, f in zip(per_rank, first)),
-            "push_s": max((r["push_s"][i] for r in per_rank if r["push_s"]), default=0.0),
-            "rollout_s": m["rollout_s"] - first[0], "train_s": m["step_s"], "engine_start_s": max(first),
+            "step": m["step"], "step_wall_s": m["elapsed_s"] - before - first[0][0],
+            "engine_s": max(g[0] for g in gen), "engine_cpu_s": max(g[1] for g in gen),
+            "push_s": max(p[0] for p in push), "push_cpu_s": max(p[1] for p in push),
+            "rollout_s": m["rollout_s"] - first[0][0], "train_s": m["step_s"], "train_cpu_s": m["step_cpu_s"],
+            "engine_start_s": max(f[0] for f in first),
             "peak_rss_mb": m["peak_mem_mb"],  # the largest rank's, the process's whole life (engine included)
             "completion_tokens": sum(len(r["completion_ids"]) for r in rollouts if r["step"] == m["step"])})
         before = m["elapsed_s"]
@@ -227,11 +235,15 @@ def _summary(runs: list[dict], model: str, engine: str) -> dict[str, Any]:
     best = min(steps, key=lambda s: s["step_wall_s"])
     if any(s["completion_tokens"] != toks for s in steps):
         raise RuntimeError(f"{model} / {engine}: steps with different completion token counts")
+    cpu = [s["engine_cpu_s"] for s in steps]
+    step_cpu = [s["engine_cpu_s"] + s["train_cpu_s"] for s in steps]
     return {"completion_tokens_per_step": toks, "timed_steps": len(steps),
+            "rollout_tokens_per_cpu_s": toks / min(cpu), "steps_per_cpu_s": 1 / min(step_cpu),
             "rollout_tokens_per_s": toks / min(eng), "rollout_tokens_per_s_median": toks / statistics.median(eng),
             "sampling_tokens_per_s": toks / min(s["engine_s"] - s["push_s"] for s in steps),  # without the push
             "steps_per_s": 1 / min(wall), "steps_per_s_median": 1 / statistics.median(wall),
-            "best_step": {k: best[k] for k in ("step_wall_s", "engine_s", "push_s", "rollout_s", "train_s")}}
+            "best_step": {k: best[k] for k in ("step_wall_s", "engine_s", "push_s", "rollout_s", "train_s",
+                                               "engine_cpu_s", "push_cpu_s", "train_cpu_s")}}
 
 
 def _versions() -> dict[str, str]:
@@ -271,18 +283,19 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None, repeats: int
     for r in range(repeats):  # one world per repeat; per model both engines, rotated: none always runs first
         order = ENGINES[r % 2:] + ENGINES[:r % 2]
         warm = [] if quick else [("tiny", e, _spec(True), 1) for e in order]
-        plan = warm + [(m, e, spec, max(steps, TINY_STEPS) if m == "tiny" else steps) for m in models for e in order]
+        plan = warm + [(m, e, spec, _steps_of(m, steps)) for m in models for e in order]
         runs += [{"repeat": r, **x} for x in _world(plan, sp, timeout)[len(warm):]]
     results = {}
     for model in models:
         per = {e: _summary(runs, model, e) for e in ENGINES}
         t, v = per["transformers"], per["vllm"]
-        per["vllm_over_transformers"] = {k: v[k] / t[k] for k in ("rollout_tokens_per_s", "steps_per_s",
-                                                                   "sampling_tokens_per_s")}
+        per["vllm_over_transformers"] = {k: v[k] / t[k] for k in (
+            "rollout_tokens_per_s", "steps_per_s", "sampling_tokens_per_s", "rollout_tokens_per_cpu_s",
+            "steps_per_cpu_s")}
         per["same_completion_tokens"] = t["completion_tokens_per_step"] == v["completion_tokens_per_step"]
         results[model] = per
     return {"bench": "rollout_engines", "quick": quick, "started_utc": started, "spec": spec, "sp": sp,
-            "world_size": sp, "repeats": repeats, "timed_steps_per_run": steps,
+            "world_size": sp, "repeats": repeats, "steps_per_run": {m: _steps_of(m, steps) for m in models},
             "warmup": WARMUP,
             "cpu_count": os.cpu_count(), "torch_threads_per_rank": runs[0]["torch_threads_per_rank"],
             "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()), "versions": _versions(),
@@ -292,21 +305,23 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None, repeats: int
 
 def summary_lines(res: dict[str, Any]) -> list[str]:
     s = res["spec"]
-    lines = [f"GRPO rollout engines ({s['prompts']} prompts x {s['num_generations']} generations x "
+    lines = [f"GRPO rollout engines in seqpar train ({s['prompts']} prompts x {s['num_generations']} generations x "
              f"{s['max_new_tokens']} new tokens, SP={res['sp']} on {res['world_size']} ranks, {res['cpu_count']} CPUs, "
              f"{res['torch_threads_per_rank']} thread/rank, load {res['loadavg_start'][0]:.1f} -> "
-             f"{res['loadavg_end'][0]:.1f}; best of {res['repeats']} x {res['timed_steps_per_run']} steps)",
-             "| model | engine | rollout tokens/s | GRPO steps/s | step s (engine + rest of rollout + train) |",
-             "|---|---|---|---|---|"]
+             f"{res['loadavg_end'][0]:.1f}; fastest step of {res['repeats']} repeat(s))",
+             "| model | engine | rollout tokens/s | per CPU s | GRPO steps/s | per CPU s | "
+             "step s = engine (push) + rest of rollout + train |", "|---|---|---:|---:|---:|---:|---|"]
     for model, per in res["results"].items():
         for e in ENGINES:
             p, b = per[e], per[e]["best_step"]
-            lines.append(f"| {model} | {e} | {p['rollout_tokens_per_s']:.0f} | {p['steps_per_s']:.4f} | "
-                         f"{b['step_wall_s']:.1f} ({b['engine_s']:.1f} + {b['rollout_s'] - b['engine_s']:.1f} + "
-                         f"{b['train_s']:.1f}) |")
+            lines.append(f"| {model} | {e} | {p['rollout_tokens_per_s']:.0f} | {p['rollout_tokens_per_cpu_s']:.0f} | "
+                         f"{p['steps_per_s']:.4f} | {p['steps_per_cpu_s']:.4f} | {b['step_wall_s']:.1f} = "
+                         f"{b['engine_s']:.1f} ({b['push_s']:.1f}) + {b['rollout_s'] - b['engine_s']:.1f} + "
+                         f"{b['train_s']:.1f} |")
         x = per["vllm_over_transformers"]
         lines.append(f"| {model} | vllm / transformers | x{x['rollout_tokens_per_s']:.2f} | "
-                     f"x{x['steps_per_s']:.2f} | |")
+                     f"x{x['rollout_tokens_per_cpu_s']:.2f} | x{x['steps_per_s']:.2f} | "
+                     f"x{x['steps_per_cpu_s']:.2f} | |")
     return lines
 
 
