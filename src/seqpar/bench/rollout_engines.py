@@ -8,9 +8,9 @@ Every measured run is `seqpar train` (seqpar.train.run.train, stage grpo) in a s
 SP group, 1 torch thread per rank) with `grpo.rollout.engine` transformers or vllm and nothing else different; a
 GRPO step is what `seqpar train` does per step: the rollout (vLLM: the weight push first), rewards, collation and
 the SP training step (forward, backward, AdamW). One world per repeat runs every (model, engine) run back to back,
-the engine order rotated per repeat. Warm-up: each world first runs both engines on the tiny model at the quick
-sizes (not recorded), and the vLLM engine's start (timed around VLLMEngine.__init__, inside the first rollout) is
-taken out of each run's first step. Per step: the whole step's wall time (metrics.jsonl's elapsed_s, step to
+the engine order rotated per repeat and per model. Warm-up: each world first runs both engines on the tiny model at
+the quick sizes (not recorded), and the vLLM engine's start (timed around VLLMEngine.__init__, inside the first
+rollout) is taken out of each run's first step. Per step: the whole step's wall time (metrics.jsonl's elapsed_s, step to
 step), the engine's (RolloutEngine.generate, the slowest rank: push, sampling, the all-gather over the SP group;
 vLLM's push also alone) and the training part (metrics' step_s). Rollout tokens/s = the step's completion tokens /
 engine seconds; steps/s = 1 / whole step. Reported: the fastest step of each (model, engine) (the least disturbed
@@ -280,10 +280,10 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None, repeats: int
     spec = _spec(quick)
     started, load0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()
     runs = []
-    for r in range(repeats):  # one world per repeat; per model both engines, rotated: none always runs first
-        order = ENGINES[r % 2:] + ENGINES[:r % 2]
-        warm = [] if quick else [("tiny", e, _spec(True), 1) for e in order]
-        plan = warm + [(m, e, spec, _steps_of(m, steps)) for m in models for e in order]
+    for r in range(repeats):  # one world per repeat; both engines per model, their order rotated per repeat and
+        warm = [] if quick else [("tiny", e, _spec(True), 1) for e in ENGINES]  # per model: none always runs first
+        plan = warm + [(m, e, spec, _steps_of(m, steps)) for j, m in enumerate(models)
+                       for e in ENGINES[(r + j) % 2:] + ENGINES[:(r + j) % 2]]
         runs += [{"repeat": r, **x} for x in _world(plan, sp, timeout)[len(warm):]]
     results = {}
     for model in models:
