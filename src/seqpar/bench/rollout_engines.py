@@ -350,7 +350,7 @@ def plot_engines(res: dict[str, Any], path: str) -> None:
     s = res["spec"]
     fig.suptitle(f"GRPO rollouts in seqpar train: transformers generate() vs vLLM\n(CPU, SP={res['sp']}, "
                  f"{s['prompts']}x{s['num_generations']} rows x {s['max_new_tokens']} new tokens, "
-                 f"load {res['loadavg_start'][0]:.1f})")
+                 f"load {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
