@@ -152,15 +152,16 @@ class VLLMEngine:
 
     def generate(self, rows: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
                  temperature: float, top_p: float, top_k: int,
-                 eos_token_id: int | Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
+                 eos_token_id: int | Sequence[int] | None) -> tuple[list[list[int]], list[list[float]]]:
         """(completions, log-probs): row i sampled with seed seeds[i], up to and including its first EOS (one id, or
-        several: TRL's eos_token_ids)."""
+        several: TRL's eos_token_ids; None: no stop token, every row decodes max_new_tokens, as generate_for_group's)."""
         if self._asleep:  # a sleeping engine's scheduler is paused: its requests would wait forever
             raise SeqParError(f"the vLLM engine sampled while asleep ({', '.join(sorted(self._asleep))}): push first")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        stops = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+        stops = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else \
+            [int(t) for t in eos_token_id]
         params = [SamplingParams(n=1, seed=int(s) % (2**63 - 1), temperature=float(temperature), top_p=float(top_p),
                                  top_k=int(top_k), max_tokens=int(max_new_tokens), logprobs=0, ignore_eos=True,
                                  stop_token_ids=stops, detokenize=False) for s in seeds]
