@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 
 
+@pytest.mark.slow  # about a minute, mostly vLLM's start: make test-all
 def test_quick_engines_benchmark(tmp_path):
     from seqpar.bench.__main__ import main
     from seqpar.bench.rollout_engines import ENGINES

@@ -5,12 +5,12 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
   the same completions (rollouts.jsonl) and per-step losses within 1e-5; each step's trainer-vs-engine log-prob
   mismatch (rollout_logprob_diff_max) below 1e-4; the KL to the reference 0 at step 1 and > 1e-4 at step 2, equal
   within 1e-5 under both layouts (so the reference term is in the compared losses). SP 2 runs twice: one engine per
-  SP group (tensor_parallel: sp, the default: vLLM tensor parallel over the SP group) and one engine per rank
+  SP group (tensor_parallel: sp, the default: vLLM tensor parallel over the SP group) and (slow) one engine per rank
   (tensor_parallel: 1).
 - The engine's logged log-probs of step 2's completions equal an independent transformers recompute (plain model,
   log_softmax(logits / T)) from the weights after step 1 (the checkpoint) within 1e-4, and differ from the initial
   weights' (step 0) by more than 1e-3: a missed weight push fails the test.
-- num_iterations 2 with importance_correction tis and rollout.sleep on (a no-op on CPU: vLLM's CPU platform has no
+- (slow) num_iterations 2 with importance_correction tis and rollout.sleep on (a no-op on CPU: vLLM's CPU platform has no
   sleep mode, checked): SP 2 == SP 1 (one rollout, both steps' losses within 1e-5).
 - dp 2 x SP 1 draws the SP 1 run's completions; then rank 1's engine fails at step 2 and both ranks stop with the
   same one-line SeqParError.
@@ -114,20 +114,22 @@ def runs(data, tmp_path_factory) -> dict:
     finally:
         for p in made:
             p.unlink(missing_ok=True)
-    sp2tp1 = run_distributed(_train, 2, _cfg(data, out / "sp2tp1", 2, rollout={"engine": "vllm", "tensor_parallel": 1}),
-                             timeout=420)
     sp1 = run_distributed(_train, 1, _cfg(data, out / "sp1", 1), timeout=420)
-    return {"out": out, "sp2": sp2[0], "sp2tp1": sp2tp1[0], "sp1": sp1[0]}
+    return {"out": out, "data": data, "sp2": sp2[0], "sp1": sp1[0]}  # "sp2tp1": run by its (slow) test
 
 
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
-@pytest.mark.parametrize("sp2", ["sp2", "sp2tp1"])
+@pytest.mark.parametrize("sp2", ["sp2", pytest.param("sp2tp1", marks=pytest.mark.slow)])
 def test_sp2_equals_sp1(runs, sp2):
     """SP 2 with one engine per SP group (tensor_parallel: sp, vLLM TP 2: each rank holds half of every layer) and
-    with one engine per rank (tensor_parallel: 1, each rank samples half of the prompts) vs SP 1 (one engine)."""
+    (slow) with one engine per rank (tensor_parallel: 1, each rank samples half of the prompts; the fast set runs
+    one engine per rank in its dp 2 run) vs SP 1 (one engine)."""
+    if sp2 not in runs:
+        cfg = _cfg(runs["data"], runs["out"] / sp2, 2, rollout={"engine": "vllm", "tensor_parallel": 1})
+        runs[sp2] = run_distributed(_train, 2, cfg, timeout=420)[0]
     a, b = _rows(runs["out"] / sp2 / "rollouts.jsonl"), _rows(runs["out"] / "sp1" / "rollouts.jsonl")
     assert len(a) == len(b) == 8  # 2 steps x 2 prompts x 2 generations
     assert [(r["step"], r["prompt_ids"], r["completion_ids"]) for r in a] == \
@@ -210,6 +212,7 @@ def test_dp2_then_a_dead_engine_stops_every_rank(runs, data, tmp_path):
         [(r["prompt_ids"], r["completion_ids"]) for r in want_rows]
 
 
+@pytest.mark.slow  # make test-all; num_iterations / TIS are exact against a reference in tests/test_grpo_iterations.py
 def test_num_iterations_2_and_tis_sp2_equals_sp1(data, tmp_path):
     """num_iterations 2 (step 2 reuses step 1's rollout, the ratio against its old log-probs) with truncated
     importance sampling: SP 2 on 2 ranks and SP 1 on 1 rank draw the same completions once and agree on both

@@ -154,7 +154,8 @@ class VLLMEngine:
                  temperature: float, top_p: float, top_k: int,
                  eos_token_id: int | Sequence[int] | None) -> tuple[list[list[int]], list[list[float]]]:
         """(completions, log-probs): row i sampled with seed seeds[i], up to and including its first EOS (one id, or
-        several: TRL's eos_token_ids; None: no stop token, every row decodes max_new_tokens, as generate_for_group's)."""
+        several: TRL's eos_token_ids; None: no stop token, every row decodes max_new_tokens, as
+        generate_for_group's)."""
         if self._asleep:  # a sleeping engine's scheduler is paused: its requests would wait forever
             raise SeqParError(f"the vLLM engine sampled while asleep ({', '.join(sorted(self._asleep))}): push first")
         from vllm import SamplingParams
