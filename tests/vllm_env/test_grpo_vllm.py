@@ -10,8 +10,8 @@ environment `make vllm-env` builds (`make test` runs them there after the main s
 - The engine's logged log-probs of step 2's completions equal an independent transformers recompute (plain model,
   log_softmax(logits / T)) from the weights after step 1 (the checkpoint) within 1e-4, and differ from the initial
   weights' (step 0) by more than 1e-3: a missed weight push fails the test.
-- (slow) num_iterations 2 with importance_correction tis and rollout.sleep on (a no-op on CPU: vLLM's CPU platform has no
-  sleep mode, checked): SP 2 == SP 1 (one rollout, both steps' losses within 1e-5).
+- (slow) num_iterations 2 with importance_correction tis and rollout.sleep on (a no-op on CPU: vLLM's CPU platform
+  has no sleep mode, checked): SP 2 == SP 1 (one rollout, both steps' losses within 1e-5).
 - dp 2 x SP 1 draws the SP 1 run's completions; then rank 1's engine fails at step 2 and both ranks stop with the
   same one-line SeqParError.
 - Refusals before launch: head_dim the CPU attention refuses, mode: server, tensor_parallel neither 1 nor the SP
