@@ -365,7 +365,7 @@ def test_rollout_engines_refused_without_vllm(tmp_path):
     """`rollout --engines` (transformers vs vLLM, tests/vllm_env runs it) where vLLM is not installed: one
     SeqParError naming the vLLM venv, before any rank starts or anything is written."""
     from seqpar.errors import SeqParError
-    from seqpar.hf.vllm_engine import vllm_available
+    from seqpar.hf.vllm_models import vllm_available
 
     if vllm_available():
         pytest.skip("vLLM is installed here: tests/vllm_env/test_bench_rollout_engines.py runs the benchmark")

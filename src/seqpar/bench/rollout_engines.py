@@ -271,7 +271,7 @@ def run(quick: bool = False, models: tuple[str, ...] | None = None, repeats: int
         timeout: float = 1800.0) -> dict[str, Any]:
     """The benchmark (module docstring); a JSON-able dict."""
     from ..errors import SeqParError
-    from ..hf.vllm_engine import vllm_available
+    from ..hf.vllm_models import vllm_available
 
     if not vllm_available():
         raise SeqParError("rollout --engines needs vLLM: build its environment with `make vllm-env` and run "
