@@ -10,7 +10,7 @@ PYTEST_FLAGS ?= -q --durations=20
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: setup vllm-env test-vllm test test-all test-gpu bench-gpu demo lint bench bench-memory clean
+.PHONY: setup vllm-env test-vllm test test-all test-gpu bench-gpu demo lint bench bench-memory bench-rollout clean
 
 setup: $(STAMP)
 
@@ -108,5 +108,11 @@ bench: setup
 bench-memory: setup
 	$(PY) -m seqpar.bench memory --out bench_results/memory.json
 
+# GRPO rollouts, transformers' generate() vs the vLLM engine (docs/grpo.md): in the vLLM venv, seqpar from src/.
+# Its JSON and PNG are kept in git (the record docs/grpo.md quotes).
+bench-rollout: vllm-env
+	PYTHONPATH=$(CURDIR)/src $(VPY) -m seqpar.bench rollout --engines --out bench_results/rollout_engines.json
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache bench_results
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	find bench_results -mindepth 1 ! -name 'rollout_engines.*' -delete 2>/dev/null || true

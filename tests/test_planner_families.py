@@ -1,9 +1,10 @@
 """seqpar plan for the hybrid families of planner.families (LFM2 / LFM2-MoE / LFM3, Jamba, Falcon-Mamba, Mamba,
-Falcon-H1, Zamba2, OLMo-hybrid, Kimi-Linear, MiniMax).
+Falcon-H1, Zamba2, OLMo-hybrid, Kimi-Linear, MiniMax, RecurrentGemma).
 
 Checked: the parameter count equals the tiny HF model's (every family; Zamba2's shared block once); the saved bytes
-of the short conv, Mamba1, KDA and lightning SP forwards (planner.recurrent_kinds_memory) equal MemTracker's live
-bytes after one mixer's SP forward, on a ring of 1 and 2 (threads, the busiest rank), at two shapes each, within 2%;
+of the short conv, Mamba1, KDA, lightning and RG-LRU SP forwards (planner.recurrent_kinds_memory) equal MemTracker's
+live bytes after one mixer's SP forward, on a ring of 1 and 2 (threads, the busiest rank), at two shapes each, within
+2%;
 the bytes the ring sends (seqpar.comm's CommStats: the conv halo's all-gather, the chain's state hops forward and
 backward, the scan's all-gather) and Ulysses 2's all-to-alls equal the planner's per layer and pass, for every
 recurrent kind; one training step of each tiny family (committed MemTracker readings, SP 1 and ring 2) within 7%;
@@ -20,7 +21,8 @@ import torch
 
 from seqpar.planner.model import load_model_facts
 
-FAMILIES = ["lfm2", "olmo_hybrid", "minimax", "falcon_mamba", "mamba", "jamba", "falcon_h1", "zamba2", "kimi_linear"]
+FAMILIES = ["lfm2", "olmo_hybrid", "minimax", "falcon_mamba", "mamba", "jamba", "falcon_h1", "zamba2", "kimi_linear",
+            "recurrent_gemma"]
 SWEEP_ONLY = ["lfm2_moe", "lfm3"]  # tiny configs from the family sweep's rules (hf.family_configs)
 
 
@@ -49,6 +51,14 @@ def test_family_params_equal_the_model(tmp_path, arch):
 
 
 # ----------------------------------------------------------------------------- one mixer's SP forward, measured
+def _positions(layer, seq: int, mesh) -> dict:
+    """position_ids= for a layer whose SP forward takes them (RecurrentGemma's RG-LRU: one document)."""
+    import seqpar
+    from seqpar.hf.recurrent_layers import wants_positions
+
+    return {"position_ids": seqpar.shard(torch.arange(seq)[None], mesh, 1)} if wants_positions(layer) else {}
+
+
 def _mixer_rank(layer0, ring: int, seq: int, hidden: int, mode: str):
     """One rank: (MemTracker's bytes the mixer's SP forward leaves alive per local token, beside its output; the
     mesh's CommStats after forward + backward)."""
@@ -75,36 +85,38 @@ def _mixer_rank(layer0, ring: int, seq: int, hidden: int, mode: str):
     mesh = seqpar.init_mesh(ring, ulysses_degree=1, ring_degree=ring, state_passing=mode)
     layer = copy.deepcopy(layer0)
     x = seqpar.shard(torch.randn(1, seq, hidden, generator=torch.Generator().manual_seed(0)), mesh, 1).contiguous()
+    x = x.to(next(layer.parameters()).dtype)
     mt = MemTracker()
     mt._mod_tracker = _NoModules()
     mt.track_external(layer)
     with mt:
         xr = x.clone().requires_grad_()
         before = sum(v["Total"] for v in mt.get_tracker_snapshot().values())
-        out = recurrent_forward(layer)(layer, xr, None, ((),), mesh)
+        out = recurrent_forward(layer)(layer, xr, None, ((),), mesh, **_positions(layer, seq, mesh))
         out = out[0] if isinstance(out, tuple) else out
         after = sum(v["Total"] for v in mt.get_tracker_snapshot().values())
         out.backward(torch.ones_like(out))
     return (after - before - out.numel() * out.element_size()) / x.shape[1], dict(mesh.stats.bytes)
 
 
-def _measure(arch: str, ring: int, seq: int = 256, mode: str = "chain", **kw):
+def _measure(arch: str, ring: int, seq: int = 256, mode: str = "chain", dtype=torch.float32, **kw):
     from seqpar.hf.recurrent_layers import find_recurrent
     from seqpar.threaded import run_threaded
 
     _, model = _config_and_model(arch, **kw)
-    layer = find_recurrent(model)[0][0]
+    layer = find_recurrent(model)[0][0].to(dtype)
     return load_model_facts(f"tiny:{arch}", kw), run_threaded(_mixer_rank, ring, layer, ring, seq,
                                                               model.config.hidden_size, mode, timeout=240)
 
 
 _SLOW = pytest.mark.slow  # the second shapes (the fast suite keeps one of each kind)
 NEW_KIND_CASES = [("lfm2", {}), ("mamba", {}), ("falcon_mamba", {}), ("jamba", {}), ("kimi_linear", {}),
-                  ("minimax", {}),
+                  ("minimax", {}), ("recurrent_gemma", {}),
                   pytest.param("kimi_linear", {"linear_head_dim": 16, "linear_num_heads": 2}, marks=_SLOW),
                   pytest.param("minimax", {"block_size": 32, "head_dim": 16}, marks=_SLOW),
                   pytest.param("mamba", {"state_size": 4, "expand": 1, "time_step_rank": 2}, marks=_SLOW),
-                  pytest.param("jamba", {"mamba_d_state": 16, "mamba_expand": 1}, marks=_SLOW)]
+                  pytest.param("jamba", {"mamba_d_state": 16, "mamba_expand": 1}, marks=_SLOW),
+                  pytest.param("recurrent_gemma", {"lru_width": 64, "conv1d_width": 3}, marks=_SLOW)]
 
 
 @pytest.mark.parametrize("arch,kw", NEW_KIND_CASES)
@@ -119,10 +131,22 @@ def test_new_mixers_saved_bytes_match_memtracker(arch, kw):
         assert mixer_saved_bytes(m.recurrent, 4, 1, ring, 256, 1) == pytest.approx(measured, rel=0.02), (arch, ring)
 
 
+def test_rglru_saved_bytes_in_bf16_match_memtracker():
+    """The RG-LRU's terms split into e-sized and fp32 ones (its scan's state and decay): in bf16 the planner's bytes
+    equal MemTracker's after one mixer's SP forward, ring 1 and 2, within 2% (measured: 0.1% / 0.4%)."""
+    from seqpar.planner.recurrent_memory import mixer_saved_bytes
+
+    for ring in (1, 2):
+        m, ranks = _measure("recurrent_gemma", ring, dtype=torch.bfloat16)
+        measured = max(r[0] for r in ranks)
+        assert mixer_saved_bytes(m.recurrent, 2, 1, ring, 256, 1) == pytest.approx(measured, rel=0.02), ring
+
+
 @pytest.mark.parametrize("arch,ring,mode", [("lfm2", 2, "chain"), ("mamba", 2, "chain"), ("kimi_linear", 2, "chain"),
                                             ("minimax", 2, "chain"), ("falcon_h1", 2, "chain"),
                                             ("olmo_hybrid", 2, "chain"), ("jamba", 3, "chain"), ("zamba2", 2, "scan"),
-                                            ("minimax", 3, "scan")])
+                                            ("minimax", 3, "scan"), ("recurrent_gemma", 2, "chain"),
+                                            ("recurrent_gemma", 3, "scan")])
 def test_ring_traffic_matches_the_planner(arch, ring, mode):
     """One mixer's SP forward + backward on a ring (threads): the bytes each rank's CommStats counted equal the
     planner's per layer and pass (planner.collectives): the halo's all-gather (every rank: 2 segments x K-1 conv
@@ -160,13 +184,15 @@ def _ulysses_rank(layer0, seq: int, hidden: int):
     mesh = seqpar.init_mesh(2, ulysses_degree=2, ring_degree=1)
     layer = copy.deepcopy(layer0)
     x = seqpar.shard(torch.randn(1, seq, hidden, generator=torch.Generator().manual_seed(0)), mesh, 1)
-    out = recurrent_forward(layer)(layer, x.contiguous().requires_grad_(), None, ((),), mesh)
+    out = recurrent_forward(layer)(layer, x.contiguous().requires_grad_(), None, ((),), mesh,
+                                   **_positions(layer, seq, mesh))
     out = out[0] if isinstance(out, tuple) else out
     out.backward(torch.ones_like(out))
     return dict(mesh.stats.bytes)
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "mamba", "kimi_linear", "minimax", "falcon_h1", "olmo_hybrid"])
+@pytest.mark.parametrize("arch", ["lfm2", "mamba", "kimi_linear", "minimax", "falcon_h1", "olmo_hybrid",
+                                  "recurrent_gemma"])
 def test_ulysses_traffic_matches_the_planner(arch):
     """One mixer's SP forward + backward under Ulysses 2 (threads, 64 tokens, fp32): the all-to-all bytes each rank's
     CommStats counted (in: the mixer's channels / gates, out: its output; again in backward) equal the step's
@@ -239,6 +265,21 @@ PUBLISHED = {
                          "tie_word_embeddings": False, "output_router_logits": False,
                          "layer_types": ["full_attention" if i % 8 == 7 else "linear_attention" for i in range(80)]},
                         456e9, 45.9e9, 0.06),
+    # RecurrentGemma (google/recurrentgemma-2b / -9b config.json as recalled): RG-LRU, RG-LRU, local attention
+    # (window 2048, one kv head of 256) repeated; MLP intermediate_size / 2; tied embeddings. The 2B card's 2.7B total;
+    # the 9B's name is rounded (8.6B counted: wider).
+    "RecurrentGemma-2B": ({"model_type": "recurrent_gemma", "hidden_size": 2560, "lru_width": 2560,
+                           "num_hidden_layers": 26, "num_attention_heads": 10, "num_key_value_heads": 1,
+                           "intermediate_size": 15360, "attention_window_size": 2048, "conv1d_width": 4,
+                           "block_types": ["recurrent", "recurrent", "attention"], "logits_soft_cap": 30.0,
+                           "partial_rotary_factor": 0.5, "vocab_size": 256000, "tie_word_embeddings": True},
+                          2.7e9, None, 0.02),
+    "RecurrentGemma-9B": ({"model_type": "recurrent_gemma", "hidden_size": 4096, "lru_width": 4096,
+                           "num_hidden_layers": 38, "num_attention_heads": 16, "num_key_value_heads": 1,
+                           "intermediate_size": 24576, "attention_window_size": 2048, "conv1d_width": 4,
+                           "block_types": ["recurrent", "recurrent", "attention"], "logits_soft_cap": 30.0,
+                           "partial_rotary_factor": 0.5, "vocab_size": 256000, "tie_word_embeddings": True},
+                          9e9, None, 0.06),
 }
 
 
@@ -311,3 +352,22 @@ def test_family_moe_blocks_match_memtracker(arch, path):
     total = {k: next(iter(v.values()))["Total"] for k, v in snaps.items()}
     saved = (total["Post-Forward"] - total["Pre-Forward"] - 4 * m.hidden * seq) / seq  # less the block's output
     assert m.family.moe.saved_bytes(4, m.hidden) == pytest.approx(saved, rel=0.005)
+
+
+def test_kind_lines_price_local_attention_at_its_window(tmp_path):
+    """RecurrentGemma-2B's attention layers slide a 2048-token window: at 131072 tokens their kind line's forward
+    FLOPs per token are the weights' and the window's (4 x 2048 x heads x head dim, less the first window's
+    shortfall), not full causal attention's (32x more)."""
+    from types import SimpleNamespace
+
+    from seqpar.planner.kind_lines import layer_kind_rows
+    from seqpar.planner.workload import Layout, Workload
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PUBLISHED["RecurrentGemma-2B"][0]))
+    m, seq = load_model_facts(str(path)), 131072
+    rows = {r["kind"]: r for r in layer_kind_rows(m, Workload(seq), SimpleNamespace(layout=Layout(1, 1, 1),
+                                                                                    seq_len=seq))}
+    shape = next(x for x in m.family.layers if x.attention)
+    window = 4 * m.q_dim * (2048 - 2048 * 2047 / 2 / seq)  # mean keys per query: 2048 but in the first window
+    assert rows["attention + dense"]["fwd_flops_per_token"] == pytest.approx(2 * shape.active + window, rel=1e-3)

@@ -14,7 +14,8 @@ from typing import Any
 
 from ..errors import SeqParError
 
-__all__ = ["architectures", "check_vllm_model", "config_for_vllm", "head_dim", "vllm_available"]
+__all__ = ["architectures", "check_tensor_parallel", "check_vllm_model", "config_for_vllm", "head_dim",
+           "vllm_available"]
 
 _UNTRIED = "not tried with vLLM 0.32's CPU engine here yet"
 _GDN_BF16 = "vLLM 0.32's CPU Gated DeltaNet kernel runs in bf16 only ('CPU GDN attention requires BF16'), and the " \
@@ -99,7 +100,8 @@ def _cpu_refusal(c: Any, instead: str, tiny_hint: str) -> str | None:
 
 
 def check_vllm_model(config: Any, on_cuda: bool, option: str = "grpo.rollout.engine: vllm",
-                     instead: str = "engine: transformers", tiny_hint: str = "model.kwargs.head_dim: 32") -> None:
+                     instead: str = "engine: transformers", tiny_hint: str = "model.kwargs.head_dim: 32",
+                     tensor_parallel: int = 1) -> None:
     """Refuse (one line, before any rank starts) what the vLLM engine cannot run (the module docstring).
     option / instead / tiny_hint: the trainer's names for the engine, the way back and a tiny model's head_dim."""
     if not vllm_available():
@@ -121,3 +123,24 @@ def check_vllm_model(config: Any, on_cuda: bool, option: str = "grpo.rollout.eng
     why = None if on_cuda else _cpu_refusal(config, instead, tiny_hint)
     if why:
         raise SeqParError(f"{option}: {why}")
+    if tensor_parallel > 1:
+        check_tensor_parallel(config, tensor_parallel)
+
+
+def check_tensor_parallel(config: Any, tp: int) -> None:
+    """vLLM's tensor-parallel layers split the attention heads and the MLP's columns evenly over the TP ranks and
+    split (or, when fewer than the ranks, replicate) the KV heads: what does not divide is refused here, not by
+    an assertion inside every rank's engine."""
+    c = getattr(config, "text_config", None) or config
+    nh = int(c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or nh)
+    sizes = [("num_attention_heads", nh, nh % tp == 0),
+             ("num_key_value_heads", kv, kv % tp == 0 or tp % kv == 0)]
+    inter = getattr(c, "intermediate_size", None)
+    if isinstance(inter, int):
+        sizes.append(("intermediate_size", inter, inter % tp == 0))
+    for name, n, ok in sizes:
+        if not ok:
+            raise SeqParError(f"grpo.rollout.tensor_parallel={tp} (the SP group): vLLM cannot split the model's "
+                              f"{name}={n} over {tp} ranks: set grpo.rollout.tensor_parallel: 1 (one engine per "
+                              f"rank)")

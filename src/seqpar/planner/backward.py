@@ -95,7 +95,7 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     # seqpar's attention backward tensor by tensor (planner.tiled), its collectives' buffers included
     if kind == "recurrent":  # the recurrent mixer's backward (planner.recurrent_memory) beside its saved tensors
         assert m.recurrent is not None
-        attn_temp = e * h + mixer_backward_bytes(m.recurrent, e, lay.ring, wl.seq_len)
+        attn_temp = e * h + mixer_backward_bytes(m.recurrent, e, lay.ring, wl.seq_len, h)
     elif kind == "mlp":  # a block decoder's MLP block: its MLP moment only
         attn_temp = 0
     else:
@@ -105,7 +105,8 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     if wl.lora and not ckpt:
         current -= 4 * h + 4  # layer 0 keeps no norm input (frozen embedding)
     norm = base + input_norm_moment(m, wl, lay.ulysses, lay.ring, kind) if ckpt else 0
-    fwd = mixer_forward_temp(m.recurrent, lay.ring, wl.seq_len) if ckpt and kind == "recurrent" and m.recurrent else 0
+    fwd = (mixer_forward_temp(m.recurrent, lay.ring, wl.seq_len, e, m.hidden) if ckpt and kind == "recurrent"
+           and m.recurrent else 0)
     return _Alive(base + current, ahead, e * h if ckpt else 0, mlp_acts, mlp_temp, attn_temp, freed, norm,
                   fwd_temp=fwd)
 

@@ -3,7 +3,8 @@ beside softmax attention (what planner.model models on its own): LFM2 / LFM2-MoE
 (Mamba1 + attention, MoE every few layers), Falcon-Mamba / Mamba (Mamba1 blocks only), Falcon-H1 (Mamba2 in parallel
 with attention in every layer), Zamba2 (Mamba2 blocks; its hybrid layers add a shared attention block),
 OLMo-hybrid (Gated DeltaNet), Kimi-Linear (KDA + MLA, MoE after the dense layers), MiniMax (lightning attention,
-MoE in every layer).
+MoE in every layer), RecurrentGemma (RG-LRU blocks and local attention from block_types; an MLP of
+intermediate_size / 2 with biases, o_proj's bias).
 
 Each layer becomes a LayerShape: its label (printed by `seqpar plan`), its parameter tensors as transformers 5.24
 builds them (read from the transformers config object, so derived fields such as Jamba's layers_block_type or
@@ -24,7 +25,7 @@ from .recurrent import RecurrentFacts
 __all__ = ["FAMILY_TYPES", "LayerShape", "FamilyFacts", "family_facts"]
 
 FAMILY_TYPES = ("lfm2", "lfm2_moe", "lfm3", "jamba", "falcon_mamba", "mamba", "falcon_h1", "zamba2", "olmo_hybrid",
-                "kimi_linear", "minimax")
+                "kimi_linear", "minimax", "recurrent_gemma")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class LayerShape:
     recurrent: bool  # holds the family's recurrent mixer
     attention: bool  # holds softmax attention (Falcon-H1: beside the mixer; Zamba2: a use of a shared block)
     mlp: str  # "dense", "moe" or "none"
+    norms: int | None = None  # RMSNorms of the layer (None: its hidden-sized tensors, which are its norms)
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,8 @@ def _qkvo(h: int, heads: int, kv: int, d: int, bias: bool = False) -> list[int]:
     return t + ([heads * d, kv * d, kv * d] if bias else [])
 
 
-def _dense(h: int, i: int) -> list[int]:
-    return [h * i, h * i, i * h]
+def _dense(h: int, i: int, bias: bool = False) -> list[int]:
+    return [h * i, h * i, i * h] + ([i, i, h] if bias else [])
 
 
 def _lfm2_intermediate(hf: Any) -> int:
@@ -93,13 +95,13 @@ def _mla(hf: Any, h: int) -> list[int]:
 
 
 def _layer(label: str, tensors: list[int], mlp: list[int], moe: MoeFacts | None, h: int, recurrent: bool,
-           attention: bool, kind: str, shared_active: int = 0) -> LayerShape:
+           attention: bool, kind: str, shared_active: int = 0, norms: int | None = None) -> LayerShape:
     t = tuple(tensors + mlp)
     active = sum(t) + shared_active
     if kind == "moe":
         assert moe is not None
         active = sum(tensors) + moe.active_params(h) + shared_active
-    return LayerShape(label, t, active, recurrent, attention, kind)
+    return LayerShape(label, t, active, recurrent, attention, kind, norms)
 
 
 def family_facts(model_type: str, hf: Any, rec: RecurrentFacts | None) -> FamilyFacts:
@@ -132,7 +134,10 @@ def family_facts(model_type: str, hf: Any, rec: RecurrentFacts | None) -> Family
         moe, moe_layers = _moe(hf, int(hf.num_local_experts), 0), [True] * n
     elif model_type in ("lfm2", "lfm3"):
         dense_i = _lfm2_intermediate(hf)
+    elif model_type == "recurrent_gemma":  # RecurrentGemmaMlp: intermediate_size // 2 wide
+        dense_i = int(hf.intermediate_size) // 2
     norms = 4 if model_type == "lfm3" else 2
+    biased = model_type == "recurrent_gemma"  # its MLP's projections (and its attention's o_proj) have biases
     layers = []
     for i, t in enumerate(types):
         recurrent = t not in ("full_attention", "attention", "sliding_attention")
@@ -141,9 +146,9 @@ def family_facts(model_type: str, hf: Any, rec: RecurrentFacts | None) -> Family
         if model_type == "falcon_h1":  # Mamba2 beside attention in every layer
             recurrent, mixer, label = True, mix + _attention(model_type, hf, h, heads, kv, d), "mamba2 + attention"
         kind = "moe" if moe_layers[i] else "dense"
-        mlp = (moe.tensors(h) if moe is not None and kind == "moe" else _dense(h, dense_i))
+        mlp = (moe.tensors(h) if moe is not None and kind == "moe" else _dense(h, dense_i, biased))
         layers.append(_layer(f"{label} + {kind}", [*mixer, *[h] * norms], mlp, moe, h, recurrent,
-                             not recurrent or model_type == "falcon_h1", kind))
+                             not recurrent or model_type == "falcon_h1", kind, norms=norms if biased else None))
     if len(layers) != n:
         raise SeqParError(f"model type {model_type!r}: {len(layers)} layer types for {n} layers: give a config "
                           "whose layer_types list has one entry per layer")
@@ -162,6 +167,8 @@ def _attention(model_type: str, hf: Any, h: int, heads: int, kv: int, d: int) ->
         return t + [d, d, h * heads]
     if model_type == "olmo_hybrid":  # q / k norms over all heads
         return t + [heads * d, kv * d]
+    if model_type == "recurrent_gemma":  # o_proj always has a bias
+        return t + [h]
     return t
 
 

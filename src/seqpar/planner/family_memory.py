@@ -47,7 +47,8 @@ def _norm(h: int, e: int) -> int:
 
 def _layer(m: Any, wl: Any, u: int, ring: int, lay: LayerShape, soft: int, rec: int) -> int:
     e, h = wl.elt, m.hidden
-    norms = sum(1 for t in lay.tensors if t == h) if m.model_type != "zamba2" else 1
+    norms = lay.norms if lay.norms is not None else 1 if m.model_type == "zamba2" else sum(
+        1 for t in lay.tensors if t == h)
     out = norms * _norm(h, e) + layer_mlp_bytes(m, wl, lay)
     if lay.recurrent:
         out += rec

@@ -1,6 +1,6 @@
 """ModelFacts' fields for the hybrid families planner.families describes (LFM2 / LFM2-MoE / LFM3, Jamba, Falcon-Mamba,
-Mamba, Falcon-H1, Zamba2, OLMo-hybrid, Kimi-Linear, MiniMax): the attention fields the rest of the planner reads,
-the recurrent mixer's facts (planner.recurrent / planner.recurrent_kinds) and the per-layer shapes."""
+Mamba, Falcon-H1, Zamba2, OLMo-hybrid, Kimi-Linear, MiniMax, RecurrentGemma): the attention fields the rest of the
+planner reads, the recurrent mixer's facts (planner.recurrent / planner.recurrent_kinds) and the per-layer shapes."""
 
 from __future__ import annotations
 
@@ -45,6 +45,10 @@ def new_kind_facts(model_type: str, c: dict[str, Any]) -> Any:
         heads = _int(c, "num_attention_heads")
         d = _int(c, "head_dim", default=h // heads)
         return RecurrentFacts("lightning", heads, heads, d, d, 1, 1, _int(c, "block_size", default=256))
+    if model_type == "recurrent_gemma":  # RG-LRU: lru_width channels in num_attention_heads gate blocks
+        heads = _int(c, "num_attention_heads", default=10)
+        b = _int(c, "lru_width", default=h) // heads
+        return RecurrentFacts("rglru", heads, heads, b, b, 1, _int(c, "conv1d_width", default=4), 1, bias=True)
     return None
 
 

@@ -10,6 +10,7 @@ from .collectives import ring_boundary_bytes
 from .family_memory import layer_mlp_bytes
 from .layer import attention_bytes
 from .recurrent_memory import mixer_saved_bytes
+from .spans import FULL
 from .time import attention_flops
 
 __all__ = ["layer_kind_rows", "layer_kind_lines"]
@@ -28,9 +29,9 @@ def layer_kind_rows(m: Any, wl: Any, cand: Any) -> list[dict[str, Any]]:
     halo, state, _ = ring_boundary_bytes(f, u, 1, e) if f is not None else (0, 0, 0)
     rec_saved = mixer_saved_bytes(f, e, u, r, seq, wl.rows) if f is not None else 0
     soft_saved = attention_bytes(m, wl, u, r, "attention")
-    soft_flops = attention_flops(m, wl, lay) / tokens if m.softmax_layers else 0.0
     rows, counts = [], m.family.kinds()
     for label, n in counts.items():
+        soft_flops = _soft_flops(m, wl, lay, label) / tokens
         shape = next(x for x in m.family.layers if x.label == label)
         saved = ((rec_saved if shape.recurrent else 0) + (soft_saved if shape.attention else 0)
                  + layer_mlp_bytes(m, wl, shape))
@@ -44,6 +45,14 @@ def layer_kind_rows(m: Any, wl: Any, cand: Any) -> list[dict[str, Any]]:
                      "halo_bytes_per_pass": halo * wl.rows * (r - 1) if shape.recurrent and r > 1 else 0,
                      "fwd_flops_per_token": flops})
     return rows
+
+
+def _soft_flops(m: Any, wl: Any, lay: Any, label: str) -> float:
+    """Forward attention FLOPs of one layer of this label on the busiest rank: the mean over its softmax attention
+    layers, each at its own span (RecurrentGemma's local attention: its window)."""
+    idx = [i for i, x in enumerate(m.family.layers) if x.label == label and x.attention]
+    spans = [m.spans[i] if i < len(m.spans) else FULL for i in idx]
+    return sum(attention_flops(m, wl, lay, s) for s in spans) / len(spans) if spans else 0.0
 
 
 def layer_kind_lines(m: Any, wl: Any, cand: Any) -> list[str]:

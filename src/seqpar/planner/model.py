@@ -31,6 +31,8 @@ GATED_ATTENTION_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 NO_ROPE_TYPES = ("nemotron_h",)
 # Architectures whose attention layers hold learned sinks (one logit per q head; seqpar.train.model.checks).
 SINK_TYPES = ("gpt_oss",)
+# Config fields of a final-logit softcap (RecurrentGemma names it logits_soft_cap).
+SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap")
 # Architectures with a bias on the q/k/v projections.
 QKV_BIAS_TYPES = ("qwen2",)
 
@@ -62,6 +64,7 @@ class ModelFacts:
     mla: MlaFacts | None = None  # multi-head latent attention's projections
     sinks: bool = False  # gpt-oss: one learned sink logit per q head in every attention layer
     family: FamilyFacts | None = None  # planner.families: each layer's shape (LFM2, Jamba, Falcon-H1, Zamba2 ...)
+    logit_softcap: bool = False  # tanh(logits / cap) * cap after lm_head (Gemma 2, RecurrentGemma): its tanh is kept
 
     @property
     def v_head(self) -> int:
@@ -270,11 +273,12 @@ def _trainer_view(name: str, c: dict[str, Any]) -> Any:
 
 def _attention_facts(hf: Any, layers: int) -> dict[str, Any]:
     """ModelFacts' attention fields from the transformers config: spans, the sliding window if a layer slides, MLA's
-    dims (head_dim: q / k's, qk_nope + qk_rope), sinks (gpt-oss)."""
+    dims (head_dim: q / k's, qk_nope + qk_rope), sinks (gpt-oss), and whether the logits are softcapped."""
     spans = layer_spans(hf, layers)
     window = next((s.size for s in spans if s.kind == "sliding"), None)
     out: dict[str, Any] = {"spans": spans if any(s.kind != "full" for s in spans) else (), "sliding_window": window,
-                           "sinks": hf.model_type in SINK_TYPES or bool(getattr(hf, "use_sinks", False))}
+                           "sinks": hf.model_type in SINK_TYPES or bool(getattr(hf, "use_sinks", False)),
+                           "logit_softcap": any(getattr(hf, k, None) is not None for k in SOFTCAP_FIELDS)}
     return {**out, **mla_fields(hf)}
 
 

@@ -126,18 +126,10 @@ def _get(c: dict[str, Any], *names: str) -> Any:
 INTERVAL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
-# Hybrids SP runs (seqpar.hf.recurrent_layers) whose layers the planner's formulas do not model yet (RecurrentGemma's
-# RG-LRU): their layers are reported as this kind, which planner.refusals refuses by name rather than planning them as
-# another model.
-UNMODELLED_TYPES = ("recurrent_gemma",)
-
-
 def layer_kinds(c: dict[str, Any]) -> list[str]:
     """A text config dict's per-layer kinds: `layer_types` (Qwen3.5, Granite 4), `layers_block_type` (Nemotron-H),
     or Bamba's `attn_layer_indices` (every other layer is Mamba2; its `layers_block_type` is a property that a
     saved config.json does not hold), or Qwen3-Next / Qwen3.5's `full_attention_interval`."""
-    if c.get("model_type") in UNMODELLED_TYPES:
-        return [f"{c['model_type']} layer (not modelled)"] * int(c.get("num_hidden_layers") or 1)
     types = c.get("layer_types") or c.get("layers_block_type")
     if types:
         return [str(t) for t in types]

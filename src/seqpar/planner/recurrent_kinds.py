@@ -9,7 +9,13 @@ the formulas of planner.recurrent.RecurrentFacts for each new `kind` (planner.fa
   a decay per key channel; states [dk, dv] per head and a "matrix" transition [dk, dk], as Gated DeltaNet's.
 - lightning (MiniMax: seqpar.hf.lightning): H heads of head_dim, blocks of block_size tokens, no conv; states
   [d, d] per head, a "scalar" transition (one decay per head).
-Field use (RecurrentFacts): heads / v_heads (mamba1: channels d; short_conv: hidden), k_dim (mamba1: n), v_dim,
+- rglru (RecurrentGemma: seqpar.hf.rglru): W = lru_width channels in H = num_attention_heads gate blocks of
+  b = W / H; linear_x -> a depthwise causal conv of conv1d_width taps -> the RG-LRU (block-diagonal input /
+  recurrence gates, a diagonal recurrence per channel) -> times gelu(linear_y) -> linear_out; every projection and
+  the conv with a bias. The ring passes one fp32 state [W] per hop with a "diagonal" transition of the same size;
+  Ulysses splits the channels by whole gate blocks (its degree divides H).
+Field use (RecurrentFacts): heads / v_heads (mamba1: channels d; short_conv: hidden; rglru: gate blocks H),
+k_dim (mamba1: n; rglru: the block width b), v_dim (rglru: b),
 groups, conv_kernel (lightning: 1, no conv), chunk (kda: the delta rule's 64; lightning: its block; else 1),
 extra (mamba1: dt rank; lightning: unused), bias (short_conv: the projections' and conv's biases; mamba1: the
 conv's), norms (mamba1's dt / B / C RMSNorms: 1 weightless, Falcon-Mamba; 2 weighted, Jamba).
@@ -22,7 +28,7 @@ from typing import Any
 __all__ = ["NEW_KINDS", "KDA_CHUNK", "conv_channels", "mixer_tensors", "flops_per_token", "ulysses_elems",
            "state_elems"]
 
-NEW_KINDS = ("short_conv", "mamba1", "kda", "lightning")
+NEW_KINDS = ("short_conv", "mamba1", "kda", "lightning", "rglru")
 KDA_CHUNK = 64  # transformers' chunk_kimi_delta_attention torch path
 
 
@@ -33,6 +39,8 @@ def conv_channels(f: Any) -> int:
         return f.heads
     if f.kind == "kda":
         return 3 * f.heads * f.k_dim
+    if f.kind == "rglru":  # the lru_width channels x runs through
+        return f.heads * f.k_dim
     return 3 * f.heads * f.k_dim  # lightning: q | k | v (no conv; what its Ulysses exchange moves)
 
 
@@ -48,6 +56,9 @@ def mixer_tensors(f: Any, h: int) -> list[int]:
         hd, d = f.heads * f.k_dim, f.k_dim
         return [3 * h * hd, 3 * hd * f.conv_kernel, h * d, d * hd, hd, f.heads, h * f.heads, h * d, d * hd, d,
                 hd * h]
+    if f.kind == "rglru":  # linear_y, linear_x, linear_out, conv_1d (+ biases), recurrent_param, the two gates' blocks
+        w, b = f.heads * f.k_dim, f.k_dim
+        return [h * w, w, h * w, w, w * h, h, w * f.conv_kernel, w, w, f.heads * b * b, w, f.heads * b * b, w]
     hd = f.heads * f.k_dim  # lightning: qkv_proj, out_proj, output_gate, the norm over all heads
     return [3 * h * hd, hd * h, h * hd, hd]
 
@@ -62,6 +73,8 @@ def flops_per_token(f: Any) -> int:
     if f.kind == "kda":  # the chunked delta rule (as Gated DeltaNet's) with a decay per key channel
         c, d, hh = f.chunk, f.k_dim, f.heads
         return 2 * hh * (c * 4 * d + 4 * d * d) + 2 * hh * c * d + 2 * conv_channels(f) * k
+    if f.kind == "rglru":  # conv; per channel: the gates' sigmoids, log a, exp, sqrt(1 - a^2), three products, the scan
+        return 2 * f.heads * f.k_dim * (k + 5)
     c, d = f.chunk, f.k_dim  # lightning: q k^T and its product with v inside a block, q S and the state update
     return 2 * f.heads * (2 * c * d + 2 * d * d)
 
@@ -72,6 +85,8 @@ def ulysses_elems(f: Any, u: int) -> tuple[int, int]:
         return conv_channels(f), f.heads * f.v_dim if f.kind == "lightning" else f.heads
     if f.kind == "mamba1":  # x and z in, the scan's output out
         return 2 * f.heads, f.heads
+    if f.kind == "rglru":  # x and one reset flag per destination rank in, the RG-LRU's output out
+        return f.heads * f.k_dim + u, f.heads * f.k_dim
     return 4 * f.heads * f.k_dim + f.heads, f.heads * f.v_dim  # kda: q k v g and beta in
 
 
@@ -79,7 +94,7 @@ def state_elems(f: Any, u: int) -> tuple[int, int]:
     """(elements of one state, of one transition) per row on one Ulysses rank (short_conv: no state)."""
     if f.kind == "short_conv":
         return 0, 0
-    if f.kind == "mamba1":  # a diagonal transition: one decay per state entry
+    if f.kind in ("mamba1", "rglru"):  # a diagonal transition: one decay per state entry (rglru: per channel)
         return f.heads // u * f.k_dim, f.heads // u * f.k_dim
     hl = f.heads // u
     if f.kind == "kda":

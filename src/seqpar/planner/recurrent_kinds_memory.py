@@ -25,6 +25,13 @@ recurrences compute in fp32. Under a ring every piece is counted as continuing a
   qkv_proj's output and its SiLU (6 H d), the output, the norm's input and output, the gate (4 H d), out_proj's
   input (H d) and the norm's rsqrt. A continuing piece keeps lambda^(t+1) q_t and its decay column (d + 1 fp32 per
   head token).
+- rglru (W = lru_width channels, conv kernel K; measured at W 32 and 64, fp32 and bf16): fourteen [W] tensors in e
+  (linear_y's output and its GELU, the conv's input and output, each gate's block-diagonal input copy and its
+  sigmoid, the scaled log decay, a^2, sqrt's input, the multiplier, x * input gate, the scan's decay, the
+  recurrence's output, linear_out's input) and two fp32 (the scan's state at every step, the decay it multiplies);
+  per token the reset flag the exchange carries (e per Ulysses rank) and three bool masks. Per piece: the conv's
+  K-1 padded outputs (e W) and the scan's zero state (fp32 W). A continuing piece keeps the cumulative log decay
+  (fp32 W per token) and three fp32 [W] per piece (its decay, the incoming state, the correction's factor).
 """
 
 from __future__ import annotations
@@ -59,6 +66,11 @@ def new_saved_bytes(f: RecurrentFacts, e: int, u: int, pieces: list[int], rows: 
             per_call += 8 * d * n + e * (f.conv_kernel - 1) * d
         return math.ceil(per + calls * per_call / u)
     h, d = f.heads, f.k_dim
+    if f.kind == "rglru":
+        w = h * d
+        per = (14 * e + 8) * w + (e + 3) * u + (4 * w if carry else 0)
+        per_call = (e * (f.conv_kernel - 1) + 4 + (12 if carry else 0)) * w
+        return math.ceil(per + calls * per_call / u)
     if f.kind == "kda":
         c = f.chunk
         head = 3 * c * d + (c - 1) * (2 * c - 1) / 6 + (c - 1) / 2 + 2 * c + 25 * d + 5 + (6 * d if carry else 0)
@@ -68,14 +80,18 @@ def new_saved_bytes(f: RecurrentFacts, e: int, u: int, pieces: list[int], rows: 
     return math.ceil(4 * h * head + e * 11 * h * d + 4)
 
 
-def new_backward_bytes(f: RecurrentFacts, e: int, pieces: list[int]) -> int:
+def new_backward_bytes(f: RecurrentFacts, e: int, pieces: list[int], hidden: int = 0) -> int:
     """The mixer backward's peak over its saved tensors per local token, measured with MemTracker on one mixer's SP
     backward (fp32, ring 1 and 2; the recurrence runs piece by piece, so the largest piece's share): the torch scan's
     gradient buffers of its [d, n] per-step tensors (four per token in one piece; two in a continuing piece, whose
     gradients reach the scan through the correction), KDA's gradients of its [C, dk] products (2.75 per head token),
-    and for the short conv and lightning attention a few e-sized [channels] gradients (2.25 h; 2.5 H d)."""
+    and for the short conv and lightning attention a few e-sized [channels] gradients (2.25 h; 2.5 H d); the RG-LRU's
+    gradients of its [W] tensors (3.125 e W, 2.25 e W for continuing pieces) less linear_out's freed input gradient
+    (e h: measured at hidden 32, W 32 and 64)."""
     share = max(pieces) / sum(pieces)
     h, d = f.heads, f.k_dim
+    if f.kind == "rglru":
+        return max(0, math.ceil(e * h * d * (3.125 if len(pieces) == 1 else 2.25) - e * hidden))
     if f.kind == "short_conv":
         return math.ceil(9 * e * h / 4)
     if f.kind == "mamba1":
@@ -85,12 +101,15 @@ def new_backward_bytes(f: RecurrentFacts, e: int, pieces: list[int]) -> int:
     return math.ceil(5 * e * h * d / 2)
 
 
-def new_forward_temp(f: RecurrentFacts, pieces: list[int]) -> int:
+def new_forward_temp(f: RecurrentFacts, pieces: list[int], e: int = 4, hidden: int = 0) -> int:
     """The mixer forward's peak over what it keeps, per local token (a checkpointed layer's recompute), measured as
     new_backward_bytes: mamba1's freed [d, n] temporaries (up to 1.5 fp32 per token, a continuing piece's
-    cumulative decay included), KDA's (up to 0.65 fp32 [C, dk] per head token); none for the others."""
+    cumulative decay included), KDA's (up to 0.65 fp32 [C, dk] per head token), the RG-LRU's [W] temporaries
+    ((e + 4) W, e W / 2 more for continuing pieces, less e h as its backward); none for the others."""
     if f.kind == "mamba1":
         return 6 * f.heads * f.k_dim
     if f.kind == "kda":
         return math.ceil(2.6 * f.heads * f.chunk * f.k_dim)
+    if f.kind == "rglru":
+        return max(0, math.ceil((e + 4 + (e / 2 if len(pieces) > 1 else 0)) * f.heads * f.k_dim - e * hidden))
     return 0

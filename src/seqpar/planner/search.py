@@ -232,10 +232,10 @@ def _rank(cands: list[Candidate], cl: Cluster, max_len: bool) -> None:
 
 # What is not validated of a hybrid plan (docs/planner.md, "Hybrid models"): said with every plan of one.
 HYBRID_NOTE = ("hybrid model: the recurrent layers' memory is counted from transformers' torch paths of the chunked "
-               "delta rule / Mamba2 SSD scan / selective scan / short conv / lightning attention (validated on CPU "
-               "against the meter: docs/planner.md); with the flash-linear-attention, mamba_ssm or causal-conv1d GPU "
-               "kernels installed their working sets differ and are not validated: read peak_alloc_mb of a short "
-               "seqpar train run before a long one")
+               "delta rule / Mamba2 SSD scan / selective scan / short conv / lightning attention / RG-LRU scan "
+               "(validated on CPU against the meter: docs/planner.md); with the flash-linear-attention, mamba_ssm or "
+               "causal-conv1d GPU kernels installed their working sets differ and are not validated: read "
+               "peak_alloc_mb of a short seqpar train run before a long one")
 
 
 # LoRA on a hybrid: its savings are not modelled (docs/planner.md, "Hybrid models"): said with every such plan.

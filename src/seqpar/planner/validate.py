@@ -126,7 +126,7 @@ def _ckpt(arch: str) -> dict[str, bool]:
 # Readings committed in docs/cpu_results/ (FAMILY_RESULTS, `seqpar plan --validate --features families
 # --validate-json PATH`).
 FAMILY_ARCHS = ("lfm2", "mamba", "falcon_mamba", "jamba", "minimax", "kimi_linear", "falcon_h1", "zamba2",
-                "olmo_hybrid")
+                "olmo_hybrid", "recurrent_gemma")
 FAMILY_GRID: list[Case] = [Case(arch=a, head_dim=8, memory=mem, **mesh) for a in FAMILY_ARCHS
                            for mem, mesh in ((NO_FEATURES, {}), (_ckpt(a), {"ring": 2}), (NO_FEATURES, {"ulysses": 2}))]
 FAMILY_RESULTS = "docs/cpu_results/2026-11-29-planner-families.json"

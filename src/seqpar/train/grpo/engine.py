@@ -14,12 +14,14 @@ from ...errors import SeqParError
 from ...hf.generation import generate_for_group
 from ...mesh import SequenceParallelMesh
 from ..config import TrainConfig
+from ..config.rollout import resolve_tensor_parallel
 
 __all__ = ["check_rollout_engine", "RolloutEngine", "write_rollouts", "trim_rollouts"]
 
 
-def check_rollout_engine(cfg: TrainConfig, config: Any) -> None:
-    """Before launch: what engine: vllm cannot do with this config and model (one line, naming the fix)."""
+def check_rollout_engine(cfg: TrainConfig, config: Any, sp_size: int) -> None:
+    """Before launch: what engine: vllm cannot do with this config and model at SP size `sp_size` (the rollout
+    mesh's) (one line, naming the fix)."""
     g = cfg.grpo
     if cfg.stage != "grpo" or g is None or g.rollout.engine != "vllm":
         return
@@ -30,7 +32,8 @@ def check_rollout_engine(cfg: TrainConfig, config: Any) -> None:
                           f"grpo.max_completion_length = {need}: raise it, or leave it unset (dataset.max_length)")
     from ...hf.vllm_models import check_vllm_model
 
-    check_vllm_model(config, on_cuda=torch.cuda.is_available())
+    tp = resolve_tensor_parallel(r, sp_size)
+    check_vllm_model(config, on_cuda=torch.cuda.is_available(), tensor_parallel=tp)
 
 
 class RolloutEngine:
@@ -43,10 +46,13 @@ class RolloutEngine:
             from ...hf.vllm_rollout import VLLMRollout, VLLMSettings
 
             r = self.g.rollout
+            # the engines' TP size: the SP size (one engine per SP group) or 1 (checked before launch)
             self.vllm = VLLMRollout(VLLMSettings(
                 max_model_len=r.max_model_len or cfg.dataset.max_length,
                 max_num_seqs=cfg.micro_batch_size * cfg.grad_accum, gpu_memory_utilization=r.gpu_memory_utilization,
-                enforce_eager=r.enforce_eager, sleep=r.sleep))
+                enforce_eager=r.enforce_eager, sleep=r.sleep,
+                tensor_parallel=resolve_tensor_parallel(r, mesh.sp_size),
+                timeout_s=cfg.collective_timeout.total_seconds()))
 
     def generate(self, model: torch.nn.Module, prompts: list[list[int]], step: int, index: list[int],
                  media: list[dict] | None) -> tuple[list[list[int]], list[list[float]]]:
