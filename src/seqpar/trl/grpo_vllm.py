@@ -12,10 +12,10 @@ neither on the SP nor on the dp size, and equal `seqpar train`'s for the same pr
 Mapped: vllm_mode "colocate"; vllm_gpu_memory_utilization; vllm_max_model_length (None: the model's
 max_position_embeddings, as vLLM infers it); vllm_enable_sleep_mode (as `grpo.rollout.sleep`: on CUDA the engine
 sleeps between rollouts; a no-op on CPU, said once); vllm_model_impl "vllm" / "auto";
-vllm_importance_sampling_correction with its four modes and clip_min / clip_max (seqpar.loss.importance, in seqpar's exact SP loss); temperature, top_p,
-top_k, max_completion_length; TRL's eos_token_ids. The engine's log-probs of the sampled tokens reach the loss batch
-("rollout_logps"): the step's mismatch with the trainer's exact SP log-probs is logged as rollout_logprob_diff_max /
-_mean.
+vllm_importance_sampling_correction with its four modes and clip_min / clip_max (seqpar.loss.importance, in seqpar's
+exact SP loss); temperature, top_p, top_k, max_completion_length; TRL's eos_token_ids. The engine's log-probs of the
+sampled tokens reach the loss batch ("rollout_logps"): the step's mismatch with the trainer's exact SP log-probs is
+logged as rollout_logprob_diff_max / _mean.
 """
 
 from __future__ import annotations
