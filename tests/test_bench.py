@@ -359,3 +359,16 @@ def test_dynamic_benchmark_quick(tmp_path):
         p = res["predicted"][gpu]
         assert p["tokens_per_s"]["dynamic"] > 0 and p["max_local_tokens"] <= p["memory_max_local_tokens"]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_rollout_engines_refused_without_vllm(tmp_path):
+    """`rollout --engines` (transformers vs vLLM, tests/vllm_env runs it) where vLLM is not installed: one
+    SeqParError naming the vLLM venv, before any rank starts or anything is written."""
+    from seqpar.errors import SeqParError
+    from seqpar.hf.vllm_models import vllm_available
+
+    if vllm_available():
+        pytest.skip("vLLM is installed here: tests/vllm_env/test_bench_rollout_engines.py runs the benchmark")
+    with pytest.raises(SeqParError, match="make vllm-env"):
+        main(["rollout", "--engines", "--quick", "--out", str(tmp_path / "engines.json")])
+    assert not (tmp_path / "engines.json").exists()

@@ -269,14 +269,18 @@ def _nll_both_paths(model, mesh, labels_len=40):
     return abs(out[True][0] - out[False][0]), _max_grad_diff(out[True][1], out[False][1])
 
 
-@pytest.mark.parametrize("arch", ["cohere", "granite", "falcon_h1", "minicpm3"])
+@pytest.mark.parametrize("arch", ["cohere", "granite", "falcon_h1", "minicpm3", "recurrent_gemma"])
 def test_scaled_logit_heads_match_full_path(arch, one_thread):
     """Cohere (logits * logit_scale), Granite (logits / logits_scaling), Falcon-H1 (lm_head(h) * lm_head_multiplier,
-    muP) and MiniCPM3 (hidden states / logits_scaling BEFORE lm_head: nothing to do after it): fused == full logits
-    at SP=1."""
+    muP), MiniCPM3 (hidden states / logits_scaling BEFORE lm_head: nothing to do after it) and RecurrentGemma
+    (tanh(logits / logits_soft_cap) * cap; a cap of 0.5, so that it changes the NLL: 0.17 nats without it): fused ==
+    full logits at SP=1."""
     import transformers as tf
 
-    if arch == "falcon_h1":
+    if arch == "recurrent_gemma":
+        torch.manual_seed(0)
+        model = tiny_model("recurrent_gemma", logits_soft_cap=0.5)
+    elif arch == "falcon_h1":
         model = tiny_model("falcon_h1")  # lm_head_multiplier 0.9 (and every other muP multiplier != 1)
         assert model.model.lm_head_multiplier == 0.9
     else:

@@ -1,20 +1,22 @@
 """`grpo.num_iterations: 2` through `seqpar.train.run.train` vs an independent single-process reference, and
-truncated importance sampling (TIS) in seqpar.loss.grpo_loss under SP 2 vs plain math.
+importance sampling (TRL's four vLLM correction modes) in seqpar.loss.grpo_loss under SP 2 vs plain math.
 
 num_iterations reference: plain PyTorch on the unsharded HF model. A rollout at steps 0 and 2 (the same prompts
 and seeds as the trainer: the data order and sampler are tests/test_grpo_train.py's), its old log-probs
 log_softmax(logits / T) of the sampled tokens computed by hand without gradient right after it; every step the
 "grpo" loss mean over rows of the per-row mean of -min(r A, clamp(r, 1 - eps, 1 + eps) A) + beta k3 with
 r = exp(logp - old), then SGD. Tolerance: losses and parameters within 1e-5 (fp32). The runs: SP 2 (Ulysses; with
-importance_correction: tis, whose weights are 1 within 1e-4 with the transformers engine), length-aware SP
+importance_correction: sequence_mask, whose weights are 1 within 1e-4 with the transformers engine), length-aware SP
 (size: dynamic under FSDP2, one run of 2 ranks, rows at degrees 1 and 2) and SP 1. A reference that takes old =
 the current log-probs (ratio 1 on step 2 as on step 1) differs from the trainer by far more, so the test sees the ratio.
 An SP 1 run stopped at its step-2 checkpoint and resumed to step 4 matches the same reference (the data stream
 advances once per rollout).
 
-TIS reference: loss_t = -min(r A, clamp(r) A) x min(exp(old - sampler), cap) + beta k3, summed per row by hand
-over the full rows, with the sampler's log-probs perturbed so some weights hit the cap and some do not; compared
-with grpo_loss over the SP shards (threaded runner, SP 1 and 2): loss and gradients within 1e-9 (fp64).
+Importance-sampling reference, each of TRL's four modes: loss_t = -min(r A, clamp(r) A) x w + beta k3, w from the
+ratio exp(old - sampler) per token or exp(sum over the full row) per sequence, truncated to or masked outside the
+bounds, summed per row by hand over the full rows (a padding row, a NaN sampler log-prob, a row on one SP rank
+only), the sampler's log-probs perturbed so some ratios fall outside the bounds and some not; compared with
+grpo_loss over the SP shards (threaded runner, SP 1 and 2): loss and gradients within 1e-9 (fp64).
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ def _gaps(got: dict, ref_losses: list[float], ref_params: dict) -> tuple[float, 
 def test_num_iterations_2_sp2_dynamic_sp1_match_reference(data, tmp_path):
     """Four steps, two rollouts (steps 1 and 3 sample; 2 and 4 reuse them with the PPO ratio active)."""
     sp2 = _case(data, tmp_path / "sp2", {"size": 2, "ulysses_degree": 2})
-    sp2["grpo"]["importance_correction"] = "tis"  # engine transformers: the sampler is the policy, weights ~1
+    # engine transformers: the sampler is the policy, ratios ~1 (inside the bounds)
+    sp2["grpo"].update(importance_correction="sequence_mask", importance_min=0.5)
     dyn = _case(data, tmp_path / "dyn", {"size": "dynamic", "max_local_tokens": 16})
     dyn["fsdp"] = True  # FSDP2: idle ranks' lockstep forwards, the kept slots' old log-probs from sharded weights
     got = run_distributed(_train_cases, 2, [sp2, dyn], timeout=600)[0]
@@ -175,30 +178,54 @@ def test_resume_mid_rollout_refused_and_checkpoint_every_checked(data, tmp_path)
     assert find_resume(done)[1] == 3  # the run is complete at 3: nothing continues the rollout (export only)
 
 
-# ----------------------------------------------------------------------------------------- TIS (loss, SP 2)
-def _tis_case(seed: int = 0):
+# --------------------------------------------------------------------- importance sampling (loss, SP 2)
+def _is_case(seed: int, scale: float):
     g = torch.Generator().manual_seed(seed)
-    B, S = 3, 12
+    B, S = 5, 12
     labels = torch.randint(0, 50, (B, S), generator=g)
     labels[0, :3] = -100
     labels[1, 7:] = -100
     labels[2, :5] = -100
+    labels[3, :] = -100  # a padding row: no completion token (ratio 1, contributes 0, no NaN)
+    labels[4, :9] = -100  # a row whose completion lies on SP rank 1 only
     logps = -torch.rand(B, S, generator=g, dtype=torch.float64) * 3
     old = logps + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64)
     ref = logps + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)
-    sampling = old + torch.randn(B, S, generator=g, dtype=torch.float64)  # weights exp(old - sampling) up to ~e^2
+    sampling = old + scale * torch.randn(B, S, generator=g, dtype=torch.float64)
+    sampling[0, 5] = float("nan")  # a token the sampler could not score: no correction for it
     adv = torch.randn(B, generator=g, dtype=torch.float64)
     return labels, logps, old, ref, sampling, adv
 
 
-def _tis_reference(labels, logps, old, ref, sampling, adv, cap, beta, eps):
+# mode -> (sampler perturbation, clip_min, clip_max): some tokens / sequences inside the bounds, some outside
+IS_MODES = {"token_truncate": (1.0, None, 1.5), "token_mask": (1.0, 0.4, 2.0),
+            "sequence_truncate": (0.4, 0.6, 1.6), "sequence_mask": (0.4, 0.5, 2.0)}
+
+
+def _is_ratio(labels, old, sampling, mode: str) -> torch.Tensor:
+    """Per row, the list of its completion tokens' ratios (plain math over the full row)."""
+    out = []
+    for b in range(labels.shape[0]):
+        m = labels[b] != -100
+        d = torch.nan_to_num(old[b][m] - sampling[b][m], nan=0.0)
+        out.append(torch.exp(d) if mode.startswith("token") else torch.exp(d.sum()).expand(int(m.sum())))
+    return out
+
+
+def _is_reference(labels, logps, old, ref, sampling, adv, mode, lo, hi, beta, eps):
     lp = logps.clone().requires_grad_(True)
     mask = labels != -100
     total = 0.0
-    for b in range(labels.shape[0]):
+    lo_, hi_ = -float("inf") if lo is None else lo, float("inf") if hi is None else hi
+    for b, rat in enumerate(_is_ratio(labels, old, sampling, mode)):
         m = mask[b]
+        if not m.any():
+            continue  # counts as a sequence, contributes 0
+        if mode.endswith("truncate"):
+            w = torch.clamp(rat, lo_, hi_)
+        else:
+            w = torch.where((rat < lo_) | (rat > hi_), torch.zeros_like(rat), rat)
         r = torch.exp(lp[b][m] - old[b][m])
-        w = torch.clamp(torch.exp(old[b][m] - sampling[b][m]), max=cap)
         pol = -torch.min(r * adv[b], torch.clamp(r, 1 - eps, 1 + eps) * adv[b]) * w
         d = ref[b][m] - lp[b][m]
         total = total + (pol + beta * (torch.exp(d) - d - 1)).sum() / m.sum()
@@ -207,7 +234,7 @@ def _tis_reference(labels, logps, old, ref, sampling, adv, cap, beta, eps):
     return float(loss.detach()), lp.grad
 
 
-def _tis_rank(cap: float, beta: float, eps: float, want_grad: torch.Tensor):
+def _is_rank(mode: str, beta: float, eps: float, want_grad: torch.Tensor):
     """This rank's (loss share, max |gradient - the reference's on its shard|, metrics)."""
     import torch.distributed as dist
 
@@ -215,36 +242,52 @@ def _tis_rank(cap: float, beta: float, eps: float, want_grad: torch.Tensor):
     from seqpar import loss as L
     from seqpar.layout import shard
 
+    scale, lo, hi = IS_MODES[mode]
     mesh = seqpar.init_mesh(dist.get_world_size())
-    labels, logps, old, ref, sampling, adv = _tis_case()
+    labels, logps, old, ref, sampling, adv = _is_case(0, scale)
     sh = {k: shard(v, mesh, dim=1) for k, v in dict(labels=labels, logps=logps, old=old, ref=ref,
                                                       sampling=sampling).items()}
     lp = sh["logps"].clone().requires_grad_(True)
     den = L.grpo_denominators([{"shift_labels": sh["labels"]}], mesh)
     share, met = L.grpo_loss(lp, adv, sh["labels"], den, old_logps=sh["old"], ref_logps=sh["ref"], beta=beta,
                              epsilon_low=eps, loss_type="grpo", mesh=mesh, sampling_logps=sh["sampling"],
-                             importance_cap=cap)
+                             importance=L.ImportanceSampling.from_name(mode, lo, hi))
     share.backward()
+    assert torch.isfinite(lp.grad).all()
     gap = float((lp.grad - shard(want_grad, mesh, dim=1)).abs().max())
     return float(share.detach()), gap, {k: float(v) for k, v in met.items()}
 
 
+@pytest.mark.parametrize("mode", list(IS_MODES))
 @pytest.mark.parametrize("sp", [1, 2])
-def test_tis_loss_sp_matches_reference(sp):
+def test_importance_sampling_loss_sp_matches_reference(sp, mode):
     from seqpar.threaded import run_threaded
 
-    cap, beta, eps = 1.5, 0.04, 0.2
-    labels, logps, old, ref, sampling, adv = _tis_case()
-    mask = labels != -100
-    w = torch.exp(old - sampling)[mask]
-    assert (w > cap).any() and (w < cap).any()  # some weights truncated, some not
-    want, want_grad = _tis_reference(labels, logps, old, ref, sampling, adv, cap, beta, eps)
-    res = run_threaded(_tis_rank, sp, cap, beta, eps, want_grad)
+    beta, eps = 0.04, 0.2
+    scale, lo, hi = IS_MODES[mode]
+    labels, logps, old, ref, sampling, adv = _is_case(0, scale)
+    rat = torch.cat(_is_ratio(labels, old, sampling, mode))
+    outside = ((rat > hi) if lo is None else (rat < lo) | (rat > hi))
+    assert outside.any() and (~outside).any(), rat  # some ratios truncated / masked, some not
+    if lo is not None:
+        assert (rat < lo).any(), rat  # the lower bound acts too
+    want, want_grad = _is_reference(labels, logps, old, ref, sampling, adv, mode, lo, hi, beta, eps)
+    res = run_threaded(_is_rank, sp, mode, beta, eps, want_grad)
     got = sum(r[0] for r in res)
     assert abs(got - want) <= 1e-9, (got, want)
+    w = torch.clamp(rat, lo, hi) if mode.endswith("truncate") else torch.where(outside, 0 * rat, rat)
     for _, gap, met in res:
         assert gap <= 1e-9, gap
-        assert abs(met["importance_ratio/mean"] - float(torch.clamp(w, max=cap).mean())) <= 1e-9
-        assert abs(met["importance_ratio/capped"] - float((w > cap).double().mean())) <= 1e-9
-    untruncated, _ = _tis_reference(labels, logps, old, ref, sampling, adv, 1e9, beta, eps)
-    assert abs(untruncated - want) > 1e-3  # the cap changed the loss: the test sees truncation
+        assert abs(met["importance_ratio/mean"] - float(w.mean())) <= 1e-9
+        assert abs(met["importance_ratio/capped"] - float(outside.double().mean())) <= 1e-9
+        assert abs(met["sampling/importance_sampling_ratio/min"] - float(w.min())) <= 1e-9
+        assert abs(met["sampling/importance_sampling_ratio/max"] - float(w.max())) <= 1e-9
+        # TRL's mean: over tokens (token modes), over completions (sequence modes: one w per completion)
+        trl_mean = w.mean() if mode.startswith("token") else torch.stack(
+            [x[0] for x in torch.split(w, [int(m.sum()) for m in labels != -100]) if len(x)]).mean()
+        assert abs(met["sampling/importance_sampling_ratio/mean"] - float(trl_mean)) <= 1e-9
+    uncorrected, _ = _is_reference(labels, logps, old, ref, sampling, adv, mode, None, 1e30, beta, eps)
+    assert abs(uncorrected - want) > 1e-3  # the bounds changed the loss: the test sees them
+    other = {"token_truncate": "sequence_truncate", "sequence_truncate": "token_truncate",
+             "token_mask": "sequence_mask", "sequence_mask": "token_mask"}[mode]
+    assert abs(_is_reference(labels, logps, old, ref, sampling, adv, other, lo, hi, beta, eps)[0] - want) > 1e-3

@@ -199,7 +199,12 @@ def _cfg(**over):
     ({"grpo.num_iterations": 2, "checkpoint": {"every": 3}}, "must be a multiple of grpo.num_iterations=2"),
     ({"grpo.importance_correction": "tis", "sequence_parallel": {"size": "dynamic", "max_local_tokens": 64}},
      "importance_correction: tis is not supported with sequence_parallel"),
+    ({"grpo.importance_correction": "sequence_mask", "sequence_parallel": {"size": "dynamic", "max_local_tokens": 64}},
+     "importance_correction: sequence_mask is not supported with sequence_parallel"),
     ({"grpo.importance_cap": 0}, "importance_cap"),
+    ({"grpo.importance_min": 4.0}, "grpo.importance_min=4.0 > grpo.importance_cap=3.0"),
+    ({"grpo.importance_correction": "sequence_truncate", "grpo.importance_cap": None}, "needs a bound"),
+    ({"grpo.importance_correction": "seq_mask"}, "importance_correction"),
     ({"grpo.reward_weights": [1.0, 2.0]}, "one weight per function"),
     ({"grpo.loss_type": "ppo"}, "grpo.loss_type"),
     ({"grpo.max_completion_length": 40}, "set dataset.max_length: 72"),
@@ -209,6 +214,21 @@ def _cfg(**over):
 def test_config_refusals(over, needle):
     with pytest.raises(SeqParError, match=needle):
         _cfg(**over)
+
+
+@pytest.mark.parametrize("mode, min_, cap, want", [
+    ("none", None, 3.0, None),
+    ("tis", None, 3.0, ("token", "truncate", None, 3.0)),  # the alias of token_truncate (configs before the modes)
+    ("token_mask", 0.5, 2.0, ("token", "mask", 0.5, 2.0)),
+    ("sequence_truncate", 0.2, None, ("sequence", "truncate", 0.2, None)),
+    ("sequence_mask", None, 3.0, ("sequence", "mask", None, 3.0)),
+])
+def test_importance_correction_to_step_spec(mode, min_, cap, want):
+    from seqpar.train.grpo.rollout import grpo_step_spec
+
+    got = grpo_step_spec(_cfg(**{"grpo.importance_correction": mode, "grpo.importance_min": min_,
+                                 "grpo.importance_cap": cap})).importance
+    assert (got if got is None else (got.level, got.mode, got.clip_min, got.clip_max)) == want
 
 
 def test_config_ok_and_needs_section():

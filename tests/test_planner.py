@@ -346,6 +346,11 @@ def test_unmodelled_architectures_refused(tmp_path):
     path.write_text(json.dumps({**dense, "layer_types": ["conv", "full_attention"]}))
     with pytest.raises(SeqParError, match=r"layer types it does not model \(\['conv'\]\)"):
         load_model_facts(str(path))
+    path = tmp_path / "rwkv_like.json"  # a recurrent layer kind no family names: refused, not planned as attention
+    path.write_text(json.dumps({**dense, "layer_types": ["rwkv", "full_attention"]}))
+    with pytest.raises(SeqParError, match=r"layer types it does not model \(\['rwkv'\]\)"):
+        load_model_facts(str(path))
+    assert load_model_facts("tiny:recurrent_gemma").recurrent.kind == "rglru"  # (planned: test_planner_families.py)
     ok = tmp_path / "dense.json"
     ok.write_text(json.dumps({**dense, "layer_types": ["full_attention", "sliding_attention"]}))
     assert load_model_facts(str(ok)).layers == 2

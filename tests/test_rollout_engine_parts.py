@@ -85,8 +85,41 @@ def test_vllm_engine_needs_vllm(monkeypatch):
                             "grpo": {"reward_funcs": ["seqpar:length"], "num_generations": 2, "max_prompt_length": 16,
                                      "max_completion_length": 8, "rollout": {"engine": "vllm"}}})
     with pytest.raises(SeqParError) as e:
-        check_rollout_engine(cfg, _model().config)
+        check_rollout_engine(cfg, _model().config, 1)
     assert "make vllm-env" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tensor_parallel_resolves_to_the_sp_size_or_1():
+    from seqpar.errors import SeqParError
+    from seqpar.train.config.rollout import RolloutSpec, resolve_tensor_parallel
+
+    assert RolloutSpec().tensor_parallel == "sp"  # default: one engine per SP group
+    assert [resolve_tensor_parallel(RolloutSpec(), sp) for sp in (1, 2, 3)] == [1, 2, 3]
+    assert resolve_tensor_parallel(RolloutSpec(tensor_parallel=1), 4) == 1
+    assert resolve_tensor_parallel(RolloutSpec(tensor_parallel=4), 4) == 4
+    with pytest.raises(SeqParError, match="tensor_parallel=2 with sequence_parallel size 4: .* sp \\(= 4\\) or 1"):
+        resolve_tensor_parallel(RolloutSpec(tensor_parallel=2), 4)
+    with pytest.raises(ValueError, match="tensor_parallel=0"):
+        RolloutSpec(tensor_parallel=0)
+
+
+@pytest.mark.parametrize("heads,kv,inter,tp,bad", [
+    (4, 2, 64, 2, None), (4, 1, 64, 4, None), (4, 2, 64, 4, None),  # KV heads split, or replicated (tp % kv == 0)
+    (3, 1, 64, 2, "num_attention_heads=3"), (6, 4, 64, 3, "num_key_value_heads=4"),
+    (4, 4, 66, 4, "intermediate_size=66"),
+])
+def test_tensor_parallel_needs_splittable_sizes(heads, kv, inter, tp, bad):
+    from types import SimpleNamespace
+
+    from seqpar.errors import SeqParError
+    from seqpar.hf.vllm_models import check_tensor_parallel
+
+    c = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter)
+    if bad is None:
+        check_tensor_parallel(c, tp)
+        return
+    with pytest.raises(SeqParError, match=f"cannot split the model's {bad} over {tp} ranks"):
+        check_tensor_parallel(c, tp)
 
 
 def test_trim_rollouts(tmp_path):
@@ -101,3 +134,18 @@ def test_trim_rollouts(tmp_path):
     trim_rollouts(p, 0)  # a fresh start
     assert not p.exists()
 
+
+
+def test_trl_row_seeds_follow_the_row_position():
+    """The TRL drop-in's use_vllm seeds: row r of the step's generation batch is generation r % G of prompt r // G,
+    seeded as `seqpar train` seeds that prompt position (local_rows with the global prompt index): the same seeds at
+    any dp size (dp rank d holds rows d x n ... of the batch), different ones at the next step."""
+    from seqpar.hf.generation import local_rows
+    from seqpar.hf.vllm_rollout import trl_row_seeds
+
+    one = trl_row_seeds(8, 2, seed=9, step=3, dp_rank=0)
+    assert trl_row_seeds(4, 2, 9, 3, 0) + trl_row_seeds(4, 2, 9, 3, 1) == one
+    assert sum((trl_row_seeds(2, 2, 9, 3, d) for d in range(4)), []) == one
+    _, train_seeds = local_rows([[1]] * 4, range(4), 2, 9, 3, dp_rank=0, prompt_index=[0, 1, 2, 3])
+    assert train_seeds == one
+    assert len(set(one)) == 8 and set(one).isdisjoint(trl_row_seeds(8, 2, 9, 4, 0))

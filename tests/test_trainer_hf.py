@@ -119,12 +119,13 @@ def test_hf_trainer_gains_sp_by_changing_the_class(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h", "lfm2", "falcon_h1", "jamba", "kimi_linear", "minimax"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h", "lfm2", "falcon_h1", "jamba", "kimi_linear", "minimax",
+                                  "recurrent_gemma"])
 def test_hf_trainer_hybrids_ring(tmp_path, monkeypatch, arch):
     """The same script with a hybrid of each recurrence kind: Gated DeltaNet (Qwen3.5), Mamba2 (Nemotron-H;
     Falcon-H1, its lm_head_multiplier in the fused loss), short conv (LFM2), Mamba1 (Jamba), KDA (Kimi-Linear),
-    lightning (MiniMax): 3 q / 1 kv softmax heads make the automatic mesh a ring of 2, so the recurrent layers pass
-    state (SFT + SP evaluate + DPO)."""
+    lightning (MiniMax), RG-LRU (RecurrentGemma): 3 q / 1 kv softmax heads make the automatic mesh a ring of 2, so
+    the recurrent layers pass state (SFT + SP evaluate + DPO)."""
     monkeypatch.setenv("SEQPAR_TEST_ARCH", arch)
     _gains_sp(tmp_path)
 

@@ -236,7 +236,24 @@ def test_completions_identical_over_sp_group(tmp_path):
     ({"loss_type": "dapo"}, "loss_type='dapo'"),
     ({"num_iterations": 2}, "num_iterations=2"),
     ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
-    ({"use_vllm": True}, "use_vllm"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_correction": False},
+     "vllm_mode='server' .*use vllm_mode='colocate'"),
+    ({"use_vllm": True, "vllm_tensor_parallel_size": 2, "vllm_importance_sampling_correction": False},
+     "vllm_tensor_parallel_size=2 .*set vllm_tensor_parallel_size=1"),
+    ({"use_vllm": True, "vllm_model_impl": "transformers", "vllm_importance_sampling_correction": False},
+     "vllm_model_impl='transformers'"),
+    ({"use_vllm": True, "generation_kwargs": {"seed": 1}, "vllm_importance_sampling_correction": False},
+     "generation_kwargs= .*drop generation_kwargs"),
+    ({"use_vllm": True, "min_p": 0.1, "vllm_importance_sampling_correction": False}, "min_p=0.1"),
+    ({"use_vllm": True, "repetition_penalty": 1.2, "vllm_importance_sampling_correction": False},
+     "repetition_penalty=1.2"),
+    ({"use_vllm": True, "vllm_structured_outputs_regex": "a+", "vllm_importance_sampling_correction": False},
+     "vllm_structured_outputs_regex="),
+    ({"use_vllm": True, "vllm_max_model_length": 8, "vllm_importance_sampling_correction": False},
+     "vllm_max_model_length=8 .*max_completion_length=8"),
+    # the main environment has no vLLM: the drop-in says where it is (tests/vllm_env runs use_vllm there)
+    # (TRL's default importance sampling, sequence_mask, is mapped: the vLLM check is the first to refuse)
+    ({"use_vllm": True}, "use_vllm=True needs vLLM.*make vllm-env"),
     ({"use_liger_kernel": True}, "use_liger_kernel"),
     ({"steps_per_generation": 2}, "steps_per_generation"),
     ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
@@ -253,9 +270,55 @@ def test_refusals(tmp_path, extra, match):
                 use_cpu=True, max_completion_length=8)
     loss = extra.pop("loss_type", "grpo")
     args = GRPOConfig(**base, loss_type=loss, **extra)  # TRL 1.16 takes each (were one refused, this fails)
-    with pytest.raises(SeqParError, match=match):
+    with pytest.raises(SeqParError, match=match) as e:
         SequenceParallelGRPOTrainer(model=tiny_model("llama", 4, 2, vocab_size=64, seed=0), reward_funcs=reward_chars,
                                     args=args, train_dataset=_dataset(), sequence_parallel_size=1)
+    assert "\n" not in str(e.value)
+
+
+ON = {"vllm_importance_sampling_correction": True}
+
+
+@pytest.mark.parametrize("extra, want", [
+    ({}, None),  # vllm_importance_sampling_correction off: no correction
+    (ON, ("sequence", "mask", None, 3.0)),  # TRL's defaults
+    ({**ON, "vllm_importance_sampling_mode": "token_truncate"}, ("token", "truncate", None, 3.0)),
+    ({**ON, "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_cap": 2.0},
+     ("token", "truncate", None, 2.0)),  # TRL's deprecated name, copied into clip_max by GRPOConfig
+    ({**ON, "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5},
+     ("token", "mask", 0.5, 3.0)),
+    ({**ON, "vllm_importance_sampling_mode": "sequence_truncate", "vllm_importance_sampling_clip_min": 0.2,
+      "vllm_importance_sampling_clip_max": 4.0}, ("sequence", "truncate", 0.2, 4.0)),
+    ({**ON, "vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_clip_max": None},
+     ("sequence", "mask", 0.5, None)),  # TRL: mask below clip_min only
+    # GRPOConfig refuses these two itself; set afterwards, seqpar refuses them too
+    ({**ON, "vllm_importance_sampling_mode": "token_truncate", "_after": {"vllm_importance_sampling_clip_max": None}},
+     "without bounds"),
+    ({**ON, "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": -1.0},
+     "vllm_importance_sampling_clip_max=-1.0"),
+    ({**ON, "_after": {"vllm_importance_sampling_clip_min": 4.0}}, "vllm_importance_sampling_clip_min=4.0"),
+    ({**ON, "vllm_importance_sampling_mode": "seq_mask"}, "vllm_importance_sampling_mode='seq_mask'"),
+])
+def test_importance_sampling_from_trl_options(tmp_path, extra, want):
+    """TRL's vLLM importance-sampling options as seqpar's ImportanceSampling (StepSpec.importance)."""
+    from trl import GRPOConfig
+
+    from seqpar.errors import SeqParError
+    from seqpar.trl.grpo_vllm import importance_sampling
+
+    extra = dict(extra)
+    after = extra.pop("_after", {})
+    args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, loss_type="grpo", use_vllm=True,
+                      **{"vllm_importance_sampling_correction": False, **extra})
+    for k, v in after.items():
+        setattr(args, k, v)
+    if isinstance(want, str):
+        with pytest.raises(SeqParError, match=want) as e:
+            importance_sampling("T", args)
+        assert "\n" not in str(e.value)
+    else:
+        got = importance_sampling("T", args)
+        assert (got if got is None else (got.level, got.mode, got.clip_min, got.clip_max)) == want
 
 
 def test_refuses_tools_and_eval(tmp_path):

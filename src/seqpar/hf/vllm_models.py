@@ -14,7 +14,8 @@ from typing import Any
 
 from ..errors import SeqParError
 
-__all__ = ["architectures", "check_vllm_model", "config_for_vllm", "engine_options", "head_dim", "vllm_available"]
+__all__ = ["architectures", "check_tensor_parallel", "check_vllm_model", "config_for_vllm", "engine_options",
+           "head_dim", "vllm_available"]
 
 _UNTRIED = "not tried with vLLM 0.32's CPU engine here yet"
 _GDN_BF16 = "vLLM 0.32's CPU Gated DeltaNet kernel runs in bf16 only ('CPU GDN attention requires BF16'), and the " \
@@ -102,50 +103,72 @@ def _is_hybrid(c: Any) -> bool:
     return c.model_type in CPU_HYBRIDS or any(str(t) not in _ATTENTION_KINDS for t in types)
 
 
-def _cpu_refusal(c: Any) -> str | None:
+def _cpu_refusal(c: Any, instead: str, tiny_hint: str) -> str | None:
     """Why vLLM's CPU engine cannot take this text config, and the fix (None: it can)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     why = CPU_HYBRIDS.get(c.model_type, _UNTRIED) if _is_hybrid(c) else None
     if why is not None:
-        return f"the hybrid model {c.model_type!r} on CPU: {why}: use engine: transformers for this model"
+        return f"the hybrid model {c.model_type!r} on CPU: {why}: use {instead} for this model"
     experts = any(getattr(c, f, None) for f in ("num_experts", "num_local_experts", "n_routed_experts"))
     width = getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
     if experts and c.model_type != "gpt_oss" and width and int(width) % 32:
         return (f"the experts' intermediate size {width} is not a multiple of 32: vLLM 0.32's CPU MoE pads it and "
                 "its in-place weight reload (every push) then fails on the padded shape: use a model whose is (a "
-                "tiny model: model.kwargs.moe_intermediate_size: 32), or engine: transformers")
+                f"tiny model: {tiny_hint.replace('head_dim', 'moe_intermediate_size')}), or {instead}")
     ok = CPUAttentionBackend.get_supported_head_sizes()
     if head_dim(c) not in ok:
         return (f"head_dim={head_dim(c)} is not one vLLM's CPU attention runs ({', '.join(map(str, ok))}): use a "
-                f"model with one of those (a tiny model: model.kwargs.head_dim: 32), or engine: transformers")
+                f"model with one of those (a tiny model: {tiny_hint}), or {instead}")
     return None
 
 
-def check_vllm_model(config: Any, on_cuda: bool) -> None:
-    """Refuse (one line, before any rank starts) what the vLLM engine cannot run (the module docstring)."""
+def check_vllm_model(config: Any, on_cuda: bool, option: str = "grpo.rollout.engine: vllm",
+                     instead: str = "engine: transformers", tiny_hint: str = "model.kwargs.head_dim: 32",
+                     tensor_parallel: int = 1) -> None:
+    """Refuse (one line, before any rank starts) what the vLLM engine cannot run (the module docstring).
+    option / instead / tiny_hint: the trainer's names for the engine, the way back and a tiny model's head_dim."""
     if not vllm_available():
-        raise SeqParError("grpo.rollout.engine: vllm needs vLLM, which this environment lacks: build its "
-                          "environment with `make vllm-env` and run with .venv-vllm/bin/python (or use engine: "
-                          "transformers)")
+        raise SeqParError(f"{option} needs vLLM, which this environment lacks: build its "
+                          f"environment with `make vllm-env` and run with .venv-vllm/bin/python (or use {instead})")
     if config is None:
-        raise SeqParError("grpo.rollout.engine: vllm needs the model's HF config (model.name 'smollm2' is a GGUF "
-                          "file): use a local HF model directory or tiny:<arch>, or engine: transformers")
+        raise SeqParError(f"{option} needs the model's HF config (model.name 'smollm2' is a GGUF "
+                          f"file): use a local HF model directory or tiny:<arch>, or {instead}")
     if getattr(config, "vision_config", None) is not None:
-        raise SeqParError("grpo.rollout.engine: vllm does not take vision-language models yet (the engine gets "
-                          "token ids only, no images): use engine: transformers")
+        raise SeqParError(f"{option} does not take vision-language models yet (the engine gets "
+                          f"token ids only, no images): use {instead}")
     from vllm.model_executor.models import ModelRegistry
 
     archs = architectures(config)
     known = set(ModelRegistry.get_supported_archs())
     if not archs or not any(a in known for a in archs):
-        raise SeqParError(f"grpo.rollout.engine: vllm: vLLM has no architecture {archs or config.model_type!r}: use "
-                          f"engine: transformers for this model")
+        raise SeqParError(f"{option}: vLLM has no architecture {archs or config.model_type!r}: use "
+                          f"{instead} for this model")
     if config.model_type in _ALWAYS_TIED and not getattr(config, "tie_word_embeddings", True):
-        raise SeqParError(f"grpo.rollout.engine: vllm: vLLM 0.32's {config.model_type!r} class always ties lm_head to "
-                          "the embeddings, and this model's tie_word_embeddings is False (its own lm_head would be "
-                          "dropped): use a tied model (a tiny model: model.kwargs.tie_word_embeddings: true), or "
-                          "engine: transformers")
-    why = None if on_cuda else _cpu_refusal(config)
+        raise SeqParError(f"{option}: vLLM 0.32's {config.model_type!r} class always ties lm_head to the embeddings, "
+                          "and this model's tie_word_embeddings is False (its own lm_head would be dropped): use a "
+                          f"tied model (a tiny model: model.kwargs.tie_word_embeddings: true), or {instead}")
+    why = None if on_cuda else _cpu_refusal(config, instead, tiny_hint)
     if why:
-        raise SeqParError(f"grpo.rollout.engine: vllm: {why}")
+        raise SeqParError(f"{option}: {why}")
+    if tensor_parallel > 1:
+        check_tensor_parallel(config, tensor_parallel)
+
+
+def check_tensor_parallel(config: Any, tp: int) -> None:
+    """vLLM's tensor-parallel layers split the attention heads and the MLP's columns evenly over the TP ranks and
+    split (or, when fewer than the ranks, replicate) the KV heads: what does not divide is refused here, not by
+    an assertion inside every rank's engine."""
+    c = getattr(config, "text_config", None) or config
+    nh = int(c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or nh)
+    sizes = [("num_attention_heads", nh, nh % tp == 0),
+             ("num_key_value_heads", kv, kv % tp == 0 or tp % kv == 0)]
+    inter = getattr(c, "intermediate_size", None)
+    if isinstance(inter, int):
+        sizes.append(("intermediate_size", inter, inter % tp == 0))
+    for name, n, ok in sizes:
+        if not ok:
+            raise SeqParError(f"grpo.rollout.tensor_parallel={tp} (the SP group): vLLM cannot split the model's "
+                              f"{name}={n} over {tp} ranks: set grpo.rollout.tensor_parallel: 1 (one engine per "
+                              f"rank)")

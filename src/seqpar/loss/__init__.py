@@ -6,6 +6,7 @@ GRPO family. This package only re-exports; each part lives in a module of its ow
     sft.py        sft_loss (token-mean CE share), sft_loss_from_nll
     dpo.py        sequence_logps, dpo_loss (DPO / IPO / SimPO)
     grpo.py       grpo_loss (GRPO / BNPO / Dr. GRPO) and its step denominators
+    importance.py ImportanceSampling: TRL's vLLM importance-sampling correction (token/sequence, truncate/mask)
     grad_sync.py  OverlappedGradSum: the gradient sums of sum_gradients, posted during backward
 
 Gradient convention (every function here follows it)
@@ -35,6 +36,7 @@ from .counts import global_loss, global_token_count, gradient_reduction_factor, 
 from .dpo import DPO_LOSS_TYPES, dpo_loss, sequence_logps, sequence_logps_from_nll
 from .grad_sync import OverlappedGradSum
 from .grpo import GRPO_LOSS_TYPES, GRPODenominators, grpo_denominators, grpo_local_counts, grpo_loss
+from .importance import IMPORTANCE_MODES, ImportanceSampling, importance_weight
 from .nll import (
     IGNORE_INDEX,
     TOKEN_METRICS,
@@ -47,6 +49,9 @@ from .nll import (
 from .sft import sft_loss, sft_loss_from_nll
 
 __all__ = [
+    "IMPORTANCE_MODES",
+    "ImportanceSampling",
+    "importance_weight",
     "IGNORE_INDEX",
     "global_token_count",
     "sft_loss",

@@ -9,9 +9,9 @@ sampling, two-sided PPO clip):
     ratio_t = exp(logp_t - old_t)               (old = logp.detach() when not given: ratio 1, same gradient)
     loss_t  = -min(ratio_t * A, clamp(ratio_t, 1 - eps_low, 1 + eps_high) * A) * w_t + beta * k3_t
     k3_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
-    w_t     = min(exp(old_t - sampling_t), cap)  (importance_cap given; else 1): truncated importance sampling
-              (TIS) for a sampler whose log-probs differ from the trainer's, TRL's token_truncate
-              vllm_importance_sampling_correction: detached, on the policy term only (not the KL)
+    w_t     = the importance weight of a sampler whose log-probs differ from the trainer's (`importance` given;
+              else 1): TRL's vllm_importance_sampling_correction, its four modes (seqpar.loss.importance):
+              detached, on the policy term only (not the KL)
 
 Aggregation (`loss_type`):
     "grpo":    mean over the step's sequences of (sum of the sequence's loss_t / its completion-token count)
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from .. import comm
 from ..errors import SeqParError
 from ..mesh import SequenceParallelMesh
+from .importance import ImportanceSampling, importance_metrics, importance_weight
 from .nll import IGNORE_INDEX, upcast
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPODenominators", "grpo_denominators", "grpo_local_counts", "grpo_loss"]
@@ -163,7 +164,7 @@ def _reduce(t: torch.Tensor, group, mesh: SequenceParallelMesh | None, op=None) 
 def _metrics(rows: torch.Tensor, mesh: SequenceParallelMesh | None, beta: float,
              with_entropy: bool) -> dict[str, torch.Tensor]:
     """rows: per-row [count, kl, entropy, low, high, region(, weight, capped)] sums over the FULL row (already
-    SP-reduced; the last two with TIS)."""
+    SP-reduced; the last two with importance sampling)."""
     totals = _reduce(rows.sum(0), None if mesh is None else mesh.dp_group, mesh)
     mean = totals[1:] / totals[0].clamp(min=1.0)
     valid = rows[:, 0] > 0  # TRL's nanmin/nanmax skip rows without completion tokens
@@ -201,30 +202,27 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     kl_ratio_correction: bool = False,
     sampling_logps: torch.Tensor | None = None,
-    importance_cap: float | None = None,
+    importance: ImportanceSampling | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the step's GRPO loss, and detached metrics (formulas: module docstring).
 
-    kl_ratio_correction: multiply the per-token k3 KL by the (differentiable) importance ratio, TRL's
-    `use_bias_correction_kl` (its default since 1.x): the same value on-policy, a different gradient.
-    sampling_logps / importance_cap: the sampler's per-token log-probs [B, S_local] and TIS's cap (module
-    docstring; both or neither); metrics then add "importance_ratio/mean" (of w_t) and "importance_ratio/capped"
-    (the fraction of completion tokens whose weight hit the cap).
-
+    kl_ratio_correction: k3 KL x the differentiable ratio, TRL's use_bias_correction_kl (same value on-policy).
+    sampling_logps / importance: the sampler's per-token log-probs [B, S_local] and the importance-sampling spec
+    (both or neither); metrics then add "importance_ratio/mean" (w_t's mean over completion tokens),
+    "importance_ratio/capped" (fraction of completion tokens outside the bounds) and TRL's
+    sampling/importance_sampling_ratio/min|mean|max (seqpar.loss.importance.importance_metrics).
     logps / old_logps / ref_logps / entropy: this rank's per-token [B, S_local] (values where not
-    supervised are ignored). advantages: [B], the same on every SP rank. Gradient flows through
-    logps only. Returns (share, metrics); metrics are GLOBAL over sp x dp for this micro-batch, with
-    TRL's names: "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-    "clip_ratio/low_min", "clip_ratio/high_max", "kl" (beta != 0), "entropy" (when given).
-    Collectives (no gradient, the same on every rank): per-row sums over sp, totals over dp.
-    """
+    supervised are ignored). advantages: [B], the same on every SP rank. Gradient through logps only.
+    Returns (share, metrics); metrics are GLOBAL over sp x dp for this micro-batch, with TRL's names:
+    clip_ratio/low_mean|high_mean|region_mean|low_min|high_max, "kl" (beta != 0), "entropy" (when given).
+    Collectives (no gradient, the same on every rank): per-row sums over sp, totals over dp."""
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     _check_loss_inputs(logps, advantages, shift_labels, denominators, old_logps, ref_logps, beta, epsilon_low,
                        eps_high, loss_type)
     lp = upcast(logps)
     mask = shift_labels.to(lp.device) != IGNORE_INDEX
     adv = torch.as_tensor(advantages).detach().to(lp)[:, None]
-    weight, capped = _tis_weight(lp, mask, old_logps, sampling_logps, importance_cap)
+    weight, capped = _importance(lp, mask, old_logps, sampling_logps, importance, mesh)
     per_tok, ratio, kl = _token_losses(lp, mask, adv, old_logps, ref_logps, beta, epsilon_low, eps_high,
                                        kl_ratio_correction, weight)
     r = ratio.detach()
@@ -244,26 +242,24 @@ def grpo_loss(
         share = per_tok.sum() / denominators.num_tokens.to(lp).clamp(min=1.0)
     else:
         share = per_tok.sum() / (n_seq * denominators.max_completion_length)
-    return share, _metrics(rows, mesh, beta, entropy is not None)
+    met = _metrics(rows, mesh, beta, entropy is not None)
+    if weight is not None:
+        met.update(importance_metrics(weight.detach(), mask, rows[:, [0, 6]], importance.level, mesh))
+    return share, met
 
 
-def _tis_weight(lp: torch.Tensor, mask: torch.Tensor, old_logps: torch.Tensor | None,
-                sampling_logps: torch.Tensor | None, cap: float | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(w_t [B, S_local] detached, 1 where not supervised; where it hit the cap) or (None, _) without TIS.
-    old_t as the ratio's (the trainer's log-probs at the rollout): per token, so each SP rank's own shard."""
-    if (sampling_logps is None) != (cap is None) or (cap is not None and cap <= 0):
-        raise SeqParError(f"truncated importance sampling needs both sampling_logps and importance_cap > 0, got "
-                          f"{'no ' if sampling_logps is None else ''}sampling_logps and importance_cap={cap}")
-    if cap is None:
+def _importance(lp: torch.Tensor, mask: torch.Tensor, old_logps: torch.Tensor | None,
+                sampling_logps: torch.Tensor | None, importance: ImportanceSampling | None,
+                mesh: SequenceParallelMesh | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(w_t [B, S_local] detached, where the ratio fell outside the bounds) or (None, _) without correction.
+    old_t as the ratio's (the trainer's log-probs at the rollout)."""
+    if (sampling_logps is None) != (importance is None):
+        raise SeqParError(f"importance sampling needs both sampling_logps and importance, got "
+                          f"{'no ' if sampling_logps is None else ''}sampling_logps and importance={importance}")
+    if importance is None:
         return None, mask
-    if tuple(sampling_logps.shape) != tuple(lp.shape):
-        raise SeqParError(f"sampling_logps must be [B, S_local] like logps {tuple(lp.shape)}, "
-                          f"got {tuple(sampling_logps.shape)}")
     old = lp.detach() if old_logps is None else old_logps.detach().to(lp)
-    d = torch.where(mask, old - sampling_logps.detach().to(lp), torch.zeros_like(lp))
-    d = torch.nan_to_num(d, nan=0.0)  # a token the sampler could not score: no correction (TRL)
-    w = torch.exp(d)
-    return torch.clamp(w, max=cap), mask & (w > cap)
+    return importance_weight(old, sampling_logps, mask, importance, mesh)
 
 
 def _token_losses(lp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, old_logps: torch.Tensor | None,
@@ -277,7 +273,7 @@ def _token_losses(lp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, old_l
     ratio = torch.exp(torch.where(mask, lp - old, zero))
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_tok = -torch.min(ratio * adv, clipped * adv)
-    if weight is not None:  # TIS: the policy term only, before the KL is added (TRL)
+    if weight is not None:  # importance sampling: the policy term only, before the KL is added (TRL)
         per_tok = per_tok * weight
     kl = zero
     if beta != 0:

@@ -164,6 +164,8 @@ def _logits_transform(base: torch.nn.Module) -> Callable[[torch.Tensor], torch.T
     model_type = str(getattr(cfg, "model_type", ""))
     found: list[Callable] = []
     cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap is None and model_type == "recurrent_gemma":  # RecurrentGemma's own name for it (tanh(l / cap) * cap too)
+        cap = getattr(cfg, "logits_soft_cap", None)
     if cap is not None:
         found.append(functools.partial(_softcap, float(cap)))
     known, scale = _scale(base, cfg, model_type)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .family_memory import family_mlp_kind
 from .layer import (
     attention_bytes,
     kept_attention_bytes,
@@ -61,15 +62,19 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     lb = layer_bytes_per_token(m, wl, lay.ulysses, feats.tiled_mlp, lay.ring, kind)
     down_in = e * i if wl.trains("down_proj") else 0
     temp = 3 * e * i  # the MLP moment's [*, I] gradients
-    if m.moe is not None:  # planner.moe: its moment comes before the experts' down grouped_mm consumes its input
-        down_in, temp = 0, m.moe.backward_temp(e, h)
+    moe = m.moe if m.family is None else (m.family.moe if family_mlp_kind(m, kind) == "moe" else None)
+    if m.family is not None and family_mlp_kind(m, kind) == "dense":
+        i = m.family.dense_intermediate
+        down_in, temp = e * i, 3 * e * i
+    if moe is not None:  # planner.moe: its moment comes before the experts' down grouped_mm consumes its input
+        down_in, temp = 0, moe.backward_temp(e, h)
     if feats.tiled_mlp:  # one tile's MLP tensors, recomputed for its backward
         per_row = max(1, wl.seq_len // lay.sp)
         tile = wl.rows * -(-per_row // mlp_tiles(m, wl, lay))
     else:
-        lb -= mlp_bytes(m, wl, False) if _has_mlp(m, kind) else 0
+        lb -= mlp_bytes(m, wl, False, kind) if _has_mlp(m, kind) else 0
         tile = tokens
-    mlp_acts, mlp_temp = (mlp_bytes(m, wl, False) - down_in) * tile, temp * tile
+    mlp_acts, mlp_temp = (mlp_bytes(m, wl, False, kind) - down_in) * tile, temp * tile
     if not _has_mlp(m, kind):  # a block decoder's mixer block: no MLP moment
         mlp_acts = mlp_temp = 0
     ckpt = feats.activation_checkpointing
@@ -90,7 +95,7 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     # seqpar's attention backward tensor by tensor (planner.tiled), its collectives' buffers included
     if kind == "recurrent":  # the recurrent mixer's backward (planner.recurrent_memory) beside its saved tensors
         assert m.recurrent is not None
-        attn_temp = e * h + mixer_backward_bytes(m.recurrent, e, lay.ring, wl.seq_len)
+        attn_temp = e * h + mixer_backward_bytes(m.recurrent, e, lay.ring, wl.seq_len, h)
     elif kind == "mlp":  # a block decoder's MLP block: its MLP moment only
         attn_temp = 0
     else:
@@ -100,7 +105,8 @@ def _alive(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: in
     if wl.lora and not ckpt:
         current -= 4 * h + 4  # layer 0 keeps no norm input (frozen embedding)
     norm = base + input_norm_moment(m, wl, lay.ulysses, lay.ring, kind) if ckpt else 0
-    fwd = mixer_forward_temp(m.recurrent, lay.ring, wl.seq_len) if ckpt and kind == "recurrent" and m.recurrent else 0
+    fwd = (mixer_forward_temp(m.recurrent, lay.ring, wl.seq_len, e, m.hidden) if ckpt and kind == "recurrent"
+           and m.recurrent else 0)
     return _Alive(base + current, ahead, e * h if ckpt else 0, mlp_acts, mlp_temp, attn_temp, freed, norm,
                   fwd_temp=fwd)
 
@@ -191,14 +197,15 @@ def layer_backward(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, to
         return Moment(a + alive.mlp_bytes, done + g.down, e * h * tokens + alive.mlp_temp_bytes, layers)
 
     ks, mlp_ks, mixer_ks, norm_ks = _moment_layers(m, wl, kinds, alives)
-    mlp = max((at(k, "mlp") for k in mlp_ks), key=_total)
+    mlps = [at(k, "mlp") for k in mlp_ks]  # (none: Mamba's blocks hold no MLP)
     # the first piece's moment, measured on SP 1 rows without FSDP nor head chunks (there it is the peak; elsewhere
     # the measured peaks lie elsewhere and the same count would be 2-5% over them)
     qkv = ([at(k, "qkv") for k in ks] if alives[kinds[0]].qkv and lay.sp == 1 and not feats.fsdp
            and feats.attention_head_chunks == 1 else [])
     rec = [at(k, "recompute") for k in ks if alives[kinds[last - k]].fwd_temp]
-    return mlp, max([*(at(k, "attention") for k in mixer_ks), *(at(k, "norm") for k in norm_ks), *qkv, *rec],
-                    key=_total)
+    mixer = max([*(at(k, "attention") for k in mixer_ks), *(at(k, "norm") for k in norm_ks), *qkv, *rec],
+                key=_total)
+    return (max(mlps, key=_total) if mlps else mixer), mixer
 
 
 def _moment_layers(m: ModelFacts, wl: Workload, kinds: list[str],
@@ -215,7 +222,10 @@ def _moment_layers(m: ModelFacts, wl: Workload, kinds: list[str],
 
 
 def _has_mlp(m: ModelFacts, kind: str) -> bool:
-    """Whether a layer of this kind holds an MLP (every layer but a block decoder's mixer blocks)."""
+    """Whether a layer of this kind holds an MLP (every layer but a block decoder's mixer blocks and planner.families'
+    layers without one: Mamba's, Zamba2's Mamba2 blocks)."""
+    if m.family is not None:
+        return family_mlp_kind(m, kind) != "none"
     return not m.blocks or kind == "mlp"
 
 

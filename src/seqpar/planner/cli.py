@@ -70,8 +70,8 @@ def add_plan_parser(sub: Any) -> None:
                    help="feature rows for --validate: none | all | ckpt,fused,tiled,offload,layer (layer: also the "
                    "4-layer rows with and without tiled_layer), chunks (attention head chunks), cuda (rows marked "
                    "cuda: CUDA's attention workspace held by the CPU kernel, planned with the CUDA terms), keep "
-                   "(memory.keep_attention), hybrid (Qwen3.5 / Bamba / Granite 4 / Nemotron-H / Qwen3-Next rows, "
-                   "checked at 7%%)")
+                   "(memory.keep_attention), hybrid (Qwen3.5 / Bamba / Granite 4 / Nemotron-H / Qwen3-Next), families "
+                   "(LFM2, Mamba, Falcon-Mamba, Jamba, MiniMax, Kimi-Linear, Falcon-H1, Zamba2, OLMo-hybrid; 7%%)")
     v.add_argument("--validate-json", metavar="PATH", help="--validate: also write the rows (case fields, measured, "
                    "predicted) to this JSON file (docs/cpu_results/)")
     v.add_argument("--validate-time", action="store_true", help="predicted vs measured step-time ordering")
@@ -159,7 +159,7 @@ def _validate(args: argparse.Namespace) -> int:
     from . import validate as v
 
     extra = {"layer": v.TILED_GRID + v.UNTILED_GRID, "chunks": v.HEAD_CHUNK_GRID, "cuda": v.CUDA_GRID,
-             "keep": v.KEEP_GRID, "hybrid": v.HYBRID_GRID}
+             "keep": v.KEEP_GRID, "hybrid": v.HYBRID_GRID, "families": v.FAMILY_GRID}
     names = list(v.FEATURE_SETS) if args.features == "all" else args.features.split(",")
     bad = [n for n in names if n not in v.FEATURE_SETS and n not in extra]
     if bad:
@@ -167,7 +167,7 @@ def _validate(args: argparse.Namespace) -> int:
                           f"{','.join([*v.FEATURE_SETS, *extra])}")
     grid = v.with_features(v.GRID, [n for n in names if n in v.FEATURE_SETS])
     rows = v.run_validation(grid + [c for n in names if n in extra for c in extra[n]])
-    tol = v.HYBRID_TOLERANCE if names == ["hybrid"] else v.TOLERANCE
+    tol = v.HYBRID_TOLERANCE if names in (["hybrid"], ["families"]) else v.TOLERANCE
     print(v.format_rows(rows, tol))
     if args.validate_json:
         import json
@@ -198,6 +198,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.model is None:
         raise SeqParError("give --model (e.g. --model llama-3.1-8b, tiny:llama, or a config.json)")
     from .gpus import make_cluster
+    from .kind_lines import layer_kind_lines, layer_kind_rows
     from .limits import context_limit
     from .model import load_model_facts, trainable_name
     from .search import plan, train_yaml, usable_bytes, why
@@ -216,7 +217,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "gpus": cl.gpus, "usable_bytes_per_gpu": usable_bytes(cl),
                           "notes": notes, "candidates": [c.as_json() for c in cands], "recommended": rec,
-                          "attention_spans": span_pricing(m, req.workload, cands[rec or 0]) if cands else []},
+                          "attention_spans": span_pricing(m, req.workload, cands[rec or 0]) if cands else [],
+                          "layer_kinds": layer_kind_rows(m, req.workload, cands[rec or 0]) if cands else []},
                          indent=1))
         return 0
     print(f"{args.model}: {m.num_params() / 1e9:.2f}B params, {m.layers} layers, hidden {m.hidden}, "
@@ -226,7 +228,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for n in notes:
         print(f"note: {n}")
     if cands:
-        for line in attention_lines(m, req.workload, cands[rec if rec is not None else 0]):
+        best_or_first = cands[rec if rec is not None else 0]
+        for line in attention_lines(m, req.workload, best_or_first) + layer_kind_lines(m, req.workload, best_or_first):
             print(line)
     if rec is None:
         print("\nnothing fits: add GPUs, use LoRA, --offload-optimizer/--offload-activations, or a shorter sequence")

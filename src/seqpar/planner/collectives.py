@@ -29,8 +29,9 @@ from ..attention.ulysses import head_plan, sent_heads
 from ..comm import IN_PLACE_MIN_NUMEL
 from .memory import Features, Layout, Workload
 from .model import ModelFacts
+from .recurrent import RecurrentFacts
 
-__all__ = ["Collective", "step_collectives", "KINDS"]
+__all__ = ["Collective", "step_collectives", "KINDS", "ring_boundary_bytes"]
 
 KINDS = ("all_to_all", "p2p", "all_reduce", "all_gather", "reduce_scatter")
 SMALL = 8  # bytes of one book-keeping number
@@ -70,7 +71,7 @@ def _attention(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
     hq, hkv = sent_ulysses_heads(m, lay)  # the ring (USP) moves the kv heads the exchange placed
     fwd_bwd, fwd_only = passes(wl, feats)
     c = attention_comm(wl.seq_len, wl.rows, hq, hkv, m.head_dim, lay.ulysses, lay.ring, wl.elt,
-                       fwd_bwd + fwd_only, m.attn_layers)
+                       fwd_bwd + fwd_only, m.softmax_layers)
     out: list[Collective] = []
     if lay.ulysses > 1:
         out.append(Collective("ulysses", "all_to_all", "ulysses", *c.ulysses))
@@ -95,17 +96,32 @@ def _recurrent(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> lis
         inward, outward = rec.ulysses_elems(u)
         out.append(Collective("ulysses_recurrent", "all_to_all", "ulysses", 2 * n,
                               n * tokens * (inward + outward) * e * (u - 1) // u))
+        if rec.kind == "mamba1":  # x_proj's partial sums over the channels: dt rank + 2 n numbers per token
+            out.append(Collective("ulysses_reduce", "all_reduce", "ulysses", 2 * n,
+                                  n * 2 * tokens * u * (rec.extra + 2 * rec.k_dim) * e * (u - 1) // u))
     if r > 1:
-        segs = 2  # zigzag: two segments per ring rank
-        halo = rows * segs * (rec.conv_kernel - 1) * (rec.conv_channels // u) * e * (r - 1)
-        out.append(Collective("halo", "all_gather", "ring", n, n * halo))
+        if rec.conv_kernel > 1:  # (lightning attention has no conv)
+            halo = ring_boundary_bytes(rec, u, rows, e)[0] * (r - 1)  # to every other ring rank
+            out.append(Collective("halo", "all_gather", "ring", n, n * halo))
         s_el, m_el = rec.state_elems(u)
+        if not rec.has_state:  # short convs: a halo, no recurrence
+            return out
+        segs = 2  # zigzag: two segments per ring rank
         if wl.state_passing == "scan":
             out.append(Collective("state", "all_gather", "ring", n, n * rows * segs * (s_el + m_el) * 4 * (r - 1)))
         else:
             hops = 2 * r - 2  # zigzag: 2R-1 steps, the middle one (chunk R-1 -> R) on one rank
             out.append(Collective("state", "p2p", "ring", n * hops, n * hops * rows * s_el * 4))
     return out
+
+
+def ring_boundary_bytes(rec: RecurrentFacts, u: int, rows: int, e: int) -> tuple[int, int, int]:
+    """Per recurrent layer and forward pass on one rank of a ring of r: (bytes of the conv halo's all-gather per
+    other ring rank, of one state hop, of one segment's (M, b) for the scan), for `rows` rows: the zigzag's two
+    segments each send their last K-1 conv inputs (e bytes each); a state (fp32) crosses each SP boundary."""
+    s_el, m_el = rec.state_elems(u)
+    halo = rows * 2 * (rec.conv_kernel - 1) * (rec.conv_channels // u) * e
+    return halo, rows * s_el * 4, rows * (s_el + m_el) * 4
 
 
 def _gradients(m: ModelFacts, wl: Workload, lay: Layout, feats: Features) -> list[Collective]:

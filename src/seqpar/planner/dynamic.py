@@ -102,7 +102,7 @@ def row_cost(m: ModelFacts, wl: Workload, feats: Features, cl: Cluster, degrees:
     costs `step_s` holds (default: degree 1 over the world: length-aware SP sums gradients over all ranks)."""
     per = tuple((d, _degree_cost(m, wl, Layout(u, r, world // d), feats, cl)) for d, (u, r) in sorted(degrees.items()))
     step_lay = step_layout or Layout(1, 1, world)
-    return RowCost(per, m.heads, m.kv_heads, m.head_dim, m.attn_layers, attention_passes(wl, feats),
+    return RowCost(per, m.heads, m.kv_heads, m.head_dim, m.softmax_layers, attention_passes(wl, feats),
                    matmul_rate(wl, cl), layout, cl.machine, step_constant_s(m, wl, step_lay, feats, cl))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from ..attention.ulysses import head_plan
+from .family_memory import family_layer_bytes, family_mlp_bytes
 from .model import ModelFacts
 from .recurrent_memory import mixer_saved_bytes
 from .spans import FULL, span_rows_factor
@@ -70,9 +71,11 @@ def lora_bytes(m: ModelFacts, wl: Workload) -> int:
     return wl.elt * wl.lora_r * sum(1 for t in wl.lora_targets) if wl.lora else 0
 
 
-def mlp_bytes(m: ModelFacts, wl: Workload, tiled: bool) -> int:
+def mlp_bytes(m: ModelFacts, wl: Workload, tiled: bool, kind: str = "mean") -> int:
     if tiled:
         return 0  # tiles are recomputed in backward: nothing [S, intermediate] stays alive
+    if m.family is not None:  # planner.families: dense, MoE or no MLP, layer by layer
+        return family_mlp_bytes(m, wl, kind)
     if m.moe is not None:  # planner.moe: the routed experts' and the shared expert's tensors
         return m.moe.saved_bytes(wl.elt, m.hidden)
     if m.blocks:  # Nemotron-H's relu2 MLP: relu's output (kept by relu and by square), the square (down_proj's)
@@ -85,6 +88,9 @@ def layer_bytes_per_token(m: ModelFacts, wl: Workload, u: int, tiled_mlp: bool =
     """What one decoder layer keeps for backward, per local token (no checkpointing); kind as attention_bytes'."""
     if m.blocks:
         return block_bytes_per_token(m, wl, u, ring, kind)
+    if m.family is not None:  # planner.families: each layer's norms, mixers and MLP
+        rec = mixer_saved_bytes(m.recurrent, wl.elt, u, ring, wl.seq_len, wl.rows) if m.recurrent else 0
+        return family_layer_bytes(m, wl, u, ring, kind, _softmax_bytes(m, wl, u), rec) + lora_bytes(m, wl)
     e, full = wl.elt, not wl.lora
     qkv = any(wl.trains(t) for t in ("q_proj", "k_proj", "v_proj"))
     mlp_in = any(wl.trains(t) for t in ("gate_proj", "up_proj"))

@@ -132,13 +132,15 @@ def loss_bytes(m: ModelFacts, wl: Workload, feats: Features, tokens: int) -> int
     checkpointed chunk of supervised tokens, recomputed in backward (its e-byte logits are upcast, or in
     fp32 are the same tensor, and not saved), plus per supervised token: their int64 positions and
     targets (16 B), the fp32 gradient of the per-token NLL (4 B) and, from the second chunk's backward on,
-    the gradient the chunks' hidden-state slices accumulate into (e*h)."""
+    the gradient the chunks' hidden-state slices accumulate into (e*h). A final-logit softcap keeps its tanh's
+    output, e V more per token with logits (measured: tiny RecurrentGemma)."""
+    per = 12 + (wl.elt if m.logit_softcap else 0)  # a softcap's tanh output (e V) is kept for its backward
     if not feats.fused_loss:
-        return 12 * m.vocab * tokens
+        return per * m.vocab * tokens
     chunk = feats.loss_chunk_tokens or max(1, DEFAULT_LOSS_CHUNK_BYTES // (4 * m.vocab))
     supervised = wl.supervised(tokens)
     accumulated = wl.elt * m.hidden * supervised if supervised > chunk else 0
-    return 12 * m.vocab * min(chunk, supervised) + 20 * supervised + accumulated
+    return per * m.vocab * min(chunk, supervised) + 20 * supervised + accumulated
 
 
 def final_norm_bytes(m: ModelFacts, wl: Workload, lay: Layout, feats: Features, tokens: int) -> int:

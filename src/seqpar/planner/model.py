@@ -14,21 +14,25 @@ from typing import Any
 
 from ..errors import SeqParError
 from ..textfiles import read_json
+from .families import FAMILY_TYPES, FamilyFacts
 from .mla import MlaFacts, mla_fields
-from .moe import MOE_TYPES, MoeFacts, moe_facts
+from .moe import MoeFacts, moe_facts
 from .recurrent import RECURRENT_KINDS, RecurrentFacts, layer_kinds, recurrent_facts
+from .refusals import refuse_unmodelled
 from .spans import Span, layer_spans, span_groups
 
 __all__ = ["ModelFacts", "load_model_facts", "bundled_models"]
 
 # Architectures whose attention normalises q and k per head (RMSNorm over head_dim) before RoPE.
-QK_NORM_TYPES = ("qwen3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+QK_NORM_TYPES = ("qwen3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2", "lfm2_moe", "lfm3", "olmo_hybrid")
 # Gated attention (Qwen3.5 / Qwen3-Next): q_proj also produces a per-channel output gate (twice q's width).
 GATED_ATTENTION_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Architectures whose attention has no rotary embedding (no cos / sin tensors): Nemotron-H's.
 NO_ROPE_TYPES = ("nemotron_h",)
 # Architectures whose attention layers hold learned sinks (one logit per q head; seqpar.train.model.checks).
 SINK_TYPES = ("gpt_oss",)
+# Config fields of a final-logit softcap (RecurrentGemma names it logits_soft_cap).
+SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap")
 # Architectures with a bias on the q/k/v projections.
 QKV_BIAS_TYPES = ("qwen2",)
 
@@ -59,6 +63,8 @@ class ModelFacts:
     v_head_dim: int | None = None  # v's head dim where it differs from q / k's (MLA); None: head_dim
     mla: MlaFacts | None = None  # multi-head latent attention's projections
     sinks: bool = False  # gpt-oss: one learned sink logit per q head in every attention layer
+    family: FamilyFacts | None = None  # planner.families: each layer's shape (LFM2, Jamba, Falcon-H1, Zamba2 ...)
+    logit_softcap: bool = False  # tanh(logits / cap) * cap after lm_head (Gemma 2, RecurrentGemma): its tanh is kept
 
     @property
     def v_head(self) -> int:
@@ -72,8 +78,18 @@ class ModelFacts:
 
     def attention_spans(self) -> dict[Span, int]:
         """Attention layers per span (planner.spans): e.g. {full: 10, sliding window 1024: 52}."""
-        attn = [i for i in range(self.layers) if self.block_kind(i) == "attention"]
-        return dict(span_groups(self.spans, attn))
+        return dict(span_groups(self.spans, self.softmax_index))
+
+    @property
+    def softmax_index(self) -> list[int]:
+        """The layers that run softmax attention (Falcon-H1's beside their mixer, Zamba2's shared block's uses)."""
+        if self.family is not None:
+            return [i for i, lay in enumerate(self.family.layers) if lay.attention]
+        return [i for i in range(self.layers) if self.block_kind(i) == "attention"]
+
+    @property
+    def softmax_layers(self) -> int:
+        return len(self.softmax_index)
 
     @property
     def blocks(self) -> bool:
@@ -144,6 +160,8 @@ class ModelFacts:
 
     def active_layer_params(self) -> int:
         """Weights a token multiplies by in one layer: all of them, but only the top-k experts of an MoE MLP."""
+        if self.family is not None:
+            return sum(lay.active for lay in self.family.layers) // self.layers
         if self.moe is None:
             return self.layer_params()
         return self.layer_params() - self.mlp_params() + self.moe.active_params(self.hidden)
@@ -162,12 +180,20 @@ class ModelFacts:
         return self.recurrent.mixer_tensors(h) + self._mlp_tensors() + [h, h]
 
     def decoder_tensors(self) -> list[int]:
-        """Element counts of every decoder layer's parameters."""
+        """Element counts of every decoder layer's parameters (planner.families: a shared block's once)."""
+        if self.family is not None:
+            return [t for lay in self.family.layers for t in lay.tensors] + list(self.family.shared)
         rec = self.linear_layers * self._recurrent_layer_tensors() if self.linear_layers else []
         return self.attn_layers * self._layer_tensors() + rec + len(self.mlp_index) * self._mlp_block_tensors()
 
     def block_params(self, kind: str) -> int:
-        """Parameters of one layer of a kind ("attention", "recurrent", "mlp")."""
+        """Parameters of one layer of a kind ("attention", "recurrent", "mlp"; planner.families: the mean over the
+        layers of that kind, a shared block's parameters spread over its uses)."""
+        if self.family is not None:
+            mine = [lay for i, lay in enumerate(self.family.layers) if self.block_kind(i) == kind]
+            uses = sum(1 for lay in self.family.layers if lay.attention and lay.recurrent) or 1
+            shared = sum(self.family.shared) // uses if kind == "recurrent" and self.family.shared else 0
+            return sum(sum(lay.tensors) for lay in mine) // max(1, len(mine)) + shared
         t = {"attention": self._layer_tensors, "recurrent": self._recurrent_layer_tensors,
              "mlp": self._mlp_block_tensors}[kind]
         return sum(t())
@@ -227,42 +253,6 @@ def bundled_models() -> list[str]:
     return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".json"))
 
 
-def _refuse_unmodelled(name: str, c: dict[str, Any]) -> None:
-    """The planner's formulas are those of a dense softmax-attention decoder: anything else would be
-    planned silently wrong, so it is refused with what is missing."""
-    what = []
-    if "vision_config" in c:
-        what.append("a vision tower (vision_config)")
-    text = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
-    known = ("full_attention", "attention", "chunked_attention", "linear_attention", "mamba", "mlp", "moe")
-    types = layer_kinds(text)
-    if any(t not in known and "sliding" not in str(t) for t in types):
-        what.append(f"layer types it does not model ({sorted({str(t) for t in types if t not in known})})")
-    experts = [text.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")]
-    dense_blocks = "mlp" in types and "moe" not in types  # Nemotron-H lists its MLP blocks: no expert is used
-    modelled = text.get("model_type") in MOE_TYPES  # planner.moe: its MoE block in every layer
-    if "moe" in types or (any(isinstance(e, int) and e > 1 for e in experts) and not dense_blocks and not modelled):
-        what.append("mixture-of-experts MLPs")
-    if "vision_config" in c and len(what) == 1:
-        raise SeqParError(
-            f"model {name!r} is a vision-language model: seqpar plan models the text decoder only, and the vision "
-            "tower's memory depends on the images / videos per sample (each one encoded once per SP group: a rank "
-            "holds the tower's activations for about 1/SP of the batch's patches, plus its weights). Plan the decoder "
-            "with its text config (save config['text_config'] as a JSON file with model_type 'qwen2' for Qwen2.5-VL, "
-            "'qwen3' for Qwen3-VL: the same decoder, and pass it to --model) at --seq-len = "
-            "text + vision tokens (one per merged patch: t*h*w / spatial_merge_size**2 per image or video), then "
-            "leave room for the tower: measure a short run with `seqpar train` (metrics.jsonl peak_alloc_mb per step)"
-        )
-    if what:
-        raise SeqParError(
-            f"model {name!r} has {' and '.join(what)}: seqpar plan models dense decoders (Llama / Qwen2 / Qwen3 / "
-            "Mistral-like, hybrids whose layers each hold softmax attention or Gated DeltaNet / Mamba2 plus a "
-            "dense MLP: Qwen3.5, Granite 4, Bamba, and Nemotron-H's blocks of one mixer or one dense MLP; the "
-            f"MoE MLPs of {', '.join(MOE_TYPES)}); its memory and time would be wrong for this model. "
-            "Measure it instead (seqpar train with `memory:` features logs peak memory per step)"
-        )
-
-
 def _trainer_view(name: str, c: dict[str, Any]) -> Any:
     """What `seqpar train` refuses from the config alone, by the trainer's own check (softcapped attention,
     non-causal attention, encoder-decoders, a window or chunk it cannot read ...), raised here; returns the
@@ -283,18 +273,25 @@ def _trainer_view(name: str, c: dict[str, Any]) -> Any:
 
 def _attention_facts(hf: Any, layers: int) -> dict[str, Any]:
     """ModelFacts' attention fields from the transformers config: spans, the sliding window if a layer slides, MLA's
-    dims (head_dim: q / k's, qk_nope + qk_rope), sinks (gpt-oss)."""
+    dims (head_dim: q / k's, qk_nope + qk_rope), sinks (gpt-oss), and whether the logits are softcapped."""
     spans = layer_spans(hf, layers)
     window = next((s.size for s in spans if s.kind == "sliding"), None)
     out: dict[str, Any] = {"spans": spans if any(s.kind != "full" for s in spans) else (), "sliding_window": window,
-                           "sinks": hf.model_type in SINK_TYPES or bool(getattr(hf, "use_sinks", False))}
+                           "sinks": hf.model_type in SINK_TYPES or bool(getattr(hf, "use_sinks", False)),
+                           "logit_softcap": any(getattr(hf, k, None) is not None for k in SOFTCAP_FIELDS)}
     return {**out, **mla_fields(hf)}
 
 
 def _facts(name: str, c: dict[str, Any]) -> ModelFacts:
-    _refuse_unmodelled(name, c)
+    refuse_unmodelled(name, c)
     c = c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c
     hf = _trainer_view(name, c)
+    if c.get("model_type") in FAMILY_TYPES:
+        from .family_model import family_model_facts
+
+        layers = int(getattr(hf, "num_hidden_layers", 0) or 0)
+        return ModelFacts(**family_model_facts(name, c, hf, _attention_facts(hf, layers),
+                                               c.get("model_type") in QK_NORM_TYPES))
     kinds = layer_kinds(c)
     rec = recurrent_facts(name, c, kinds) if "hidden_size" in c else None
     try:

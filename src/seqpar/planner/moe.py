@@ -25,16 +25,19 @@ class MoeFacts:
     experts: int
     top_k: int
     intermediate: int  # each routed expert's
-    shared_intermediate: int  # the shared expert's
+    shared_intermediate: int  # the shared expert's (0: none)
+    shared_gate: bool = True  # a sigmoid gate scales the shared expert (Qwen3-Next); Kimi-Linear's has none
 
     def tensors(self, h: int) -> list[int]:
         """One MoE MLP's parameters: experts' gate_up and down, the router, the shared expert and its gate."""
         n, i, s = self.experts, self.intermediate, self.shared_intermediate
-        return [n * 2 * i * h, n * h * i, n * h, h * s, h * s, s * h, h]
+        return [n * 2 * i * h, n * h * i, n * h] + ([h * s, h * s, s * h] if s else []) + ([h] if self.shared_gate
+                                                                                          else [])
 
     def active_params(self, h: int) -> int:
         """Weights one token multiplies by: its top-k experts, the router, the shared expert and its gate."""
-        return self.top_k * 3 * self.intermediate * h + self.experts * h + 3 * self.shared_intermediate * h + h
+        gate = h if self.shared_gate else 0
+        return self.top_k * 3 * self.intermediate * h + self.experts * h + 3 * self.shared_intermediate * h + gate
 
     def saved_bytes(self, e: int, h: int) -> int:
         """What the MoE block keeps for backward per token (its input, the norm's output, is counted by the norm).
@@ -43,10 +46,12 @@ class MoeFacts:
         the down output e h and the routing weight e (their product), three int64 indices (the gather, the weights'
         permutation, the un-permute). Per token: the router's fp32 softmax 4 E, top-k's int64 indices and fp32
         values, the top-k sum (fp32) it is normalised by; the shared expert's gate, up, SiLU and product 4 e I_s;
-        its gate's sigmoid e and the shared output e h (their product)."""
+        its gate's sigmoid e and the shared output e h (their product; an ungated shared expert, or none, keeps
+        neither: Jamba, MiniMax, Kimi-Linear)."""
         k, i = self.top_k, self.intermediate
         slot = 2 * e * h + 4 * e * i + e + 3 * INDEX_BYTES
-        return k * slot + 4 * self.experts + k * (INDEX_BYTES + 4) + 4 + 4 * e * self.shared_intermediate + e + e * h
+        gated = e + e * h if self.shared_gate else 0  # (ungated, Jamba / MiniMax / Kimi-Linear: a plain sum keeps none)
+        return k * slot + 4 * self.experts + k * (INDEX_BYTES + 4) + 4 + 4 * e * self.shared_intermediate + gated
 
     def backward_temp(self, e: int, h: int) -> int:
         """The MoE moment's temporaries per token beside the residual-stream gradient, when the routing-weight

@@ -24,6 +24,8 @@ from typing import Any
 
 from ..errors import SeqParError
 from ..mesh import RecurrentHeads
+from . import recurrent_kinds as kinds
+from .recurrent_kinds import NEW_KINDS
 
 __all__ = ["RecurrentFacts", "recurrent_facts", "DELTA_CHUNK", "RECURRENT_KINDS", "PATTERN_KINDS"]
 
@@ -43,6 +45,19 @@ class RecurrentFacts:
     groups: int  # Mamba2: B / C groups (Gated DeltaNet: 1)
     conv_kernel: int
     chunk: int  # the recurrence's chunk (SSD: the config's; delta rule: 64)
+    extra: int = 0  # mamba1: the dt rank (planner.recurrent_kinds)
+    bias: bool = False  # short_conv: its projections' and conv's biases; mamba1: its conv's
+    norms: int = 0  # mamba1's dt / B / C RMSNorms: 0 none (Mamba), 1 weightless (Falcon-Mamba), 2 weighted (Jamba)
+
+    @property
+    def new(self) -> bool:
+        """A kind planner.recurrent_kinds holds the formulas of (short_conv, mamba1, kda, lightning)."""
+        return self.kind in NEW_KINDS
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the ring passes a state (a short conv passes its halo only)."""
+        return self.kind != "short_conv"
 
     @property
     def ulysses(self) -> RecurrentHeads:
@@ -50,6 +65,8 @@ class RecurrentFacts:
 
     @property
     def conv_channels(self) -> int:
+        if self.new:
+            return kinds.conv_channels(self)
         if self.kind == "gated_deltanet":
             return 2 * self.heads * self.k_dim + self.v_heads * self.v_dim
         return self.v_heads * self.v_dim + 2 * self.groups * self.k_dim
@@ -61,6 +78,8 @@ class RecurrentFacts:
 
     def mixer_tensors(self, hidden: int) -> list[int]:
         """Element counts of the mixer's parameters (projections, conv, per-head scalars, gated norm, out_proj)."""
+        if self.new:
+            return kinds.mixer_tensors(self, hidden)
         c, w = self.conv_channels, self.value_width
         if self.kind == "gated_deltanet":  # in_proj q|k|v|z and b|a, conv, dt_bias, A_log, norm (v dim), out_proj
             return [hidden * (c + w), hidden * 2 * self.v_heads, c * self.conv_kernel, self.v_heads, self.v_heads,
@@ -69,6 +88,8 @@ class RecurrentFacts:
 
     def flops_per_token(self) -> int:
         """Forward FLOPs of the recurrence per token (the projections are counted with the layer's weights)."""
+        if self.new:
+            return kinds.flops_per_token(self)
         c, h = self.chunk, self.v_heads
         if self.kind == "gated_deltanet":
             kd, vd = self.k_dim, self.v_dim
@@ -78,6 +99,8 @@ class RecurrentFacts:
 
     def ulysses_elems(self, u: int) -> tuple[int, int]:
         """Elements per token the Ulysses all-to-alls move in (conv channels + gates) and out (the output)."""
+        if self.new:
+            return kinds.ulysses_elems(self, u)
         if self.kind == "gated_deltanet":
             inward = self.conv_channels + 2 * self.v_heads
         else:  # groups a rank's heads share go to every such rank (u a multiple of the groups)
@@ -87,6 +110,8 @@ class RecurrentFacts:
 
     def state_elems(self, u: int) -> tuple[int, int]:
         """(elements of one state S, of one transition M) per row on one Ulysses rank."""
+        if self.new:
+            return kinds.state_elems(self, u)
         h = self.v_heads // u
         if self.kind == "gated_deltanet":
             return h * self.k_dim * self.v_dim, h * self.k_dim * self.k_dim
@@ -101,18 +126,10 @@ def _get(c: dict[str, Any], *names: str) -> Any:
 INTERVAL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
-# Hybrids SP runs (seqpar.hf.recurrent_layers) whose layers the planner's formulas do not model yet: their layers
-# are reported as this kind, which planner.model refuses by name rather than planning them as another model.
-UNMODELLED_TYPES = ("falcon_h1", "zamba2", "jamba", "falcon_mamba", "mamba", "lfm2", "lfm2_moe", "lfm3", "olmo_hybrid",
-                    "kimi_linear", "minimax", "recurrent_gemma")
-
-
 def layer_kinds(c: dict[str, Any]) -> list[str]:
     """A text config dict's per-layer kinds: `layer_types` (Qwen3.5, Granite 4), `layers_block_type` (Nemotron-H),
     or Bamba's `attn_layer_indices` (every other layer is Mamba2; its `layers_block_type` is a property that a
     saved config.json does not hold), or Qwen3-Next / Qwen3.5's `full_attention_interval`."""
-    if c.get("model_type") in UNMODELLED_TYPES:
-        return [f"{c['model_type']} layer (not modelled)"] * int(c.get("num_hidden_layers") or 1)
     types = c.get("layer_types") or c.get("layers_block_type")
     if types:
         return [str(t) for t in types]
@@ -140,15 +157,17 @@ def recurrent_facts(name: str, c: dict[str, Any], kinds: list[str] | None = None
         f = RecurrentFacts("gated_deltanet", int(k), int(c["linear_num_value_heads"]), int(c["linear_key_head_dim"]),
                            int(c["linear_value_head_dim"]), 1, int(c.get("linear_conv_kernel_dim") or 4), DELTA_CHUNK)
         return f
-    heads = _get(c, "mamba_n_heads", "mamba_num_heads")
+    heads = _get(c, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
     if heads is None:
         raise SeqParError(f"model {name!r} has recurrent layers (layer_types) seqpar plan does not know: it models "
                           "Gated DeltaNet (Qwen3.5) and Mamba2 (Granite 4, Bamba) layers")
-    head_dim = _get(c, "mamba_d_head", "mamba_head_dim")
-    if head_dim is None or head_dim == "auto":
+    head_dim = _get(c, "mamba_d_head", "mamba_head_dim", "mamba_headdim")
+    if (head_dim is None or head_dim == "auto") and c.get("mamba_d_ssm"):  # Falcon-H1: heads x head dim = d_ssm
+        head_dim = int(c["mamba_d_ssm"]) // int(heads)
+    elif head_dim is None or head_dim == "auto":
         head_dim = int(_get(c, "mamba_expand") or 2) * hidden // int(heads)
     f = RecurrentFacts("mamba2", int(heads), int(heads), int(_get(c, "mamba_d_state", "ssm_state_size") or 128),
-                       int(head_dim), int(_get(c, "mamba_n_groups", "n_groups") or 1),
+                       int(head_dim), int(_get(c, "mamba_n_groups", "n_groups", "mamba_ngroups") or 1),
                        int(_get(c, "mamba_d_conv", "conv_kernel") or 4), int(_get(c, "mamba_chunk_size", "chunk_size")
                                                                               or 256))
     return f

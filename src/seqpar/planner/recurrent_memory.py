@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 
 from .recurrent import RecurrentFacts
+from .recurrent_kinds_memory import new_backward_bytes, new_forward_temp, new_saved_bytes
 
 __all__ = ["mixer_saved_bytes", "mixer_backward_bytes", "mixer_forward_temp", "piece_lengths"]
 
@@ -59,6 +60,8 @@ def mixer_saved_bytes(f: RecurrentFacts, e: int, u: int, ring: int, seq_len: int
     """Bytes one recurrent mixer keeps for backward per local token (module docstring); per-call terms spread
     over the local tokens of `rows` rows."""
     pieces = piece_lengths(seq_len, ring)
+    if f.new:  # short conv, Mamba1, KDA, lightning attention
+        return new_saved_bytes(f, e, u, pieces, rows)
     pad, carry = _padded(pieces, f.chunk), ring > 1
     h, w, c = f.v_heads, f.value_width, f.conv_channels
     local = rows * sum(pieces) / u  # local tokens (the head-space pieces hold u times as many, of H / u heads)
@@ -81,10 +84,12 @@ def mixer_saved_bytes(f: RecurrentFacts, e: int, u: int, ring: int, seq_len: int
     return math.ceil(h * pad * scan + decay + outside + extra)
 
 
-def mixer_backward_bytes(f: RecurrentFacts, e: int, ring: int, seq_len: int) -> int:
+def mixer_backward_bytes(f: RecurrentFacts, e: int, ring: int, seq_len: int, hidden: int = 0) -> int:
     """The mixer backward's peak over its saved tensors, per local token (module docstring). The recurrence runs
     piece by piece (a ring rank's two segments), so its backward's gradients are one piece's at a time."""
     pieces = piece_lengths(seq_len, ring)
+    if f.new:
+        return new_backward_bytes(f, e, pieces, hidden)
     pad, carry = _padded(pieces, f.chunk), ring > 1
     share = pad * max(pieces) / sum(pieces)  # the largest piece's padded tokens over the rank's tokens
     h, w, C = f.v_heads, f.value_width, f.chunk
@@ -95,11 +100,13 @@ def mixer_backward_bytes(f: RecurrentFacts, e: int, ring: int, seq_len: int) -> 
     return math.ceil(max(scan, e * (w + f.conv_channels + h)))
 
 
-def mixer_forward_temp(f: RecurrentFacts, ring: int, seq_len: int) -> int:
+def mixer_forward_temp(f: RecurrentFacts, ring: int, seq_len: int, e: int = 4, hidden: int = 0) -> int:
     """The mixer forward's peak over what it keeps, per local token: a checkpointed layer's recompute runs it at the
     start of the layer's backward. Measured on the torch paths (one piece at a time): Gated DeltaNet's fp32 [dk]
     and [dv] temporaries beside the chunk loop (4 H (dk + dv + 3)), Mamba2's B / C einsum copies (H (9 n + 1.75 p))."""
     pieces = piece_lengths(seq_len, ring)
+    if f.new:
+        return new_forward_temp(f, pieces, e, hidden)
     share = _padded(pieces, f.chunk) * max(pieces) / sum(pieces)
     h = f.v_heads
     if f.kind == "gated_deltanet":

@@ -232,9 +232,10 @@ def _rank(cands: list[Candidate], cl: Cluster, max_len: bool) -> None:
 
 # What is not validated of a hybrid plan (docs/planner.md, "Hybrid models"): said with every plan of one.
 HYBRID_NOTE = ("hybrid model: the recurrent layers' memory is counted from transformers' torch paths of the chunked "
-               "delta rule / Mamba2 SSD scan (validated on CPU against the meter: docs/planner.md); with the "
-               "flash-linear-attention or mamba_ssm GPU kernels installed their working sets differ and are not "
-               "validated: read peak_alloc_mb of a short seqpar train run before a long one")
+               "delta rule / Mamba2 SSD scan / selective scan / short conv / lightning attention / RG-LRU scan "
+               "(validated on CPU against the meter: docs/planner.md); with the flash-linear-attention, mamba_ssm or "
+               "causal-conv1d GPU kernels installed their working sets differ and are not validated: read "
+               "peak_alloc_mb of a short seqpar train run before a long one")
 
 
 # LoRA on a hybrid: its savings are not modelled (docs/planner.md, "Hybrid models"): said with every such plan.
@@ -263,6 +264,9 @@ def plan(m: ModelFacts, cl: Cluster, req: Request,
         raise SeqParError(f"model {m.name!r} has mixture-of-experts MLPs: seqpar's tiled MLP / tiled layer refuse them "
                           "at apply time, and LoRA on their experts is not modelled: drop --tiled-mlp / --tiled-layer "
                           "/ --finetuning lora (full fine-tuning is planned)")
+    if m.family is not None and (req.tiled_mlp or wl.lora):
+        raise SeqParError(f"model {m.name!r} ({m.model_type}): the tiled MLP and LoRA are not modelled for its layers "
+                          "(planner.families): drop --tiled-mlp / --finetuning lora (full fine-tuning is planned)")
     if m.recurrent is not None and req.tiled_layer:
         raise SeqParError("--tiled-layer tiles standard decoder layers only, not a hybrid's recurrent layers (seqpar "
                           "refuses it at apply time too): drop it")

@@ -83,7 +83,7 @@ def recurrent_flops(m: ModelFacts, wl: Workload, lay: Layout) -> float:
     if rec is None:
         return 0.0
     per_token = rec.flops_per_token()
-    if lay.ring > 1 and rec.kind == "gated_deltanet":
+    if lay.ring > 1 and rec.kind in ("gated_deltanet", "kda"):
         per_token = per_token * (rec.v_dim + rec.k_dim) / rec.v_dim
     return wl.rows * wl.seq_len / lay.sp * per_token
 
@@ -177,7 +177,7 @@ def _loss_s(m: ModelFacts, wl: Workload, lay: Layout, cl: Cluster) -> float:
 def param_tensors(m: ModelFacts) -> int:
     """Parameter tensors (FSDP2's per-tensor costs): 7 projections + 2 norms a layer (+ q/k norms, q/k/v
     biases), the embedding, the final norm and an untied head."""
-    if m.blocks:  # a block decoder: each block's tensors (planner.model)
+    if m.blocks or m.family is not None:  # a block decoder / planner.families: each layer's tensors
         return len(m.decoder_tensors()) + 2 + (0 if m.tied else 1)
     per_layer = 9 + (2 if m.qk_norm else 0) + (3 if m.qkv_bias else 0)
     rec = len(m.recurrent.mixer_tensors(m.hidden)) + 5 if m.recurrent is not None else 0  # + MLP and norms

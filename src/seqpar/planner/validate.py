@@ -115,6 +115,21 @@ WIDE_MOE = replace(QWEN3_NEXT, model_kwargs={"num_experts": 16, "num_experts_per
 HYBRID_GRID += [replace(WIDE_MOE, memory=NO_FEATURES), replace(WIDE_MOE, memory=_CKPT_FUSED),
                 replace(WIDE_MOE, memory=_CKPT_FUSED, ring=2)]
 HYBRID_RESULTS = "docs/cpu_results/2026-11-27-planner-hybrid.json"
+def _ckpt(arch: str) -> dict[str, bool]:
+    """Checkpointing + fused loss (Falcon-H1 scales its logits after lm_head: seqpar refuses the fused loss)."""
+    return {**_CKPT_FUSED, "fused_loss": False} if arch == "falcon_h1" else _CKPT_FUSED
+
+
+# The hybrid families of planner.families, one tiny model each (hf.models_hybrid's shapes, head dim 8): SP 1 without
+# memory features, a ring of 2 with checkpointing + fused loss (Falcon-H1: without; state passing, the conv halo) and
+# Ulysses 2 without features.
+# Readings committed in docs/cpu_results/ (FAMILY_RESULTS, `seqpar plan --validate --features families
+# --validate-json PATH`).
+FAMILY_ARCHS = ("lfm2", "mamba", "falcon_mamba", "jamba", "minimax", "kimi_linear", "falcon_h1", "zamba2",
+                "olmo_hybrid", "recurrent_gemma")
+FAMILY_GRID: list[Case] = [Case(arch=a, head_dim=8, memory=mem, **mesh) for a in FAMILY_ARCHS
+                           for mem, mesh in ((NO_FEATURES, {}), (_ckpt(a), {"ring": 2}), (NO_FEATURES, {"ulysses": 2}))]
+FAMILY_RESULTS = "docs/cpu_results/2026-11-29-planner-families.json"
 
 
 def _features(case: Case) -> Features:

@@ -41,9 +41,9 @@ class StepSpec:
     max_completion_length: int | None = None
     temperature: float = 1.0
     kl_ratio_correction: bool = False  # GRPO: k3 KL x importance ratio (TRL's use_bias_correction_kl)
-    # GRPO truncated importance sampling: the cap of min(exp(old - sampler), cap) per completion token, read from
-    # batch["rollout_logps"] (the sampler's log-probs); None = off
-    importance_cap: float | None = None
+    # GRPO importance sampling against the sampler's log-probs batch["rollout_logps"] (TRL's
+    # vllm_importance_sampling_correction: token/sequence level, truncate/mask, bounds); None = off
+    importance: L.ImportanceSampling | None = None
     # GRPO, one rollout over several steps: a batch without "old_logps" keeps this forward's detached log-probs as
     # its "old_logps" (its first pass: the policy has not moved since it sampled), for the passes after it
     keep_old_logps: bool = False
@@ -68,7 +68,7 @@ def _grpo_loss(
     spec: StepSpec, reference: Callable[[dict[str, torch.Tensor]], Any] | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """micro_batch_loss for stage "grpo": batch["advantages"] [B], optional "old_logps" / "ref_logps" /
-    "rollout_logps" (the sampler's; the mismatch metrics, and TIS with spec.importance_cap) [B, S_local]."""
+    "rollout_logps" (the sampler's; the mismatch metrics, and importance sampling with spec.importance) [B, S_local]."""
     den = num_items if isinstance(num_items, L.GRPODenominators) else L.GRPODenominators.from_counts(
         num_items, spec.max_completion_length)
     if batch.get("advantages") is None:
@@ -76,8 +76,8 @@ def _grpo_loss(
     if batch.get("cu_seqlens") is not None:
         raise SeqParError("GRPO needs one completion per row (one advantage per row): collate with packing=False")
     sampling = batch.get("rollout_logps")
-    if spec.importance_cap is not None and sampling is None:
-        raise SeqParError("GRPO importance_cap (truncated importance sampling) needs the sampler's per-token "
+    if spec.importance is not None and sampling is None:
+        raise SeqParError("GRPO importance sampling (StepSpec.importance) needs the sampler's per-token "
                           "log-probs as batch['rollout_logps'] [B, S_local]: give them, or turn the correction off")
     ref = batch.get("ref_logps")
     if spec.beta != 0 and ref is None:
@@ -94,8 +94,8 @@ def _grpo_loss(
         -nll, batch["advantages"], labels, den, old_logps=None if old is None else old.to(nll.device),
         ref_logps=None if spec.beta == 0 else ref.to(nll.device), beta=spec.beta, epsilon_low=spec.epsilon_low,
         epsilon_high=spec.epsilon_high, loss_type=spec.loss_type, mesh=mesh, entropy=ent,
-        kl_ratio_correction=spec.kl_ratio_correction, importance_cap=spec.importance_cap,
-        sampling_logps=None if spec.importance_cap is None else sampling.to(nll.device),
+        kl_ratio_correction=spec.kl_ratio_correction, importance=spec.importance,
+        sampling_logps=None if spec.importance is None else sampling.to(nll.device),
     )
     if sampling is not None:  # the sampler vs the trainer at the rollout (the old log-probs, as TRL's metric)
         at_rollout = -nll.detach() if old is None else old.to(nll.device)

@@ -124,7 +124,7 @@ def _prepare(cfg: TrainConfig, world: int, emulate_dp: int) -> _Prepared:
     cfg = with_total_steps(cfg, len(examples), dp, start=resume_start(cfg, len(examples)))
     layout = RunLayout.of(cfg, world, u, r, dp=dp, sp=sp)
     check_model(cfg, examples, info)
-    check_rollout_engine(cfg, info.config)
+    check_rollout_engine(cfg, info.config, sp)
     data = data_identity(cfg.dataset.path, examples)
     if node == world:  # one node: every rank sees the folder; over nodes rank 0 checks it (take_lock)
         check_output_dir(cfg, layout, data)  # another run's checkpoint, or results a fresh start replaces

@@ -9,7 +9,7 @@ packing); seqpar takes over from the tokenised rows (see seqpar.trl.trainer). `i
 here, so `import seqpar` never needs TRL.
 
     trainer.py     SequenceParallelSFTTrainer, SequenceParallelDPOTrainer (TRL's logged metrics under SP)
-    grpo.py        SequenceParallelGRPOTrainer
+    grpo.py        SequenceParallelGRPOTrainer (grpo_media.py: image prompts; grpo_vllm.py: use_vllm, seqpar's engine)
     args.py        what they share: TRL config coercion, model instantiation (PEFT first), common refusals
     collators.py   seqpar's collators over TRL's prepared rows
     sft_vision.py  the SFT drop-in with images: TRL's vision collator's batch -> seqpar's vision batch

@@ -29,7 +29,9 @@ changes, under SP:
   group's first rank's copy, so rewards and advantages are the SP group's first rank's values;
 - TRL's un-sharded reference forward is skipped; the policy and (beta != 0) reference per-token
   log-probs and the loss run under SP in seqpar's shared step (`micro_batch_loss` stage "grpo") on
-  SP-collated prompt + completion rows, completion tokens supervised.
+  SP-collated prompt + completion rows, completion tokens supervised;
+- use_vllm=True (vllm_mode "colocate"): seqpar's colocated vLLM engine samples instead, the one `seqpar train`
+  uses, with its per-row seeds (seqpar.trl.grpo_vllm: TRL's vLLM options mapped or refused).
 Normalisation: seqpar's (seqpar.loss.grpo): denominators are the optimizer step's global counts
 (sequences for "grpo" / "dr_grpo", completion tokens for "bnpo") over all micro-batches and dp ranks.
 TRL normalises each micro-batch alone and averages; the two agree for "grpo" / "dr_grpo" (every
@@ -74,6 +76,15 @@ from ..steps import ReferenceTokenLogps, StepSpec, micro_batch_loss
 from .args import check_trl_rows, coerce_args, instantiate, refuse, refuse_common, refuse_moe_aux, sp_kwargs
 from .collators import grpo_rows
 from .grpo_media import has_pixels, media_rows, refuse_fetched_media, row_images
+from .grpo_vllm import (
+    add_rollout_logps,
+    importance_sampling,
+    log_rollout_diff,
+    refuse_vllm_args,
+    refuse_vllm_model,
+    vllm_completions,
+    vllm_rollout,
+)
 
 __all__ = ["SequenceParallelGRPOTrainer"]
 
@@ -88,8 +99,6 @@ class _GRPOBase(trl.GRPOTrainer):
 def _refuse_grpo(name: str, args: Any, kwargs: dict[str, Any], train_dataset: Any, eval_dataset: Any) -> None:
     """TRL GRPO options seqpar cannot run exactly under SP (SeqParError naming the alternative)."""
     checks = [
-        (args.use_vllm, "use_vllm=True", "vLLM generates outside the SP process groups",
-         "drop use_vllm (generation runs once per SP group with the transformers backend)"),
         (args.use_transformers_continuous_batching, "use_transformers_continuous_batching=True",
          "only the transformers generate() path is paused and broadcast", "drop it"),
         (args.loss_type not in L.GRPO_LOSS_TYPES, f"loss_type={args.loss_type!r}",
@@ -200,18 +209,26 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         args = coerce_args(args, trl.GRPOConfig, model, "GRPO")
         refuse_common(name, args, kwargs.pop("data_collator", None), kwargs)
         _refuse_grpo(name, args, kwargs, train_dataset, eval_dataset)
+        refuse_vllm_args(name, args)
         check_trl_rows(name, "GRPO", args, train_dataset, None, kwargs)
         model = instantiate(model, args, peft_config)
+        refuse_vllm_model(name, args, model)
         if args.beta != 0 and hasattr(model, "peft_config") and "ref" in model.peft_config:
             raise refuse(name, "a PEFT model with a 'ref' adapter", "seqpar's reference disables the adapter",
                           "pass a model without a 'ref' adapter")
         self._sp_den: L.GRPODenominators | None = None
         self._grpo_args = args  # _make_spec runs before the Trainer stores self.args
-        SequenceParallelTrainer.__init__(
-            self, model, args, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=None,
-            processing_class=processing_class,
-            **sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
-                         loss_chunk_tokens, tiled_mlp), **kwargs)
+        self._sp_importance = importance_sampling(name, args)  # before use_vllm is off for TRL's __init__ below
+        use_vllm, args.use_vllm = args.use_vllm, False  # TRL builds no engine of its own: seqpar's samples
+        try:
+            SequenceParallelTrainer.__init__(
+                self, model, args, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=None,
+                processing_class=processing_class,
+                **sp_kwargs(sequence_parallel_size, ulysses_degree, ring_degree, layout, mesh, fused_loss,
+                             loss_chunk_tokens, tiled_mlp), **kwargs)
+        finally:
+            args.use_vllm = use_vllm
+        self._sp_vllm = vllm_rollout(args, self.model) if use_vllm else None  # seqpar.trl.grpo_vllm
         refuse_moe_aux(self)
         vlm = is_vlm_model(self.model)  # image prompts: the full multimodal rows
         refuse_fetched_media(self, vlm)
@@ -231,7 +248,8 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         return StepSpec("grpo", beta=a.beta, loss_type=a.loss_type, **self.sp_prepare.head_kwargs(),
                         epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
                         max_completion_length=a.max_completion_length, temperature=a.temperature,
-                        kl_ratio_correction=bool(getattr(a, "use_bias_correction_kl", False)))
+                        kl_ratio_correction=bool(getattr(a, "use_bias_correction_kl", False)),
+                        importance=self._sp_importance)
 
     def _grpo_reference(self) -> ReferenceTokenLogps | None:
         """TRL's reference (None for beta 0), run under SP: its ref_model with seqpar attention, or the PEFT
@@ -333,6 +351,8 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
         Every rank's layer checkpointing is put back exactly as it was afterwards (TRL re-enables it with the
         stored kwargs, which would checkpoint every layer whatever every_n_layers said)."""
         n = len(prompt_ids)
+        if self._sp_vllm is not None:  # seqpar's vLLM engine (seqpar.trl.grpo_vllm): every rank, any SP size
+            return vllm_completions(self, prompt_ids, num_generations)
 
         def run(rows: range) -> Any:
             imgs, fields = media_rows(images, multimodal_fields, rows, n)
@@ -354,15 +374,24 @@ class SequenceParallelGRPOTrainer(SequenceParallelTrainer, _GRPOBase):
                               "(logits are sharded over the sequence)")
         batch = self._sp_collator(grpo_rows(inputs))
         batch["advantages"] = inputs["advantages"].detach().float().cpu()
+        add_rollout_logps(batch, inputs, self.sp_mesh)  # use_vllm: the engine's log-probs, for the mismatch metrics
         den = self._sp_den
         if den is None:
             raise SeqParError("GRPO compute_loss ran before a generation batch was scored")
         agree_gathers(model, batch, self.sp_mesh)  # ZeRO-3: the same parameter gathers on every rank
         share, metrics = micro_batch_loss(model, batch, den, self.sp_mesh, self._sp_spec, self._sp_reference)
         mode = "train" if model.training else "eval"
+        log_rollout_diff(self._metrics[mode], metrics)
         for k, v in metrics.items():
             self._metrics[mode][k].append(float(v))
         return share * self._grad_factor(model)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._sp_vllm is not None:
+                self._sp_vllm.close()  # the engine and vLLM's process groups (the next train() starts a new one)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict:
         raise SeqParError(f"{type(self).__name__}.evaluate() is not supported (GRPO evaluation generates and "

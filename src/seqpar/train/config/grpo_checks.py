@@ -39,6 +39,7 @@ def check_grpo(cfg: Any) -> None:
         raise ValueError(f"checkpoint.every={cfg.checkpoint.every} must be a multiple of grpo.num_iterations={n}: a "
                          "checkpoint holds no rollout, so it must fall where the next step starts a new one: set "
                          f"checkpoint.every: {cfg.checkpoint.every // n * n or n}")
-    if g.importance_correction == "tis" and cfg.sequence_parallel.dynamic:
-        raise ValueError("grpo.importance_correction: tis is not supported with sequence_parallel: {size: dynamic} "
+    if g.importance_correction != "none" and cfg.sequence_parallel.dynamic:
+        raise ValueError(f"grpo.importance_correction: {g.importance_correction} is not supported with "
+                         "sequence_parallel: {size: dynamic} "
                          "(its slots carry no sampler log-probs): use a fixed size, or importance_correction: none")

@@ -141,9 +141,13 @@ class GRPOSpec(_Strict):
     scale_rewards: Literal["group", "none"] = "group"
     # optimizer steps per rollout (TRL's num_iterations): steps 2..n reuse it, the PPO ratio against its old log-probs
     num_iterations: int = Field(default=1, ge=1)
-    # "tis": truncated importance sampling, each completion token's policy loss x min(exp(old - sampler), cap)
-    importance_correction: Literal["none", "tis"] = "none"
-    importance_cap: float = Field(default=3.0, gt=0)  # TRL's vllm_importance_sampling_clip_max
+    # TRL's vllm_importance_sampling_mode (seqpar.loss.importance): the policy loss x the ratio exp(old - sampler),
+    # per token or per sequence, truncated to or masked outside [importance_min, importance_cap]; "tis" =
+    # "token_truncate"
+    importance_correction: Literal["none", "tis", "token_truncate", "token_mask", "sequence_truncate",
+                                   "sequence_mask"] = "none"
+    importance_cap: float | None = Field(default=3.0, gt=0)  # TRL's vllm_importance_sampling_clip_max (None: none)
+    importance_min: float | None = Field(default=None, ge=0)  # TRL's vllm_importance_sampling_clip_min
     # k3 KL x the differentiable importance ratio (TRL's use_bias_correction_kl; same value on-policy)
     kl_ratio_correction: bool = False
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)  # the sampling engine (config/rollout.py)
@@ -156,6 +160,14 @@ class GRPOSpec(_Strict):
 
     @model_validator(mode="after")
     def _checks(self) -> GRPOSpec:
+        if self.importance_min is not None and self.importance_cap is not None and (
+                self.importance_min > self.importance_cap):
+            raise ValueError(f"grpo.importance_min={self.importance_min} > grpo.importance_cap={self.importance_cap}: "
+                             "the bounds are [importance_min, importance_cap]")
+        if self.importance_correction in ("tis", "token_truncate", "sequence_truncate") and (
+                self.importance_min is None and self.importance_cap is None):
+            raise ValueError(f"grpo.importance_correction: {self.importance_correction} truncates the ratio, so it "
+                             "needs a bound: set grpo.importance_cap (e.g. 3.0) or grpo.importance_min")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} "
                              "reward_funcs: give one weight per function, or drop reward_weights")

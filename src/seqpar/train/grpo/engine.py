@@ -14,12 +14,14 @@ from ...errors import SeqParError
 from ...hf.generation import generate_for_group
 from ...mesh import SequenceParallelMesh
 from ..config import TrainConfig
+from ..config.rollout import resolve_tensor_parallel
 
 __all__ = ["check_rollout_engine", "RolloutEngine", "write_rollouts", "trim_rollouts"]
 
 
-def check_rollout_engine(cfg: TrainConfig, config: Any) -> None:
-    """Before launch: what engine: vllm cannot do with this config and model (one line, naming the fix)."""
+def check_rollout_engine(cfg: TrainConfig, config: Any, sp_size: int) -> None:
+    """Before launch: what engine: vllm cannot do with this config and model at SP size `sp_size` (the rollout
+    mesh's) (one line, naming the fix)."""
     g = cfg.grpo
     if cfg.stage != "grpo" or g is None or g.rollout.engine != "vllm":
         return
@@ -30,7 +32,8 @@ def check_rollout_engine(cfg: TrainConfig, config: Any) -> None:
                           f"grpo.max_completion_length = {need}: raise it, or leave it unset (dataset.max_length)")
     from ...hf.vllm_models import check_vllm_model
 
-    check_vllm_model(config, on_cuda=torch.cuda.is_available())
+    tp = resolve_tensor_parallel(r, sp_size)
+    check_vllm_model(config, on_cuda=torch.cuda.is_available(), tensor_parallel=tp)
 
 
 class RolloutEngine:
@@ -39,22 +42,17 @@ class RolloutEngine:
     def __init__(self, cfg: TrainConfig, mesh: SequenceParallelMesh, tok: Any) -> None:
         self.cfg, self.mesh, self.tok, self.g = cfg, mesh, tok, cfg.grpo
         self.vllm: Any = None
-
-    def _vllm_engine(self, model: torch.nn.Module) -> Any:
-        """The vLLM engine, started at the first rollout (every rank at once: vLLM's groups are collective)."""
-        if self.vllm is None:
-            from ...hf.vllm_engine import VLLMEngine
-            from ...unwrap import base_model
+        if self.g.rollout.engine == "vllm":
+            from ...hf.vllm_rollout import VLLMRollout, VLLMSettings
 
             r = self.g.rollout
-            if r.sleep and not torch.cuda.is_available() and self.mesh.dp_rank == 0 and self.mesh.sp_rank == 0:
-                print("[seqpar] grpo.rollout.sleep: a no-op on CPU (the engine keeps its memory)", flush=True)
-            self.vllm = VLLMEngine(
-                base_model(model).config, max_model_len=r.max_model_len or self.cfg.dataset.max_length,
-                max_num_seqs=self.cfg.micro_batch_size * self.cfg.grad_accum, dtype=next(model.parameters()).dtype,
-                gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
-        return self.vllm
+            # the engines' TP size: the SP size (one engine per SP group) or 1 (checked before launch)
+            self.vllm = VLLMRollout(VLLMSettings(
+                max_model_len=r.max_model_len or cfg.dataset.max_length,
+                max_num_seqs=cfg.micro_batch_size * cfg.grad_accum, gpu_memory_utilization=r.gpu_memory_utilization,
+                enforce_eager=r.enforce_eager, sleep=r.sleep,
+                tensor_parallel=resolve_tensor_parallel(r, mesh.sp_size),
+                timeout_s=cfg.collective_timeout.total_seconds()))
 
     def generate(self, model: torch.nn.Module, prompts: list[list[int]], step: int, index: list[int],
                  media: list[dict] | None) -> tuple[list[list[int]], list[list[float]]]:
@@ -62,17 +60,14 @@ class RolloutEngine:
         kw = dict(num_generations=g.num_generations, max_new_tokens=g.max_completion_length,
                   temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=self.cfg.seed, step=step,
                   eos_token_id=self.tok.eos_token_id, prompt_index=index)
-        if g.rollout.engine == "vllm":
-            from ...hf.vllm_rollout import vllm_generate_for_group
-
-            return vllm_generate_for_group(lambda: self._vllm_engine(model), model, self.mesh, prompts, **kw)
+        if self.vllm is not None:
+            return self.vllm.for_prompts(model, self.mesh, prompts, **kw)
         return generate_for_group(model, self.mesh, prompts, pad_token_id=self.tok.pad_token_id, media=media,
                                   return_logprobs=True, **kw)
 
     def close(self) -> None:
         if self.vllm is not None:
             self.vllm.close()
-            self.vllm = None
 
 
 def write_rollouts(path: Path, mesh: SequenceParallelMesh, rows: list[dict[str, Any]]) -> None:

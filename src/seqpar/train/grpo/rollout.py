@@ -27,7 +27,8 @@ from ... import comm
 from ...data import SequenceParallelCollator
 from ...errors import SeqParError
 from ...hf.generation import group_source_rank
-from ...layout import shard
+from ...hf.vllm_rollout import placed_rollout_logps
+from ...loss import ImportanceSampling
 from ...mesh import SequenceParallelMesh
 from ...steps import StepSpec
 from ..config import TrainConfig
@@ -46,8 +47,15 @@ def grpo_step_spec(cfg: TrainConfig) -> StepSpec:
                     loss_chunk_tokens=cfg.memory.loss_chunk_tokens, epsilon_low=g.epsilon,
                     epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length,
                     kl_ratio_correction=g.kl_ratio_correction, temperature=g.temperature,
-                    importance_cap=g.importance_cap if g.importance_correction == "tis" else None,
+                    importance=_importance(g.importance_correction, g.importance_min, g.importance_cap),
                     keep_old_logps=g.num_iterations > 1)
+
+
+def _importance(mode: str, clip_min: float | None, clip_max: float | None) -> ImportanceSampling | None:
+    """grpo.importance_correction as seqpar.loss.importance's spec ("tis" = "token_truncate"; "none": None)."""
+    if mode == "none":
+        return None
+    return ImportanceSampling.from_name("token_truncate" if mode == "tis" else mode, clip_min, clip_max)
 
 
 def _texts(tok: Any, rows: list[PromptRow], completions: list[list[int]], g: int) -> tuple[list, list]:
@@ -162,19 +170,10 @@ class GRPORollout:
             b = self.collator(part)
             if logprobs is not None:
                 width = b["shift_labels"].shape[1] * self.mesh.sp_size  # the full (padded) length
-                full_lp = self._rollout_logps(width, rows, logprobs, range(s, s + len(part)))
-                b["rollout_logps"] = shard(full_lp, self.mesh, dim=1)
+                lens = [len(rows[j // self.g.num_generations].prompt_ids) for j in range(s, s + len(part))]
+                b["rollout_logps"] = placed_rollout_logps(lens, logprobs[s:s + len(part)], width, self.mesh)
             b["advantages"] = advantages[s:s + mbs].to(torch.float32)
             out.append(b)
-        return out
-
-    def _rollout_logps(self, width: int, rows: list[PromptRow], logprobs: list[list[float]],
-                       idx: range) -> torch.Tensor:
-        """[B, width]: at each completion token's target position (shift_labels), the engine's log-prob of it."""
-        out = torch.zeros(len(idx), width, dtype=torch.float32)
-        for i, j in enumerate(idx):
-            p, lp = len(rows[j // self.g.num_generations].prompt_ids), logprobs[j]
-            out[i, p - 1:p - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
         return out
 
     def metrics(self, completions: list[list[int]], scored: Any) -> dict[str, float]:

@@ -66,13 +66,13 @@ def prelaunch_checks(cfg: TrainConfig, world: int, node_size: int | None = None,
             raise SeqParError(f"this elastic run may restart at world size {w} after losing nodes, and there: {e}") \
                 from None
     refuse_unsupported_model(cfg, info)  # before the tokenizer: "not a causal LM" is the message that helps
-    check_rollout_engine(cfg, info.config)  # grpo.rollout.engine: vllm: installed, the architecture, head_dim
+    sp = rows_sp_size(cfg, world, nh, nkv, recurrent=info.recurrent, node_size=node_size)
+    check_rollout_engine(cfg, info.config, sp)  # engine: vllm: installed, the architecture, head_dim, TP sizes
     tok = load_tokenizer(cfg)
     examples, stats = prepare_examples(cfg, tok, info=info)
     evals = prepare_examples(cfg, tok, cfg.eval_dataset, info)[0] if cfg.eval_dataset is not None else []
     check_model(cfg, examples + evals, info)  # the eval rows' errors are input errors too
     n, plan = len(examples), None
-    sp = rows_sp_size(cfg, world, nh, nkv, recurrent=info.recurrent, node_size=node_size)
     cfg = with_total_steps(cfg, n, world // sp, start=resume_start(cfg, n))
     if output_dir:
         plan = check_output_dir(cfg, RunLayout.of(cfg, world, u, r, sp=sp), data_identity(cfg.dataset.path, examples))
