@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
-pytest.importorskip("deepspeed")
-
-from seqpar.spawn import run_distributed  # noqa: E402
+from seqpar.spawn import run_distributed
 
 LORA_TOL = 1e-6
 
