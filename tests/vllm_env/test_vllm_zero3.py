@@ -20,20 +20,10 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("deepspeed")
 
+from engine_check import LP_TOL, PROMPTS  # noqa: E402
+from engine_check import recompute_gap as _recompute
+
 from seqpar.spawn import run_distributed  # noqa: E402
-
-LP_TOL = 1e-4
-PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 40]]
-
-
-def _recompute(model: torch.nn.Module, ids: list[list[int]], lps: list[list[float]]) -> float:
-    worst = 0.0
-    with torch.no_grad():
-        for p, c, lp in zip(PROMPTS, ids, lps):
-            logits = model(torch.tensor([p + c])).logits[0].float()
-            ref = torch.log_softmax(logits, -1)[len(p) - 1:len(p) - 1 + len(c)].gather(1, torch.tensor(c)[:, None])
-            worst = max(worst, float((ref[:, 0] - torch.tensor(lp)).abs().max()))
-    return worst
 
 
 def _counted(named, module: torch.nn.Module, seen: list[int]):
