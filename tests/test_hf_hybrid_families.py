@@ -24,7 +24,7 @@ import threading
 import pytest
 import torch
 import transformers as tf
-from hf_grid import assert_within, run_grid
+from hf_grid import assert_within, mixer_world, run_grid, summed_grad_errors
 from recurrent_ref import patched_float64_kernels
 
 import seqpar
@@ -119,26 +119,6 @@ def test_families_float64_ring2_ulysses2():
     assert not bad, bad
 
 
-def _mixer_world(model, u: int, r: int):
-    """One mixer, SP vs its own forward on the whole sequence (B = 2, float64): output error and, per parameter, the
-    gradient's max relative error (summed over the ranks)."""
-    mesh = seqpar.init_mesh(2, ulysses_degree=u, ring_degree=r)
-    layer = copy.deepcopy(find_recurrent(model)[0][0])
-    ref_layer = copy.deepcopy(layer)
-    x, w = (torch.randn(2, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(i),
-                        dtype=torch.float64) for i in (0, 1))
-    ref = ref_layer(x)
-    (ref * w).sum().backward()
-    out = recurrent_forward(layer)(layer, seqpar.shard(x, mesh, 1), None, ((), ()), mesh)
-    (out * seqpar.shard(w, mesh, 1)).sum().backward()
-    errs = {}
-    for (name, p), (_, q) in zip(ref_layer.named_parameters(), layer.named_parameters()):
-        g = q.grad.clone()
-        torch.distributed.all_reduce(g)
-        errs[name] = float((p.grad - g).abs().max() / p.grad.abs().max())
-    return float((seqpar.unshard(out.detach(), mesh, 1) - ref.detach()).abs().max()), errs
-
-
 # arch: the parameters upstream's forward casts to fp32 (`.float()`, `.to(torch.float32)`) even in a float64 model
 FP32_CAST = {"jamba": ("A_log", "D", "dt_proj.bias"), "kimi_linear": ("forget_gate.dt_bias", "forget_gate.A_log",
                                                                        "o_norm.weight")}
@@ -159,7 +139,7 @@ def test_mixers_float64(monkeypatch, arch):
     model = tiny_model(arch, dtype=torch.float64)
     with patched_float64_kernels(type(model).__module__):
         for u, r in ((2, 1), (1, 2)):
-            for out_err, errs in run_threaded(_mixer_world, 2, model, u, r, timeout=120):
+            for out_err, errs in run_threaded(mixer_world, 2, model, u, r, timeout=120):
                 assert out_err < 1e-14, (u, r, out_err)
                 assert all(e < (2e-7 if n in FP32_CAST[arch] else 1e-12) for n, e in errs.items()), (u, r, errs)
 
@@ -181,12 +161,8 @@ def _rg_world(model, u: int, r: int):
     out, _ = recurrent_forward(layer)(layer, seqpar.shard(x, mesh, 1), None, ((17,), ()), mesh,
                                       position_ids=seqpar.shard(pos, mesh, 1))
     (out * seqpar.shard(w, mesh, 1)).sum().backward()
-    errs = {}
-    for (name, p), (_, q) in zip(ref_layer.named_parameters(), layer.named_parameters()):
-        g = q.grad.clone()
-        torch.distributed.all_reduce(g)
-        errs[name] = float((p.grad - g).abs().max() / p.grad.abs().max())
-    return float((seqpar.unshard(out.detach(), mesh, 1) - ref.detach()).abs().max()), errs
+    return float((seqpar.unshard(out.detach(), mesh, 1) - ref.detach()).abs().max()), \
+        summed_grad_errors(ref_layer, layer)
 
 
 def test_rg_lru_float64_packed():

@@ -13,16 +13,14 @@ Mamba; LoRA (default targets) + FSDP2: one family per kind and Jamba.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
+from hf_grid import mixer_world
 from recurrent_ref import patched_float64_kernels
 from threaded_cases import EXAMPLE, compare_rows, train_rows
 
-import seqpar
 from seqpar.hf import tiny_model
-from seqpar.hf.recurrent_layers import find_recurrent, recurrent_forward
+from seqpar.hf.recurrent_layers import find_recurrent
 from seqpar.threaded import run_threaded
 
 TOL = 1e-5
@@ -67,22 +65,7 @@ def test_train_lora_fsdp2_sp2_equals_sp1(tmp_path, arch):
 def _lora_mixer_world(model, u: int, r: int):
     """Mamba's first mixer with LoRA on in_proj and x_proj (random A and B: real updates), SP vs its own forward on
     the whole sequence (B = 2, float64): output error and the adapters' max gradient error (summed over ranks)."""
-    mesh = seqpar.init_mesh(2, ulysses_degree=u, ring_degree=r)
-    layer = copy.deepcopy(find_recurrent(model)[0][0])
-    ref_layer = copy.deepcopy(layer)
-    x, w = (torch.randn(2, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(i),
-                        dtype=torch.float64) for i in (0, 1))
-    ref = ref_layer(x)
-    (ref * w).sum().backward()
-    out = recurrent_forward(layer)(layer, seqpar.shard(x, mesh, 1), None, ((), ()), mesh)
-    (out * seqpar.shard(w, mesh, 1)).sum().backward()
-    errs = {}
-    for (name, p), (_, q) in zip(ref_layer.named_parameters(), layer.named_parameters()):
-        if "lora_" in name:
-            g = q.grad.clone()
-            torch.distributed.all_reduce(g)
-            errs[name] = float((p.grad - g).abs().max())
-    return float((seqpar.unshard(out.detach(), mesh, 1) - ref.detach()).abs().max()), errs
+    return mixer_world(model, u, r, keep=lambda name: "lora_" in name, relative=False)
 
 
 def test_mamba1_lora_on_x_proj_is_exact():
